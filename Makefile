@@ -1,0 +1,37 @@
+# The two commands in the README: `make serve` and `make test`. Each sets up .venv first.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+HOST    ?= 127.0.0.1
+PORT    ?= 30000
+MODEL   ?= demo-vl
+ARGS    ?=
+
+.PHONY: setup serve test test-fast eval-vl train-vl clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/tessera serve --model-path $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
+
+eval-vl: $(STAMP)
+	$(BIN)/python -m tessera.demo.eval_vl --model-path tessera/assets/demo-vl
+
+train-vl: $(STAMP)
+	$(BIN)/python -m tessera.demo.train_vl --work-dir .train/demo-vl --out tessera/assets/demo-vl
+
+clean:
+	rm -rf $(VENV) .pytest_cache

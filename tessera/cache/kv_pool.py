@@ -1,0 +1,52 @@
+"""KV storage: per-layer key/value buffers indexed by token slot.
+
+Slot 0 is reserved as a dummy (padding writes land there), so valid slots are 1..size.
+Which slots are free is the allocator's business (cache/allocator.py); this class only stores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenToKVPool:
+    def __init__(self, size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.size = size
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (size + 1, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def set_kv(self, layer: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, num_kv_heads, head_dim] for slots loc [T]."""
+        self.k_buffers[layer][loc] = k.to(self.dtype)
+        self.v_buffers[layer][loc] = v.to(self.dtype)
+
+    def get_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_buffers[layer], self.v_buffers[layer]
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.k_buffers[0].element_size()
+
+
+class ReqToTokenPool:
+    """Request slot table: row r lists the KV slot of each token position of the request in row r."""
+
+    def __init__(self, max_reqs: int, max_context_len: int, device: str | torch.device = "cpu"):
+        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
+        self.free_rows = list(range(max_reqs))
+        self.max_context_len = max_context_len
+
+    def alloc(self) -> int | None:
+        return self.free_rows.pop() if self.free_rows else None
+
+    def free(self, row: int) -> None:
+        assert row not in self.free_rows, f"double free of req row {row}"
+        self.free_rows.append(row)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_rows)

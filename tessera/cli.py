@@ -1,0 +1,81 @@
+"""`tessera serve | generate | bench`: the command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tessera.config import ASSETS_DIR, ServerArgs
+
+EXAMPLE_IMAGE = ASSETS_DIR / "examples" / "scene.png"
+
+
+def _cmd_generate(ns: argparse.Namespace) -> int:
+    from tessera.entrypoints.engine import Engine
+
+    args = ServerArgs.from_cli_args(ns)
+    kwargs = {k: v for k, v in vars(args).items() if k != "model_path"}
+    kwargs["allowed_local_media_path"] = kwargs.get("allowed_local_media_path") or "/"
+    images = ns.image or ([] if ns.no_image or ns.video else [str(EXAMPLE_IMAGE)])
+    videos = ns.video or []
+    content: list[dict] = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
+    content.append({"type": "text", "text": ns.prompt})
+    with Engine(args.model_path, show_progress=False, **kwargs) as engine:
+        info = engine.tokenizer_manager.info
+        if (images or videos) and not info.has_image_understanding:
+            images, videos = [], []
+            content = [{"type": "text", "text": ns.prompt}]
+        prompt = engine.apply_chat_template([{"role": "user", "content": content}])
+        sp = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
+        if images:
+            print(f"image: {', '.join(images)}", file=sys.stderr)
+        print(f"user: {ns.prompt}", file=sys.stderr)
+        out = engine.generate(prompt, sp, image_data=images or None, video_data=videos or None)
+        print(out["text"])
+    return 0
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from tessera.entrypoints.http_server import launch_server
+
+    launch_server(ServerArgs.from_cli_args(ns))
+    return 0
+
+
+def _cmd_bench(ns: argparse.Namespace) -> int:
+    from tessera.bench.cli import run_bench
+
+    return run_bench(ns.bench_args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tessera", description="Tessera: multimodal LLM serving engine")
+    sub = p.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    ServerArgs.add_cli_args(serve)
+    serve.set_defaults(func=_cmd_serve)
+    gen = sub.add_parser("generate", help="answer one prompt (about an image, by default the bundled example)")
+    ServerArgs.add_cli_args(gen)
+    gen.add_argument("--prompt", default="Describe the image.")
+    gen.add_argument("--image", action="append", help="image path or URL (repeatable)")
+    gen.add_argument("--video", action="append", help="video path or URL (repeatable)")
+    gen.add_argument("--no-image", action="store_true", help="text only")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.set_defaults(func=_cmd_generate)
+    bench = sub.add_parser("bench", help="benchmarks: `tessera bench serving|offline --help`", add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    ns = build_parser().parse_args(argv)
+    try:
+        code = ns.func(ns)
+    except ValueError as e:  # user errors: one clear line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code)

@@ -1,0 +1,164 @@
+"""ServerArgs: the one configuration object, shared by the offline Engine and the server.
+
+Validated once at construction; everything downstream reads it, nobody mutates it.
+Argument names follow SGLang where SGLang has the same knob.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ASSETS_DIR = Path(__file__).resolve().parent / "assets"
+BUNDLED_MODELS = ("demo-vl", "demo-asr")
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """`demo-vl` / `demo-asr` name the bundled checkpoints; anything else is a local directory."""
+    if name_or_path in BUNDLED_MODELS:
+        path = ASSETS_DIR / name_or_path
+        if not (path / "config.json").exists():
+            raise ValueError(f"model_path: bundled model {name_or_path!r} is not installed at {path}")
+        return str(path)
+    path = Path(name_or_path).expanduser()
+    if not path.is_dir() or not (path / "config.json").exists():
+        raise ValueError(
+            f"model_path: {name_or_path!r} is not a local Hugging Face checkpoint directory "
+            f"(no config.json); Tessera never downloads weights. Bundled models: {', '.join(BUNDLED_MODELS)}"
+        )
+    return str(path.resolve())
+
+
+def _json_dict(name: str, value: Any) -> dict:
+    if value is None or value == "":
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str = "demo-vl"
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    # Model / runtime
+    dtype: str = "float32"
+    device: str = "cpu"
+    tp_size: int = 1
+    random_seed: int = 0
+    context_length: int | None = None
+    attention_backend: str = "torch_native"
+    language_model_only: bool = False
+    # Scheduling and memory
+    max_running_requests: int = 64
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 8192
+    page_size: int = 1
+    max_total_tokens: int = 65536  # KV pool size in tokens (the CPU stand-in for --mem-fraction-static)
+    disable_radix_cache: bool = False
+    schedule_policy: str = "fcfs"
+    # Multimodal
+    mm_cache_size_mb: int = 256
+    keep_mm_feature_on_device: bool = False
+    mm_process_config: dict = field(default_factory=dict)
+    limit_mm_data_per_request: dict = field(default_factory=dict)
+    allowed_local_media_path: str | None = None
+    mm_preprocess_workers: int = 4
+    # Frontend
+    stream_interval: int = 1
+    disable_tqdm: bool = False
+    log_level: str = "info"
+    enable_metrics: bool = True
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 — frozen dataclass normalisation
+        set_("model_path", resolve_model_path(self.model_path))
+        set_("mm_process_config", _json_dict("mm_process_config", self.mm_process_config))
+        set_("limit_mm_data_per_request", _json_dict("limit_mm_data_per_request", self.limit_mm_data_per_request))
+        for key in self.mm_process_config:
+            if key not in ("image", "video", "audio"):
+                raise ValueError(f"mm_process_config: unknown modality {key!r} (expected image, video, audio)")
+        for key, val in self.limit_mm_data_per_request.items():
+            if key not in ("image", "video", "audio") or not isinstance(val, int) or val < 0:
+                raise ValueError(f"limit_mm_data_per_request: bad entry {key!r}: {val!r}")
+        positive = ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens", "page_size",
+                    "max_total_tokens", "stream_interval", "mm_preprocess_workers")
+        for name in positive:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.tp_size != 1:
+            raise ValueError("tp_size: tensor parallelism is not implemented yet; use --tp-size 1")
+        if self.mm_cache_size_mb < 0:
+            raise ValueError(f"mm_cache_size_mb: must be >= 0, got {self.mm_cache_size_mb}")
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ValueError(f"dtype: expected float32, bfloat16, float16 or auto, got {self.dtype!r}")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy: expected fcfs or lpm, got {self.schedule_policy!r}")
+        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError(f"log_level: unknown level {self.log_level!r}")
+        if not (0 < self.port < 65536):
+            raise ValueError(f"port: must be in 1..65535, got {self.port}")
+        if self.max_total_tokens < 2 * self.page_size:
+            raise ValueError("max_total_tokens: must hold at least two pages")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or Path(self.model_path).name
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                "auto": torch.float32}[self.dtype]
+
+    def replace(self, **changes: Any) -> ServerArgs:
+        return dataclasses.replace(self, **changes)
+
+    # ---- command line -------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(ServerArgs):
+            flag = "--" + f.name.replace("_", "-")
+            default = f.default if f.default is not dataclasses.MISSING else None
+            if f.type in ("bool",):
+                parser.add_argument(flag, action="store_true", default=default)
+            elif f.type in ("int",):
+                parser.add_argument(flag, type=int, default=default)
+            elif f.type in ("dict",):
+                parser.add_argument(flag, type=str, default=None, help="JSON object")
+            else:
+                parser.add_argument(flag, type=str, default=default)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
+        kwargs = {}
+        for f in dataclasses.fields(cls):
+            val = getattr(ns, f.name, None)
+            if val is not None:
+                kwargs[f.name] = val
+        return cls(**kwargs)
+
+    @classmethod
+    def for_engine(cls, model_path: str, **kwargs: Any) -> ServerArgs:
+        """The offline Engine trusts its caller with local files unless told otherwise."""
+        kwargs.setdefault("allowed_local_media_path", "/")
+        unknown = set(kwargs) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown Engine argument(s): {', '.join(sorted(unknown))}")
+        return cls(model_path=model_path, **kwargs)

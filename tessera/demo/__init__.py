@@ -1,0 +1,1 @@
+"""Generators, training and evaluation scripts for the bundled demo models."""

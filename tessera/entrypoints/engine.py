@@ -1,0 +1,212 @@
+"""The offline Engine: `tessera.Engine(model_path=...).generate(...)`, SGLang-style.
+
+The Engine owns a private event loop in a background thread; the TokenizerManager and all its
+sockets live on that loop. Sync calls submit coroutines to it and wait; async calls await it
+from the caller's own loop, so the Engine works inside Jupyter, asyncio apps and plain scripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from tessera.config import ServerArgs
+from tessera.frontend.request import GenerateRequest
+from tessera.frontend.tokenizer_manager import TokenizerManager
+from tessera.sampling_params import SamplingParams
+
+_STREAM_END = object()
+
+
+def _as_list(x: Any, n: int) -> list:
+    return list(x) if isinstance(x, list) else [x] * n
+
+
+class Engine:
+    def __init__(self, model_path: str = "demo-vl", *, show_progress: bool = True, **kwargs: Any):
+        self.server_args = ServerArgs.for_engine(model_path, **kwargs)
+        self.show_progress = show_progress and not self.server_args.disable_tqdm
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="tessera-engine-loop", daemon=True)
+        self._thread.start()
+        self._closed = False
+        try:
+            self.tokenizer_manager = TokenizerManager(self.server_args)
+            self._run(self.tokenizer_manager.start())
+        except BaseException:
+            self.shutdown()
+            raise
+        atexit.register(self.shutdown)
+
+    # ---- plumbing ---------------------------------------------------------------------------
+    def _run(self, coro, timeout: float | None = None):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    @property
+    def tokenizer(self):
+        return self.tokenizer_manager.tokenizer
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
+        return self.tokenizer_manager.info.apply_chat_template(messages, add_generation_prompt, **kw)
+
+    # ---- request building ---------------------------------------------------------------------
+    @staticmethod
+    def _build_requests(prompt, sampling_params, input_ids, image_data, video_data, audio_data,
+                        return_logprob, stream) -> tuple[list[GenerateRequest], bool]:
+        is_batch = isinstance(prompt, list) or (
+            isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
+        if not is_batch:
+            prompts, ids_list = [prompt], [input_ids]
+            images, videos, audios = [image_data], [video_data], [audio_data]
+            params_list = [sampling_params]
+        else:
+            n = len(prompt) if isinstance(prompt, list) else len(input_ids)
+            prompts = prompt if isinstance(prompt, list) else [None] * n
+            ids_list = input_ids if input_ids is not None else [None] * n
+            images = image_data if image_data is not None else [None] * n
+            videos = video_data if video_data is not None else [None] * n
+            audios = audio_data if audio_data is not None else [None] * n
+            params_list = _as_list(sampling_params, n)
+            for name, lst in (("image_data", images), ("video_data", videos), ("audio_data", audios),
+                              ("sampling_params", params_list)):
+                if len(lst) != n:
+                    raise ValueError(f"{name}: batch of {len(lst)} entries for {n} prompts")
+        reqs = []
+        for text, ids, img, vid, aud, sp in zip(prompts, ids_list, images, videos, audios, params_list):
+            params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp or {})
+            params.normalize()
+            base = dict(text=text, input_ids=ids, image_data=img, video_data=vid, audio_data=aud,
+                        return_logprob=return_logprob, stream=stream)
+            if params.n == 1:
+                reqs.append(GenerateRequest(sampling_params=params, **base))
+            else:  # n samples: independent requests sharing the prompt (and so its KV)
+                for i in range(params.n):
+                    seed = None if params.seed is None else params.seed + i
+                    reqs.append(GenerateRequest(sampling_params=dataclasses.replace(params, n=1, seed=seed), **base))
+        return reqs, is_batch or len(reqs) > 1
+
+    async def _collect(self, req: GenerateRequest) -> dict:
+        result = None
+        async for out in self.tokenizer_manager.generate(req):
+            result = out
+        return result
+
+    async def _generate_all(self, reqs: list[GenerateRequest], progress: bool) -> list[dict]:
+        bar = None
+        if progress and len(reqs) > 1:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(reqs), desc="Generating", unit="req")
+
+        async def one(r: GenerateRequest) -> dict:
+            out = await self._collect(r)
+            if bar is not None:
+                bar.update(1)
+            return out
+
+        try:
+            return list(await asyncio.gather(*(one(r) for r in reqs)))
+        finally:
+            if bar is not None:
+                bar.close()
+
+    # ---- public API ---------------------------------------------------------------------------
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, image_data: Any = None,
+                 video_data: Any = None, audio_data: Any = None, return_logprob: bool = False,
+                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+        """Generates for one prompt (returns a dict) or a batch (returns a list of dicts).
+
+        With stream=True (single prompt only) returns an iterator of cumulative output dicts.
+        """
+        reqs, is_batch = self._build_requests(prompt, sampling_params, input_ids, image_data, video_data,
+                                              audio_data, return_logprob, stream)
+        if stream:
+            if len(reqs) != 1:
+                raise ValueError("stream: streaming takes a single prompt with n=1")
+            return self._stream_sync(reqs[0])
+        outs = self._run(self._generate_all(reqs, self.show_progress))
+        return outs if is_batch else outs[0]
+
+    def _stream_sync(self, req: GenerateRequest) -> Iterator[dict]:
+        import queue
+
+        q: queue.Queue = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for out in self.tokenizer_manager.generate(req):
+                    q.put(out)
+            except BaseException as e:  # surfaces in the caller's thread
+                q.put(e)
+            finally:
+                q.put(_STREAM_END)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := q.get()) is not _STREAM_END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            fut.cancel()
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None,
+                             video_data=None, audio_data=None, return_logprob: bool = False,
+                             stream: bool = False) -> dict | list[dict] | AsyncIterator[dict]:
+        reqs, is_batch = self._build_requests(prompt, sampling_params, input_ids, image_data, video_data,
+                                              audio_data, return_logprob, stream)
+        if stream:
+            if len(reqs) != 1:
+                raise ValueError("stream: streaming takes a single prompt with n=1")
+            return self._stream_async(reqs[0])
+        fut = asyncio.run_coroutine_threadsafe(self._generate_all(reqs, False), self._loop)
+        outs = await asyncio.wrap_future(fut)
+        return outs if is_batch else outs[0]
+
+    async def _stream_async(self, req: GenerateRequest) -> AsyncIterator[dict]:
+        q: asyncio.Queue = asyncio.Queue()
+        caller_loop = asyncio.get_running_loop()
+
+        async def pump() -> None:
+            try:
+                async for out in self.tokenizer_manager.generate(req):
+                    caller_loop.call_soon_threadsafe(q.put_nowait, out)
+            except BaseException as e:
+                caller_loop.call_soon_threadsafe(q.put_nowait, e)
+            finally:
+                caller_loop.call_soon_threadsafe(q.put_nowait, _STREAM_END)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := await q.get()) is not _STREAM_END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            fut.cancel()
+
+    def get_stats(self):
+        return self._run(self.tokenizer_manager.get_stats())
+
+    def flush_cache(self) -> None:
+        self._run(self.tokenizer_manager.flush_cache())
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if hasattr(self, "tokenizer_manager"):
+            self.tokenizer_manager.shutdown()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

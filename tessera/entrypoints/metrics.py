@@ -1,0 +1,60 @@
+"""Prometheus metrics of the server: request counts, latency histograms, scheduler gauges."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        r, labels = self.registry, ["model_name"]
+        self.model_name = model_name
+        self.requests = Counter("tessera_requests", "Finished requests", ["model_name", "endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("tessera_prompt_tokens", "Prompt tokens processed", labels, registry=r)
+        self.generation_tokens = Counter("tessera_generation_tokens", "Tokens generated", labels, registry=r)
+        self.cached_tokens = Counter("tessera_cached_prompt_tokens", "Prompt tokens served from the prefix cache",
+                                     labels, registry=r)
+        self.ttft = Histogram("tessera_time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("tessera_inter_token_latency_seconds", "Time between output tokens", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tessera_e2e_request_latency_seconds", "End-to-end request latency", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.running = Gauge("tessera_num_running_reqs", "Requests running in the scheduler", labels, registry=r)
+        self.queued = Gauge("tessera_num_queue_reqs", "Requests waiting in the scheduler", labels, registry=r)
+        self.kv_usage = Gauge("tessera_kv_cache_usage", "Fraction of KV slots held by requests", labels, registry=r)
+        self.prefix_hit_rate = Gauge("tessera_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
+                                     labels, registry=r)
+        self.encoder_hit_rate = Gauge("tessera_encoder_cache_hit_rate", "Encoder-cache hits / lookups", labels,
+                                      registry=r)
+        self.encoder_hits = Gauge("tessera_encoder_cache_hits", "Encoder-cache hits", labels, registry=r)
+        self.encoder_misses = Gauge("tessera_encoder_cache_misses", "Encoder-cache misses", labels, registry=r)
+
+    def observe_request(self, state, result: dict) -> None:
+        m, meta = self.model_name, result["meta_info"]
+        self.prompt_tokens.labels(m).inc(meta["prompt_tokens"])
+        self.generation_tokens.labels(m).inc(meta["completion_tokens"])
+        self.cached_tokens.labels(m).inc(meta["cached_tokens"])
+        if meta.get("ttft") is not None:
+            self.ttft.labels(m).observe(meta["ttft"])
+        self.e2e.labels(m).observe(meta["e2e_latency"])
+        times = state.token_times
+        for a, b in zip(times, times[1:]):
+            if b > a:
+                self.itl.labels(m).observe(b - a)
+
+    def render(self, stats) -> bytes:
+        m = self.model_name
+        if stats is not None:
+            self.running.labels(m).set(stats.num_running)
+            self.queued.labels(m).set(stats.num_waiting)
+            self.kv_usage.labels(m).set(stats.kv_used_tokens / max(1, stats.kv_total_tokens))
+            self.prefix_hit_rate.labels(m).set(stats.prefix_hit_tokens / max(1, stats.prefix_total_tokens))
+            lookups = stats.encoder_cache_hits + stats.encoder_cache_misses
+            self.encoder_hit_rate.labels(m).set(stats.encoder_cache_hits / max(1, lookups))
+            self.encoder_hits.labels(m).set(stats.encoder_cache_hits)
+            self.encoder_misses.labels(m).set(stats.encoder_cache_misses)
+        return generate_latest(self.registry)

@@ -1,0 +1,41 @@
+"""GenerateRequest: the frontend's typed form of one generate call (Engine or HTTP)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.sampling_params import SamplingParams
+
+
+@dataclass
+class GenerateRequest:
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    image_data: list[Any] | None = None
+    video_data: list[Any] | None = None
+    audio_data: list[Any] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    # OpenAI semantics when max_tokens is omitted: as many as the context leaves room for.
+    auto_max_new_tokens: bool = False
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("prompt: give exactly one of a text prompt or input_ids")
+        if self.text is not None and not isinstance(self.text, str):
+            raise ValueError(f"prompt: expected a string, got {type(self.text).__name__}")
+        if self.input_ids is not None:
+            if not isinstance(self.input_ids, list) or not all(isinstance(i, int) for i in self.input_ids):
+                raise ValueError("input_ids: expected a list of integers")
+        for name in ("image_data", "video_data", "audio_data"):
+            val = getattr(self, name)
+            if val is not None and not isinstance(val, list):
+                setattr(self, name, [val])
+
+    @property
+    def has_media(self) -> bool:
+        return bool(self.image_data or self.video_data or self.audio_data)

@@ -1,0 +1,246 @@
+"""TokenizerManager: the frontend half of the engine.
+
+Owns the tokenizer and the multimodal processor, runs preprocessing in a worker pool (never
+on the event loop), starts the scheduler process, sends it TokenizedGenerateReq messages over
+ZMQ and turns the token streams it sends back into text (incrementally).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from tessera.config import ServerArgs
+from tessera.frontend.detokenizer import IncrementalDetokenizer
+from tessera.frontend.model_info import ModelInfo
+from tessera.frontend.request import GenerateRequest
+from tessera.scheduler import io
+
+logger = logging.getLogger("tessera")
+STARTUP_TIMEOUT_S = 300
+
+
+@dataclass
+class ReqState:
+    request: GenerateRequest
+    prompt_tokens: int
+    detok: IncrementalDetokenizer
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list = field(default_factory=list)
+    created: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: bool = False
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs):
+        self.args = args
+        self.info = ModelInfo.load(args)
+        self.tokenizer = self.info.tokenizer
+        self.mm_processor = self.info.make_mm_processor()
+        self.executor = ThreadPoolExecutor(max_workers=args.mm_preprocess_workers, thread_name_prefix="tessera-pre")
+        self.states: dict[str, ReqState] = {}
+        self._ipc_dir = tempfile.mkdtemp(prefix="tessera-ipc-")
+        self._proc: subprocess.Popen | None = None
+        self._stats_waiters: list[asyncio.Future] = []
+        self.ready = False
+        self.context_length = self.info.context_length
+        self.max_total_tokens = args.max_total_tokens
+        self.on_request_done = None  # optional callback(state, output_dict) for metrics
+
+    def _endpoint(self, name: str) -> str:
+        return f"ipc://{os.path.join(self._ipc_dir, name)}"
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Starts the scheduler process and waits until the model is loaded."""
+        self.ctx = zmq.asyncio.Context()
+        to_sched, from_sched, ready = self._endpoint("in"), self._endpoint("out"), self._endpoint("ready")
+        self.send_sock = self.ctx.socket(zmq.PUSH)
+        self.send_sock.bind(to_sched)
+        self.recv_sock = self.ctx.socket(zmq.PULL)
+        self.recv_sock.bind(from_sched)
+        ready_sock = self.ctx.socket(zmq.PULL)
+        ready_sock.bind(ready)
+        cfg = json.dumps(dataclasses.asdict(self.args))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "tessera.scheduler.launch", cfg, to_sched, from_sched, ready],
+            stdin=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        msg = None
+        while msg is None:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"scheduler process exited during startup (code {self._proc.returncode})")
+            if time.monotonic() > deadline:
+                raise RuntimeError("scheduler did not become ready in time")
+            if await ready_sock.poll(200):
+                msg = await io.recv_async(ready_sock)
+        ready_sock.close(linger=0)
+        if isinstance(msg, io.SchedulerError):
+            raise RuntimeError(f"model failed to load: {msg.message}")
+        self.max_total_tokens = msg.max_total_tokens
+        self.context_length = msg.context_length
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        self.ready = True
+
+    def shutdown(self) -> None:
+        self.ready = False
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        try:
+            for name in os.listdir(self._ipc_dir):
+                os.unlink(os.path.join(self._ipc_dir, name))
+            os.rmdir(self._ipc_dir)
+        except OSError:
+            pass
+
+    @property
+    def scheduler_alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    async def _recv_loop(self) -> None:
+        while True:
+            msg = await io.recv_async(self.recv_sock)
+            if isinstance(msg, io.BatchOutput):
+                for out in msg.outputs:
+                    state = self.states.get(out.rid)
+                    if state is not None:
+                        state.queue.put_nowait(out)
+            elif isinstance(msg, io.SchedulerStats):
+                waiters, self._stats_waiters = self._stats_waiters, []
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(msg)
+
+    async def get_stats(self, timeout: float = 5.0) -> io.SchedulerStats:
+        fut = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(fut)
+        await io.send_async(self.send_sock, io.GetStatsReq())
+        return await asyncio.wait_for(fut, timeout)
+
+    async def flush_cache(self) -> None:
+        await io.send_async(self.send_sock, io.FlushCacheReq())
+
+    # ---- requests ---------------------------------------------------------------------------
+    def _tokenize(self, req: GenerateRequest) -> io.TokenizedGenerateReq:
+        """Runs in the worker pool: chat-free tokenization, media loading and preprocessing."""
+        sp = req.sampling_params
+        if req.return_logprob:
+            sp.logprobs = True
+        sp.verify(self.info.vocab_size)
+        mm_inputs = None
+        if req.has_media or (self.mm_processor is not None and req.text is not None
+                             and self.mm_processor.has_placeholders(req.text)):
+            if self.mm_processor is None:
+                raise ValueError(self.info.no_media_reason())
+            out = self.mm_processor.process(
+                prompt=req.text, input_ids=req.input_ids,
+                image_data=req.image_data, video_data=req.video_data, audio_data=req.audio_data,
+            )
+            input_ids, mm_inputs = out.input_ids, out.mm_inputs
+        elif req.text is not None:
+            input_ids = self.tokenizer.encode(req.text, add_special_tokens=False)
+        else:
+            input_ids = list(req.input_ids)
+            bad = [i for i in input_ids if not 0 <= i < self.info.vocab_size]
+            if bad:
+                raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
+        if not input_ids:
+            raise ValueError("prompt: empty prompt (no tokens)")
+        if req.auto_max_new_tokens:
+            sp.max_new_tokens = max(0, min(self.context_length, self.max_total_tokens) - len(input_ids))
+        if len(input_ids) >= self.context_length:
+            raise ValueError(f"prompt: {len(input_ids)} tokens does not fit the context length {self.context_length}")
+        if len(input_ids) + sp.max_new_tokens > self.max_total_tokens:
+            raise ValueError(
+                f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({sp.max_new_tokens}) exceeds the KV "
+                f"pool ({self.max_total_tokens} tokens)")
+        return io.TokenizedGenerateReq(req.rid, input_ids, sp, mm_inputs, req.stream, req.return_logprob)
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:
+        """Yields output dicts: one final dict, or a stream of cumulative dicts if req.stream."""
+        if not self.ready:
+            raise RuntimeError("engine is not ready")
+        loop = asyncio.get_running_loop()
+        tokenized = await loop.run_in_executor(self.executor, self._tokenize, req)
+        sp = req.sampling_params
+        state = ReqState(req, len(tokenized.input_ids), IncrementalDetokenizer(
+            self.tokenizer, sp.skip_special_tokens, sp.stop, sp.spaces_between_special_tokens))
+        self.states[req.rid] = state
+        try:
+            await io.send_async(self.send_sock, tokenized)
+            while True:
+                out: io.ReqOutput = await state.queue.get()
+                now = time.monotonic()
+                if out.new_token_ids and state.first_token_time is None:
+                    state.first_token_time = now
+                state.token_times.extend([now] * len(out.new_token_ids))
+                state.output_ids.extend(out.new_token_ids)
+                if out.new_logprobs:
+                    state.logprobs.extend(out.new_logprobs)
+                if out.new_top_logprobs:
+                    state.top_logprobs.extend(out.new_top_logprobs)
+                finished = out.finished_reason is not None
+                delta = state.detok.add(out.new_token_ids, finished=finished)
+                if finished:
+                    state.finished = True
+                    result = self._result(state, out, delta)
+                    if self.on_request_done is not None:
+                        self.on_request_done(state, result)
+                    yield result
+                    return
+                if req.stream and (delta or req.return_logprob):
+                    yield self._result(state, out, delta)
+        finally:
+            self.states.pop(req.rid, None)
+            if not state.finished:  # client went away or was cancelled: free the scheduler's KV
+                await io.send_async(self.send_sock, io.AbortReq(req.rid))
+
+    async def abort(self, rid: str) -> None:
+        await io.send_async(self.send_sock, io.AbortReq(rid))
+
+    def _result(self, state: ReqState, out: io.ReqOutput, delta: str) -> dict:
+        now = time.monotonic()
+        meta = {
+            "id": state.request.rid,
+            "finish_reason": out.finished_reason,
+            "prompt_tokens": out.prompt_tokens or state.prompt_tokens,
+            "completion_tokens": len(state.output_ids),
+            "cached_tokens": out.cached_tokens,
+            "e2e_latency": now - state.created,
+            "ttft": (state.first_token_time - state.created) if state.first_token_time else None,
+        }
+        if state.request.return_logprob:
+            meta["output_token_logprobs"] = list(zip(state.logprobs, state.output_ids))
+            if state.top_logprobs:
+                meta["output_top_logprobs"] = state.top_logprobs
+        return {"text": state.detok.output_text, "delta": delta, "output_ids": list(state.output_ids),
+                "meta_info": meta}
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex

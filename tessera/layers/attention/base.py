@@ -1,0 +1,50 @@
+"""The attention-backend contract: paged KV write + per-request attention over a ForwardBatch."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from tessera.cache.kv_pool import TokenToKVPool
+from tessera.runner.forward_batch import ForwardBatch
+
+
+class BaseAttentionBackend(ABC):
+    """Computes attention for the flattened tokens of a ForwardBatch over a paged KV cache.
+
+    Contract of `forward(q, k, v, layer_id, fb, pool, scaling)`:
+      - q is [T, num_heads, head_dim]; k and v are [T, num_kv_heads, head_dim] for the T = sum(extend_lens)
+        new tokens of this step, flattened in request order (rows of request i start at
+        fb.extend_start_loc[i]). num_heads must be a multiple of num_kv_heads (GQA; MHA when equal).
+      - First writes k, v into `pool` for `layer_id` at slots fb.out_cache_loc (one slot per row),
+        then, for each request i, lets its queries attend over the keys/values at slots
+        fb.req_to_token[fb.req_pool_indices[i], :fb.seq_lens[i]] (which include the slots just written).
+      - Mask: query j of request i sits at absolute position prefix_len + j (prefix_len = seq_len - extend_len)
+        and may attend key positions 0..prefix_len + j (causal), unless fb.custom_masks[i] is not None:
+        then that bool [extend_len, seq_len] tensor decides (True = may attend). A mask row must allow at
+        least one key, otherwise the row's output is undefined.
+      - Scores are q.k * scaling, softmax over the allowed keys.
+      - Returns [T, num_heads * head_dim] in q's dtype, rows in the same order as q.
+
+    Backends may precompute per-step state (gather indices, masks) in `init_forward_metadata`, which the
+    model calls once per forward before layer 0; `forward` must still be correct if it was not called
+    (it then builds that state itself on the first layer). The state belongs to one ForwardBatch object:
+    a backend must never reuse it for a different batch.
+    """
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        """Prepares per-step state shared by all layers. Default: nothing to prepare."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        fb: ForwardBatch,
+        pool: TokenToKVPool,
+        scaling: float,
+    ) -> torch.Tensor:
+        """See the class docstring. Returns [T, num_heads * head_dim]."""

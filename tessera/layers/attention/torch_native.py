@@ -1,0 +1,157 @@
+"""Attention over the paged KV cache with torch's scaled_dot_product_attention (CPU and GPU).
+
+Decode requests (one new token, no custom mask) are batched into ONE SDPA call over their K/V gathered
+and padded to the longest of them; prefill/extend requests run one SDPA call each. Gather indices and
+masks are built once per step (init_forward_metadata) and shared by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tessera.cache.kv_pool import TokenToKVPool
+from tessera.layers.attention.base import BaseAttentionBackend
+from tessera.runner.forward_batch import ForwardBatch
+
+
+@dataclass
+class _ExtendPlan:
+    """One request that runs its own SDPA call (prefill chunk, or any request with a custom mask)."""
+
+    start: int  # first flat row
+    extend_len: int
+    prefix_len: int
+    slots: torch.Tensor | None  # [seq_len] KV slots; None when prefix_len == 0 (use the fresh k/v rows)
+    mask: torch.Tensor | None  # bool [extend_len, seq_len]; None = plain causal (prefix_len == 0)
+
+
+@dataclass
+class _StepMetadata:
+    fb: ForwardBatch  # the batch this metadata was built for (identity-checked)
+    is_all_decode: bool  # every row is a batched decode row (rows == arange(T))
+    decode_rows: torch.Tensor | None  # [B_dec] flat rows of the batched decode requests
+    decode_slots: torch.Tensor | None  # [B_dec, max_len] KV slots, padding -> slot 0
+    decode_mask: torch.Tensor | None  # bool [B_dec, 1, 1, max_len]; None when all lengths are equal
+    extends: list[_ExtendPlan]
+
+
+class TorchNativeAttentionBackend(BaseAttentionBackend):
+    """Reference backend; see BaseAttentionBackend for the contract."""
+
+    def __init__(self) -> None:
+        self._meta: _StepMetadata | None = None
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        self._meta = self._build_metadata(fb)
+
+    def _metadata_for(self, fb: ForwardBatch) -> _StepMetadata:
+        if self._meta is None or self._meta.fb is not fb:
+            self._meta = self._build_metadata(fb)
+        return self._meta
+
+    @staticmethod
+    def _build_metadata(fb: ForwardBatch) -> _StepMetadata:
+        # The one host sync of the step: per-request lengths decide the Python-level plan.
+        extend_lens, seq_lens, starts, rows = torch.stack(
+            [fb.extend_lens, fb.seq_lens, fb.extend_start_loc, fb.req_pool_indices.to(fb.seq_lens.dtype)]
+        ).tolist()
+        custom = fb.custom_masks or [None] * len(seq_lens)
+        assert len(custom) == len(seq_lens), "custom_masks must have one entry per request"
+        device = fb.req_to_token.device
+
+        decode_reqs: list[int] = []
+        extends: list[_ExtendPlan] = []
+        for i, (ext, seq, start) in enumerate(zip(extend_lens, seq_lens, starts)):
+            prefix = seq - ext
+            if ext == 1 and custom[i] is None:
+                decode_reqs.append(i)
+                continue
+            if ext == 0:
+                continue
+            slots = fb.req_to_token[rows[i], :seq] if prefix > 0 else None
+            mask = custom[i]
+            if mask is not None:
+                assert tuple(mask.shape) == (ext, seq), f"custom mask of request {i} is {tuple(mask.shape)}, want {(ext, seq)}"
+                mask = mask.to(device=device, dtype=torch.bool)
+            elif prefix > 0:
+                # Query j sits at absolute position prefix + j: it sees keys 0..prefix + j.
+                q_pos = torch.arange(prefix, seq, device=device)
+                mask = torch.arange(seq, device=device)[None, :] <= q_pos[:, None]
+            extends.append(_ExtendPlan(start, ext, prefix, slots, mask))
+
+        decode_rows = decode_slots = decode_mask = None
+        if decode_reqs:
+            idx = torch.tensor(decode_reqs, device=device)
+            lens = [seq_lens[i] for i in decode_reqs]
+            max_len = max(lens)
+            decode_rows = torch.tensor([starts[i] for i in decode_reqs], device=device)
+            decode_slots = fb.req_to_token[fb.req_pool_indices[idx], :max_len]
+            if min(lens) != max_len:
+                valid = torch.arange(max_len, device=device)[None, :] < fb.seq_lens[idx][:, None]
+                # Padding positions may hold stale slot ids; point them at the dummy slot 0.
+                decode_slots = decode_slots.masked_fill(~valid, 0)
+                decode_mask = valid[:, None, None, :]
+        is_all_decode = not extends and len(decode_reqs) == len(seq_lens)
+        return _StepMetadata(fb, is_all_decode, decode_rows, decode_slots, decode_mask, extends)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        fb: ForwardBatch,
+        pool: TokenToKVPool,
+        scaling: float,
+    ) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        is_gqa = num_heads != k.shape[1]
+        pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv(layer_id)
+        meta = self._metadata_for(fb)
+
+        if meta.is_all_decode:
+            return self._decode(q, k_buf, v_buf, meta, scaling, is_gqa)
+
+        out = q.new_empty(num_tokens, num_heads * head_dim)
+        if meta.decode_rows is not None:
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_buf, v_buf, meta, scaling, is_gqa)
+        for plan in meta.extends:
+            rows = slice(plan.start, plan.start + plan.extend_len)
+            if plan.slots is None:
+                k_i, v_i = k[rows], v[rows]
+            else:
+                k_i, v_i = k_buf[plan.slots].to(q.dtype), v_buf[plan.slots].to(q.dtype)
+            o = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1).unsqueeze(0),
+                k_i.transpose(0, 1).unsqueeze(0),
+                v_i.transpose(0, 1).unsqueeze(0),
+                attn_mask=plan.mask,
+                is_causal=plan.mask is None,
+                scale=scaling,
+                enable_gqa=is_gqa,
+            )
+            out[rows] = o[0].transpose(0, 1).reshape(plan.extend_len, num_heads * head_dim)
+        return out
+
+    @staticmethod
+    def _decode(
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        meta: _StepMetadata,
+        scaling: float,
+        is_gqa: bool,
+    ) -> torch.Tensor:
+        """q: [B_dec, H, D] (one token per request) -> [B_dec, H * D], one batched SDPA call."""
+        assert meta.decode_slots is not None
+        batch, num_heads, head_dim = q.shape
+        k = k_buf[meta.decode_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+        v = v_buf[meta.decode_slots].to(q.dtype).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=is_gqa
+        )
+        return o.reshape(batch, num_heads * head_dim)

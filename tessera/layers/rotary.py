@@ -1,0 +1,55 @@
+"""Rotary position embeddings: plain (neox-style, rotate-half) RoPE and Qwen2-VL's M-RoPE.
+
+cos/sin are computed once per forward (`get_cos_sin`) and shared by every layer (`apply_rotary`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE over the full head_dim with inverse frequencies theta^(-2i/head_dim).
+
+    With `mrope_section` (M-RoPE) the head_dim/2 frequencies are split into consecutive sections;
+    section s takes its angle from position row s % 3 (temporal, height, width), as in transformers'
+    Qwen2VLRotaryEmbedding. sum(mrope_section) must equal head_dim // 2.
+    """
+
+    def __init__(self, head_dim: int, rope_theta: float, mrope_section: list[int] | None = None):
+        super().__init__()
+        assert head_dim % 2 == 0, f"head_dim must be even, got {head_dim}"
+        self.head_dim = head_dim
+        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.mrope_section = list(mrope_section) if mrope_section else None
+        if self.mrope_section is not None:
+            if sum(self.mrope_section) != head_dim // 2:
+                raise ValueError(
+                    f"rope_parameters.mrope_section={self.mrope_section} must sum to head_dim // 2 = {head_dim // 2}"
+                )
+            # Which position row (t, h, w) drives each frequency.
+            rows = [i % 3 for i, n in enumerate(self.mrope_section) for _ in range(n)]
+            self.register_buffer("section_rows", torch.tensor(rows, dtype=torch.long), persistent=False)
+
+    def get_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] or [3, T] long -> (cos, sin), each [T, head_dim // 2] in `dtype`.
+
+        A [T] input to an M-RoPE embedding means text positions (all three rows equal); a [3, T] input to a
+        plain RoPE uses row 0. Angles are computed in float32, then cast, like transformers.
+        """
+        if self.mrope_section is None:
+            pos = positions[0] if positions.dim() == 2 else positions
+            freqs = pos.float()[:, None] * self.inv_freq
+        else:
+            pos = positions.expand(3, -1) if positions.dim() == 1 else positions
+            freqs = pos.index_select(0, self.section_rows).t().float() * self.inv_freq
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, D // 2] -> rotated x (rotate-half convention), same dtype."""
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

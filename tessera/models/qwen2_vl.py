@@ -1,0 +1,148 @@
+"""Qwen2-VL: our Qwen2 language model with M-RoPE over the paged KV cache + transformers' vision tower.
+
+The vision tower is transformers' `Qwen2VisionTransformerPretrainedModel` (patch embed, ViT blocks with 2D
+RoPE, patch merger), built without random init; our weight loader fills it. Images and videos of one step
+are encoded in ONE tower call each: pixel rows and grid_thw rows are concatenated, items never attend to
+each other (the tower attends within each grid_thw row), and the output is split back per item.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from tessera.cache.kv_pool import TokenToKVPool
+from tessera.layers.attention import BaseAttentionBackend
+from tessera.models.qwen2 import QWEN2_STACKED_PARAMS, Qwen2ForCausalLM, Qwen2LMConfig
+from tessera.models.weights import WeightMapping
+from tessera.multimodal.items import MultimodalDataItem
+from tessera.runner.forward_batch import ForwardBatch
+
+
+def build_vision_tower(vision_config: Any) -> torch.nn.Module:
+    """transformers' Qwen2-VL vision tower on the current default device/dtype, parameters uninitialised
+    (the checkpoint fills them), SDPA attention."""
+    from transformers.initialization import no_init_weights
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    # _from_config writes dtype/attn settings into the config it gets; keep the caller's config untouched.
+    cfg = copy.deepcopy(vision_config)
+    with no_init_weights():
+        tower = Qwen2VisionTransformerPretrainedModel._from_config(
+            cfg, dtype=torch.get_default_dtype(), attn_implementation="sdpa"
+        )
+    return tower.eval()
+
+
+class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
+    """forward(fb, pool) -> logits [len(logits_indices), vocab].
+
+    The runner encodes media with get_image_feature / get_video_feature (or an encoder cache), and puts the
+    embedding rows of the placeholder tokens of this step into fb.mm_embed_rows / fb.mm_embeds.
+    """
+
+    def __init__(
+        self, config: Any, attn_backend: BaseAttentionBackend | None = None, language_model_only: bool = False
+    ):
+        lm_cfg = Qwen2LMConfig.from_hf(config.text_config, config.tie_word_embeddings, use_mrope=True)
+        super().__init__(lm_cfg, attn_backend)
+        self.image_token_id: int = config.image_token_id
+        self.video_token_id: int = config.video_token_id
+        self.spatial_merge_size: int = config.vision_config.spatial_merge_size
+        self.language_model_only = language_model_only
+        self.visual = None if language_model_only else build_vision_tower(config.vision_config)
+
+    @classmethod
+    def from_hf_config(
+        cls, config: Any, attn_backend: BaseAttentionBackend | None = None, language_model_only: bool = False
+    ) -> Qwen2VLForConditionalGeneration:
+        return cls(config, attn_backend, language_model_only)
+
+    @classmethod
+    def weight_mapping(cls, config: Any, language_model_only: bool = False) -> WeightMapping:
+        """transformers 5.x names (`model.language_model.*`, `model.visual.*`, `lm_head.*`) and older ones
+        (`model.*`, `visual.*`, `lm_head.*`). More specific prefixes come first."""
+        visual = None if language_model_only else "visual."
+        return WeightMapping(
+            prefix_rules=(
+                ("model.language_model.", "model."),
+                ("model.visual.", visual),
+                ("visual.", visual),
+                ("model.", "model."),
+                ("lm_head.", None if config.tie_word_embeddings else "lm_head."),
+            ),
+            stacked=QWEN2_STACKED_PARAMS,
+        )
+
+    # ---- media encoding -------------------------------------------------------------------------------
+
+    def get_image_feature(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        """One embedding [num_tokens, hidden] per image item, in order; all pixel items in one tower call.
+
+        Each item carries `feature` (pixel rows [t*h*w, C*temporal_patch*patch*patch]) and
+        model_specific_data["image_grid_thw"] ([1, 3] or [3]), or a `precomputed_embedding` (returned as is,
+        cast to the model's dtype/device). num_tokens = t*h*w / spatial_merge_size**2.
+        """
+        return self._encode(items, "image_grid_thw")
+
+    def get_video_feature(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        """As get_image_feature, with model_specific_data["video_grid_thw"]."""
+        return self._encode(items, "video_grid_thw")
+
+    def _encode(self, items: list[MultimodalDataItem], grid_key: str) -> list[torch.Tensor]:
+        weight = self.model.embed_tokens.weight
+        out: list[torch.Tensor | None] = [None] * len(items)
+        todo: list[int] = []
+        grids: list[torch.Tensor] = []
+        for i, item in enumerate(items):
+            if item.precomputed_embedding is not None:
+                out[i] = item.precomputed_embedding.to(device=weight.device, dtype=weight.dtype)
+                continue
+            if item.feature is None:
+                raise ValueError(f"item {i}: neither feature nor precomputed_embedding is set")
+            if grid_key not in item.model_specific_data:
+                raise ValueError(f"item {i}: model_specific_data lacks {grid_key!r}")
+            grid = item.model_specific_data[grid_key].reshape(-1, 3).to("cpu", torch.long)
+            num_patches = int(grid.prod(-1).sum())
+            if item.feature.shape[0] != num_patches:
+                raise ValueError(f"item {i}: feature has {item.feature.shape[0]} patch rows, {grid_key} implies {num_patches}")
+            todo.append(i)
+            grids.append(grid)
+        if todo:
+            if self.visual is None:
+                raise RuntimeError("the model was loaded with language_model_only=True: it has no vision tower")
+            pixels = torch.cat([items[i].feature for i in todo]).to(device=weight.device, dtype=self.visual.dtype)
+            grid_thw = torch.cat(grids)
+            embeds = self.visual(pixels, grid_thw=grid_thw.to(weight.device)).pooler_output.to(weight.dtype)
+            merge = self.spatial_merge_size**2
+            sizes = [int(g.prod(-1).sum()) // merge for g in grids]
+            for i, emb in zip(todo, embeds.split(sizes)):
+                out[i] = emb
+        for i, (item, emb) in enumerate(zip(items, out)):
+            assert emb is not None
+            if item.offsets and emb.shape[0] != item.num_tokens:
+                raise ValueError(f"item {i}: embedding has {emb.shape[0]} rows but its offsets cover {item.num_tokens} tokens")
+        return out  # type: ignore[return-value]
+
+    # ---- language model ---------------------------------------------------------------------------------
+
+    def embed(self, fb: ForwardBatch) -> torch.Tensor:
+        """Token embeddings [T, H] with fb.mm_embeds scattered at the flat rows fb.mm_embed_rows."""
+        x = self.model.embed_tokens(fb.input_ids)
+        if fb.mm_embed_rows is None and fb.mm_embeds is None:
+            return x
+        if fb.mm_embed_rows is None or fb.mm_embeds is None:
+            raise ValueError("mm_embed_rows and mm_embeds must be set together")
+        if fb.mm_embed_rows.shape[0] != fb.mm_embeds.shape[0]:
+            raise ValueError(
+                f"mm_embed_rows has {fb.mm_embed_rows.shape[0]} rows but mm_embeds has {fb.mm_embeds.shape[0]}"
+            )
+        return x.index_copy_(0, fb.mm_embed_rows, fb.mm_embeds.to(x.dtype))
+
+    def forward(self, fb: ForwardBatch, pool: TokenToKVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """logits [len(fb.logits_indices), vocab] (default: last new token of each request)."""
+        x = self.embed(fb) if input_embeds is None else input_embeds
+        hidden = self.model(fb.input_ids, fb.positions, fb, pool, x)
+        return self.compute_logits(hidden, fb)

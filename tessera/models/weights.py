@@ -1,0 +1,152 @@
+"""Loads HF safetensors checkpoints (single file or sharded) into our modules by an explicit name mapping.
+
+Each model declares a WeightMapping: prefix rules rename checkpoint names to our parameter names (or drop
+them), and stacked rules route separate checkpoint tensors (q_proj, k_proj, ...) into shards of a fused
+module (qkv_proj, see layers/linear.MergedLinear). Every parameter (every shard of a fused one) must be
+loaded exactly from the checkpoint, and every checkpoint tensor must land somewhere or be dropped by a rule;
+otherwise WeightLoadError lists what is missing and what is unexpected.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
+
+
+class WeightLoadError(RuntimeError):
+    """The checkpoint does not match the model: missing and/or unexpected tensors, or shape mismatches."""
+
+
+@dataclass(frozen=True)
+class WeightMapping:
+    """How checkpoint tensor names map onto a model's parameters.
+
+    prefix_rules: (checkpoint prefix, our prefix or None) pairs; the first rule whose prefix starts the
+        name wins; None drops the tensor (e.g. lm_head.weight when embeddings are tied, or the vision tower
+        of a language-model-only load). A name no rule matches is unexpected.
+    stacked: (checkpoint module, our fused module, shard id) triples, matched as a whole dotted path
+        segment after renaming: `...self_attn.k_proj.bias` -> shard "k" of `...self_attn.qkv_proj.bias`.
+    ignore: regexes (re.search) of checkpoint names to drop silently (e.g. stale rotary buffers).
+    """
+
+    prefix_rules: tuple[tuple[str, str | None], ...]
+    stacked: tuple[tuple[str, str, str], ...] = ()
+    ignore: tuple[str, ...] = (r"rotary_emb\.inv_freq$",)
+
+    def map_name(self, name: str) -> tuple[str, str | None] | None:
+        """Checkpoint name -> (our parameter name, shard id or None); None = drop; KeyError = unexpected."""
+        if any(re.search(p, name) for p in self.ignore):
+            return None
+        for ckpt_prefix, our_prefix in self.prefix_rules:
+            if name.startswith(ckpt_prefix):
+                if our_prefix is None:
+                    return None
+                ours = our_prefix + name[len(ckpt_prefix):]
+                break
+        else:
+            raise KeyError(name)
+        for ckpt_mod, our_mod, shard_id in self.stacked:
+            segment = f".{ckpt_mod}."
+            if segment in ours:
+                return ours.replace(segment, f".{our_mod}.", 1), shard_id
+        return ours, None
+
+
+def checkpoint_files(model_path: str | Path) -> list[Path]:
+    """The safetensors files of a local HF checkpoint directory (index-listed shards or one file)."""
+    root = Path(model_path)
+    index = root / SAFETENSORS_INDEX
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [root / f for f in sorted(set(weight_map.values()))]
+    if (root / SAFETENSORS_SINGLE).exists():
+        return [root / SAFETENSORS_SINGLE]
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {root} (model_path must be a local HF checkpoint dir)")
+    return files
+
+
+def iter_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) one tensor at a time, so peak host memory stays near one tensor."""
+    for file in checkpoint_files(model_path):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _expected_entries(model: nn.Module) -> set[tuple[str, str | None]]:
+    """(parameter name, shard id) pairs that must be loaded; tied parameters appear once."""
+    expected: set[tuple[str, str | None]] = set()
+    for name, _ in model.named_parameters():
+        module_name, _, _ = name.rpartition(".")
+        shard_ids = getattr(model.get_submodule(module_name), "shard_ids", None)
+        if shard_ids is None:
+            expected.add((name, None))
+        else:
+            expected.update((name, s) for s in shard_ids)
+    return expected
+
+
+@torch.no_grad()
+def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMapping) -> None:
+    """Copies every checkpoint tensor into its parameter (casting to the parameter's dtype and device).
+
+    Raises WeightLoadError naming missing parameters, unexpected checkpoint tensors and shape mismatches.
+    """
+    params = dict(model.named_parameters())
+    expected = _expected_entries(model)
+    loaded: set[tuple[str, str | None]] = set()
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    for ckpt_name, tensor in iter_checkpoint(model_path):
+        try:
+            target = mapping.map_name(ckpt_name)
+        except KeyError:
+            unexpected.append(ckpt_name)
+            continue
+        if target is None:
+            continue
+        name, shard_id = target
+        if (name, shard_id) not in expected:
+            unexpected.append(ckpt_name if name == ckpt_name else f"{ckpt_name} (-> {name}{f'[{shard_id}]' if shard_id else ''})")
+            continue
+        if shard_id is not None:
+            module_name, _, param_name = name.rpartition(".")
+            try:
+                model.get_submodule(module_name).load_shard(param_name, shard_id, tensor)
+            except ValueError as e:
+                mismatched.append(f"{ckpt_name}: {e}")
+                continue
+        else:
+            param = params[name]
+            if param.shape != tensor.shape:
+                mismatched.append(f"{ckpt_name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
+                continue
+            param.copy_(tensor)
+        loaded.add((name, shard_id))
+
+    missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
+    if missing or unexpected or mismatched:
+        raise WeightLoadError(
+            f"checkpoint {model_path} does not match {type(model).__name__}:"
+            + _listing("missing", missing) + _listing("unexpected", unexpected) + _listing("shape mismatch", mismatched)
+        )
+
+
+def _listing(title: str, names: list[str], limit: int = 20) -> str:
+    if not names:
+        return ""
+    shown = "\n    ".join(names[:limit])
+    more = f"\n    ... and {len(names) - limit} more" if len(names) > limit else ""
+    return f"\n  {title} ({len(names)}):\n    {shown}{more}"

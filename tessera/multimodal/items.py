@@ -1,0 +1,68 @@
+"""The multimodal data model: what a processor hands to the scheduler and the model runner.
+
+Contract: the processor expands each item's placeholder into `num_tokens` copies of the
+model's placeholder token id in `input_ids`; `offsets` are the [start, end) token ranges of
+those copies. `pad_value` replaces the placeholder ids in the prefix-cache key only, so two
+different items never share KV and the same item always can. It is derived from `hash`
+and is >= PAD_VALUE_BASE, above every real vocabulary id.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+# Pad values live above any realistic vocabulary (2**31 ids) and below 2**63.
+PAD_VALUE_BASE = 1 << 31
+PAD_VALUE_SPAN = (1 << 62) - 1
+
+
+class Modality(str, enum.Enum):
+    IMAGE = "image"
+    VIDEO = "video"
+    AUDIO = "audio"
+
+
+@dataclass
+class MultimodalDataItem:
+    """One image, video or audio clip of a request."""
+
+    modality: Modality
+    hash: int  # 64-bit digest of content + feature-shaping preprocessing kwargs
+    offsets: list[tuple[int, int]]  # [start, end) ranges of its placeholder tokens in input_ids
+    # Exactly one of `feature` (processor output: pixel values / audio features) and
+    # `precomputed_embedding` (encoder output, [num_tokens, hidden]) is set.
+    feature: torch.Tensor | None = None
+    precomputed_embedding: torch.Tensor | None = None
+    # Model-specific tensors, e.g. {"image_grid_thw": tensor([[t, h, w]])}, {"feature_attention_mask": ...}.
+    model_specific_data: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def pad_value(self) -> int:
+        return PAD_VALUE_BASE + (self.hash % PAD_VALUE_SPAN)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(e - s for s, e in self.offsets)
+
+
+@dataclass
+class MultimodalInputs:
+    """All media of one request, in prompt order."""
+
+    items: list[MultimodalDataItem]
+    # Qwen2-VL M-RoPE: positions [3, prompt_len] for the prompt and the delta that continues
+    # decode positions (next position = seq_len + mrope_position_delta).
+    mrope_positions: torch.Tensor | None = None
+    mrope_position_delta: int = 0
+
+    def pad_input_ids(self, input_ids: list[int]) -> list[int]:
+        """The prefix-cache key: placeholder ids replaced by each item's pad value."""
+        key = list(input_ids)
+        for item in self.items:
+            pad = item.pad_value
+            for s, e in item.offsets:
+                key[s:e] = [pad] * (e - s)
+        return key

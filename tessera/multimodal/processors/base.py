@@ -1,0 +1,362 @@
+"""The multimodal processor contract: media references in, expanded input_ids + items out.
+
+Pipeline (one hand-off type per step):
+  `load_mm_data(image_data, video_data, audio_data)` -> LoadedMultimodalData  (I/O, concurrent)
+  `process_and_combine_mm_data(prompt, input_ids, loaded)` -> ProcessorOutput  (CPU, worker thread)
+
+Contracts every subclass keeps:
+- `ProcessorOutput.input_ids` holds exactly `item.num_tokens` placeholder ids per item, and
+  `item.offsets` are their [start, end) runs; items are in prompt order.
+- One input format per request (raw media, "processor_output" dicts, "precomputed_embedding"
+  dicts); mixing raises ValueError. Item limits, unsupported modalities and language-model-only
+  mode raise ValueError naming the modality before any media is loaded.
+- An item's hash covers its original content (decoded pixels/frames/samples, or the given
+  tensors) and the effective feature-shaping kwargs.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+from PIL import Image
+
+from tessera.multimodal.hashing import hash_item
+from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from tessera.multimodal.media import MediaLimits, VideoClip, load_audio, load_image, load_video
+from tessera.multimodal.processors.assemble import ItemFeatures, ProcessorOutput, build_items, expand_placeholders
+from tessera.multimodal.special_tokens import MultimodalSpecialTokens
+
+__all__ = ["BaseMultimodalProcessor", "InputFormat", "ItemFeatures", "LoadedMultimodalData", "ProcessorOutput"]
+
+# mm_process_config keys consumed by the loader (frame sampling), not passed to HF.
+VIDEO_LOADER_KEYS = ("fps", "max_frames", "num_frames")
+
+
+class InputFormat(str, enum.Enum):
+    RAW = "raw"
+    PROCESSOR_OUTPUT = "processor_output"
+    PRECOMPUTED_EMBEDDING = "precomputed_embedding"
+
+
+@dataclass
+class LoadedMultimodalData:
+    """A request's media after loading. RAW fills images/videos/audios; the two preprocessed
+    formats keep the caller's dicts per modality in `preprocessed` (validated, untouched)."""
+
+    input_format: InputFormat = InputFormat.RAW
+    images: list[Image.Image] = field(default_factory=list)
+    videos: list[VideoClip] = field(default_factory=list)
+    audios: list[np.ndarray] = field(default_factory=list)
+    preprocessed: dict[Modality, list[Mapping[str, Any]]] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.images or self.videos or self.audios or any(self.preprocessed.values()))
+
+    def raw_counts(self) -> dict[Modality, int]:
+        return {Modality.IMAGE: len(self.images), Modality.VIDEO: len(self.videos), Modality.AUDIO: len(self.audios)}
+
+
+def _as_list(data: Any) -> list[Any]:
+    if data is None:
+        return []
+    return list(data) if isinstance(data, (list, tuple)) else [data]
+
+
+class BaseMultimodalProcessor(abc.ABC):
+    """Wraps one HF processor for one architecture. Subclasses define the placeholders and
+    how the HF output splits into items (`build_special_tokens`, `split_hf_output`,
+    `split_preprocessed`), and may post-process (`finalize`, e.g. M-RoPE positions)."""
+
+    supported_modalities: ClassVar[frozenset[Modality]] = frozenset()
+
+    def __init__(self, hf_processor: Any, hf_config: Any, mm_process_config: Mapping[str, Any] | None = None,
+                 limits: MediaLimits | None = None, limit_mm_per_request: Mapping[str, int] | None = None, *,
+                 language_model_only: bool = False, io_workers: int = 8) -> None:
+        self.hf_processor = hf_processor
+        self.hf_config = hf_config
+        self.limits = limits if limits is not None else MediaLimits()
+        self.language_model_only = language_model_only
+        self.mm_process_config = self._validate_process_config(mm_process_config or {})
+        self.limit_mm_per_request = self._validate_item_limits(limit_mm_per_request or {})
+        self.special_tokens = self.build_special_tokens().build(hf_processor)
+        feature_extractor = getattr(hf_processor, "feature_extractor", None)
+        self.audio_sampling_rate = int(getattr(feature_extractor, "sampling_rate", 16000))
+        self._io_workers = io_workers
+        self._io_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------ subclass hooks
+
+    @abc.abstractmethod
+    def build_special_tokens(self) -> MultimodalSpecialTokens:
+        """This model's placeholders (unbuilt; the base calls `build`)."""
+
+    @abc.abstractmethod
+    def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
+        """Per-item features of an HF processor output, images then videos then audios, each in input order."""
+
+    @abc.abstractmethod
+    def split_preprocessed(self, modality: Modality, data: Mapping[str, Any],
+                           input_format: InputFormat) -> list[ItemFeatures]:
+        """Per-item features of one caller-supplied processor_output / precomputed_embedding dict."""
+
+    def hf_kwargs(self, modality: Modality) -> dict[str, Any]:
+        """Kwargs for the HF processor's images_kwargs / videos_kwargs / audio_kwargs."""
+        kwargs = dict(self.mm_process_config.get(modality, {}))
+        if modality is Modality.VIDEO:
+            for key in VIDEO_LOADER_KEYS:
+                kwargs.pop(key, None)
+        if modality is Modality.AUDIO:
+            kwargs["sampling_rate"] = self.audio_sampling_rate
+        return kwargs
+
+    def feature_kwargs(self, modality: Modality) -> dict[str, Any]:
+        """Everything that shapes an item's features besides its content: hashed with it."""
+        sub = {Modality.IMAGE: "image_processor", Modality.VIDEO: "video_processor",
+               Modality.AUDIO: "feature_extractor"}[modality]
+        kwargs = {"processor": type(getattr(self.hf_processor, sub, None)).__name__, **self.hf_kwargs(modality)}
+        if modality is Modality.VIDEO:
+            kwargs.update(self.video_sampling_kwargs())
+        return kwargs
+
+    def finalize(self, input_ids: list[int], mm_inputs: MultimodalInputs) -> None:
+        """Model-specific additions to the output (positions, ...); default none."""
+
+    # ------------------------------------------------------------ configuration
+
+    @staticmethod
+    def _validate_process_config(config: Mapping[str, Any]) -> dict[Modality, dict[str, Any]]:
+        out: dict[Modality, dict[str, Any]] = {}
+        for key, value in config.items():
+            try:
+                modality = Modality(key)
+            except ValueError:
+                raise ValueError(f"mm_process_config has unknown modality {key!r} (use image, video, audio)") from None
+            if not isinstance(value, Mapping):
+                raise ValueError(f"mm_process_config[{key!r}] must be a dict, got {type(value).__name__}")
+            for name in ("max_pixels", "min_pixels", "fps", "max_frames", "num_frames"):
+                if name in value and not (isinstance(value[name], (int, float)) and value[name] > 0):
+                    raise ValueError(f"mm_process_config[{key!r}][{name!r}] must be positive, got {value[name]!r}")
+            if value.get("min_pixels", 0) > value.get("max_pixels", float("inf")):
+                raise ValueError(f"mm_process_config[{key!r}]: min_pixels exceeds max_pixels")
+            out[modality] = dict(value)
+        return out
+
+    @staticmethod
+    def _validate_item_limits(limits: Mapping[str, int]) -> dict[Modality, int]:
+        out: dict[Modality, int] = {}
+        for key, value in limits.items():
+            try:
+                modality = Modality(key)
+            except ValueError:
+                raise ValueError(f"limit_mm_per_request has unknown modality {key!r}") from None
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"limit_mm_per_request[{key!r}] must be a non-negative int, got {value!r}")
+            out[modality] = value
+        return out
+
+    def video_sampling_kwargs(self) -> dict[str, Any]:
+        video = self.mm_process_config.get(Modality.VIDEO, {})
+        return {k: video[k] for k in VIDEO_LOADER_KEYS if video.get(k) is not None}
+
+    # ------------------------------------------------------------ loading
+
+    def _check_request(self, entries: dict[Modality, list[Any]]) -> InputFormat:
+        """Validate modalities, item counts and the single input format; returns that format."""
+        given = {m: len(es) for m, es in entries.items() if es}
+        if given and self.language_model_only:
+            raise ValueError(
+                f"the server runs in language-model-only mode; {', '.join(m.value for m in given)} "
+                "inputs are refused"
+            )
+        formats: set[InputFormat] = set()
+        for modality, items in entries.items():
+            if items and modality not in self.supported_modalities:
+                raise ValueError(f"{type(self).__name__} does not accept {modality.value} inputs")
+            for entry in items:
+                formats.add(self._entry_format(entry))
+        if len(formats) > 1:
+            names = ", ".join(sorted(f.value for f in formats))
+            raise ValueError(f"one input format per request; got a mix of {names}")
+        input_format = formats.pop() if formats else InputFormat.RAW
+        if input_format is InputFormat.RAW:
+            self._check_item_limits(given)
+        return input_format
+
+    @staticmethod
+    def _entry_format(entry: Any) -> InputFormat:
+        if not isinstance(entry, Mapping):
+            return InputFormat.RAW
+        fmt = entry.get("format")
+        if fmt in (InputFormat.PROCESSOR_OUTPUT.value, InputFormat.PRECOMPUTED_EMBEDDING.value):
+            return InputFormat(fmt)
+        raise ValueError(
+            f"a dict media item needs format='processor_output' or 'precomputed_embedding', got format={fmt!r}"
+        )
+
+    def _check_item_limits(self, counts: Mapping[Modality, int]) -> None:
+        for modality, n in counts.items():
+            limit = self.limit_mm_per_request.get(modality)
+            if limit is not None and n > limit:
+                raise ValueError(f"too many {modality.value} items: {n} given, at most {limit} per request")
+
+    def _load_one(self, modality: Modality, src: Any) -> Any:
+        if modality is Modality.IMAGE:
+            return load_image(src, limits=self.limits)
+        if modality is Modality.VIDEO:
+            return load_video(src, limits=self.limits, **self.video_sampling_kwargs())
+        return load_audio(src, limits=self.limits, sampling_rate=self.audio_sampling_rate)
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._io_pool is None:
+            self._io_pool = concurrent.futures.ThreadPoolExecutor(self._io_workers, thread_name_prefix="tessera-media")
+        return self._io_pool
+
+    def _start_loading(self, image_data: Any, video_data: Any, audio_data: Any,
+                       ) -> tuple[LoadedMultimodalData, list[tuple[Modality, Any]]]:
+        entries = {Modality.IMAGE: _as_list(image_data), Modality.VIDEO: _as_list(video_data),
+                   Modality.AUDIO: _as_list(audio_data)}
+        input_format = self._check_request(entries)
+        loaded = LoadedMultimodalData(input_format)
+        if input_format is not InputFormat.RAW:
+            loaded.preprocessed = {m: es for m, es in entries.items() if es}
+            return loaded, []
+        return loaded, [(m, e) for m, es in entries.items() for e in es]
+
+    @staticmethod
+    def _store(loaded: LoadedMultimodalData, jobs: Sequence[tuple[Modality, Any]], results: Sequence[Any]) -> None:
+        for (modality, _), result in zip(jobs, results):
+            {Modality.IMAGE: loaded.images, Modality.VIDEO: loaded.videos, Modality.AUDIO: loaded.audios}[
+                modality].append(result)
+
+    async def load_mm_data(self, image_data: Any = None, video_data: Any = None,
+                           audio_data: Any = None) -> LoadedMultimodalData:
+        """Load every item concurrently on the media thread pool; the first failure propagates
+        (MediaError / ValueError). Each *_data is one item or a list of items."""
+        loaded, jobs = self._start_loading(image_data, video_data, audio_data)
+        loop = asyncio.get_running_loop()
+        results = await asyncio.gather(*(loop.run_in_executor(self._pool(), self._load_one, m, e) for m, e in jobs))
+        self._store(loaded, jobs, results)
+        return loaded
+
+    def load_mm_data_sync(self, image_data: Any = None, video_data: Any = None,
+                          audio_data: Any = None) -> LoadedMultimodalData:
+        """`load_mm_data` for worker threads without an event loop. Must not be called from
+        the media pool itself (it waits on that pool)."""
+        loaded, jobs = self._start_loading(image_data, video_data, audio_data)
+        results = list(self._pool().map(lambda job: self._load_one(*job), jobs))
+        self._store(loaded, jobs, results)
+        return loaded
+
+    # ------------------------------------------------------------ processing
+
+    def tokenize(self, prompt: str) -> list[int]:
+        tokenizer = getattr(self.hf_processor, "tokenizer", self.hf_processor)
+        return list(tokenizer(prompt)["input_ids"])
+
+    def call_hf_processor(self, prompt: str | None, loaded: LoadedMultimodalData) -> Mapping[str, Any]:
+        """The HF processor over all raw media (and the prompt, when given) in one call."""
+        kwargs: dict[str, Any] = {"return_tensors": "pt"}
+        if prompt is not None:
+            kwargs["text"] = [prompt]
+        if loaded.images:
+            kwargs["images"] = loaded.images
+            kwargs["images_kwargs"] = self.hf_kwargs(Modality.IMAGE)
+        if loaded.videos:
+            kwargs["videos"] = [clip.frames for clip in loaded.videos]
+            kwargs["videos_kwargs"] = self.hf_kwargs(Modality.VIDEO)
+        if loaded.audios:
+            kwargs["audio"] = loaded.audios
+            kwargs["audio_kwargs"] = self.hf_kwargs(Modality.AUDIO)
+        return self.hf_processor(**kwargs)
+
+    def process_and_combine_mm_data(self, prompt: str | None, input_ids: list[int] | None,
+                                    loaded: LoadedMultimodalData) -> ProcessorOutput:
+        """Expanded input_ids and items for exactly one of `prompt` / `input_ids`.
+
+        Raw media with a prompt goes through the HF processor as one call (its expansion is
+        the reference); with input_ids, the HF processor sees only the media and the
+        placeholders are expanded here. Preprocessed formats never call the HF processor.
+        `input_ids` may hold one placeholder per item or already-expanded runs.
+        """
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt and input_ids")
+        if loaded.is_empty:
+            ids = self.tokenize(prompt) if prompt is not None else list(input_ids or [])
+            features: list[ItemFeatures] = []
+        elif loaded.input_format is InputFormat.RAW:
+            if prompt is not None:
+                self.special_tokens.check_counts(prompt, loaded.raw_counts())
+                hf_output = self.call_hf_processor(prompt, loaded)
+                ids = [int(t) for t in hf_output["input_ids"][0].tolist()]
+            else:
+                hf_output = self.call_hf_processor(None, loaded)
+                ids = list(input_ids or [])
+            features = self.split_hf_output(hf_output, loaded)
+        else:
+            ids = self.tokenize(prompt) if prompt is not None else list(input_ids or [])
+            features = [f for m, entries in loaded.preprocessed.items() for entry in entries
+                        for f in self.split_preprocessed(m, entry, loaded.input_format)]
+            counts: dict[Modality, int] = {}
+            for f in features:
+                counts[f.modality] = counts.get(f.modality, 0) + 1
+            self._check_item_limits(counts)
+        ids = self.expand_placeholders(ids, features)
+        hashes = self._hashes(features, loaded)
+        items = self._build_items(ids, features, hashes)
+        mm_inputs = MultimodalInputs(items=items)
+        self.finalize(ids, mm_inputs)
+        return ProcessorOutput(input_ids=ids, mm_inputs=mm_inputs)
+
+    def process(self, prompt: str | None = None, input_ids: list[int] | None = None, image_data: Any = None,
+                video_data: Any = None, audio_data: Any = None) -> ProcessorOutput:
+        """Load and process synchronously (for frontend worker threads)."""
+        loaded = self.load_mm_data_sync(image_data, video_data, audio_data)
+        return self.process_and_combine_mm_data(prompt, input_ids, loaded)
+
+    async def process_async(self, prompt: str | None = None, input_ids: list[int] | None = None,
+                            image_data: Any = None, video_data: Any = None, audio_data: Any = None, *,
+                            executor: concurrent.futures.Executor | None = None) -> ProcessorOutput:
+        """Load concurrently, then run the CPU-heavy processing on `executor` (default: the
+        loop's), keeping the event loop free."""
+        loaded = await self.load_mm_data(image_data, video_data, audio_data)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(executor, self.process_and_combine_mm_data, prompt, input_ids, loaded)
+
+    def close(self) -> None:
+        if self._io_pool is not None:
+            self._io_pool.shutdown(wait=False, cancel_futures=True)
+            self._io_pool = None
+
+    # ------------------------------------------------------------ items
+
+    def expand_placeholders(self, input_ids: list[int], features: Sequence[ItemFeatures]) -> list[int]:
+        return expand_placeholders(input_ids, features, self.special_tokens)
+
+    def _hashes(self, features: Sequence[ItemFeatures], loaded: LoadedMultimodalData) -> list[int]:
+        if loaded.input_format is not InputFormat.RAW:
+            return [hash_item([f.feature, f.precomputed_embedding, f.model_specific_data],
+                              {"format": loaded.input_format.value}) for f in features]
+        contents: dict[Modality, list[Any]] = {
+            Modality.IMAGE: list(loaded.images),
+            Modality.VIDEO: [clip.frames for clip in loaded.videos],
+            Modality.AUDIO: list(loaded.audios),
+        }
+        kwargs = {m: self.feature_kwargs(m) for m in {f.modality for f in features}}
+        seen: dict[Modality, int] = {}
+        hashes = []
+        for f in features:
+            i = seen[f.modality] = seen.get(f.modality, -1) + 1
+            hashes.append(hash_item(contents[f.modality][i], kwargs[f.modality]))
+        return hashes
+
+    def _build_items(self, input_ids: list[int], features: Sequence[ItemFeatures],
+                     hashes: Sequence[int]) -> list[MultimodalDataItem]:
+        return build_items(input_ids, features, hashes, self.special_tokens)

@@ -1,0 +1,47 @@
+"""ForwardBatch: everything one model step needs, built by the scheduler, read by the model.
+
+One step runs any mix of prefill chunks and decode tokens ("extend" of length 1). Tokens of
+all requests are flattened in request order. Request i owns rows
+[extend_start_loc[i], extend_start_loc[i] + extend_lens[i]) of the flat tensors, its KV lives
+at slots req_to_token[req_pool_indices[i], :seq_lens[i]], and the new tokens' KV is written to
+out_cache_loc (same order as the flat tokens) before attention reads it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] long; real token ids (placeholders keep the model's image token id)
+    positions: torch.Tensor  # [3, T] long for M-RoPE models ([T] broadcast to 3 rows for plain RoPE)
+    out_cache_loc: torch.Tensor  # [T] long, KV slot of each new token
+    req_pool_indices: torch.Tensor  # [B] long, rows of req_to_token
+    seq_lens: torch.Tensor  # [B] long, KV length of each request after this step
+    extend_lens: torch.Tensor  # [B] long, new tokens of each request in this step
+    req_to_token: torch.Tensor  # [max_reqs, max_context_len] int64 slot table (shared, owned by ReqToTokenPool)
+    # Rows of the final hidden states to turn into logits (last new token of each request that samples).
+    logits_indices: torch.Tensor | None = None
+    # Multimodal embeddings to scatter: (flat row indices [n], embeddings [n, hidden]).
+    mm_embed_rows: torch.Tensor | None = None
+    mm_embeds: torch.Tensor | None = None
+    # Optional per-request attention masks: None = causal. A mask is bool [extend_len, seq_len],
+    # True = may attend (e.g. bidirectional inside an image span for Gemma-3).
+    custom_masks: list[torch.Tensor | None] | None = None
+    extend_start_loc: torch.Tensor = field(init=False)
+    prefix_lens: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.prefix_lens = self.seq_lens - self.extend_lens
+        self.extend_start_loc = torch.cumsum(self.extend_lens, 0) - self.extend_lens
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        return bool((self.extend_lens == 1).all())

@@ -1,0 +1,138 @@
+"""Messages between the frontend and the scheduler process, and their one codec.
+
+Messages are dataclasses pickled with protocol 5; tensors are turned into numpy arrays so
+their data travels as out-of-band ZMQ frames (no pickled copy of the bytes).
+"""
+
+from __future__ import annotations
+
+import copyreg
+import io
+import pickle
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import zmq
+
+from tessera.multimodal.items import MultimodalInputs
+from tessera.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    mm_inputs: MultimodalInputs | None = None
+    stream: bool = False
+    return_logprob: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str
+
+
+@dataclass
+class FlushCacheReq:
+    pass
+
+
+@dataclass
+class GetStatsReq:
+    pass
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_used_tokens: int
+    kv_total_tokens: int
+    radix_cache_tokens: int
+    prefix_hit_tokens: int
+    prefix_total_tokens: int
+    encoder_cache_hits: int
+    encoder_cache_misses: int
+    encoder_cache_bytes: int
+    num_forward_steps: int
+    num_prefill_tokens_computed: int
+    num_retractions: int
+
+
+@dataclass
+class ReqOutput:
+    """Incremental output of one request since the last message about it."""
+
+    rid: str
+    new_token_ids: list[int]
+    finished_reason: dict | None = None  # {"type": "stop"|"length"|"abort", "matched": id or str, "message": ...}
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    new_logprobs: list[float] | None = None
+    new_top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class BatchOutput:
+    outputs: list[ReqOutput] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerReady:
+    max_total_tokens: int
+    context_length: int
+    vocab_size: int
+
+
+@dataclass
+class SchedulerError:
+    message: str
+
+
+def _reduce_tensor(t: torch.Tensor):
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:  # numpy has no bfloat16: ship the bits
+        return _tensor_from_bf16_bits, (t.view(torch.int16).numpy(),)
+    return torch.from_numpy, (t.numpy(),)
+
+
+def _tensor_from_bf16_bits(a: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(a).view(torch.bfloat16)
+
+
+class _Pickler(pickle.Pickler):
+    dispatch_table = copyreg.dispatch_table.copy()
+    dispatch_table[torch.Tensor] = _reduce_tensor
+
+
+def encode(obj: Any) -> list:
+    buffers: list[pickle.PickleBuffer] = []
+    f = io.BytesIO()
+    _Pickler(f, protocol=5, buffer_callback=buffers.append).dump(obj)
+    return [f.getvalue(), *buffers]
+
+
+def decode(frames: list) -> Any:
+    return pickle.loads(frames[0], buffers=frames[1:])
+
+
+def send(sock: zmq.Socket, obj: Any, flags: int = 0) -> None:
+    sock.send_multipart(encode(obj), flags=flags, copy=False)
+
+
+def recv(sock: zmq.Socket, flags: int = 0) -> Any:
+    frames = sock.recv_multipart(flags=flags, copy=False)
+    return decode([f.buffer for f in frames])
+
+
+async def recv_async(sock) -> Any:
+    frames = await sock.recv_multipart(copy=False)
+    return decode([f.buffer for f in frames])
+
+
+async def send_async(sock, obj: Any) -> None:
+    await sock.send_multipart(encode(obj), copy=False)

@@ -1,0 +1,37 @@
+"""`python -m tessera.scheduler.launch CONFIG_JSON IN OUT READY`: the scheduler child process.
+
+A separate interpreter (not multiprocessing's spawn) so user scripts need no __main__ guard.
+The child exits when its parent dies, so no scheduler outlives the engine that started it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+from tessera.config import ServerArgs
+from tessera.scheduler.scheduler import run_scheduler_process
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(1.0)
+
+
+def main() -> None:
+    cfg, to_sched, from_sched, ready = sys.argv[1:5]
+    args = ServerArgs(**json.loads(cfg))
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
+    run_scheduler_process(args, to_sched, from_sched, ready)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""Admission, chunked prefill, KV allocation and retraction: how one step's batch is formed.
+
+Per step: every running request that is ready to decode gets one token; then requests that
+are mid-prefill, then waiting ones (FCFS, or longest-prefix-match first with `lpm`), get
+prefill chunks until `chunked_prefill_size` tokens are scheduled. When the KV pool runs out
+the radix cache is evicted first; if a decode still cannot get a slot, the most recently
+arrived running request is retracted: its KV goes into the prefix cache (so resuming is
+mostly a cache hit), and it returns to the front of the waiting queue with its output kept.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from tessera.cache.allocator import PagedTokenAllocator
+from tessera.cache.kv_pool import ReqToTokenPool
+from tessera.cache.radix_cache import RadixCache
+from tessera.scheduler.batch import ScheduledBatch, ScheduledReq
+from tessera.scheduler.req import Req
+
+
+class KVManager:
+    """Owns the request slot table, the page allocator and the radix cache; pairs their calls."""
+
+    def __init__(self, req_pool: ReqToTokenPool, allocator: PagedTokenAllocator, tree: RadixCache, page_size: int):
+        self.req_pool, self.allocator, self.tree, self.page_size = req_pool, allocator, tree, page_size
+        self.prefix_hit_tokens = 0
+        self.prefix_total_tokens = 0
+
+    def admit(self, req: Req) -> bool:
+        """Gives req a slot-table row and its cached prefix. False if no row is free."""
+        row = self.req_pool.alloc()
+        if row is None:
+            return False
+        req.req_pool_idx = row
+        key = req.cache_key()
+        # Leave at least one token to compute: its logits produce the next token.
+        match = self.tree.match_prefix(key[: req.seq_len - 1])
+        n = int(match.slots.numel())
+        if n:
+            self.req_pool.req_to_token[row, :n] = match.slots
+        self.tree.inc_lock_ref(match.last_node)
+        req.last_node, req.prefix_len, req.kv_len = match.last_node, n, n
+        if req.num_retractions == 0:
+            req.cached_len = min(n, len(req.origin_input_ids))
+            self.prefix_hit_tokens += req.cached_len
+            self.prefix_total_tokens += len(req.origin_input_ids)
+        return True
+
+    def alloc(self, req: Req, num_tokens: int) -> torch.Tensor | None:
+        """Slots for the next num_tokens of req, evicting cached prefixes if needed."""
+        last_slot = int(self.req_pool.req_to_token[req.req_pool_idx, req.kv_len - 1]) if req.kv_len else 0
+        slots = self.allocator.alloc_extend(req.kv_len, last_slot, num_tokens)
+        if slots is None:
+            self.tree.evict(num_tokens + self.page_size)
+            slots = self.allocator.alloc_extend(req.kv_len, last_slot, num_tokens)
+        if slots is not None:
+            self.req_pool.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + num_tokens] = slots
+        return slots
+
+    def release(self, req: Req) -> None:
+        """Returns req's KV: whole computed pages go to the radix cache, the rest to the allocator."""
+        row = req.req_pool_idx
+        if row is None:
+            return
+        # Every allocated slot has had its KV written by now (allocation and forward share a step).
+        slots = self.req_pool.req_to_token[row, : req.kv_len].clone()
+        self.tree.cache_finished_req(req.cache_key()[: req.kv_len], slots, req.prefix_len, req.last_node)
+        self.req_pool.free(row)
+        req.req_pool_idx, req.last_node, req.kv_len, req.prefix_len = None, None, 0, 0
+
+    def cache_prefill(self, req: Req) -> None:
+        """After a prefill chunk: share its whole pages through the radix cache right away, so
+        requests admitted later (same system prompt, same image) reuse them."""
+        row = req.req_pool_idx
+        key = req.cache_key()[: req.kv_len]
+        m = self.tree.cache_unfinished_req(key, self.req_pool.req_to_token[row, : req.kv_len].clone(),
+                                           req.prefix_len, req.last_node)
+        n = int(m.slots.numel())
+        self.req_pool.req_to_token[row, req.prefix_len : n] = m.slots[req.prefix_len :]
+        req.prefix_len, req.last_node = n, m.last_node
+
+
+class SchedulePolicy:
+    def __init__(self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int, policy: str = "fcfs"):
+        self.kv = kv
+        self.max_running_requests = max_running_requests
+        self.chunked_prefill_size = chunked_prefill_size
+        self.policy = policy
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admitted: hold a slot row and KV (mid-prefill or decoding)
+        self.num_retractions = 0
+
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def remove(self, req: Req) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            self.kv.release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def _retract_one(self, scheduled: set[int]) -> bool:
+        # Only requests not yet scheduled this step may go: a scheduled one holds fresh slots
+        # whose KV the coming forward writes.
+        candidates = [r for r in self.running if id(r) not in scheduled]
+        if not candidates:
+            return False
+        victim = max(candidates, key=lambda r: r.arrival_time)
+        self.running.remove(victim)
+        self.kv.release(victim)
+        victim.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(victim)
+        return True
+
+    def next_batch(self) -> ScheduledBatch | None:
+        batch = ScheduledBatch()
+        budget = self.chunked_prefill_size
+        scheduled: set[int] = set()
+        # 1. Decodes first, oldest first: a running request never starves behind new prefills.
+        for req in sorted(self.running, key=lambda r: r.arrival_time):
+            if req not in self.running or not req.is_prefill_done:
+                continue
+            scheduled.add(id(req))
+            slots = self.kv.alloc(req, 1)
+            while slots is None and self._retract_one(scheduled):
+                slots = self.kv.alloc(req, 1)
+            if slots is None:
+                continue  # waits a step; the requests ahead of it finish and free memory
+            batch.reqs.append(ScheduledReq(req, req.kv_len, req.kv_len + 1, slots))
+            budget -= 1
+        # 2. Continue prefills in progress, then admit new requests.
+        for req in [r for r in self.running if not r.is_prefill_done]:
+            if budget <= 0:
+                break
+            budget -= self._schedule_chunk(batch, req, budget)
+        if self.policy == "lpm" and len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=lambda r: -int(self.kv.tree.match_prefix(r.cache_key()).slots.numel())))
+        while budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
+            req = self.waiting[0]
+            if not self.kv.admit(req):
+                break
+            used = self._schedule_chunk(batch, req, budget)
+            if used == 0:
+                self.kv.release(req)
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            budget -= used
+        for s in batch.reqs:
+            s.req.kv_len = s.end  # KV for these tokens is written by this step's forward
+        return batch if batch.reqs else None
+
+    def _schedule_chunk(self, batch: ScheduledBatch, req: Req, budget: int) -> int:
+        n = min(req.remaining_extend, budget)
+        slots = self.kv.alloc(req, n)
+        if slots is None:
+            return 0
+        batch.reqs.append(ScheduledReq(req, req.kv_len, req.kv_len + n, slots))
+        return n
+
+    def finish(self, req: Req) -> None:
+        self.running.remove(req)
+        self.kv.release(req)

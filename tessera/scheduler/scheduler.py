@@ -1,0 +1,178 @@
+"""The scheduler process: receives tokenized requests, runs the batching loop, emits tokens.
+
+Loop: drain incoming messages -> form a batch (policy) -> model step (runner) -> append
+sampled tokens, check stop conditions -> send incremental outputs -> release finished KV.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import traceback
+
+import zmq
+
+from tessera.config import ServerArgs
+from tessera.scheduler import io
+from tessera.scheduler.req import Req
+
+logger = logging.getLogger("tessera.scheduler")
+
+
+class Scheduler:
+    def __init__(self, args: ServerArgs, recv_endpoint: str, send_endpoint: str):
+        from tessera.runner.model_runner import ModelRunner
+        from tessera.scheduler.policy import KVManager, SchedulePolicy
+
+        self.args = args
+        ctx = zmq.Context.instance()
+        self.recv_sock = ctx.socket(zmq.PULL)
+        self.recv_sock.connect(recv_endpoint)
+        self.send_sock = ctx.socket(zmq.PUSH)
+        self.send_sock.connect(send_endpoint)
+
+        self.runner = ModelRunner(args)
+        self.tokenizer = self.runner.tokenizer
+        kv = KVManager(self.runner.req_pool, self.runner.allocator, self.runner.tree, args.page_size)
+        self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy)
+        self.reqs: dict[str, Req] = {}
+        self.num_forward_steps = 0
+        self.num_prefill_tokens_computed = 0
+        self.eos_ids = self.runner.eos_token_ids
+
+    # ---- messages -----------------------------------------------------------------------
+    def handle(self, msg) -> None:
+        if isinstance(msg, io.TokenizedGenerateReq):
+            sp = msg.sampling_params
+            req = Req(msg.rid, msg.input_ids, sp, msg.mm_inputs, msg.stream, msg.return_logprob)
+            req.stop_token_ids = set(sp.stop_token_ids or [])
+            if not sp.ignore_eos:
+                req.stop_token_ids |= self.eos_ids
+            if sp.max_new_tokens == 0:
+                self._emit([self._output(req, finished={"type": "length", "length": 0})])
+                return
+            self.reqs[req.rid] = req
+            self.policy.add(req)
+        elif isinstance(msg, io.AbortReq):
+            req = self.reqs.pop(msg.rid, None)
+            if req is not None:
+                self.policy.remove(req)
+                req.finished_reason = {"type": "abort", "message": "aborted by client"}
+                self._emit([self._output(req, req.finished_reason)])
+        elif isinstance(msg, io.FlushCacheReq):
+            if not self.reqs:
+                self.runner.tree.reset()
+                self.runner.encoder_cache.clear()
+        elif isinstance(msg, io.GetStatsReq):
+            io.send(self.send_sock, self.stats())
+        else:
+            raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def stats(self) -> io.SchedulerStats:
+        r, kv = self.runner, self.policy.kv
+        total = r.allocator.num_pages * r.allocator.page_size
+        return io.SchedulerStats(
+            num_running=len(self.policy.running), num_waiting=len(self.policy.waiting),
+            kv_used_tokens=total - r.allocator.num_free_tokens - r.tree.evictable_size(),
+            kv_total_tokens=total, radix_cache_tokens=r.tree.total_size(),
+            prefix_hit_tokens=kv.prefix_hit_tokens, prefix_total_tokens=kv.prefix_total_tokens,
+            encoder_cache_hits=r.encoder_cache.hits, encoder_cache_misses=r.encoder_cache.misses,
+            encoder_cache_bytes=r.encoder_cache.used_bytes, num_forward_steps=self.num_forward_steps,
+            num_prefill_tokens_computed=self.num_prefill_tokens_computed,
+            num_retractions=self.policy.num_retractions,
+        )
+
+    # ---- stepping -------------------------------------------------------------------------
+    def _output(self, req: Req, finished: dict | None = None) -> io.ReqOutput:
+        new = req.output_ids[req.num_sent :]
+        out = io.ReqOutput(
+            rid=req.rid, new_token_ids=new, finished_reason=finished,
+            prompt_tokens=len(req.origin_input_ids), cached_tokens=req.cached_len,
+            completion_tokens=len(req.output_ids),
+        )
+        if req.return_logprob:
+            out.new_logprobs = req.logprobs[req.num_sent :]
+            out.new_top_logprobs = req.top_logprobs[req.num_sent :] or None
+        req.num_sent = len(req.output_ids)
+        return out
+
+    def _emit(self, outputs: list[io.ReqOutput]) -> None:
+        if outputs:
+            io.send(self.send_sock, io.BatchOutput(outputs))
+
+    def _check_finished(self, req: Req) -> dict | None:
+        sp, tok = req.sampling_params, req.output_ids[-1]
+        if tok in req.stop_token_ids and len(req.output_ids) > sp.min_new_tokens:
+            return {"type": "stop", "matched": tok}
+        if len(req.output_ids) >= sp.max_new_tokens:
+            return {"type": "length", "length": len(req.output_ids)}
+        if req.seq_len >= self.runner.context_length:
+            return {"type": "length", "length": len(req.output_ids)}
+        if sp.stop:
+            # Decode only the tail that can contain a new match.
+            tail_tokens = max(len(s) for s in sp.stop) + 8
+            text = self.tokenizer.decode(req.output_ids[-tail_tokens:], skip_special_tokens=False)
+            for s in sp.stop:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        return None
+
+    def step(self) -> bool:
+        batch = self.policy.next_batch()
+        if batch is None:
+            return False
+        result = self.runner.forward(batch)
+        self.num_forward_steps += 1
+        for s in batch.reqs:
+            if s.end - s.start > 1 or not s.req.output_ids:  # a prefill chunk, not a decode token
+                self.num_prefill_tokens_computed += s.end - s.start
+                if not self.args.disable_radix_cache:
+                    self.policy.kv.cache_prefill(s.req)
+        outputs = []
+        for i, (sreq, token) in enumerate(zip(result.sampled, result.next_token_ids)):
+            req = sreq.req
+            req.output_ids.append(token)
+            if req.return_logprob:
+                req.logprobs.append(result.logprobs[i])
+                if result.top_logprobs is not None:
+                    req.top_logprobs.append(result.top_logprobs[i])
+            finished = self._check_finished(req)
+            if finished is not None:
+                req.finished_reason = finished
+                self.policy.finish(req)
+                self.reqs.pop(req.rid, None)
+                outputs.append(self._output(req, finished))
+            elif req.stream and len(req.output_ids) - req.num_sent >= self.args.stream_interval:
+                outputs.append(self._output(req))
+        self._emit(outputs)
+        return True
+
+    def run_forever(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.recv_sock, zmq.POLLIN)
+        while True:
+            busy = bool(self.policy.running or self.policy.waiting)
+            events = dict(poller.poll(0 if busy else 1000))
+            while events:
+                self.handle(io.recv(self.recv_sock))
+                events = dict(poller.poll(0))
+            self.step()
+
+
+def run_scheduler_process(args: ServerArgs, recv_endpoint: str, send_endpoint: str, ready_endpoint: str) -> None:
+    """Entry point of the scheduler child process."""
+    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s scheduler] %(message)s")
+    import torch
+
+    torch.manual_seed(args.random_seed)
+    ready = zmq.Context.instance().socket(zmq.PUSH)
+    ready.connect(ready_endpoint)
+    try:
+        scheduler = Scheduler(args, recv_endpoint, send_endpoint)
+    except Exception as e:  # report startup failures (bad checkpoint, ...) to the parent
+        io.send(ready, io.SchedulerError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        time.sleep(0.5)
+        return
+    r = scheduler.runner
+    io.send(ready, io.SchedulerReady(r.allocator.num_pages * r.allocator.page_size, r.context_length, r.vocab_size))
+    scheduler.run_forever()

@@ -1,0 +1,61 @@
+"""Rotary (plain and M-RoPE), RMSNorm and SiluAndMul against transformers' Qwen2-VL / Qwen2 code."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import Qwen2VLTextConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+    Qwen2VLRMSNorm,
+    Qwen2VLRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from tessera.layers.activation import SiluAndMul
+from tessera.layers.norm import RMSNorm
+from tessera.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+def _hf_rotate(section, positions, q, k):
+    cfg = Qwen2VLTextConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section})
+    cos, sin = Qwen2VLRotaryEmbedding(cfg)(q, positions[:, None, :])
+    return apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+
+
+def test_mrope_matches_hf():
+    g = torch.Generator().manual_seed(0)
+    t = 9
+    positions = torch.stack([torch.arange(t), torch.randint(0, 20, (t,), generator=g), torch.randint(0, 20, (t,), generator=g)])
+    q, k = torch.randn(t, 4, 16, generator=g), torch.randn(t, 2, 16, generator=g)
+    rope = RotaryEmbedding(16, 10000.0, [2, 3, 3])
+    cos, sin = rope.get_cos_sin(positions, torch.float32)
+    hq, hk = _hf_rotate([2, 3, 3], positions, q, k)
+    torch.testing.assert_close(apply_rotary(q, cos, sin), hq[0].transpose(0, 1), atol=1e-6, rtol=0)
+    torch.testing.assert_close(apply_rotary(k, cos, sin), hk[0].transpose(0, 1), atol=1e-6, rtol=0)
+    # Sections matter: the same angles taken all from row 0 differ.
+    assert not torch.allclose(apply_rotary(q, *rope.get_cos_sin(positions[0], torch.float32)), hq[0].transpose(0, 1))
+
+
+def test_text_positions_equal_for_plain_and_mrope():
+    pos = torch.arange(7)
+    plain, mrope = RotaryEmbedding(16, 500.0), RotaryEmbedding(16, 500.0, [4, 2, 2])
+    for a, b in zip(plain.get_cos_sin(pos, torch.float32), mrope.get_cos_sin(pos.expand(3, -1), torch.float32)):
+        assert torch.equal(a, b)
+
+
+def test_rmsnorm_matches_hf_and_fuses_residual():
+    g = torch.Generator().manual_seed(1)
+    x, res, w = torch.randn(5, 32, generator=g), torch.randn(5, 32, generator=g), torch.randn(32, generator=g)
+    ours, ref = RMSNorm(32, 1e-6), Qwen2VLRMSNorm(32, 1e-6)
+    with torch.no_grad():
+        ours.weight.copy_(w)
+        ref.weight.copy_(w)
+    assert torch.equal(ours(x), ref(x))
+    normed, new_res = ours(x, res)
+    assert torch.equal(new_res, x + res) and torch.equal(normed, ref(x + res))
+
+
+def test_silu_and_mul():
+    x = torch.randn(3, 10)
+    assert torch.equal(SiluAndMul()(x), F.silu(x[:, :5]) * x[:, 5:])

@@ -1,0 +1,91 @@
+"""Test-only driver: a tiny paged KV allocator and ForwardBatch builder (the real ones live in the scheduler).
+
+Slots are handed out page by page; with page_size > 1 pages are taken in descending order, so a request's
+KV is never one contiguous run and two requests' pages interleave.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tessera.cache.kv_pool import ReqToTokenPool, TokenToKVPool
+from tessera.runner.forward_batch import ForwardBatch
+
+
+class PagedKV:
+    def __init__(self, lm_config, page_size: int = 1, num_pages: int = 256, max_reqs: int = 4, max_context_len: int = 256,
+                 dtype: torch.dtype = torch.float32):
+        self.page_size = page_size
+        self.pool = TokenToKVPool(
+            num_pages * page_size, lm_config.num_layers, lm_config.num_kv_heads, lm_config.head_dim, dtype
+        )
+        self.req_pool = ReqToTokenPool(max_reqs, max_context_len)
+        pages = list(range(num_pages))
+        self.free_pages = pages if page_size == 1 else pages[::-1]
+        self.pages: dict[int, list[int]] = {}
+        self.lens: dict[int, int] = {}
+
+    def new_request(self) -> int:
+        row = self.req_pool.alloc()
+        assert row is not None
+        self.pages[row], self.lens[row] = [], 0
+        return row
+
+    def extend(self, row: int, num: int) -> torch.Tensor:
+        """Allocates slots for the next `num` tokens of request `row`; returns them [num]."""
+        slots = []
+        for pos in range(self.lens[row], self.lens[row] + num):
+            page_idx, offset = divmod(pos, self.page_size)
+            if page_idx == len(self.pages[row]):
+                self.pages[row].append(self.free_pages.pop(0))
+            slot = 1 + self.pages[row][page_idx] * self.page_size + offset  # slot 0 is the dummy
+            self.req_pool.req_to_token[row, pos] = slot
+            slots.append(slot)
+        self.lens[row] += num
+        return torch.tensor(slots, dtype=torch.long)
+
+
+@dataclass
+class Step:
+    """New tokens of one request in one forward."""
+
+    row: int
+    input_ids: torch.Tensor  # [n]
+    positions: torch.Tensor  # [3, n] (M-RoPE) or [n]
+    mm_rows: torch.Tensor | None = None  # local rows (0..n-1) that take embeddings
+    mm_embeds: torch.Tensor | None = None
+    custom_mask: torch.Tensor | None = None
+    all_logits: bool = False  # logits for every new token instead of only the last
+
+
+def make_batch(kv: PagedKV, steps: list[Step]) -> ForwardBatch:
+    """Allocates KV for every step and builds the ForwardBatch (requests in list order)."""
+    locs, rows, embeds, logits_idx = [], [], [], []
+    seq_lens, ext_lens = [], []
+    start = 0
+    for s in steps:
+        n = s.input_ids.shape[0]
+        locs.append(kv.extend(s.row, n))
+        seq_lens.append(kv.lens[s.row])
+        ext_lens.append(n)
+        if s.mm_rows is not None:
+            rows.append(s.mm_rows + start)
+            embeds.append(s.mm_embeds)
+        logits_idx += list(range(start, start + n)) if s.all_logits else [start + n - 1]
+        start += n
+    has_masks = any(s.custom_mask is not None for s in steps)
+    return ForwardBatch(
+        input_ids=torch.cat([s.input_ids for s in steps]),
+        positions=torch.cat([s.positions for s in steps], dim=-1),
+        out_cache_loc=torch.cat(locs),
+        req_pool_indices=torch.tensor([s.row for s in steps]),
+        seq_lens=torch.tensor(seq_lens),
+        extend_lens=torch.tensor(ext_lens),
+        req_to_token=kv.req_pool.req_to_token,
+        logits_indices=torch.tensor(logits_idx),
+        mm_embed_rows=torch.cat(rows) if rows else None,
+        mm_embeds=torch.cat(embeds) if embeds else None,
+        custom_masks=[s.custom_mask for s in steps] if has_masks else None,
+    )

@@ -1,0 +1,228 @@
+"""QwenVLProcessor against the HF Qwen2VLProcessor: ids, placeholder runs, pixels, grids;
+the three input formats; and every refusal (limits, mixing, counts, modes)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+import torch
+
+from tessera.multimodal.items import PAD_VALUE_BASE, Modality
+from tessera.multimodal.media import MediaError, MediaLimits
+from tessera.multimodal.processors.base import ProcessorOutput
+from tessera.multimodal.processors.qwen_vl import QwenVLProcessor
+from tessera.multimodal.processors.registry import architecture_of, get_processor_class
+
+from .conftest import decode_all_frames, encode_mp4, encode_png, scene_frames, scene_image
+
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+VID = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def chat_prompt(skeleton, parts: list[str]) -> str:
+    """The demo chat template over image/video/text parts (placeholders inserted by it)."""
+    content = [{"type": p} if p in ("image", "video") else {"type": "text", "text": p} for p in parts]
+    return skeleton.processor.apply_chat_template([{"role": "user", "content": content}],
+                                                  add_generation_prompt=True, tokenize=False)
+
+
+def hf_reference(skeleton, prompt, images=None, videos=None, images_kwargs=None, videos_kwargs=None):
+    kwargs = {"text": [prompt], "return_tensors": "pt"}
+    if images:
+        kwargs.update(images=images, images_kwargs=images_kwargs or {})
+    if videos:
+        kwargs.update(videos=videos, videos_kwargs={"do_sample_frames": False, **(videos_kwargs or {})})
+    return skeleton.processor(**kwargs)
+
+
+def assert_matches_hf(out: ProcessorOutput, ref, merge: int = 2) -> None:
+    assert out.input_ids == ref["input_ids"][0].tolist()
+    for modality, pixel_key, grid_key in ((Modality.IMAGE, "pixel_values", "image_grid_thw"),
+                                          (Modality.VIDEO, "pixel_values_videos", "video_grid_thw")):
+        items = [i for i in out.mm_inputs.items if i.modality is modality]
+        if grid_key not in ref:
+            assert not items
+            continue
+        assert torch.equal(torch.cat([i.model_specific_data[grid_key] for i in items]), ref[grid_key])
+        assert torch.equal(torch.cat([i.feature for i in items]), ref[pixel_key])
+        for item, grid in zip(items, ref[grid_key]):
+            assert item.num_tokens == int(grid.prod()) // merge**2
+            assert len(item.offsets) == 1
+            s, e = item.offsets[0]
+            token = {Modality.IMAGE: 5, Modality.VIDEO: 6}[modality]
+            assert set(out.input_ids[s:e]) == {token} and out.input_ids[s - 1] != token
+            assert item.pad_value >= PAD_VALUE_BASE
+
+
+def test_registry(skeleton):
+    assert architecture_of(skeleton.config) == "Qwen2VLForConditionalGeneration"
+    assert get_processor_class("Qwen2VLForConditionalGeneration") is QwenVLProcessor
+    assert get_processor_class("Qwen2_5_VLForConditionalGeneration") is QwenVLProcessor
+    with pytest.raises(ValueError, match="no multimodal processor for architecture 'LlamaForCausalLM'"):
+        get_processor_class("LlamaForCausalLM")
+
+
+SIZES = [(20, 20), (56, 56), (128, 512), (512, 128), (333, 251), (640, 480), (1000, 90), (57, 999)]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_single_image_parity_across_sizes(skeleton, make_processor, size):
+    img = scene_image(sum(size), size)
+    prompt = chat_prompt(skeleton, ["image", "What color is the circle?"])
+    out = make_processor().process(prompt=prompt, image_data=[encode_png(img)])
+    assert_matches_hf(out, hf_reference(skeleton, prompt, images=[img]))
+
+
+def test_many_images_and_videos_with_limits(skeleton, make_processor):
+    rng = random.Random(0)
+    images = [scene_image(i, (rng.randint(30, 700), rng.randint(30, 700))) for i in range(4)]
+    clip_a = [f.resize((200, 120)) for f in scene_frames(1)]
+    clip_b = [f.resize((90, 300)) for f in scene_frames(2)]
+    mp4 = encode_mp4(clip_b, fps=10)
+    config = {"image": {"max_pixels": 28 * 28 * 24, "min_pixels": 28 * 28 * 6},
+              "video": {"max_pixels": 28 * 28 * 4, "num_frames": 4}}
+    proc = make_processor(mm_process_config=config)
+    prompt = chat_prompt(skeleton, ["image", "and", "video", "image", "image", "then", "video", "image", "?"])
+    out = proc.process(prompt=prompt, image_data=[encode_png(i) for i in images], video_data=[clip_a, mp4])
+    # Reference: the same frames sampled independently (list videos are kept whole).
+    decoded = decode_all_frames(mp4)
+    idx = [round(x) for x in torch.linspace(0, len(decoded) - 1, 4).tolist()]
+    ref = hf_reference(skeleton, prompt, images=images, videos=[clip_a, [decoded[i] for i in idx]],
+                       images_kwargs={"size": {"longest_edge": 28 * 28 * 24, "shortest_edge": 28 * 28 * 6}},
+                       videos_kwargs={"size": {"longest_edge": 28 * 28 * 4, "shortest_edge": 56 * 56}})
+    assert_matches_hf(out, ref)
+    assert [i.modality.value for i in out.mm_inputs.items] == ["image", "video", "image", "image", "video", "image"]
+    for item in out.mm_inputs.items:  # limits took effect
+        limit = 28 * 28 * (24 if item.modality is Modality.IMAGE else 4)
+        grid = item.model_specific_data["image_grid_thw" if item.modality is Modality.IMAGE else "video_grid_thw"]
+        assert int(grid[0, 1] * grid[0, 2]) * 14 * 14 <= limit
+    # Default config differs: more tokens, different hashes for the same images.
+    plain = make_processor().process(prompt=prompt, image_data=images, video_data=[clip_a, mp4])
+    assert len(plain.input_ids) > len(out.input_ids)
+    assert plain.mm_inputs.items[0].hash != out.mm_inputs.items[0].hash
+
+
+def test_hashes_follow_content_not_source(skeleton, make_processor):
+    img = scene_image(3)
+    prompt = chat_prompt(skeleton, ["image", "image", "x"])
+    proc = make_processor()
+    a = proc.process(prompt=prompt, image_data=[img, encode_png(img)])
+    assert a.mm_inputs.items[0].hash == a.mm_inputs.items[1].hash
+    other = scene_image(4)
+    b = proc.process(prompt=prompt, image_data=[img, other])
+    assert b.mm_inputs.items[1].hash != a.mm_inputs.items[1].hash
+    assert a.mm_inputs.pad_input_ids(a.input_ids) != b.mm_inputs.pad_input_ids(b.input_ids)
+
+
+def test_three_formats_give_the_same_ids(skeleton, make_processor):
+    images = [scene_image(5, (300, 200)), scene_image(6, (90, 400))]
+    video = [f.resize((120, 90)) for f in scene_frames(3)]
+    prompt = chat_prompt(skeleton, ["image", "video", "image", "Describe."])
+    proc = make_processor()
+    raw = proc.process(prompt=prompt, image_data=images, video_data=[video])
+    ref = hf_reference(skeleton, prompt, images=images, videos=[video])
+    ids = ref["input_ids"][0].tolist()
+    as_dict = dict(ref, format="processor_output")
+    processed = proc.process(input_ids=ids, image_data=[as_dict], video_data=[as_dict])
+    n_img = int((ref["image_grid_thw"].prod(-1) // 4).sum())
+    n_vid = int((ref["video_grid_thw"].prod(-1) // 4).sum())
+    emb_img, emb_vid = torch.randn(n_img, 256), torch.randn(n_vid, 256)
+    pre_img = {"format": "precomputed_embedding", "feature": emb_img, "image_grid_thw": ref["image_grid_thw"]}
+    pre_vid = {"format": "precomputed_embedding", "feature": list(emb_vid.split([n_vid])),
+               "video_grid_thw": ref["video_grid_thw"]}
+    precomputed = proc.process(input_ids=ids, image_data=[pre_img], video_data=[pre_vid])
+    unexpanded = proc.process(prompt=prompt, image_data=[pre_img], video_data=[pre_vid])
+    raw_from_ids = proc.process(input_ids=proc.tokenize(prompt), image_data=images, video_data=[video])
+    for out in (processed, precomputed, unexpanded, raw_from_ids):
+        assert out.input_ids == raw.input_ids == ids
+        assert [i.offsets for i in out.mm_inputs.items] == [i.offsets for i in raw.mm_inputs.items]
+        assert torch.equal(out.mm_inputs.mrope_positions, raw.mm_inputs.mrope_positions)
+    assert torch.equal(torch.cat([i.feature for i in processed.mm_inputs.items if i.modality is Modality.IMAGE]),
+                       ref["pixel_values"])
+    pre_items = precomputed.mm_inputs.items
+    assert all(i.feature is None and i.precomputed_embedding is not None for i in pre_items)
+    assert torch.equal(torch.cat([pre_items[0].precomputed_embedding, pre_items[2].precomputed_embedding]), emb_img)
+
+
+def test_async_loading_matches_sync(skeleton, make_processor):
+    images = [encode_png(scene_image(i)) for i in range(3)]
+    prompt = chat_prompt(skeleton, ["image", "image", "image", "?"])
+    proc = make_processor()
+    sync = proc.process(prompt=prompt, image_data=images)
+    async_out = asyncio.run(proc.process_async(prompt=prompt, image_data=images))
+    assert async_out.input_ids == sync.input_ids
+    assert [i.hash for i in async_out.mm_inputs.items] == [i.hash for i in sync.mm_inputs.items]
+
+
+def test_text_only_request(skeleton, make_processor):
+    out = make_processor().process(prompt="hello there")
+    assert out.input_ids == skeleton.processor.tokenizer("hello there")["input_ids"]
+    assert out.mm_inputs.items == [] and out.mm_inputs.mrope_position_delta == 0
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_refusals(skeleton, make_processor):
+    img = scene_image(7, (64, 64))
+    one, two = chat_prompt(skeleton, ["image", "?"]), chat_prompt(skeleton, ["image", "image", "?"])
+    proc = make_processor(limit_mm_per_request={"image": 1, "video": 0})
+    with pytest.raises(ValueError, match="too many image items: 2 given, at most 1"):
+        proc.process(prompt=two, image_data=[img, img])
+    with pytest.raises(ValueError, match="too many video items: 1 given, at most 0"):
+        proc.process(prompt=chat_prompt(skeleton, ["video"]), video_data=[[img, img]])
+    ref = hf_reference(skeleton, two, images=[img, img])
+    with pytest.raises(ValueError, match="too many image items: 2 given"):  # counted after splitting the dict
+        proc.process(input_ids=ref["input_ids"][0].tolist(), image_data=[dict(ref, format="processor_output")])
+    proc = make_processor()
+    with pytest.raises(ValueError, match=r"1 image placeholder\(s\).*but 2 image item"):
+        proc.process(prompt=one, image_data=[img, img])
+    with pytest.raises(ValueError, match="no media placeholders"):
+        proc.process(prompt="What is this?", image_data=[img])
+    with pytest.raises(ValueError, match="input_ids contains no media placeholders"):
+        proc.process(input_ids=[1, 2, 3], image_data=[img])
+    with pytest.raises(ValueError, match="input_ids have 2 image placeholder tokens; expected 1"):
+        proc.process(input_ids=[5, 1, 5], image_data=[img])
+    with pytest.raises(ValueError, match="one input format per request; got a mix of processor_output, raw"):
+        proc.process(input_ids=ref["input_ids"][0].tolist(), image_data=[img, dict(ref, format="processor_output")])
+    with pytest.raises(ValueError, match="mix of precomputed_embedding, raw"):
+        proc.process(prompt=chat_prompt(skeleton, ["image", "video"]), image_data=[img],
+                     video_data=[{"format": "precomputed_embedding", "feature": torch.zeros(1, 8)}])
+    with pytest.raises(ValueError, match="format='processor_output' or 'precomputed_embedding'"):
+        proc.process(prompt=one, image_data=[{"format": "pixels"}])
+    with pytest.raises(ValueError, match="needs 'image_grid_thw'"):
+        proc.process(prompt=one, image_data=[{"format": "precomputed_embedding", "feature": torch.zeros(4, 8)}])
+    with pytest.raises(ValueError, match=r"feature has shape \(3, 8\); image_grid_thw needs \[16, hidden\]"):
+        proc.process(prompt=one, image_data=[{"format": "precomputed_embedding", "feature": torch.zeros(3, 8),
+                                              "image_grid_thw": torch.tensor([[1, 8, 8]])}])
+    with pytest.raises(ValueError, match="does not accept audio"):
+        proc.process(prompt="x", audio_data=[b"RIFF"])
+    with pytest.raises(ValueError, match="exactly one of prompt and input_ids"):
+        proc.process(prompt=one, input_ids=[1], image_data=[img])
+    with pytest.raises(ValueError, match="language-model-only mode; image inputs are refused"):
+        make_processor(language_model_only=True).process(prompt=one, image_data=[img])
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"picture": {}}, "unknown modality 'picture'"),
+    ({"image": {"max_pixels": -1}}, r"\['max_pixels'\] must be positive"),
+    ({"image": {"max_pixels": 100, "min_pixels": 200}}, "min_pixels exceeds max_pixels"),
+    ({"video": 3}, "must be a dict"),
+])
+def test_bad_process_config(make_processor, config, message):
+    with pytest.raises(ValueError, match=message):
+        make_processor(mm_process_config=config)
+
+
+def test_bad_media_surfaces_as_media_error(skeleton, make_processor, tmp_path):
+    one = chat_prompt(skeleton, ["image", "?"])
+    proc = make_processor(limits=MediaLimits(allowed_local_media_path=str(tmp_path)))
+    with pytest.raises(MediaError, match="not a recognised image"):
+        proc.process(prompt=one, image_data=[b"garbage bytes"])
+    with pytest.raises(MediaError, match="outside the allowed directory"):
+        proc.process(prompt=one, image_data=["/etc/hostname"])
+    with pytest.raises(MediaError, match="truncated"):
+        proc.process(prompt=chat_prompt(skeleton, ["video"]),
+                     video_data=[encode_mp4(scene_frames(4))[:-300]])
