@@ -202,6 +202,10 @@ class Engine:
         self._closed = True
         if hasattr(self, "tokenizer_manager"):
             self.tokenizer_manager.shutdown()
+            try:
+                self._run(self.tokenizer_manager.close(), timeout=5)
+            except Exception:  # the loop may already be gone at interpreter exit
+                pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 

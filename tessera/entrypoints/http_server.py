@@ -64,6 +64,7 @@ def create_app(args: ServerArgs) -> FastAPI:
         load_task.cancel()
         if state.tm is not None:
             state.tm.shutdown()
+            await state.tm.close()
 
     app = FastAPI(title="Tessera", lifespan=lifespan)
     app.state.tessera = state

@@ -101,6 +101,19 @@ class TokenizerManager:
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
         self.ready = True
 
+    async def close(self) -> None:
+        """Stops the receive loop and closes the sockets; call on the manager's own loop."""
+        task = getattr(self, "_recv_task", None)
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        for sock in (getattr(self, "send_sock", None), getattr(self, "recv_sock", None)):
+            if sock is not None:
+                sock.close(linger=0)
+
     def shutdown(self) -> None:
         self.ready = False
         if self._proc is not None and self._proc.poll() is None:

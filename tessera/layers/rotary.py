@@ -17,6 +17,9 @@ class RotaryEmbedding(nn.Module):
     Qwen2VLRotaryEmbedding. sum(mrope_section) must equal head_dim // 2.
     """
 
+    inv_freq: torch.Tensor  # [head_dim // 2] float32
+    section_rows: torch.Tensor  # [head_dim // 2] long, M-RoPE only
+
     def __init__(self, head_dim: int, rope_theta: float, mrope_section: list[int] | None = None):
         super().__init__()
         assert head_dim % 2 == 0, f"head_dim must be even, got {head_dim}"

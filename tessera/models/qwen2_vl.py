@@ -52,7 +52,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         self.video_token_id: int = config.video_token_id
         self.spatial_merge_size: int = config.vision_config.spatial_merge_size
         self.language_model_only = language_model_only
-        self.visual = None if language_model_only else build_vision_tower(config.vision_config)
+        self.visual: torch.nn.Module | None = None if language_model_only else build_vision_tower(config.vision_config)
 
     @classmethod
     def from_hf_config(
@@ -95,6 +95,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         weight = self.model.embed_tokens.weight
         out: list[torch.Tensor | None] = [None] * len(items)
         todo: list[int] = []
+        pixels: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
         for i, item in enumerate(items):
             if item.precomputed_embedding is not None:
@@ -107,15 +108,19 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
             grid = item.model_specific_data[grid_key].reshape(-1, 3).to("cpu", torch.long)
             num_patches = int(grid.prod(-1).sum())
             if item.feature.shape[0] != num_patches:
-                raise ValueError(f"item {i}: feature has {item.feature.shape[0]} patch rows, {grid_key} implies {num_patches}")
+                raise ValueError(
+                    f"item {i}: feature has {item.feature.shape[0]} patch rows, {grid_key} implies {num_patches}"
+                )
             todo.append(i)
+            pixels.append(item.feature)
             grids.append(grid)
         if todo:
             if self.visual is None:
                 raise RuntimeError("the model was loaded with language_model_only=True: it has no vision tower")
-            pixels = torch.cat([items[i].feature for i in todo]).to(device=weight.device, dtype=self.visual.dtype)
-            grid_thw = torch.cat(grids)
-            embeds = self.visual(pixels, grid_thw=grid_thw.to(weight.device)).pooler_output.to(weight.dtype)
+            # The tower is built in the model's dtype (load_model's default-dtype context).
+            rows = torch.cat(pixels).to(device=weight.device, dtype=weight.dtype)
+            grid_thw = torch.cat(grids).to(weight.device)
+            embeds = self.visual(rows, grid_thw=grid_thw).pooler_output.to(weight.dtype)
             merge = self.spatial_merge_size**2
             sizes = [int(g.prod(-1).sum()) // merge for g in grids]
             for i, emb in zip(todo, embeds.split(sizes)):
@@ -123,7 +128,9 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         for i, (item, emb) in enumerate(zip(items, out)):
             assert emb is not None
             if item.offsets and emb.shape[0] != item.num_tokens:
-                raise ValueError(f"item {i}: embedding has {emb.shape[0]} rows but its offsets cover {item.num_tokens} tokens")
+                raise ValueError(
+                    f"item {i}: embedding has {emb.shape[0]} rows but its offsets cover {item.num_tokens} tokens"
+                )
         return out  # type: ignore[return-value]
 
     # ---- language model ---------------------------------------------------------------------------------

@@ -119,12 +119,14 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
             continue
         name, shard_id = target
         if (name, shard_id) not in expected:
-            unexpected.append(ckpt_name if name == ckpt_name else f"{ckpt_name} (-> {name}{f'[{shard_id}]' if shard_id else ''})")
+            target_name = f"{name}[{shard_id}]" if shard_id else name
+            unexpected.append(ckpt_name if target_name == ckpt_name else f"{ckpt_name} (-> {target_name})")
             continue
         if shard_id is not None:
             module_name, _, param_name = name.rpartition(".")
             try:
-                model.get_submodule(module_name).load_shard(param_name, shard_id, tensor)
+                # Fused modules (layers/linear.MergedLinear) expose shard_ids and load_shard.
+                getattr(model.get_submodule(module_name), "load_shard")(param_name, shard_id, tensor)
             except ValueError as e:
                 mismatched.append(f"{ckpt_name}: {e}")
                 continue

@@ -69,6 +69,16 @@ def _check_image_size(width: int, height: int, limits: MediaLimits) -> None:
         )
 
 
+def to_rgb(img: Image.Image) -> Image.Image:
+    """RGB, compositing any transparency onto white (as transformers' convert_to_rgb does, so
+    an RGBA input gives the HF processor's pixels, and transparent areas are not black)."""
+    if "A" in img.getbands() or img.info.get("transparency") is not None:
+        rgba = img.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return img.convert("RGB")
+
+
 def _image_from_array(arr: np.ndarray, limits: MediaLimits) -> Image.Image:
     if arr.dtype != np.uint8:
         raise MediaError(f"image array must be uint8 (HWC), got dtype {arr.dtype}")
@@ -77,7 +87,7 @@ def _image_from_array(arr: np.ndarray, limits: MediaLimits) -> Image.Image:
     if not (arr.ndim == 2 or (arr.ndim == 3 and arr.shape[2] in (3, 4))):
         raise MediaError(f"image array must have shape HxW, HxWx1, HxWx3 or HxWx4, got {tuple(arr.shape)}")
     _check_image_size(arr.shape[1], arr.shape[0], limits)
-    return Image.fromarray(np.ascontiguousarray(arr)).convert("RGB")
+    return to_rgb(Image.fromarray(np.ascontiguousarray(arr)))
 
 
 def _decode_image_bytes(data: bytes, limits: MediaLimits) -> Image.Image:
@@ -99,7 +109,7 @@ def _decode_image_bytes(data: bytes, limits: MediaLimits) -> Image.Image:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img.seek(0)  # first frame of an animation
             img.load()
-            return img.convert("RGB")
+            return to_rgb(img)
     except Exception as e:  # noqa: BLE001 - truncated or corrupt pixel data
         raise MediaError(f"corrupt or truncated image data: {type(e).__name__}: {e}") from e
 
@@ -109,7 +119,7 @@ def _image_from_object(src: Any, limits: MediaLimits) -> Image.Image | None:
     if isinstance(src, Image.Image):
         _check_image_size(src.width, src.height, limits)
         try:
-            return src.convert("RGB")
+            return to_rgb(src)
         except Exception as e:  # noqa: BLE001 - a lazily opened image may fail on load
             raise MediaError(f"cannot convert image to RGB: {type(e).__name__}: {e}") from e
     if isinstance(src, torch.Tensor):
@@ -219,7 +229,7 @@ def _decode_video(data: bytes, limits: MediaLimits, **sampling: int | float | No
         raise MediaError(f"video is truncated or corrupt: decoded {decoded} of {total} declared frames")
     if len({im.size for im in frames}) != 1:
         raise MediaError("video frames change size mid-stream; not supported")
-    return VideoClip([f.convert("RGB") for f in frames], source_fps, total, indices)
+    return VideoClip([to_rgb(f) for f in frames], source_fps, total, indices)
 
 
 def load_video(src: Any, *, limits: MediaLimits, fps: float | None = None, max_frames: int | None = None,
@@ -235,10 +245,14 @@ def load_video(src: Any, *, limits: MediaLimits, fps: float | None = None, max_f
     for name, value in (("fps", fps), ("max_frames", max_frames), ("num_frames", num_frames)):
         if value is not None and not value > 0:
             raise ValueError(f"video sampling parameter {name} must be positive, got {value!r}")
-    if isinstance(src, VideoClip):
-        return _frames_from_list(src.frames, limits)
+    if isinstance(src, VideoClip):  # already loaded: re-validate, keep its metadata
+        checked = _frames_from_list(src.frames, limits)
+        return VideoClip(checked.frames, src.fps, src.total_num_frames, list(src.sampled_indices))
     if isinstance(src, (list, tuple)):
         return _frames_from_list(src, limits)
+    if isinstance(src, Image.Image):
+        raise MediaError("video source is a single image; a video is a list of frames "
+                         "(and video_data a list of videos)")
     if isinstance(src, (np.ndarray, torch.Tensor)):
         if src.ndim != 4:
             raise MediaError(f"video array must have shape TxHxWxC, got {tuple(src.shape)}")
@@ -328,7 +342,7 @@ def load_audio(src: Any, *, limits: MediaLimits, sampling_rate: int) -> np.ndarr
         arr, rate = src
         x = _audio_array(arr)
         _check_duration(len(x), int(rate), limits)
-        return resample_audio(x, int(rate), sampling_rate)
+        return _resample_checked(x, int(rate), sampling_rate)
     if isinstance(src, (np.ndarray, torch.Tensor)):
         x = _audio_array(src)
         _check_duration(len(x), sampling_rate, limits)
@@ -340,6 +354,10 @@ def load_audio(src: Any, *, limits: MediaLimits, sampling_rate: int) -> np.ndarr
     x, rate = decoded if decoded is not None else _decode_audio_pyav(data, limits)
     if not np.all(np.isfinite(x)):
         raise MediaError("audio contains non-finite samples")
+    return _resample_checked(x, rate, sampling_rate)
+
+
+def _resample_checked(x: np.ndarray, rate: int, sampling_rate: int) -> np.ndarray:
     try:
         return resample_audio(x, rate, sampling_rate)
     except Exception as e:  # noqa: BLE001 - e.g. a sample rate libswresample refuses
@@ -350,6 +368,8 @@ def _audio_array(arr: Any) -> np.ndarray:
     x = arr.detach().cpu().numpy() if isinstance(arr, torch.Tensor) else np.asarray(arr)
     if not np.issubdtype(x.dtype, np.floating):
         raise MediaError(f"audio array must be floating point, got dtype {x.dtype}")
+    if x.size == 0:
+        raise MediaError(f"audio array is empty (shape {tuple(x.shape)})")
     if x.ndim == 2:
         x = x.mean(axis=1)
     if x.ndim != 1:

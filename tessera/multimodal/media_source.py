@@ -23,6 +23,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 from tessera.multimodal.items import Modality
 
@@ -49,6 +50,7 @@ class MediaLimits:
 
     Local files: `allowed_local_media_path=None` refuses every local path unless
     `allow_any_local_path` (the offline Engine's trusted mode, see `MediaLimits.offline()`).
+    Relative paths resolve against the process's working directory, then must lie under the root.
     Timeouts follow vLLM's defaults (image 5 s, video 30 s, audio 10 s) and bound the whole
     download, not only each socket read.
     """
@@ -82,6 +84,18 @@ class MediaLimits:
                 raise ValueError(f"MediaLimits.{name} must be positive, got {getattr(self, name)!r}")
         if self.max_redirects < 0:
             raise ValueError(f"MediaLimits.max_redirects must be >= 0, got {self.max_redirects}")
+
+    @classmethod
+    def from_server_args(cls, args: Any) -> MediaLimits:
+        """Limits for a ServerArgs. Reads `allowed_local_media_path` and, where ServerArgs has
+        them, `allow_private_media_urls` and `max_image_pixels`; other limits keep their defaults."""
+        kwargs: dict[str, Any] = {"allowed_local_media_path": args.allowed_local_media_path}
+        for arg_name, field_name in (("allow_private_media_urls", "allow_private_urls"),
+                                     ("max_image_pixels", "max_image_pixels")):
+            value = getattr(args, arg_name, None)
+            if value is not None:
+                kwargs[field_name] = value
+        return cls(**kwargs)
 
     @classmethod
     def offline(cls, **overrides: object) -> MediaLimits:
@@ -167,8 +181,15 @@ def _decode_data_uri(uri: str, *, cap: int, modality: Modality) -> bytes:
 # ---------------------------------------------------------------- local files
 
 
+def _parse_url(url: str) -> urllib.parse.ParseResult:
+    try:
+        return urllib.parse.urlparse(url)
+    except ValueError as e:  # e.g. "Invalid IPv6 URL"
+        raise MediaError(f"malformed URL {url[:200]!r}: {e}") from e
+
+
 def _file_uri_path(uri: str) -> str:
-    parsed = urllib.parse.urlparse(uri)
+    parsed = _parse_url(uri)
     if parsed.netloc not in ("", "localhost"):
         raise MediaError(f"file URI with a remote host {parsed.netloc!r} is not supported")
     return urllib.parse.unquote(parsed.path)
@@ -179,13 +200,12 @@ def _resolve_allowed(path: str, limits: MediaLimits) -> str:
     if limits.allowed_local_media_path is None and not limits.allow_any_local_path:
         raise MediaError("local media files are not allowed (no allowed_local_media_path is configured)")
     try:
+        root = None if limits.allow_any_local_path else os.path.realpath(limits.allowed_local_media_path or "/")
         # realpath resolves symlinks and '..' so a link inside the root cannot escape it.
         real = os.path.realpath(os.path.expanduser(path))
     except (ValueError, OSError) as e:  # e.g. embedded NUL byte
         raise MediaError(f"invalid local media path: {e}") from e
-    if not limits.allow_any_local_path:
-        assert limits.allowed_local_media_path is not None
-        root = os.path.realpath(limits.allowed_local_media_path)
+    if root is not None:
         if os.path.commonpath([real, root]) != root:
             raise MediaError(f"local media path {path!r} is outside the allowed directory")
     return real
@@ -299,7 +319,7 @@ class _RedirectHandler(urllib.request.HTTPRedirectHandler):
         # Checked here, before urllib's own scheme check, so the refusal is a 400 that says why.
         location = headers.get("Location") or headers.get("URI") or ""
         newurl = urllib.parse.urljoin(req.full_url, location)
-        if urllib.parse.urlparse(newurl).scheme.lower() not in ("http", "https"):
+        if _parse_url(newurl).scheme.lower() not in ("http", "https"):
             raise MediaError(f"URL redirected to a non-http(s) location {newurl!r}; refused")
         return super().http_error_302(req, fp, code, msg, headers)
 
@@ -310,8 +330,12 @@ def fetch_url(url: str, *, modality: Modality, limits: MediaLimits) -> bytes:
     """GET `url` under the limits: byte cap enforced while streaming, whole-download deadline."""
     cap = limits.max_bytes_for(modality)
     timeout = limits.url_timeout_for(modality)
-    parsed = urllib.parse.urlparse(url)
-    if not parsed.hostname:
+    parsed = _parse_url(url)
+    try:
+        hostname = parsed.hostname
+    except ValueError as e:
+        raise MediaError(f"malformed URL {url[:200]!r}: {e}") from e
+    if not hostname:
         raise MediaError(f"URL {url!r} has no host")
     opener = urllib.request.build_opener(
         urllib.request.ProxyHandler({}),  # a proxy would make the address check meaningless

@@ -59,7 +59,7 @@ class ModelRunner:
         self.device = torch.device(args.device)
         self.model, self.hf_config = load_model(args.model_path, dtype=args.torch_dtype,
                                                 language_model_only=args.language_model_only,
-                                                attention_backend=args.attention_backend)
+                                                attention_backend=args.attention_backend, device=self.device)
         self.model.eval()
         text_cfg = self.hf_config.get_text_config()
         self.vocab_size = int(text_cfg.vocab_size)

@@ -11,6 +11,9 @@ from collections.abc import Sequence
 
 import torch
 
+from tessera.multimodal.mrope import VisionSpan
+from tessera.multimodal.mrope import compute_mrope_positions as compute_positions_from_spans
+
 
 def text_mrope_positions(start: int, length: int, delta: int) -> torch.Tensor:
     """Positions [3, length] of text tokens with sequence indices start..start+length-1."""
@@ -40,8 +43,8 @@ def compute_mrope_positions(
     Qwen2VLModel.get_rope_index (the oracle the demo model was trained with).
 
     Placeholder tokens are matched to grids in order, per modality; each item consumes exactly
-    t*h*w/merge**2 tokens of its placeholder id. As in transformers 5.x, text after an item resumes at
-    start + max(h, w)/merge (the temporal extent is not counted), and delta = max(positions) + 1 - L.
+    t*h*w/merge**2 tokens of its placeholder id (so two adjacent items need no separator). The position
+    arithmetic is tessera.multimodal.mrope's (the processor's), so the two can never disagree.
     `vision_start_token_id` is accepted for signature compatibility; placeholders are found directly.
     Raises ValueError if placeholders and grids disagree.
     """
@@ -51,34 +54,26 @@ def compute_mrope_positions(
         video_token_id: [_as_grid(g) for g in (video_grid_thw if video_grid_thw is not None else [])],
     }
     used = {image_token_id: 0, video_token_id: 0}
-    chunks: list[torch.Tensor] = []
-    pos, i, n = 0, 0, len(ids)
+    spans: list[VisionSpan] = []
+    i, n = 0, len(ids)
     while i < n:
         tok = ids[i]
         if tok not in grids:
-            j = i
-            while j < n and ids[j] not in grids:
-                j += 1
-            chunks.append(torch.arange(pos, pos + j - i, dtype=torch.long).expand(3, -1))
-            pos += j - i
-            i = j
+            i += 1
             continue
         name = "image" if tok == image_token_id else "video"
         if used[tok] >= len(grids[tok]):
             raise ValueError(f"more {name} placeholder spans than {name}_grid_thw rows ({len(grids[tok])})")
         t, h, w = grids[tok][used[tok]]
         used[tok] += 1
-        lt, lh, lw = t, h // spatial_merge_size, w // spatial_merge_size
-        num = lt * lh * lw
+        num = t * (h // spatial_merge_size) * (w // spatial_merge_size)
         if ids[i:i + num] != [tok] * num:
-            raise ValueError(f"{name} {used[tok] - 1} with grid {(t, h, w)} needs {num} consecutive placeholder tokens at {i}")
-        tt, hh, ww = torch.meshgrid(torch.arange(lt), torch.arange(lh), torch.arange(lw), indexing="ij")
-        chunks.append(torch.stack([tt, hh, ww]).reshape(3, -1) + pos)
-        pos += max(h, w) // spatial_merge_size
+            raise ValueError(
+                f"{name} {used[tok] - 1} with grid {(t, h, w)} needs {num} consecutive placeholder tokens at {i}"
+            )
+        spans.append(VisionSpan(start=i, grid_thw=(t, h, w)))
         i += num
     for tok, name in ((image_token_id, "image"), (video_token_id, "video")):
         if used[tok] != len(grids[tok]):
             raise ValueError(f"{len(grids[tok])} {name}_grid_thw rows but {used[tok]} {name} placeholder spans")
-    positions = torch.cat(chunks, dim=1) if chunks else torch.zeros(3, 0, dtype=torch.long)
-    delta = int(positions.max()) + 1 - n if n else 0
-    return positions.contiguous(), delta
+    return compute_positions_from_spans(n, spans, spatial_merge_size)

@@ -26,7 +26,8 @@ def _hf_rotate(section, positions, q, k):
 def test_mrope_matches_hf():
     g = torch.Generator().manual_seed(0)
     t = 9
-    positions = torch.stack([torch.arange(t), torch.randint(0, 20, (t,), generator=g), torch.randint(0, 20, (t,), generator=g)])
+    hw = torch.randint(0, 20, (2, t), generator=g)
+    positions = torch.cat([torch.arange(t)[None], hw])
     q, k = torch.randn(t, 4, 16, generator=g), torch.randn(t, 2, 16, generator=g)
     rope = RotaryEmbedding(16, 10000.0, [2, 3, 3])
     cos, sin = rope.get_cos_sin(positions, torch.float32)

@@ -15,8 +15,8 @@ from tessera.runner.forward_batch import ForwardBatch
 
 
 class PagedKV:
-    def __init__(self, lm_config, page_size: int = 1, num_pages: int = 256, max_reqs: int = 4, max_context_len: int = 256,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(self, lm_config, page_size: int = 1, num_pages: int = 256, max_reqs: int = 4,
+                 max_context_len: int = 256, dtype: torch.dtype = torch.float32):
         self.page_size = page_size
         self.pool = TokenToKVPool(
             num_pages * page_size, lm_config.num_layers, lm_config.num_kv_heads, lm_config.head_dim, dtype

@@ -49,7 +49,8 @@ def test_vision_features_match_hf_and_are_batched(vl_case, monkeypatch):
     monkeypatch.setattr(tower, "forward", lambda *a, _f=tower.forward, **k: calls.append(1) or _f(*a, **k))
     with torch.inference_mode():
         ours = vl_case.ours.get_image_feature(prompt.items)
-        ref = vl_case.hf.model.get_image_features(prompt.pixels(Modality.IMAGE), prompt.grids(Modality.IMAGE)).pooler_output
+        hf_out = vl_case.hf.model.get_image_features(prompt.pixels(Modality.IMAGE), prompt.grids(Modality.IMAGE))
+        ref = hf_out.pooler_output
     assert len(calls) == 1, "all items of a step must go through the vision tower in one call"
     assert [o.shape[0] for o in ours] == [6, 2]
     for o, r in zip(ours, ref):
@@ -169,3 +170,30 @@ def test_scatter_count_mismatch_raises(vl_case):
     with pytest.raises(ValueError, match="mm_embed_rows"), torch.inference_mode():
         model(fb, kv.pool)
 
+
+
+def test_precomputed_embeddings_skip_the_tower(vl_case, monkeypatch):
+    prompt = build_prompt(PROMPTS["two_images"], seed=11)
+    model = vl_case.ours
+    with torch.inference_mode():
+        full = model.get_image_feature(prompt.items)
+        first = prompt.items[0]
+        first.precomputed_embedding, first.feature = full[0].clone(), None
+        calls = []
+        monkeypatch.setattr(model.visual, "forward",
+                            lambda *a, _f=model.visual.forward, **k: calls.append(a[0].shape[0]) or _f(*a, **k))
+        mixed = model.get_image_feature(prompt.items)
+    assert calls == [prompt.items[1].feature.shape[0]]  # only the pixel item went through the tower
+    for a, b in zip(mixed, full):  # the second image alone vs batched: only float reordering differs
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_item_shape_errors_name_the_item(vl_case):
+    item = build_prompt([1, ("image", (1, 2, 4)), 1]).items[0]
+    item.feature = item.feature[:-1]
+    with pytest.raises(ValueError, match="item 0: feature has 7 patch rows"):
+        vl_case.ours.get_image_feature([item])
+    item = build_prompt([1, ("image", (1, 2, 4)), 1]).items[0]
+    item.offsets = [(2, 5)]
+    with pytest.raises(ValueError, match="offsets cover 3 tokens"):
+        vl_case.ours.get_image_feature([item])

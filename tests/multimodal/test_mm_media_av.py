@@ -71,6 +71,9 @@ def test_video_sources_and_frame_lists(mp4, tmp_path):
     clip = load_video(frames, limits=OFFLINE, num_frames=2)  # lists are kept as they are
     assert len(clip.frames) == 4 and clip.fps is None and clip.sampled_indices == [0, 1, 2, 3]
     assert len(load_video(np.stack(frames), limits=OFFLINE).frames) == 4
+    sampled = load_video(data, limits=OFFLINE, num_frames=3)
+    again = load_video(sampled, limits=OFFLINE)  # a loaded clip passes through with its metadata
+    assert again.sampled_indices == sampled.sampled_indices and again.fps == 10.0
 
 
 @pytest.mark.parametrize(("make_src", "limits", "message"), [

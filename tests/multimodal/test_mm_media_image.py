@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import io
 import os
 import struct
 import zlib
@@ -13,6 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tessera.multimodal.items import Modality
 from tessera.multimodal.media import MediaError, MediaLimits, load_image
 
 from .conftest import encode_png, scene_image
@@ -38,12 +38,21 @@ def test_all_inline_sources_decode_to_the_same_rgb(tmp_path):
         _assert_same(load_image(src, limits=limits), img)
 
 
-def test_converts_modes_to_rgb():
-    rgba = Image.new("RGBA", (8, 6), (10, 20, 30, 40))
-    gray = np.full((6, 8), 7, np.uint8)
-    assert load_image(rgba, limits=OFFLINE).getpixel((0, 0)) == (10, 20, 30)
-    assert load_image(gray, limits=OFFLINE).getpixel((0, 0)) == (7, 7, 7)
-    assert load_image(encode_png(rgba.convert("P")), limits=OFFLINE).mode == "RGB"
+def test_converts_modes_to_rgb_like_transformers():
+    from transformers.image_transforms import convert_to_rgb
+
+    rng = np.random.default_rng(0)
+    rgba = Image.fromarray(rng.integers(0, 256, (6, 8, 4), dtype=np.uint8), "RGBA")
+    palette = Image.new("RGB", (8, 6), (200, 10, 10)).convert("P")
+    palette.info["transparency"] = 0
+    for img in (rgba, rgba.convert("LA"), palette, rgba.convert("L"), rgba.convert("CMYK")):
+        expected = convert_to_rgb(img, return_numpy=True)
+        assert np.array_equal(np.asarray(load_image(img, limits=OFFLINE)), expected), img.mode
+        assert np.array_equal(np.asarray(load_image(encode_png(img) if img.mode != "CMYK" else img,
+                                                    limits=OFFLINE)), expected), img.mode
+    assert load_image(np.asarray(rgba), limits=OFFLINE).getpixel((0, 0)) == tuple(
+        convert_to_rgb(rgba, return_numpy=True)[0, 0])
+    assert load_image(np.full((6, 8), 7, np.uint8), limits=OFFLINE).getpixel((0, 0)) == (7, 7, 7)
 
 
 def _png_header_claiming(width: int, height: int) -> bytes:
@@ -101,6 +110,17 @@ def media_root(tmp_path):
     return root, secret
 
 
+def test_limits_from_server_args_and_validation():
+    from types import SimpleNamespace
+
+    limits = MediaLimits.from_server_args(SimpleNamespace(allowed_local_media_path="/srv/media"))
+    assert limits.allowed_local_media_path == "/srv/media" and not limits.allow_private_urls
+    assert limits.url_timeout_for(Modality.IMAGE) == 5.0 and limits.url_timeout_for(Modality.VIDEO) == 30.0
+    assert limits.url_timeout_for(Modality.AUDIO) == 10.0
+    with pytest.raises(ValueError, match="max_image_pixels must be positive"):
+        MediaLimits(max_image_pixels=0)
+
+
 def test_local_files_refused_without_an_allowed_directory(media_root):
     root, _ = media_root
     with pytest.raises(MediaError, match="local media files are not allowed"):
@@ -112,7 +132,8 @@ def test_local_file_policy(media_root):
     limits = MediaLimits(allowed_local_media_path=str(root))
     assert load_image(str(root / "ok.png"), limits=limits).size == scene_image(3).size
     assert load_image(str(root / "inside_link.png"), limits=limits).size == scene_image(3).size
-    for bad in (str(secret), str(root / "escape.png"), str(root / ".." / "secret.png"), f"file://{secret}"):
+    for bad in (str(secret), str(root / "escape.png"), str(root / ".." / "secret.png"),
+                os.path.relpath(secret), f"file://{secret}"):
         with pytest.raises(MediaError, match="outside the allowed directory"):
             load_image(bad, limits=limits)
     with pytest.raises(MediaError, match="does not exist"):

@@ -129,7 +129,7 @@ def test_three_formats_give_the_same_ids(skeleton, make_processor):
     n_img = int((ref["image_grid_thw"].prod(-1) // 4).sum())
     n_vid = int((ref["video_grid_thw"].prod(-1) // 4).sum())
     emb_img, emb_vid = torch.randn(n_img, 256), torch.randn(n_vid, 256)
-    pre_img = {"format": "precomputed_embedding", "feature": emb_img, "image_grid_thw": ref["image_grid_thw"]}
+    pre_img = dict(ref, format="precomputed_embedding", feature=emb_img)  # the seed's form: all HF keys + feature
     pre_vid = {"format": "precomputed_embedding", "feature": list(emb_vid.split([n_vid])),
                "video_grid_thw": ref["video_grid_thw"]}
     precomputed = proc.process(input_ids=ids, image_data=[pre_img], video_data=[pre_vid])
@@ -157,7 +157,9 @@ def test_async_loading_matches_sync(skeleton, make_processor):
 
 
 def test_text_only_request(skeleton, make_processor):
-    out = make_processor().process(prompt="hello there")
+    proc = make_processor()
+    assert proc.has_placeholders(chat_prompt(skeleton, ["image"])) and not proc.has_placeholders("hello there")
+    out = proc.process(prompt="hello there")
     assert out.input_ids == skeleton.processor.tokenizer("hello there")["input_ids"]
     assert out.mm_inputs.items == [] and out.mm_inputs.mrope_position_delta == 0
 
@@ -181,6 +183,10 @@ def test_refusals(skeleton, make_processor):
         proc.process(prompt=one, image_data=[img, img])
     with pytest.raises(ValueError, match="no media placeholders"):
         proc.process(prompt="What is this?", image_data=[img])
+    with pytest.raises(ValueError, match=r"prompt has 1 image placeholder\(s\).*but 0 image item"):
+        proc.process(prompt=one)
+    with pytest.raises(ValueError, match="input_ids have 1 image placeholder tokens but no image items"):
+        proc.process(input_ids=[1, 5, 2])
     with pytest.raises(ValueError, match="input_ids contains no media placeholders"):
         proc.process(input_ids=[1, 2, 3], image_data=[img])
     with pytest.raises(ValueError, match="input_ids have 2 image placeholder tokens; expected 1"):

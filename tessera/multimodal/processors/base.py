@@ -126,6 +126,10 @@ class BaseMultimodalProcessor(abc.ABC):
             kwargs.update(self.video_sampling_kwargs())
         return kwargs
 
+    def video_call_kwargs(self, videos: Sequence[VideoClip]) -> dict[str, Any]:
+        """Per-request videos_kwargs derived from the loaded clips (e.g. their metadata); default none."""
+        return {}
+
     def finalize(self, input_ids: list[int], mm_inputs: MultimodalInputs) -> None:
         """Model-specific additions to the output (positions, ...); default none."""
 
@@ -257,6 +261,10 @@ class BaseMultimodalProcessor(abc.ABC):
 
     # ------------------------------------------------------------ processing
 
+    def has_placeholders(self, prompt: str) -> bool:
+        """Whether `prompt` contains any media placeholder of this model."""
+        return any(self.special_tokens.count(prompt).values())
+
     def tokenize(self, prompt: str) -> list[int]:
         tokenizer = getattr(self.hf_processor, "tokenizer", self.hf_processor)
         return list(tokenizer(prompt)["input_ids"])
@@ -271,7 +279,7 @@ class BaseMultimodalProcessor(abc.ABC):
             kwargs["images_kwargs"] = self.hf_kwargs(Modality.IMAGE)
         if loaded.videos:
             kwargs["videos"] = [clip.frames for clip in loaded.videos]
-            kwargs["videos_kwargs"] = self.hf_kwargs(Modality.VIDEO)
+            kwargs["videos_kwargs"] = {**self.hf_kwargs(Modality.VIDEO), **self.video_call_kwargs(loaded.videos)}
         if loaded.audios:
             kwargs["audio"] = loaded.audios
             kwargs["audio_kwargs"] = self.hf_kwargs(Modality.AUDIO)
@@ -289,6 +297,8 @@ class BaseMultimodalProcessor(abc.ABC):
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
         if loaded.is_empty:
+            if prompt is not None:
+                self.special_tokens.check_counts(prompt, {})  # placeholders without media
             ids = self.tokenize(prompt) if prompt is not None else list(input_ids or [])
             features: list[ItemFeatures] = []
         elif loaded.input_format is InputFormat.RAW:
@@ -346,7 +356,8 @@ class BaseMultimodalProcessor(abc.ABC):
                               {"format": loaded.input_format.value}) for f in features]
         contents: dict[Modality, list[Any]] = {
             Modality.IMAGE: list(loaded.images),
-            Modality.VIDEO: [clip.frames for clip in loaded.videos],
+            # The sampled rate can shape positions (Qwen2.5-VL), so equal frames at other rates differ.
+            Modality.VIDEO: [[clip.frames, clip.sampled_fps] for clip in loaded.videos],
             Modality.AUDIO: list(loaded.audios),
         }
         kwargs = {m: self.feature_kwargs(m) for m in {f.modality for f in features}}

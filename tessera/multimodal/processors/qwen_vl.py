@@ -8,12 +8,13 @@ model_specific_data holds its grid as a [1, 3] int64 tensor under `image_grid_th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 
 from tessera.multimodal.items import Modality, MultimodalInputs
+from tessera.multimodal.media import VideoClip
 from tessera.multimodal.mrope import VisionSpan, compute_mrope_positions
 from tessera.multimodal.processors.base import (
     BaseMultimodalProcessor,
@@ -89,6 +90,16 @@ class QwenVLProcessor(BaseMultimodalProcessor):
         if modality is Modality.VIDEO:
             kwargs["do_sample_frames"] = False
         return kwargs
+
+    def video_call_kwargs(self, videos: Sequence[VideoClip]) -> dict[str, Any]:
+        """Qwen2.5-VL spaces temporal positions by seconds per grid (temporal_patch_size / the
+        sampled frame rate), which the HF processor reads from video metadata."""
+        if self.tokens_per_second is None or any(clip.fps is None for clip in videos):
+            return {}
+        return {"video_metadata": [
+            {"fps": clip.fps, "total_num_frames": clip.total_num_frames, "frames_indices": clip.sampled_indices}
+            for clip in videos
+        ]}
 
     def feature_kwargs(self, modality: Modality) -> dict[str, Any]:
         kwargs = super().feature_kwargs(modality)
