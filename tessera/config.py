@@ -78,6 +78,8 @@ class ServerArgs:
     mm_process_config: dict = field(default_factory=dict)
     limit_mm_data_per_request: dict = field(default_factory=dict)
     allowed_local_media_path: str | None = None
+    allow_private_media_urls: bool = False  # fetch from loopback/private addresses (off: SSRF protection)
+    max_image_pixels: int | None = None  # refuse larger images before decoding (None: the loader's default)
     mm_preprocess_workers: int = 4
     # Frontend
     stream_interval: int = 1
@@ -138,7 +140,7 @@ class ServerArgs:
             default = f.default if f.default is not dataclasses.MISSING else None
             if f.type in ("bool",):
                 parser.add_argument(flag, action="store_true", default=default)
-            elif f.type in ("int",):
+            elif f.type in ("int", "int | None"):
                 parser.add_argument(flag, type=int, default=default)
             elif f.type in ("dict",):
                 parser.add_argument(flag, type=str, default=None, help="JSON object")
@@ -158,6 +160,7 @@ class ServerArgs:
     def for_engine(cls, model_path: str, **kwargs: Any) -> ServerArgs:
         """The offline Engine trusts its caller with local files unless told otherwise."""
         kwargs.setdefault("allowed_local_media_path", "/")
+        kwargs.setdefault("allow_private_media_urls", True)
         unknown = set(kwargs) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise ValueError(f"unknown Engine argument(s): {', '.join(sorted(unknown))}")

@@ -19,7 +19,14 @@ def error_response(message: str, status: int = 400, param: str | None = None, ty
                         status_code=status)
 
 
+_KNOWN_PARAMS = {"prompt", "input_ids", "messages", "model", "image_data", "video_data", "audio_data", "media",
+                 "max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
+                 "stop_token_ids", "frequency_penalty", "presence_penalty", "repetition_penalty", "logprobs",
+                 "top_logprobs", "top_logprobs_num", "min_new_tokens", "sampling_params", "image", "video",
+                 "audio"}
+
+
 def param_of(message: str) -> str | None:
     """Our ValueErrors start with the field name ("temperature must be ...", "prompt: ...")."""
     head = message.split(":", 1)[0].split(" ", 1)[0].strip()
-    return head if head.replace("_", "").replace(".", "").isalnum() else None
+    return head if head in _KNOWN_PARAMS else None

@@ -1,0 +1,261 @@
+"""Integration tests: a real `tessera serve` driven by the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import base64
+import io
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from PIL import Image
+
+from tessera.config import ASSETS_DIR
+from tessera.demo import scenes
+from tests.server.server_process import ServerProcess, children_of, free_port
+
+EXAMPLE_IMAGE = ASSETS_DIR / "examples" / "scene.png"
+EXAMPLE_VIDEO = ASSETS_DIR / "examples" / "moving.mp4"
+
+
+def data_uri(img: Image.Image) -> str:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def media_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("media")
+    (d / "scene.png").write_bytes(EXAMPLE_IMAGE.read_bytes())
+    (d / "moving.mp4").write_bytes(EXAMPLE_VIDEO.read_bytes())
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(media_dir):
+    srv = ServerProcess("--model-path", "demo-vl", "--allowed-local-media-path", str(media_dir),
+                        "--allow-private-media-urls", "--max-total-tokens", "16384")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def ask(client, content, **kw):
+    kw.setdefault("max_tokens", 24)
+    kw.setdefault("temperature", 0)
+    return client.chat.completions.create(model="demo-vl", messages=[{"role": "user", "content": content}], **kw)
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def text_part(text: str) -> dict:
+    return {"type": "text", "text": text}
+
+
+def test_models_and_model_info(server, client):
+    assert [m.id for m in client.models.list().data] == ["demo-vl"]
+    info = httpx.get(f"{server.base_url}/model_info").json()
+    assert info["architectures"] == ["Qwen2VLForConditionalGeneration"]
+    assert info["has_image_understanding"] and info["has_video_understanding"]
+    assert not info["has_audio_understanding"]
+
+
+def test_answers_scene_questions_like_hf(client):
+    """Through the API, the demo model gives HF transformers' greedy answers, and they are right."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    path = ASSETS_DIR / "demo-vl"
+    processor = AutoProcessor.from_pretrained(path)
+    model = AutoModelForImageTextToText.from_pretrained(path).eval()
+    rng = random.Random(77)
+    samples = [scenes.image_sample(rng, q) for q in scenes.IMAGE_QUESTION_TYPES for _ in range(2)]
+    num_right = 0
+    for s in samples:
+        msgs = [{"role": "user", "content": [{"type": "image"}, text_part(s.question)]}]
+        text = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        enc = processor(text=[text], images=[s.frames[0]], return_tensors="pt")
+        out = model.generate(**enc, max_new_tokens=24, do_sample=False)
+        hf_answer = processor.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)[0]
+        reply = ask(client, [image_part(data_uri(s.frames[0])), text_part(s.question)])
+        assert reply.choices[0].message.content == hf_answer.strip()
+        assert reply.usage.prompt_tokens == enc["input_ids"].shape[1]
+        num_right += reply.choices[0].message.content == s.answer
+    assert num_right >= len(samples) - 1
+
+
+def test_local_path_and_file_uri(client, media_dir):
+    a = ask(client, [image_part(str(media_dir / "scene.png")), text_part("What color is the square?")])
+    b = ask(client, [image_part(f"file://{media_dir / 'scene.png'}"), text_part("What color is the square?")])
+    c = ask(client, [image_part(data_uri(Image.open(EXAMPLE_IMAGE))), text_part("What color is the square?")])
+    assert a.choices[0].message.content == b.choices[0].message.content == c.choices[0].message.content == "blue"
+
+
+def test_video_url(client, media_dir):
+    reply = ask(client, [{"type": "video_url", "video_url": {"url": str(media_dir / "moving.mp4")}},
+                         text_part("Which way is the green circle moving?")])
+    assert reply.choices[0].message.content == "up"
+
+
+def test_several_images_in_one_message(client):
+    rng = random.Random(5)
+    imgs = [scenes.image_sample(rng).frames[0] for _ in range(2)]
+    reply = ask(client, [image_part(data_uri(imgs[0])), image_part(data_uri(imgs[1])), text_part("Describe the image.")])
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    single = ask(client, [image_part(data_uri(imgs[0])), text_part("Describe the image.")])
+    assert reply.usage.prompt_tokens > single.usage.prompt_tokens
+
+
+def test_stream_equals_non_stream_and_usage(client):
+    content = [image_part(data_uri(Image.open(EXAMPLE_IMAGE))), text_part("Describe the image.")]
+    full = ask(client, content)
+    chunks = list(ask(client, content, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    # The second identical request reused the image's KV through the prefix cache.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= full.usage.prompt_tokens - 2
+
+
+def test_n_logprobs_seed(client):
+    reply = ask(client, "Say something.", n=3, temperature=1.0, seed=11, logprobs=True, top_logprobs=2,
+                max_tokens=6)
+    assert len(reply.choices) == 3
+    for ch in reply.choices:
+        assert ch.logprobs.content and all(len(t.top_logprobs) == 2 for t in ch.logprobs.content)
+        assert all(t.logprob <= 0 for t in ch.logprobs.content)
+    again = ask(client, "Say something.", n=3, temperature=1.0, seed=11, max_tokens=6)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+
+
+def test_completions_and_native_generate(server, client):
+    comp = client.completions.create(model="demo-vl", prompt="Hello", max_tokens=4, temperature=0)
+    assert comp.usage.completion_tokens == len(comp.choices[0].text) and True or comp.usage.completion_tokens <= 4
+    native = httpx.post(f"{server.base_url}/generate", json={
+        "text": "Hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0}}, timeout=60).json()
+    assert native["text"] == comp.choices[0].text
+    assert native["meta_info"]["completion_tokens"] == comp.usage.completion_tokens
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"content": "hi"}]}, 400, "role"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,!!"}}]}]},
+     400, "base64"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/passwd"}}]}]},
+     400, "outside the allowed"),
+    ({"messages": [{"role": "user", "content": [{"type": "fancy"}]}]}, 400, "unsupported"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**7}, 400, "max_new_tokens"),
+    ({"messages": [{"role": "user", "content": "hi " * 5000}]}, 400, "context"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, needle):
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["code"] == status and "type" in err
+
+
+def test_unfetchable_url_is_422(server):
+    url = f"http://127.0.0.1:{free_port()}/missing.png"
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=60, json={
+        "messages": [{"role": "user", "content": [image_part(url), text_part("hi")]}]})
+    assert r.status_code == 422, r.text
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", content=b"{not json", timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400
+
+
+def _stats(server) -> dict:
+    return httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["stats"]
+
+
+def test_disconnect_mid_stream_frees_kv(server):
+    body = {"messages": [{"role": "user", "content": "Tell me a story."}], "stream": True, "max_tokens": 3000,
+            "ignore_eos": True}
+    with httpx.Client(timeout=60) as c, c.stream("POST", f"{server.base_url}/v1/chat/completions", json=body) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        s = _stats(server)
+        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_used_tokens"] == 0:
+            break
+        time.sleep(0.3)
+    assert s["num_running"] == 0 and s["kv_used_tokens"] == 0, s
+
+
+def test_health_stays_responsive_during_heavy_preprocessing(server):
+    big = Image.new("RGB", (2000, 1500), (255, 255, 255))
+    uri = data_uri(big)
+    body = {"messages": [{"role": "user", "content": [image_part(uri), text_part("How many shapes are there?")]}],
+            "max_tokens": 4}
+
+    def post(_):
+        return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=300).status_code
+
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(post, i) for i in range(16)]
+        time.sleep(0.5)
+        worst = 0.0
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            time.sleep(0.2)
+        codes = [f.result() for f in futures]
+    assert codes == [200] * 16
+    assert worst < 1.0, f"/health took {worst:.2f}s while preprocessing"
+
+
+def test_metrics_exposes_serving_figures(server):
+    text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    for name in ("tessera_requests_total", "tessera_time_to_first_token_seconds", "tessera_inter_token_latency_seconds",
+                 "tessera_num_running_reqs", "tessera_num_queue_reqs", "tessera_kv_cache_usage",
+                 "tessera_prefix_cache_hit_rate", "tessera_encoder_cache_hit_rate"):
+        assert name in text
+
+
+def test_language_model_only_and_api_key():
+    srv = ServerProcess("--model-path", "demo-vl", "--language-model-only", "--api-key", "sekret")
+    try:
+        assert httpx.get(f"{srv.base_url}/model_info").status_code == 401
+        auth = {"Authorization": "Bearer sekret"}
+        info = httpx.get(f"{srv.base_url}/model_info", headers=auth).json()
+        assert info["has_image_understanding"] is False and info["has_video_understanding"] is False
+        body = {"messages": [{"role": "user", "content": [image_part(data_uri(Image.open(EXAMPLE_IMAGE))),
+                                                          text_part("hi")]}]}
+        r = httpx.post(f"{srv.base_url}/v1/chat/completions", json=body, headers=auth, timeout=60)
+        assert r.status_code == 400 and "language-model-only" in r.json()["error"]["message"]
+        ok = httpx.post(f"{srv.base_url}/v1/chat/completions", headers=auth, timeout=60,
+                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+        assert ok.status_code == 200
+        kids = children_of(srv.proc.pid)
+        assert kids, "the scheduler runs in a child process"
+    finally:
+        code = srv.stop()
+    # uvicorn shuts down gracefully, then re-raises the signal so the parent sees it.
+    assert code in (0, -15)
+    assert "Application shutdown complete" in srv.output()
+    time.sleep(1.0)
+    for pid in kids:  # SIGTERM took the scheduler down too
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().split()[2] == "Z"
+        except FileNotFoundError:
+            pass
