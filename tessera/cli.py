@@ -63,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=_cmd_generate)
-    bench = sub.add_parser("bench", help="benchmarks: `tessera bench serving|offline --help`", add_help=False)
+    # prefix_chars="+": no option is this parser's own, so `tessera bench --help` reaches tessera.bench.cli intact
+    # (REMAINDER would not take a first argument that looks like an option).
+    bench = sub.add_parser("bench", help="benchmarks: `tessera bench serving|offline --help`", add_help=False,
+                           prefix_chars="+")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
     return p

@@ -1,0 +1,1 @@
+"""Benchmarks: `tessera bench serving | offline` (see docs/benchmarks.md)."""

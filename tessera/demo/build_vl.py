@@ -36,18 +36,21 @@ IMAGE_MIN_PIXELS = 56 * 56
 VIDEO_MAX_PIXELS = 112 * 112
 VIDEO_MIN_PIXELS = 56 * 56
 
+# Qwen2-VL style, with one difference: within a message, media parts come before its text parts
+# whatever their order in the request (as LLaVA's templates do), so "text then image_url" requests
+# see the layout the demo model was trained on.
 CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}<|vision_start|><|image_pad|><|vision_end|>"
+    "<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif content['type'] == 'video' or 'video' in content or 'video_url' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>{% endif %}"
+    "{% endfor %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
     "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

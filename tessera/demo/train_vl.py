@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.demo import scenes
-from tessera.demo.build_vl import build_skeleton
+from tessera.demo.build_vl import build_processor_files, build_skeleton
 
 IGNORE = -100
 
@@ -163,6 +163,7 @@ def save_model(model, skeleton_dir: Path, out_dir: Path) -> None:
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(skeleton_dir, tmp)
+    build_processor_files(tmp)  # the processor files and chat template of the current code
     model.save_pretrained(tmp, safe_serialization=True)
     gen = {"do_sample": False, "eos_token_id": [model.config.text_config.eos_token_id,
                                                 model.config.text_config.pad_token_id],

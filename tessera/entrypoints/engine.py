@@ -16,8 +16,9 @@ from typing import Any
 
 from tessera.config import ServerArgs
 from tessera.frontend.request import GenerateRequest
-from tessera.frontend.tokenizer_manager import TokenizerManager
+from tessera.frontend.tokenizer_manager import FrontendStats, TokenizerManager
 from tessera.sampling_params import SamplingParams
+from tessera.scheduler.io import SchedulerStats
 
 _STREAM_END = object()
 
@@ -190,8 +191,13 @@ class Engine:
         finally:
             fut.cancel()
 
-    def get_stats(self):
+    def get_stats(self) -> SchedulerStats:
+        """The scheduler's counters (KV use, prefix-cache and encoder-cache hits, ...)."""
         return self._run(self.tokenizer_manager.get_stats())
+
+    def get_frontend_stats(self) -> FrontendStats:
+        """The frontend's counters (preprocessing-cache hits and misses, ...)."""
+        return self.tokenizer_manager.frontend_stats()
 
     def flush_cache(self) -> None:
         self._run(self.tokenizer_manager.flush_cache())

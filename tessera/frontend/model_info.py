@@ -68,7 +68,8 @@ class ModelInfo:
         limits = MediaLimits.from_server_args(self.args)
         cls = get_processor_class(self.architecture)
         return cls(self.hf_processor, self.hf_config, self.args.mm_process_config, limits,
-                   self.args.limit_mm_data_per_request, language_model_only=self.args.language_model_only)
+                   self.args.limit_mm_data_per_request, language_model_only=self.args.language_model_only,
+                   cache_size_bytes=self.args.mm_cache_size_mb * 1024 * 1024)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         target = self.hf_processor if self.hf_processor is not None else self.tokenizer

@@ -49,6 +49,20 @@ class ReqState:
     finished: bool = False
 
 
+@dataclass(frozen=True)
+class FrontendStats:
+    """Counters of the frontend process (the scheduler's are io.SchedulerStats).
+
+    preprocess_cache_misses counts the media items that went through the HF image/video
+    processor; hits, those served from the preprocessing cache. Zero for text-only models.
+    """
+
+    preprocess_cache_hits: int = 0
+    preprocess_cache_misses: int = 0
+    preprocess_cache_bytes: int = 0
+    preprocess_cache_entries: int = 0
+
+
 class TokenizerManager:
     def __init__(self, args: ServerArgs):
         self.args = args
@@ -135,8 +149,18 @@ class TokenizerManager:
     def scheduler_alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def _fail_all(self, message: str) -> None:
+        for rid, state in list(self.states.items()):
+            state.queue.put_nowait(io.ReqOutput(rid, [], {"type": "error", "message": message}))
+
     async def _recv_loop(self) -> None:
         while True:
+            if not await self.recv_sock.poll(1000):
+                if not self.scheduler_alive:  # it died: nobody will ever answer the pending requests
+                    self.ready = False
+                    self._fail_all(f"the scheduler process exited (code {self._proc.returncode})")
+                    return
+                continue
             msg = await io.recv_async(self.recv_sock)
             if isinstance(msg, io.BatchOutput):
                 for out in msg.outputs:
@@ -155,7 +179,17 @@ class TokenizerManager:
         await io.send_async(self.send_sock, io.GetStatsReq())
         return await asyncio.wait_for(fut, timeout)
 
+    def frontend_stats(self) -> FrontendStats:
+        """A snapshot of the frontend counters; safe from any thread (the cache locks)."""
+        if self.mm_processor is None:
+            return FrontendStats()
+        c = self.mm_processor.preprocess_cache_stats()
+        return FrontendStats(c.hits, c.misses, c.used_bytes, c.num_entries)
+
     async def flush_cache(self) -> None:
+        """Drops the preprocessing cache here and asks the scheduler to drop its caches."""
+        if self.mm_processor is not None:
+            self.mm_processor.preprocess_cache.clear()
         await io.send_async(self.send_sock, io.FlushCacheReq())
 
     # ---- requests ---------------------------------------------------------------------------
@@ -218,6 +252,9 @@ class TokenizerManager:
                 if out.new_top_logprobs:
                     state.top_logprobs.extend(out.new_top_logprobs)
                 finished = out.finished_reason is not None
+                if finished and out.finished_reason["type"] == "error":
+                    state.finished = True
+                    raise RuntimeError(out.finished_reason["message"])
                 delta = state.detok.add(out.new_token_ids, finished=finished)
                 if finished:
                     state.finished = True

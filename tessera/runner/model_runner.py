@@ -138,8 +138,11 @@ class ModelRunner:
         for row, item, lo, hi, stash in plan:
             emb = self._item_embedding(item, stash)
             rows.append(torch.arange(row, row + hi - lo))
-            embeds.append(emb[lo:hi])
-        return torch.cat(rows).to(self.device), torch.cat(embeds).to(self.device)
+            # Move each slice before concatenating: encoder-cache entries live on the host
+            # (unless --keep-mm-feature-on-device) and precomputed embeddings arrive there,
+            # while fresh encoder outputs are on the device; torch.cat refuses such a mix.
+            embeds.append(emb[lo:hi].to(self.device))
+        return torch.cat(rows).to(self.device), torch.cat(embeds)
 
     # ---- the step -----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -60,13 +60,16 @@ class KVManager:
             self.req_pool.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + num_tokens] = slots
         return slots
 
-    def release(self, req: Req) -> None:
-        """Returns req's KV: whole computed pages go to the radix cache, the rest to the allocator."""
+    def release(self, req: Req, allocated_len: int | None = None) -> None:
+        """Returns req's KV: whole computed pages go to the radix cache, the rest to the allocator.
+
+        allocated_len: slots held beyond kv_len (only after a failed step); normally every
+        allocated slot has had its KV written (allocation and forward share a step).
+        """
         row = req.req_pool_idx
         if row is None:
             return
-        # Every allocated slot has had its KV written by now (allocation and forward share a step).
-        slots = self.req_pool.req_to_token[row, : req.kv_len].clone()
+        slots = self.req_pool.req_to_token[row, : max(req.kv_len, allocated_len or 0)].clone()
         self.tree.cache_finished_req(req.cache_key()[: req.kv_len], slots, req.prefix_len, req.last_node)
         self.req_pool.free(row)
         req.req_pool_idx, req.last_node, req.kv_len, req.prefix_len = None, None, 0, 0
@@ -163,6 +166,6 @@ class SchedulePolicy:
         batch.reqs.append(ScheduledReq(req, req.kv_len, req.kv_len + n, slots))
         return n
 
-    def finish(self, req: Req) -> None:
+    def finish(self, req: Req, allocated_len: int | None = None) -> None:
         self.running.remove(req)
-        self.kv.release(req)
+        self.kv.release(req, allocated_len)

@@ -121,7 +121,12 @@ class Scheduler:
         batch = self.policy.next_batch()
         if batch is None:
             return False
-        result = self.runner.forward(batch)
+        try:
+            result = self.runner.forward(batch)
+        except Exception as e:  # a bug or a bad tensor that got past the frontend: fail this batch only
+            logger.exception("model step failed; failing the %d requests of the batch", len(batch.reqs))
+            self._fail(batch, f"internal error in the model step: {type(e).__name__}: {e}")
+            return True
         self.num_forward_steps += 1
         for s in batch.reqs:
             if s.end - s.start > 1 or not s.req.output_ids:  # a prefill chunk, not a decode token
@@ -146,6 +151,17 @@ class Scheduler:
                 outputs.append(self._output(req))
         self._emit(outputs)
         return True
+
+    def _fail(self, batch, message: str) -> None:
+        outputs = []
+        for s in batch.reqs:
+            req = s.req
+            req.kv_len = s.start  # the failed step wrote no usable KV; its fresh slots are freed
+            req.finished_reason = {"type": "error", "message": message}
+            self.policy.finish(req, allocated_len=s.end)
+            self.reqs.pop(req.rid, None)
+            outputs.append(self._output(req, req.finished_reason))
+        self._emit(outputs)
 
     def run_forever(self) -> None:
         poller = zmq.Poller()

@@ -125,3 +125,17 @@ def test_retraction_under_memory_pressure_gives_identical_outputs(tiny_gqa, engi
         stats = small.get_stats()
     assert stats.num_retractions > 0, "the pool was meant to be too small for all requests at once"
     assert [o["output_ids"] for o in outs] == expected
+
+
+def test_pending_requests_fail_when_the_scheduler_dies(tiny_gqa):
+    import time
+
+    with Engine(str(tiny_gqa), max_total_tokens=8192, show_progress=False) as eng:
+        stream = eng.generate("Hello", {"max_new_tokens": 4000, "ignore_eos": True}, stream=True)
+        next(stream)
+        eng.tokenizer_manager._proc.kill()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="scheduler process exited"):
+            for _ in stream:
+                pass
+        assert time.monotonic() - t0 < 10

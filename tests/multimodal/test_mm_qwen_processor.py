@@ -232,3 +232,27 @@ def test_bad_media_surfaces_as_media_error(skeleton, make_processor, tmp_path):
     with pytest.raises(MediaError, match="truncated"):
         proc.process(prompt=chat_prompt(skeleton, ["video"]),
                      video_data=[encode_mp4(scene_frames(4))[:-300]])
+
+
+def test_preprocessed_tensors_the_model_cannot_take_are_refused(skeleton, make_processor):
+    """Checked in the frontend: a shape the tower or the language model rejects would
+    otherwise fail inside the scheduler process, taking the whole batch with it."""
+    one = chat_prompt(skeleton, ["image", "?"])
+    proc = make_processor()
+    grid = torch.tensor([[1, 4, 4]])
+    hidden = skeleton.config.get_text_config().hidden_size
+    with pytest.raises(ValueError, match=rf"language model takes floating-point rows of {hidden} values"):
+        proc.process(prompt=one, image_data=[{"format": "precomputed_embedding", "feature": torch.zeros(4, hidden + 1),
+                                              "image_grid_thw": grid}])
+    with pytest.raises(ValueError, match="language model takes floating-point rows"):
+        proc.process(prompt=one, image_data=[{"format": "precomputed_embedding", "image_grid_thw": grid,
+                                              "feature": torch.zeros(4, hidden, dtype=torch.long)}])
+    with pytest.raises(ValueError, match=r"vision tower takes floating-point rows of 1176 values"):
+        proc.process(prompt=one, image_data=[{"format": "processor_output", "pixel_values": torch.zeros(16, 1000),
+                                              "image_grid_thw": grid}])
+    with pytest.raises(ValueError, match="h and w must be multiples of merge_size = 2"):
+        proc.process(prompt=one, image_data=[{"format": "processor_output", "pixel_values": torch.zeros(4, 1176),
+                                              "image_grid_thw": torch.tensor([[1, 1, 4]])}])
+    ok = proc.process(prompt=one, image_data=[{"format": "processor_output", "pixel_values": torch.zeros(16, 1176),
+                                               "image_grid_thw": grid}])
+    assert ok.mm_inputs.items[0].num_tokens == 4

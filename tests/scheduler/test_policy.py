@@ -117,3 +117,16 @@ def test_random_workload_never_leaks() -> None:
                          rng.randint(1, 25)) for i in range(20)]
         run_to_completion(policy, reqs)
         assert_no_leak(policy)
+
+
+def test_failed_step_returns_fresh_slots() -> None:
+    for page_size in (1, 4):
+        policy = make_policy(pool_tokens=256, page_size=page_size, chunk=8)
+        req = make_req("a", list(range(1, 21)), 5)
+        policy.add(req)
+        policy.next_batch()  # first chunk [0, 8) "succeeds"
+        batch = policy.next_batch()  # second chunk [8, 16) "fails"
+        (s,) = batch.reqs
+        req.kv_len = s.start
+        policy.finish(req, allocated_len=s.end)
+        assert_no_leak(policy)

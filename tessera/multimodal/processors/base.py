@@ -11,7 +11,10 @@ Contracts every subclass keeps:
   dicts); mixing raises ValueError. Item limits, unsupported modalities and language-model-only
   mode raise ValueError naming the modality before any media is loaded.
 - An item's hash covers its original content (decoded pixels/frames/samples, or the given
-  tensors) and the effective feature-shaping kwargs.
+  tensors) and the effective feature-shaping kwargs. The same hash keys the preprocessing
+  cache (raw items only), so a repeated item skips the HF processor; the output (ids,
+  offsets, features) is the same with or without a cache hit.
+- Thread-safe: one instance serves the frontend's worker pool concurrently.
 """
 
 from __future__ import annotations
@@ -19,55 +22,22 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
-import enum
+import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
-
-import numpy as np
-from PIL import Image
 
 from tessera.multimodal.hashing import hash_item
 from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from tessera.multimodal.media import MediaLimits, VideoClip, load_audio, load_image, load_video
 from tessera.multimodal.processors.assemble import ItemFeatures, ProcessorOutput, build_items, expand_placeholders
+from tessera.multimodal.processors.loaded import InputFormat, LoadedMultimodalData, as_list
+from tessera.multimodal.processors.preprocess_cache import PreprocessCache, PreprocessCacheStats
 from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 __all__ = ["BaseMultimodalProcessor", "InputFormat", "ItemFeatures", "LoadedMultimodalData", "ProcessorOutput"]
 
 # mm_process_config keys consumed by the loader (frame sampling), not passed to HF.
 VIDEO_LOADER_KEYS = ("fps", "max_frames", "num_frames")
-
-
-class InputFormat(str, enum.Enum):
-    RAW = "raw"
-    PROCESSOR_OUTPUT = "processor_output"
-    PRECOMPUTED_EMBEDDING = "precomputed_embedding"
-
-
-@dataclass
-class LoadedMultimodalData:
-    """A request's media after loading. RAW fills images/videos/audios; the two preprocessed
-    formats keep the caller's dicts per modality in `preprocessed` (validated, untouched)."""
-
-    input_format: InputFormat = InputFormat.RAW
-    images: list[Image.Image] = field(default_factory=list)
-    videos: list[VideoClip] = field(default_factory=list)
-    audios: list[np.ndarray] = field(default_factory=list)
-    preprocessed: dict[Modality, list[Mapping[str, Any]]] = field(default_factory=dict)
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.images or self.videos or self.audios or any(self.preprocessed.values()))
-
-    def raw_counts(self) -> dict[Modality, int]:
-        return {Modality.IMAGE: len(self.images), Modality.VIDEO: len(self.videos), Modality.AUDIO: len(self.audios)}
-
-
-def _as_list(data: Any) -> list[Any]:
-    if data is None:
-        return []
-    return list(data) if isinstance(data, (list, tuple)) else [data]
 
 
 class BaseMultimodalProcessor(abc.ABC):
@@ -79,7 +49,7 @@ class BaseMultimodalProcessor(abc.ABC):
 
     def __init__(self, hf_processor: Any, hf_config: Any, mm_process_config: Mapping[str, Any] | None = None,
                  limits: MediaLimits | None = None, limit_mm_per_request: Mapping[str, int] | None = None, *,
-                 language_model_only: bool = False, io_workers: int = 8) -> None:
+                 language_model_only: bool = False, io_workers: int = 8, cache_size_bytes: int = 0) -> None:
         self.hf_processor = hf_processor
         self.hf_config = hf_config
         self.limits = limits if limits is not None else MediaLimits()
@@ -91,6 +61,8 @@ class BaseMultimodalProcessor(abc.ABC):
         self.audio_sampling_rate = int(getattr(feature_extractor, "sampling_rate", 16000))
         self._io_workers = io_workers
         self._io_pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._io_pool_lock = threading.Lock()  # worker threads create the pool lazily
+        self.preprocess_cache = PreprocessCache(cache_size_bytes)
 
     # ------------------------------------------------------------ subclass hooks
 
@@ -219,14 +191,16 @@ class BaseMultimodalProcessor(abc.ABC):
         return load_audio(src, limits=self.limits, sampling_rate=self.audio_sampling_rate)
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._io_pool is None:
-            self._io_pool = concurrent.futures.ThreadPoolExecutor(self._io_workers, thread_name_prefix="tessera-media")
-        return self._io_pool
+        with self._io_pool_lock:
+            if self._io_pool is None:
+                self._io_pool = concurrent.futures.ThreadPoolExecutor(self._io_workers,
+                                                                      thread_name_prefix="tessera-media")
+            return self._io_pool
 
     def _start_loading(self, image_data: Any, video_data: Any, audio_data: Any,
                        ) -> tuple[LoadedMultimodalData, list[tuple[Modality, Any]]]:
-        entries = {Modality.IMAGE: _as_list(image_data), Modality.VIDEO: _as_list(video_data),
-                   Modality.AUDIO: _as_list(audio_data)}
+        entries = {Modality.IMAGE: as_list(image_data), Modality.VIDEO: as_list(video_data),
+                   Modality.AUDIO: as_list(audio_data)}
         input_format = self._check_request(entries)
         loaded = LoadedMultimodalData(input_format)
         if input_format is not InputFormat.RAW:
@@ -289,27 +263,24 @@ class BaseMultimodalProcessor(abc.ABC):
                                     loaded: LoadedMultimodalData) -> ProcessorOutput:
         """Expanded input_ids and items for exactly one of `prompt` / `input_ids`.
 
-        Raw media with a prompt goes through the HF processor as one call (its expansion is
-        the reference); with input_ids, the HF processor sees only the media and the
-        placeholders are expanded here. Preprocessed formats never call the HF processor.
+        Raw media with a prompt and no preprocessing-cache hit goes through the HF processor as
+        one call (its expansion is the reference); otherwise the HF processor sees only the
+        uncached media and the placeholders are expanded here (`_process_raw`). Preprocessed
+        formats never call the HF processor.
         `input_ids` may hold one placeholder per item or already-expanded runs.
         """
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt and input_ids")
+        features: list[ItemFeatures] = []
+        hashes: list[int] = []
         if loaded.is_empty:
             if prompt is not None:
                 self.special_tokens.check_counts(prompt, {})  # placeholders without media
             ids = self.tokenize(prompt) if prompt is not None else list(input_ids or [])
-            features: list[ItemFeatures] = []
         elif loaded.input_format is InputFormat.RAW:
             if prompt is not None:
                 self.special_tokens.check_counts(prompt, loaded.raw_counts())
-                hf_output = self.call_hf_processor(prompt, loaded)
-                ids = [int(t) for t in hf_output["input_ids"][0].tolist()]
-            else:
-                hf_output = self.call_hf_processor(None, loaded)
-                ids = list(input_ids or [])
-            features = self.split_hf_output(hf_output, loaded)
+            ids, features, hashes = self._process_raw(prompt, input_ids, loaded)
         else:
             ids = self.tokenize(prompt) if prompt is not None else list(input_ids or [])
             features = [f for m, entries in loaded.preprocessed.items() for entry in entries
@@ -318,8 +289,9 @@ class BaseMultimodalProcessor(abc.ABC):
             for f in features:
                 counts[f.modality] = counts.get(f.modality, 0) + 1
             self._check_item_limits(counts)
+            hashes = [hash_item([f.feature, f.precomputed_embedding, f.model_specific_data],
+                                {"format": loaded.input_format.value}) for f in features]
         ids = self.expand_placeholders(ids, features)
-        hashes = self._hashes(features, loaded)
         items = self._build_items(ids, features, hashes)
         mm_inputs = MultimodalInputs(items=items)
         self.finalize(ids, mm_inputs)
@@ -341,32 +313,67 @@ class BaseMultimodalProcessor(abc.ABC):
         return await loop.run_in_executor(executor, self.process_and_combine_mm_data, prompt, input_ids, loaded)
 
     def close(self) -> None:
-        if self._io_pool is not None:
-            self._io_pool.shutdown(wait=False, cancel_futures=True)
-            self._io_pool = None
+        with self._io_pool_lock:
+            if self._io_pool is not None:
+                self._io_pool.shutdown(wait=False, cancel_futures=True)
+                self._io_pool = None
 
     # ------------------------------------------------------------ items
 
     def expand_placeholders(self, input_ids: list[int], features: Sequence[ItemFeatures]) -> list[int]:
         return expand_placeholders(input_ids, features, self.special_tokens)
 
-    def _hashes(self, features: Sequence[ItemFeatures], loaded: LoadedMultimodalData) -> list[int]:
-        if loaded.input_format is not InputFormat.RAW:
-            return [hash_item([f.feature, f.precomputed_embedding, f.model_specific_data],
-                              {"format": loaded.input_format.value}) for f in features]
-        contents: dict[Modality, list[Any]] = {
-            Modality.IMAGE: list(loaded.images),
-            # The sampled rate can shape positions (Qwen2.5-VL), so equal frames at other rates differ.
-            Modality.VIDEO: [[clip.frames, clip.sampled_fps] for clip in loaded.videos],
-            Modality.AUDIO: list(loaded.audios),
-        }
-        kwargs = {m: self.feature_kwargs(m) for m in {f.modality for f in features}}
-        seen: dict[Modality, int] = {}
-        hashes = []
-        for f in features:
-            i = seen[f.modality] = seen.get(f.modality, -1) + 1
-            hashes.append(hash_item(contents[f.modality][i], kwargs[f.modality]))
+    def _raw_hashes(self, loaded: LoadedMultimodalData) -> list[int]:
+        """Item hashes in `split_hf_output` order: images, videos, audios, each in input order."""
+        kwargs = {m: self.feature_kwargs(m) for m, n in loaded.raw_counts().items() if n}
+        hashes = [hash_item(image, kwargs[Modality.IMAGE]) for image in loaded.images]
+        # The sampled rate can shape positions (Qwen2.5-VL), so equal frames at other rates differ.
+        hashes += [hash_item([clip.frames, clip.sampled_fps], kwargs[Modality.VIDEO]) for clip in loaded.videos]
+        hashes += [hash_item(audio, kwargs[Modality.AUDIO]) for audio in loaded.audios]
         return hashes
+
+    def _process_raw(self, prompt: str | None, input_ids: list[int] | None, loaded: LoadedMultimodalData,
+                     ) -> tuple[list[int], list[ItemFeatures], list[int]]:
+        """(ids, features, hashes) of raw media: features from the preprocessing cache where it
+        has them, from one HF processor call over the other items.
+
+        With a prompt and no hit, that call includes the prompt and its ids are the reference.
+        Otherwise the ids are the prompt's tokens (or the given input_ids), expanded later by
+        `expand_placeholders`: the same ids, since each placeholder is a single special token
+        whose run the HF processor would tokenize as N copies of itself.
+        """
+        hashes = self._raw_hashes(loaded)
+        found = [self.preprocess_cache.get(h) for h in hashes]
+        missing = [i for i, f in enumerate(found) if f is None]
+        ids: list[int] | None = None
+        if missing:
+            subset = loaded if len(missing) == len(found) else loaded.subset(missing)
+            text = prompt if subset is loaded else None
+            hf_output = self.call_hf_processor(text, subset)
+            if text is not None:
+                ids = [int(t) for t in hf_output["input_ids"][0].tolist()]
+            counts = loaded.raw_counts()
+            order = [m for m in (Modality.IMAGE, Modality.VIDEO, Modality.AUDIO) for _ in range(counts[m])]
+            for i, f in zip(missing, self.split_hf_output(hf_output, subset), strict=True):
+                assert f.modality is order[i], "split_hf_output must keep images, videos, audios order"
+                self.preprocess_cache.put(hashes[i], f)
+                found[i] = f
+        if ids is None:
+            ids = self.tokenize(prompt) if prompt is not None else list(input_ids or [])
+        features = [f for f in found if f is not None]
+        assert len(features) == len(hashes)
+        return ids, features, hashes
+
+    def preprocess_cache_stats(self) -> PreprocessCacheStats:
+        return self.preprocess_cache.stats()
+
+    @property
+    def preprocess_cache_hits(self) -> int:
+        return self.preprocess_cache.hits
+
+    @property
+    def preprocess_cache_misses(self) -> int:
+        return self.preprocess_cache.misses
 
     def _build_items(self, input_ids: list[int], features: Sequence[ItemFeatures],
                      hashes: Sequence[int]) -> list[MultimodalDataItem]:

@@ -51,6 +51,11 @@ class QwenVLProcessor(BaseMultimodalProcessor):
         self.spatial_merge_size = int(vision.spatial_merge_size)
         # Qwen2.5-VL spaces temporal positions by real time; Qwen2-VL has no such field.
         self.tokens_per_second: float | None = getattr(vision, "tokens_per_second", None)
+        # What the language model and the vision tower accept, checked on caller-supplied tensors
+        # here: a mismatch found in the scheduler process would fail a whole batch.
+        self.embed_dim = int(hf_config.get_text_config().hidden_size)
+        channels = int(getattr(vision, "in_channels", getattr(vision, "in_chans", 3)))
+        self.patch_dim = channels * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
         merge = int(getattr(hf_processor.image_processor, "merge_size", self.spatial_merge_size))
         if merge != self.spatial_merge_size:
             raise ValueError(f"image processor merge_size {merge} != vision_config.spatial_merge_size "
@@ -111,11 +116,11 @@ class QwenVLProcessor(BaseMultimodalProcessor):
     # ------------------------------------------------------------ splitting
 
     def _tokens_per_item(self, grids: torch.Tensor) -> list[int]:
-        merge2 = self.spatial_merge_size**2
-        rows = grids.prod(-1)
-        if bool((rows % merge2 != 0).any()):
-            raise ValueError(f"grid_thw {grids.tolist()} is not divisible by merge_size**2 = {merge2}")
-        return (rows // merge2).tolist()
+        merge = self.spatial_merge_size
+        # The tower merges merge x merge patch blocks, so h and w (not only h*w) must divide.
+        if bool((grids[:, 1:] % merge != 0).any()):
+            raise ValueError(f"grid_thw {grids.tolist()}: h and w must be multiples of merge_size = {merge}")
+        return (grids.prod(-1) // merge**2).tolist()
 
     def _grids(self, data: Mapping[str, Any], modality: Modality, what: str) -> torch.Tensor:
         grid_key = _KEYS[modality][1]
@@ -135,6 +140,9 @@ class QwenVLProcessor(BaseMultimodalProcessor):
         rows = grids.prod(-1).tolist()
         if pixels.ndim != 2 or pixels.shape[0] != sum(rows):
             raise ValueError(f"{pixel_key} has shape {tuple(pixels.shape)}; {grid_key} needs {sum(rows)} rows")
+        if pixels.shape[1] != self.patch_dim or not pixels.is_floating_point():
+            raise ValueError(f"{pixel_key} has shape {tuple(pixels.shape)} ({pixels.dtype}); the vision tower "
+                             f"takes floating-point rows of {self.patch_dim} values")
         out = []
         # clone(): a slice view would drag the whole batch's storage along when the item is sent on.
         for i, (grid, chunk, n) in enumerate(zip(grids, pixels.split(rows), self._tokens_per_item(grids))):
@@ -191,6 +199,11 @@ class QwenVLProcessor(BaseMultimodalProcessor):
             raise ValueError(
                 f"precomputed {modality.value} features have shapes {[tuple(c.shape) for c in chunks]}; "
                 f"{grid_key} needs {tokens} rows"
+            )
+        if any(c.shape[1] != self.embed_dim or not c.is_floating_point() for c in chunks):
+            raise ValueError(
+                f"precomputed {modality.value} features have shapes {[tuple(c.shape) for c in chunks]} "
+                f"({chunks[0].dtype}); the language model takes floating-point rows of {self.embed_dim} values"
             )
         out = []
         for i, (grid, chunk, n) in enumerate(zip(grids, chunks, tokens)):

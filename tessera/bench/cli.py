@@ -1,0 +1,143 @@
+"""`tessera bench serving | offline`: argument parsing and dispatch (the work lives in serving.py and offline.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+from tessera.bench.datasets import SERVING_DATASETS
+
+
+def _rate(text: str) -> float:
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"request_rate: expected a number or inf, got {text!r}") from None
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"request_rate: must be positive (or inf), got {text!r}")
+    return rate
+
+
+def _json_obj(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def _add_serving(sub) -> None:
+    p = sub.add_parser("serving", help="load-test an OpenAI-compatible server (streaming, Poisson arrivals)",
+                       description="Drives any OpenAI-compatible /v1/chat/completions server with multimodal "
+                                   "requests and reports throughput and TTFT/TPOT/ITL/E2E percentiles.")
+    p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:30000 (with or without /v1)")
+    p.add_argument("--model", default=None, help="model name to send (default: the first one the server lists)")
+    p.add_argument("--dataset", default="random-image", choices=SERVING_DATASETS,
+                   help="random-image | random-video | scenes (random-audio needs an audio model: not supported)")
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s, Poisson arrivals (default inf)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: no cap)")
+    p.add_argument("--image-resolution", default="448x448", help="WxH or random:MIN-MAX (random-image/-video)")
+    p.add_argument("--image-count", type=int, default=1, help="images per request (random-image, scenes)")
+    p.add_argument("--video-frames", type=int, default=8, help="frames per video (random-video)")
+    p.add_argument("--input-len", type=int, default=32, help="random words of text per request (random-*)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    p.add_argument("--no-ignore-eos", action="store_true",
+                   help="do not send ignore_eos/min_tokens (for servers that reject them); lengths then vary")
+    p.add_argument("--extra-body", type=_json_obj, default={}, help="JSON merged into every request body")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default="none")
+    p.add_argument("--num-warmup", type=int, default=1, help="untimed requests before the run")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--output-json", default=None, help="write the result (config, metrics, per-request) here")
+    p.add_argument("--plot", default=None, help="PNG of latency percentiles vs concurrency (needs --from-json)")
+    p.add_argument("--from-json", nargs="+", default=None, help="result files to plot instead of running")
+    p.set_defaults(func=_cmd_serving)
+
+
+def _cmd_serving(ns: argparse.Namespace) -> int:
+    if ns.from_json or ns.plot:
+        if not (ns.from_json and ns.plot):
+            raise ValueError("plot: --plot FILE.png and --from-json a.json b.json ... go together")
+        from tessera.bench.plot import load_results, plot_latency_vs_concurrency
+
+        print(plot_latency_vs_concurrency(load_results(ns.from_json), ns.plot))
+        return 0
+    if not ns.base_url:
+        raise ValueError("base_url: --base-url is required to run the benchmark (e.g. http://127.0.0.1:30000)")
+    from tessera.bench.datasets import make_serving_dataset
+    from tessera.bench.serving import ServingConfig, run_serving
+
+    if ns.dataset == "random-audio":  # fail before connecting to anything
+        make_serving_dataset("random-audio", 1)
+    cfg = ServingConfig(
+        base_url=ns.base_url, model=ns.model, dataset=ns.dataset, num_prompts=ns.num_prompts,
+        request_rate=ns.request_rate, max_concurrency=ns.max_concurrency, image_resolution=ns.image_resolution,
+        image_count=ns.image_count, output_len=ns.output_len, input_len=ns.input_len, video_frames=ns.video_frames,
+        seed=ns.seed, ignore_eos=not ns.no_ignore_eos, temperature=ns.temperature, api_key=ns.api_key,
+        timeout_s=ns.timeout, num_warmup=ns.num_warmup, disable_tqdm=ns.disable_tqdm, extra_body=ns.extra_body)
+    result = run_serving(cfg, ns.output_json)
+    return 0 if result["metrics"]["num_completed"] > 0 else 1
+
+
+def _add_offline(sub) -> None:
+    p = sub.add_parser("offline", help="workloads a-d through tessera.Engine and HF transformers generate",
+                       description="Runs workloads a-d (see tessera/bench/offline.py) through tessera.Engine and, "
+                                   "with --compare hf, through HF transformers' batched generate in this process.")
+    p.add_argument("--model-path", default="demo-vl", help="checkpoint dir, demo-vl, or bench-medium (~150M random)")
+    p.add_argument("--workload", default="all", help="a, b, c, d, a comma list, or all")
+    p.add_argument("--compare", default="hf", choices=("hf", "none"), help="baseline to compare with")
+    p.add_argument("--num-runs", type=int, default=3, help="timed runs per figure; the median is reported")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--max-output-len", type=int, default=None, help="cap every output length (quick runs)")
+    p.add_argument("--decode-len", type=int, default=64, help="output tokens for workload d")
+    p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-args", type=_json_obj, default={},
+                   help='extra tessera.Engine/ServerArgs fields as JSON, e.g. \'{"max_running_requests": 32}\'')
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=_cmd_offline)
+
+
+def parse_workloads(text: str) -> tuple[str, ...]:
+    if text.strip() == "all":
+        return ("a", "b", "c", "d")
+    names = tuple(dict.fromkeys(w.strip() for w in text.split(",") if w.strip()))
+    bad = [w for w in names if w not in ("a", "b", "c", "d")]
+    if bad or not names:
+        raise ValueError(f"workload: expected a, b, c, d, a comma list of them, or all; got {text!r}")
+    return names
+
+
+def _cmd_offline(ns: argparse.Namespace) -> int:
+    from tessera.bench.offline import OfflineConfig, format_summary, run_offline
+
+    cfg = OfflineConfig(model_path=ns.model_path, workloads=parse_workloads(ns.workload),
+                        compare_hf=ns.compare == "hf", num_runs=ns.num_runs, seed=ns.seed,
+                        num_requests=ns.num_requests, max_output_len=ns.max_output_len, decode_len=ns.decode_len,
+                        hf_batch_size=ns.hf_batch_size, engine_args=ns.engine_args)
+    result = run_offline(cfg)
+    print(format_summary(result))
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tessera bench", description="Tessera benchmarks")
+    sub = p.add_subparsers(dest="bench", required=True)
+    _add_serving(sub)
+    _add_offline(sub)
+    return p
+
+
+def run_bench(argv: list[str]) -> int:
+    """Entry point of `tessera bench ...`; ValueErrors reach tessera.cli as one-line user errors."""
+    ns = build_parser().parse_args(argv)
+    return ns.func(ns)

@@ -1,0 +1,225 @@
+"""Benchmark inputs: deterministic request lists for the serving and offline benchmarks.
+
+Everything is a pure function of the seed (and the other arguments), so two runs of a benchmark,
+or a benchmark and its test, see byte-identical prompts and media. Media are encoded here, before
+any clock starts: a benchmark must time the server, not the client's PNG encoder.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import math
+import random
+import re
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+from tessera.demo import scenes
+
+SERVING_DATASETS = ("random-image", "random-video", "scenes", "random-audio")
+OFFLINE_WORKLOADS = ("a", "b", "c", "d")
+
+# Words for random prompts: the demo grammar plus generic English, so every word is in the demo
+# tokenizer's merges and prompt lengths stay predictable (about one token per word).
+_WORDS = tuple(sorted({w.strip(".,!?") for line in (
+    "you are a helpful assistant what is shown here please describe the picture in detail",
+    "the quick brown fox jumps over lazy dog hello world how are you today tell me about this image",
+    "and objects in it what do you see which way moving answer yes or no count from left to right",
+    "there picture of cat car house tree person on street zero one two three four five six seven",
+    " ".join(scenes.COLORS), " ".join(scenes.SHAPES), " ".join(scenes.DIRECTIONS),
+) for w in line.split()}))
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """A fixed size, or a range each side is drawn from uniformly (`random:min-max`)."""
+
+    min_side: int
+    max_side: int
+    width: int | None = None
+    height: int | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> Resolution:
+        spec = spec.strip().lower()
+        if m := re.fullmatch(r"(\d+)x(\d+)", spec):
+            w, h = int(m[1]), int(m[2])
+            if w < 1 or h < 1:
+                raise ValueError(f"image_resolution: sides must be positive, got {spec!r}")
+            return cls(min(w, h), max(w, h), w, h)
+        if m := re.fullmatch(r"random:(\d+)-(\d+)", spec):
+            lo, hi = int(m[1]), int(m[2])
+            if not 1 <= lo <= hi:
+                raise ValueError(f"image_resolution: need 1 <= min <= max in {spec!r}")
+            return cls(lo, hi)
+        raise ValueError(f"image_resolution: expected WxH (e.g. 448x448) or random:MIN-MAX, got {spec!r}")
+
+    def draw(self, rng: random.Random) -> tuple[int, int]:
+        if self.width is not None and self.height is not None:
+            return self.width, self.height
+        return rng.randint(self.min_side, self.max_side), rng.randint(self.min_side, self.max_side)
+
+
+def random_image(rng: random.Random, width: int, height: int) -> Image.Image:
+    """Uniform noise, as in SGLang's random-image dataset: no two images share a prefix-cache key."""
+    pixels = np.random.default_rng(rng.getrandbits(64)).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels, "RGB")
+
+
+def random_text(rng: random.Random, num_words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(num_words))
+
+
+def encode_image(img: Image.Image, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    # JPEG for noise (PNG cannot compress it); PNG for flat scenes (lossless and small).
+    img.save(buf, format=fmt, **({"quality": 90} if fmt == "JPEG" else {}))
+    return buf.getvalue()
+
+
+def encode_video(frames: list[Image.Image], fps: int = 4) -> bytes:
+    """An MP4 (MPEG-4 part 2, like tessera/demo/examples.py) in memory; sides are cut to even."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        w, h = frames[0].size
+        stream.width, stream.height = w - w % 2, h - h % 2
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"qscale": "2"}
+        for img in frames:
+            arr = np.ascontiguousarray(np.asarray(img.convert("RGB"))[: stream.height, : stream.width])
+            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+def data_uri(payload: bytes, mime: str) -> str:
+    return f"data:{mime};base64,{base64.b64encode(payload).decode()}"
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One serving-benchmark request: text, encoded media and the output length to force."""
+
+    text: str
+    images: tuple[bytes, ...]
+    image_mime: str
+    videos: tuple[bytes, ...]
+    output_len: int
+
+    def openai_messages(self) -> list[dict]:
+        """Chat messages with media as data URIs (so any OpenAI-compatible server can read them)."""
+        content: list[dict] = [{"type": "image_url", "image_url": {"url": data_uri(b, self.image_mime)}}
+                               for b in self.images]
+        content += [{"type": "video_url", "video_url": {"url": data_uri(v, "video/mp4")}} for v in self.videos]
+        content.append({"type": "text", "text": self.text})
+        return [{"role": "user", "content": content}]
+
+
+def make_serving_dataset(name: str, num_prompts: int, *, seed: int = 0, image_resolution: str = "448x448",
+                         image_count: int = 1, output_len: int = 128, input_len: int = 32,
+                         video_frames: int = 8) -> list[BenchRequest]:
+    """Requests for `tessera bench serving`.
+
+    random-image: `image_count` noise images of `image_resolution` and `input_len` random words.
+    random-video: one noise video of `video_frames` frames at `image_resolution`, plus random words.
+    scenes: `image_count` demo-grammar scenes (their own canvas sizes) with a question demo-vl knows.
+    """
+    if name == "random-audio":
+        raise ValueError("dataset: random-audio needs an audio model (Qwen2-Audio), which Tessera does not serve "
+                         "yet; use random-image, random-video or scenes")
+    if name not in SERVING_DATASETS:
+        raise ValueError(f"dataset: unknown {name!r}; expected one of {', '.join(SERVING_DATASETS)}")
+    for field_name, value, low in (("num_prompts", num_prompts, 1), ("image_count", image_count, 0),
+                                   ("output_len", output_len, 1), ("input_len", input_len, 0),
+                                   ("video_frames", video_frames, 2)):
+        if value < low:
+            raise ValueError(f"{field_name}: must be >= {low}, got {value}")
+    res = Resolution.parse(image_resolution)
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num_prompts):
+        if name == "scenes":
+            samples = [scenes.image_sample(rng) for _ in range(image_count)]
+            text = samples[0].question if len(samples) == 1 else "Describe the image."
+            images = tuple(encode_image(s.frames[0], "PNG") for s in samples)
+            out.append(BenchRequest(text, images, "image/png", (), output_len))
+        elif name == "random-image":
+            images = tuple(encode_image(random_image(rng, *res.draw(rng)), "JPEG") for _ in range(image_count))
+            out.append(BenchRequest(random_text(rng, input_len), images, "image/jpeg", (), output_len))
+        else:  # random-video
+            w, h = res.draw(rng)
+            frames = [random_image(rng, w, h) for _ in range(video_frames)]
+            out.append(BenchRequest(random_text(rng, input_len), (), "image/jpeg", (encode_video(frames),),
+                                    output_len))
+    return out
+
+
+def poisson_intervals(num: int, request_rate: float, seed: int) -> list[float]:
+    """Seconds to wait after each request before sending the next: exponential gaps at `request_rate`
+    requests/s (a Poisson process), or all zeros for an infinite rate (everything at once)."""
+    if request_rate <= 0:
+        raise ValueError(f"request_rate: must be positive (or inf), got {request_rate}")
+    if math.isinf(request_rate):
+        return [0.0] * num
+    rng = random.Random(seed ^ 0x5EED)  # its own stream: changing the rate must not change the prompts
+    return [rng.expovariate(request_rate) for _ in range(num)]
+
+
+# ---------------------------------------------------------------- offline workloads
+
+
+@dataclass(frozen=True)
+class OfflineRequest:
+    """One offline-benchmark request; the chat prompt is built later with the model's template."""
+
+    question: str
+    images: tuple[Image.Image, ...]
+    output_len: int
+    system: str | None = None
+
+
+def offline_workload(name: str, *, seed: int = 0, num_requests: int = 64, max_output_len: int | None = None,
+                     system_prompt: str = "", num_distinct_images: int = 8) -> list[OfflineRequest]:
+    """The requests of workload a, b or c (d reuses a's first requests; see offline.py).
+
+    a: one scene image each, mixed canvas sizes (128..512 px a side), output lengths 16..128.
+    b: `num_distinct_images` scenes shared round-robin; request i shows image i % n, so the first n
+       are first-seen and the rest repeats; the question varies so only the image prefix is shared.
+    c: every request starts with `system_prompt` (512 tokens in the benchmark) and has its own image.
+    """
+    if name not in ("a", "b", "c"):
+        raise ValueError(f"workload: expected a, b or c, got {name!r}")
+    if num_requests < 1:
+        raise ValueError(f"num_requests: must be >= 1, got {num_requests}")
+    rng = random.Random(f"tessera-bench-{name}-{seed}")
+    cap = max_output_len or 1 << 30
+
+    def length(lo: int, hi: int) -> int:
+        return min(cap, rng.randint(lo, hi))
+
+    if name == "a":
+        samples = [scenes.image_sample(rng) for _ in range(num_requests)]
+        return [OfflineRequest(s.question, s.frames, length(16, 128)) for s in samples]
+    if name == "b":
+        pool = [scenes.image_sample(rng).frames[0] for _ in range(num_distinct_images)]
+        questions = ("Describe the image.", "How many shapes are there?", "What color is the circle?",
+                     "What shape is the red object?")
+        return [OfflineRequest(questions[(i // num_distinct_images) % len(questions)],
+                               (pool[i % num_distinct_images],), min(cap, 32)) for i in range(num_requests)]
+    if not system_prompt:
+        raise ValueError("system_prompt: workload c needs the shared system prompt")
+    samples = [scenes.image_sample(rng) for _ in range(num_requests)]
+    return [OfflineRequest(s.question, s.frames, min(cap, 32), system_prompt) for s in samples]
+
+
+def long_text(seed: int, num_words: int) -> str:
+    """Deterministic filler text (for the shared system prompt of workload c)."""
+    return random_text(random.Random(f"tessera-bench-system-{seed}"), num_words)

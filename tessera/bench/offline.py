@@ -1,0 +1,350 @@
+"""`tessera bench offline`: the same workloads through tessera.Engine and through HF `generate`.
+
+Workloads (see datasets.offline_workload):
+  a  64 image requests, mixed image sizes, output lengths 16..128      -> output tok/s, Tessera vs HF
+  b  64 requests over 8 distinct images                                 -> tok/s with and without Tessera's
+     caches (radix prefix cache + encoder cache), and the TTFT of a repeated vs a first-seen image
+  c  64 requests sharing a 512-token system prompt                      -> prefill tokens computed with
+     and without caches
+  d  one request (and 32 for the record), decode only                   -> ms per output token
+
+Every request is greedy with its output length forced (Tessera: ignore_eos; HF: min_new_tokens =
+max_new_tokens), so both sides produce exactly the same number of tokens. HF runs static batches
+(left padding) in request order: a batch decodes until its longest request is done, which is the
+cost of static batching that continuous batching removes; only the requested tokens are counted.
+Each timed run starts from empty caches; the figure reported is the median over --num-runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from tessera.bench.datasets import OfflineRequest, long_text, offline_workload
+
+NOCACHE_ARGS = {"disable_radix_cache": True, "mm_cache_size_mb": 0}
+
+
+@dataclass(frozen=True)
+class OfflineConfig:
+    model_path: str = "demo-vl"
+    workloads: tuple[str, ...] = ("a", "b", "c", "d")
+    compare_hf: bool = True
+    num_runs: int = 3
+    seed: int = 0
+    num_requests: int = 64  # per workload (d: batch 1 and min(32, this))
+    max_output_len: int | None = None  # caps every output length (smoke runs)
+    decode_len: int = 64  # workload d's output length
+    system_prompt_len: int = 512  # workload c's shared prefix, in tokens
+    num_distinct_images: int = 8  # workload b
+    hf_batch_size: int = 16
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bad = [w for w in self.workloads if w not in ("a", "b", "c", "d")]
+        if bad or not self.workloads:
+            raise ValueError(f"workload: expected a, b, c, d or all, got {', '.join(bad) or 'nothing'}")
+        for name in ("num_runs", "num_requests", "hf_batch_size", "system_prompt_len", "num_distinct_images"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.decode_len < 2:
+            raise ValueError(f"decode_len: must be >= 2 (decode time is T(n) - T(1)), got {self.decode_len}")
+        if self.max_output_len is not None and self.max_output_len < 1:
+            raise ValueError(f"max_output_len: must be >= 1, got {self.max_output_len}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[str]
+    requests: list[OfflineRequest]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_len for r in self.requests)
+
+    def head(self, n: int, output_len: int) -> Workload:
+        reqs = [dataclasses.replace(r, output_len=output_len) for r in self.requests[:n]]
+        return Workload(self.prompts[:n], reqs)
+
+
+def machine_info() -> dict:
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def _fit_tokens(tokenizer, text: str, num_tokens: int) -> str:
+    """A prefix of text that is exactly num_tokens tokens (checked by re-encoding)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) < num_tokens:
+        raise ValueError(f"system_prompt_len: filler text has only {len(ids)} tokens, need {num_tokens}")
+    # Decoding a cut and re-encoding it can merge across the cut; try nearby cuts until one is exact.
+    for k in sorted(range(num_tokens - 8, num_tokens + 9), key=lambda k: abs(k - num_tokens)):
+        cut = tokenizer.decode(ids[:k])
+        if len(tokenizer.encode(cut, add_special_tokens=False)) == num_tokens:
+            return cut
+    raise ValueError(f"system_prompt_len: cannot cut the filler text at exactly {num_tokens} tokens")
+
+
+def build_workloads(cfg: OfflineConfig, processor) -> dict[str, Workload]:
+    def prompt(r: OfflineRequest) -> str:
+        content = [{"type": "image"} for _ in r.images] + [{"type": "text", "text": r.question}]
+        msgs = ([{"role": "system", "content": r.system}] if r.system else []) + [{"role": "user", "content": content}]
+        return processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+
+    kw = dict(seed=cfg.seed, num_requests=cfg.num_requests, max_output_len=cfg.max_output_len)
+    reqs: dict[str, list[OfflineRequest]] = {"a": offline_workload("a", **kw)}
+    if "b" in cfg.workloads:
+        reqs["b"] = offline_workload("b", num_distinct_images=cfg.num_distinct_images, **kw)
+    if "c" in cfg.workloads:
+        system = _fit_tokens(processor.tokenizer, long_text(cfg.seed, 4 * cfg.system_prompt_len),
+                             cfg.system_prompt_len)
+        reqs["c"] = offline_workload("c", system_prompt=system, **kw)
+    return {k: Workload([prompt(r) for r in v], v) for k, v in reqs.items()}
+
+
+def decode_workloads(work_a: Workload, cfg: OfflineConfig) -> dict[str, Workload]:
+    n = min(cfg.decode_len, cfg.max_output_len or cfg.decode_len)
+    big = min(32, len(work_a.requests))
+    return {"bs1": work_a.head(1, n), f"bs{big}": work_a.head(big, n)}
+
+
+class Runner(Protocol):
+    """One system under test. run() returns wall seconds for the workload, from empty caches."""
+
+    def run(self, work: Workload, output_len: int | None = None, batch_size: int | None = None) -> float: ...
+
+    def close(self) -> None: ...
+
+
+# ---------------------------------------------------------------- Tessera
+
+
+class TesseraRunner:
+    def __init__(self, model_path: str, engine_args: dict[str, Any]):
+        from tessera.entrypoints.engine import Engine
+
+        self.engine = Engine(model_path, show_progress=False, **engine_args)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+    def run(self, work: Workload, output_len: int | None = None, batch_size: int | None = None) -> float:
+        """Wall seconds for the whole workload from empty caches. All requests are submitted at
+        once; batch_size is HF's knob (the scheduler forms its own batches) and is ignored."""
+        self.engine.flush_cache()  # ordered before the requests on the same socket
+        lens = [output_len or r.output_len for r in work.requests]
+        params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in lens]
+        images = [list(r.images) for r in work.requests]
+        t0 = time.perf_counter()
+        outs = self.engine.generate(work.prompts, params, image_data=images)
+        seconds = time.perf_counter() - t0
+        got = [o["meta_info"]["completion_tokens"] for o in outs]
+        if got != lens:  # a benchmark that produced other lengths would report a wrong tok/s
+            raise RuntimeError(f"tessera produced {sum(got)} tokens, expected {sum(lens)}")
+        return seconds
+
+    def prefill_tokens(self, work: Workload) -> int:
+        before = self.engine.get_stats().num_prefill_tokens_computed
+        self.run(work)
+        return self.engine.get_stats().num_prefill_tokens_computed - before
+
+    def ttft_probe(self, work: Workload, wave: int, output_len: int) -> tuple[float, float | None]:
+        """Median TTFT (ms) of the first wave (first-seen images) and of the later waves (repeats).
+
+        Requests go in waves of `wave` (one per distinct image), so every wave has the same batch
+        shape and the only difference between first and later waves is what the caches hold."""
+        self.engine.flush_cache()
+        first: list[float] = []
+        repeat: list[float] = []
+        for start in range(0, len(work.requests), wave):
+            part = Workload(work.prompts[start : start + wave], work.requests[start : start + wave])
+            params = {"temperature": 0.0, "max_new_tokens": output_len, "ignore_eos": True}
+            outs = self.engine.generate(part.prompts, params, image_data=[list(r.images) for r in part.requests])
+            (first if start == 0 else repeat).extend(o["meta_info"]["ttft"] * 1000 for o in outs)
+        return statistics.median(first), statistics.median(repeat) if repeat else None
+
+
+# ---------------------------------------------------------------- Hugging Face
+
+
+class HFRunner:
+    """transformers' batched `generate`: left padding, greedy, exactly the requested token counts."""
+
+    def __init__(self, model_path: str, batch_size: int, device: str = "cpu", dtype: str = "float32"):
+        import torch
+        from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+        self.torch = torch
+        self.processor = AutoProcessor.from_pretrained(model_path)
+        self.processor.tokenizer.padding_side = "left"  # decoder-only batching: pad before the prompt
+        torch_dtype = getattr(torch, dtype) if dtype != "auto" else torch.float32  # as ServerArgs.torch_dtype
+        self.model = Qwen2VLForConditionalGeneration.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
+        self.device, self.batch_size = device, batch_size
+        self.pad_id = self.processor.tokenizer.pad_token_id or 0
+
+    def close(self) -> None:
+        del self.model
+
+    def _batch(self, prompts: list[str], reqs: list[OfflineRequest], new_tokens: int) -> None:
+        images = [img for r in reqs for img in r.images]
+        enc = self.processor(text=prompts, images=images or None, padding=True, return_tensors="pt").to(self.device)
+        with self.torch.inference_mode():
+            out = self.model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                      pad_token_id=self.pad_id)
+        if out.shape[1] - enc["input_ids"].shape[1] != new_tokens:
+            raise RuntimeError(f"HF generated {out.shape[1] - enc['input_ids'].shape[1]} tokens, expected {new_tokens}")
+
+    def run(self, work: Workload, output_len: int | None = None, batch_size: int | None = None) -> float:
+        bs = batch_size or self.batch_size
+        t0 = time.perf_counter()
+        for i in range(0, len(work.requests), bs):
+            reqs = work.requests[i : i + bs]
+            self._batch(work.prompts[i : i + bs], reqs, output_len or max(r.output_len for r in reqs))
+        return time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------- driver
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _throughput(runner: Runner, work: Workload, num_runs: int) -> dict:
+    secs = [runner.run(work) for _ in range(num_runs)]
+    return {"output_tokens": work.output_tokens, "seconds": secs, "tok_s": work.output_tokens / _median(secs)}
+
+
+def _decode_ms(runner: Runner, work: Workload, n: int, num_runs: int) -> float:
+    """ms per decode step over the whole batch: (T(n) - T(1)) / (n - 1), from medians, so prefill
+    and per-call overheads cancel out."""
+    bs = len(work.requests)  # one batch on both sides
+    t1 = _median([runner.run(work, output_len=1, batch_size=bs) for _ in range(num_runs)])
+    tn = _median([runner.run(work, output_len=n, batch_size=bs) for _ in range(num_runs)])
+    return (tn - t1) / (n - 1) * 1000
+
+
+def _measure(runner: Runner, cfg: OfflineConfig, works: dict[str, Workload], decode: dict[str, Workload],
+             only: tuple[str, ...]) -> dict:
+    res: dict[str, Any] = {}
+    warm = works["a"].head(2, 2)  # first-call costs (lazy imports, allocator growth) stay out of the timings
+    runner.run(warm)
+    for w in only:
+        if w == "d":
+            n = decode["bs1"].requests[0].output_len
+            res["d"] = {name: _decode_ms(runner, work, n, cfg.num_runs) for name, work in decode.items()}
+            continue
+        res[w] = _throughput(runner, works[w], cfg.num_runs)
+        if isinstance(runner, TesseraRunner) and w == "b":
+            probe_len = min(8, works[w].requests[0].output_len)
+            probes = [runner.ttft_probe(works[w], cfg.num_distinct_images, probe_len) for _ in range(cfg.num_runs)]
+            res[w]["ttft_first_seen_ms"] = _median([p[0] for p in probes])
+            repeats = [p[1] for p in probes if p[1] is not None]
+            res[w]["ttft_repeat_ms"] = _median(repeats) if repeats else None  # None: fewer requests than images
+        if isinstance(runner, TesseraRunner) and w == "c":
+            res[w]["prefill_tokens"] = _median([runner.prefill_tokens(works[w]) for _ in range(cfg.num_runs)])
+    return res
+
+
+def run_offline(cfg: OfflineConfig, log=print) -> dict:
+    from transformers import AutoProcessor
+
+    from tessera.bench.medium import resolve_bench_model
+
+    model_path = resolve_bench_model(cfg.model_path, cfg.seed)
+    processor = AutoProcessor.from_pretrained(model_path)
+    works = build_workloads(cfg, processor)
+    decode = decode_workloads(works["a"], cfg)
+    out: dict[str, Any] = {"model_path": cfg.model_path, "config": dataclasses.asdict(cfg), "machine": machine_info(),
+                           "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": {}}
+    systems: list[tuple[str, Callable[[], Runner]]] = [("tessera", lambda: TesseraRunner(model_path, cfg.engine_args))]
+    if any(w in cfg.workloads for w in ("b", "c")):
+        systems.append(("tessera_nocache", lambda: TesseraRunner(model_path, {**cfg.engine_args, **NOCACHE_ARGS})))
+    if cfg.compare_hf:
+        systems.append(("hf", lambda: HFRunner(model_path, cfg.hf_batch_size, cfg.engine_args.get("device", "cpu"),
+                                               cfg.engine_args.get("dtype", "float32"))))
+    per_system: dict[str, dict] = {}
+    for name, make in systems:
+        only = cfg.workloads if name != "tessera_nocache" else tuple(w for w in cfg.workloads if w in ("b", "c"))
+        log(f"[{name}] workloads {', '.join(only)} x {cfg.num_runs} runs")
+        runner = make()
+        try:
+            per_system[name] = _measure(runner, cfg, works, decode, only)
+        finally:
+            runner.close()
+    out["results"] = summarize(per_system, cfg.workloads)
+    return out
+
+
+def summarize(per_system: dict[str, dict], workloads: tuple[str, ...]) -> dict:
+    """Per-workload figures: each system's numbers plus the derived ratios."""
+    res: dict[str, dict] = {}
+    for w in workloads:
+        entry = {name: sysres[w] for name, sysres in per_system.items() if w in sysres}
+        t, hf, nc = entry.get("tessera"), entry.get("hf"), entry.get("tessera_nocache")
+        if w == "d":
+            if hf:  # how many times faster Tessera decodes than HF at batch 1
+                entry["speedup_bs1"] = hf["bs1"] / t["bs1"] if t["bs1"] > 0 else None
+            res[w] = entry
+            continue
+        if hf:
+            entry["ratio_vs_hf"] = t["tok_s"] / hf["tok_s"]
+        if nc:
+            entry["cache_speedup"] = t["tok_s"] / nc["tok_s"]
+        if w == "c" and nc:
+            entry["prefill_reduction_pct"] = 100.0 * (1 - t["prefill_tokens"] / max(1, nc["prefill_tokens"]))
+        res[w] = entry
+    return res
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1f} ms"
+
+
+def format_summary(result: dict) -> str:
+    r = result["results"]
+    lines = [f"offline benchmark: {result['model_path']} ({result['machine']['cpu']}, "
+             f"{result['machine']['cpu_count']} cpus)"]
+    for w in ("a", "b", "c"):
+        if w not in r:
+            continue
+        e = r[w]
+        s = f"  {w}: tessera {e['tessera']['tok_s']:.1f} tok/s"
+        if "hf" in e:
+            s += f" | hf {e['hf']['tok_s']:.1f} tok/s | ratio {e['ratio_vs_hf']:.2f}x"
+        if "tessera_nocache" in e:
+            s += f" | no caches {e['tessera_nocache']['tok_s']:.1f} tok/s (cache speedup {e['cache_speedup']:.2f}x)"
+        lines.append(s)
+        if w == "b":
+            t = e["tessera"]
+            s = f"     TTFT first-seen image {_ms(t['ttft_first_seen_ms'])}, repeated image {_ms(t['ttft_repeat_ms'])}"
+            if "tessera_nocache" in e:
+                nc = e["tessera_nocache"]
+                s += f" (no caches: {_ms(nc['ttft_first_seen_ms'])} / {_ms(nc['ttft_repeat_ms'])})"
+            lines.append(s)
+        if w == "c" and "prefill_reduction_pct" in e:
+            lines.append(f"     prefill tokens computed {e['tessera']['prefill_tokens']:.0f} with caches, "
+                         f"{e['tessera_nocache']['prefill_tokens']:.0f} without ({e['prefill_reduction_pct']:.1f}% less)")
+    if "d" in r:
+        for name in ("tessera", "hf"):
+            if name in r["d"]:
+                per_bs = ", ".join(f"{ms:.2f} ({bs})" for bs, ms in r["d"][name].items())
+                lines.append(f"  d: {name} ms per output token: {per_bs}")
+    return "\n".join(lines)

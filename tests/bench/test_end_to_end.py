@@ -1,0 +1,38 @@
+"""Both benchmarks against the real engine with demo-vl, a few requests and tokens each (marked slow)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tessera.bench.offline import OfflineConfig, run_offline
+from tessera.bench.report import LocalServer
+from tessera.bench.serving import ServingConfig, run_benchmark_async
+
+pytestmark = pytest.mark.slow
+
+
+def test_serving_benchmark_against_tessera_serve() -> None:
+    with LocalServer("demo-vl", "--max-total-tokens", "8192") as server:
+        cfg = ServingConfig(base_url=server.base_url, dataset="scenes", num_prompts=3, output_len=4,
+                            max_concurrency=2, disable_tqdm=True)
+        result = asyncio.run(run_benchmark_async(cfg))
+    m = result["metrics"]
+    assert result["model"] == "demo-vl"
+    assert (m["num_completed"], m["num_failed"]) == (3, 0), m["errors"]
+    # ignore_eos + min_tokens reach the scheduler: every request produced exactly output_len tokens.
+    assert m["total_output_tokens"] == 3 * 4
+    assert m["total_input_tokens"] > 3 * 16  # image tokens included, counted by the server
+
+
+def test_offline_benchmark_runs_every_workload_on_both_systems() -> None:
+    cfg = OfflineConfig(num_requests=2, max_output_len=2, decode_len=2, num_runs=1, num_distinct_images=1,
+                        system_prompt_len=64)
+    out = run_offline(cfg, log=lambda *_: None)
+    r = out["results"]
+    assert {"tessera", "hf", "ratio_vs_hf"} <= set(r["a"])
+    assert r["b"]["tessera"]["ttft_repeat_ms"] is not None  # 2 requests over 1 image: one repeat
+    # The shared system prompt (64 tokens) and the one image of b are computed once with caches on.
+    assert r["c"]["tessera"]["prefill_tokens"] < r["c"]["tessera_nocache"]["prefill_tokens"]
+    assert set(r["d"]["tessera"]) == {"bs1", "bs2"}
