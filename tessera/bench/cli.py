@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 
-from tessera.bench.datasets import SERVING_DATASETS
+from tessera.bench.datasets import OFFLINE_WORKLOADS, SERVING_DATASETS
 
 
 def _rate(text: str) -> float:
@@ -106,9 +106,9 @@ def _add_offline(sub) -> None:
 
 def parse_workloads(text: str) -> tuple[str, ...]:
     if text.strip() == "all":
-        return ("a", "b", "c", "d")
+        return OFFLINE_WORKLOADS
     names = tuple(dict.fromkeys(w.strip() for w in text.split(",") if w.strip()))
-    bad = [w for w in names if w not in ("a", "b", "c", "d")]
+    bad = [w for w in names if w not in OFFLINE_WORKLOADS]
     if bad or not names:
         raise ValueError(f"workload: expected a, b, c, d, a comma list of them, or all; got {text!r}")
     return names

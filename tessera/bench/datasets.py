@@ -22,8 +22,8 @@ from tessera.demo import scenes
 SERVING_DATASETS = ("random-image", "random-video", "scenes", "random-audio")
 OFFLINE_WORKLOADS = ("a", "b", "c", "d")
 
-# Words for random prompts: the demo grammar plus generic English, so every word is in the demo
-# tokenizer's merges and prompt lengths stay predictable (about one token per word).
+# Words for random prompts: the demo grammar plus generic English, which the demo tokenizer was
+# trained on, so prompt lengths stay predictable (about 1.2 tokens per word with demo-vl).
 _WORDS = tuple(sorted({w.strip(".,!?") for line in (
     "you are a helpful assistant what is shown here please describe the picture in detail",
     "the quick brown fox jumps over lazy dog hello world how are you today tell me about this image",
@@ -142,6 +142,8 @@ def make_serving_dataset(name: str, num_prompts: int, *, seed: int = 0, image_re
                                    ("video_frames", video_frames, 2)):
         if value < low:
             raise ValueError(f"{field_name}: must be >= {low}, got {value}")
+    if name == "scenes" and image_count < 1:
+        raise ValueError("image_count: the scenes dataset asks about images; it needs at least 1")
     res = Resolution.parse(image_resolution)
     rng = random.Random(seed)
     out = []

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from tessera.bench.datasets import OfflineRequest, long_text, offline_workload
+from tessera.bench.datasets import OFFLINE_WORKLOADS, OfflineRequest, long_text, offline_workload
 
 NOCACHE_ARGS = {"disable_radix_cache": True, "mm_cache_size_mb": 0}
 
@@ -34,7 +34,7 @@ NOCACHE_ARGS = {"disable_radix_cache": True, "mm_cache_size_mb": 0}
 @dataclass(frozen=True)
 class OfflineConfig:
     model_path: str = "demo-vl"
-    workloads: tuple[str, ...] = ("a", "b", "c", "d")
+    workloads: tuple[str, ...] = OFFLINE_WORKLOADS
     compare_hf: bool = True
     num_runs: int = 3
     seed: int = 0
@@ -47,7 +47,7 @@ class OfflineConfig:
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        bad = [w for w in self.workloads if w not in ("a", "b", "c", "d")]
+        bad = [w for w in self.workloads if w not in OFFLINE_WORKLOADS]
         if bad or not self.workloads:
             raise ValueError(f"workload: expected a, b, c, d or all, got {', '.join(bad) or 'nothing'}")
         for name in ("num_runs", "num_requests", "hf_batch_size", "system_prompt_len", "num_distinct_images"):

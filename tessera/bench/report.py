@@ -116,17 +116,18 @@ def offline_table(results: list[dict]) -> str:
         keys = [k for k in (r["results"].get("d", {}).get("tessera") or {}) if k != "bs1"]
         return keys[0] if keys else "bs32"
 
+    n = results[0]["config"].get("num_requests", 64) if results else 64
     rows: list[tuple[str, str, object]] = [
-        ("a: image requests, mixed sizes, 16-128 output tokens", "output tok/s, Tessera / HF",
+        (f"a: {n} image requests, mixed sizes, 16-128 output tokens", "output tok/s, Tessera / HF",
          lambda r: _pair(get(r, "a", "tessera", "tok_s"), get(r, "a", "hf", "tok_s"))),
         ("", "Tessera / HF", lambda r: _num(get(r, "a", "ratio_vs_hf"), ".2f") + "x"),
-        ("b: requests over 8 distinct images", "output tok/s, caches on / off",
+        (f"b: {n} requests over 8 distinct images", "output tok/s, caches on / off",
          lambda r: _pair(get(r, "b", "tessera", "tok_s"), get(r, "b", "tessera_nocache", "tok_s"))),
         ("", "cache speedup", lambda r: _num(get(r, "b", "cache_speedup"), ".2f") + "x"),
         ("", "Tessera / HF", lambda r: _num(get(r, "b", "ratio_vs_hf"), ".2f") + "x"),
         ("", "TTFT ms, first-seen / repeated image",
          lambda r: _pair(get(r, "b", "tessera", "ttft_first_seen_ms"), get(r, "b", "tessera", "ttft_repeat_ms"))),
-        ("c: shared 512-token system prompt", "prefill tokens computed, caches on / off",
+        (f"c: {n} requests, shared 512-token system prompt", "prefill tokens computed, caches on / off",
          lambda r: _pair(get(r, "c", "tessera", "prefill_tokens"), get(r, "c", "tessera_nocache", "prefill_tokens"),
                          ".0f")),
         ("", "prefill reduction", lambda r: _num(get(r, "c", "prefill_reduction_pct")) + "%"),
@@ -180,7 +181,8 @@ def render(offline: list[dict], serving: list[dict]) -> str:
         parts.append(f"Measured {offline[0]['date']} on {machine['cpu']} ({machine['cpu_count']} CPUs, "
                      f"{machine['torch_threads']} torch threads{gpu}), Python {machine['python']}, "
                      f"torch {machine['torch']}. Each figure is the median of "
-                     f"{offline[0]['config']['num_runs']} runs.")
+                     f"{offline[0]['config']['num_runs']} run(s). The serving client runs on the same machine "
+                     "as the server.")
     if offline:
         parts.append("### Offline: tessera.Engine vs HF transformers `generate`\n\n" + offline_table(offline))
     if serving:

@@ -75,11 +75,11 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}"[:300]
 
 
-async def send_request(client, model: str, req: BenchRequest, cfg: ServingConfig) -> RequestResult:
+async def send_request(client, model: str, messages: list[dict], output_len: int, cfg: ServingConfig) -> RequestResult:
     """Streams one chat completion and times it; never raises for server-side failures."""
     extra: dict[str, Any] = dict(cfg.extra_body)
     if cfg.ignore_eos:
-        extra.update(ignore_eos=True, min_tokens=req.output_len)
+        extra.update(ignore_eos=True, min_tokens=output_len)
     start = time.perf_counter()
     ttft: float | None = None
     last = start
@@ -88,19 +88,25 @@ async def send_request(client, model: str, req: BenchRequest, cfg: ServingConfig
     usage = None
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=req.openai_messages(), max_tokens=req.output_len, temperature=cfg.temperature,
+            model=model, messages=messages, max_tokens=output_len, temperature=cfg.temperature,
             stream=True, stream_options={"include_usage": True}, extra_body=extra or None)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
                 usage = chunk.usage
-            if chunk.choices and chunk.choices[0].delta.content:
+            if not chunk.choices:
+                continue
+            if chunk.choices[0].delta.content:
                 if ttft is None:
                     ttft = now - start
                 else:
                     itl.append(now - last)
                 last = now
                 num_chunks += 1
+            elif chunk.choices[0].finish_reason and ttft is None:
+                # No text at all (e.g. only special tokens, skipped in the text): the finish is the
+                # first sign of output. A finish after text is not a token, so it adds no ITL gap.
+                ttft = now - start
     except Exception as e:  # recorded per request: one bad reply must not end the benchmark
         return RequestResult(success=False, error=_error_text(e), e2e_latency=time.perf_counter() - start)
     e2e = time.perf_counter() - start
@@ -116,7 +122,11 @@ async def send_request(client, model: str, req: BenchRequest, cfg: ServingConfig
 async def _resolve_model(client, cfg: ServingConfig) -> str:
     if cfg.model:
         return cfg.model
-    models = await client.models.list()
+    try:
+        models = await client.models.list()
+    except Exception as e:  # connection refused, 404...: the user's URL is the likely cause
+        raise ValueError(f"base_url: cannot list the models at {cfg.api_base}/models ({_error_text(e)}); "
+                         "is the server up? (or pass --model)") from None
     if not models.data:
         raise ValueError("model: the server lists no models; pass --model")
     return models.data[0].id
@@ -130,16 +140,18 @@ async def run_benchmark_async(cfg: ServingConfig, requests: list[BenchRequest] |
                                         output_len=cfg.output_len, input_len=cfg.input_len,
                                         video_frames=cfg.video_frames)
     intervals = poisson_intervals(len(requests), cfg.request_rate, cfg.seed)
+    # Base64 data URIs are built now, not inside each request's timing.
+    jobs = [(r.openai_messages(), r.output_len) for r in requests]
     concurrency = cfg.max_concurrency or len(requests)
     client = _make_client(cfg, concurrency)
     try:
         model = await _resolve_model(client, cfg)
         # Warm-up requests are not timed: the first request pays one-off costs (lazy imports, allocator growth).
-        for req in requests[: cfg.num_warmup]:
-            warm = await send_request(client, model, req, cfg)
+        for messages, output_len in jobs[: cfg.num_warmup]:
+            warm = await send_request(client, model, messages, output_len, cfg)
             if not warm.success:
                 raise ValueError(f"warm-up request failed, is the server up at {cfg.api_base}? {warm.error}")
-        results, start = await _run_load(client, model, requests, intervals, cfg)
+        results, start = await _run_load(client, model, jobs, intervals, cfg)
         duration = time.perf_counter() - start
     finally:
         await client.close()
@@ -150,29 +162,30 @@ async def run_benchmark_async(cfg: ServingConfig, requests: list[BenchRequest] |
                           "ttft": r.ttft, "e2e_latency": r.e2e_latency, "error": r.error} for r in results]}
 
 
-async def _run_load(client, model: str, requests: list[BenchRequest], intervals: list[float],
+async def _run_load(client, model: str, jobs: list[tuple[list[dict], int]], intervals: list[float],
                     cfg: ServingConfig) -> tuple[list[RequestResult], float]:
+    """Sends the jobs on the arrival schedule; returns their results and the start time."""
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     bar = None
     if not cfg.disable_tqdm:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(requests), desc="requests", unit="req")
+        bar = tqdm(total=len(jobs), desc="requests", unit="req")
 
-    async def one(req: BenchRequest) -> RequestResult:
+    async def one(messages: list[dict], output_len: int) -> RequestResult:
         if sem is None:
-            res = await send_request(client, model, req, cfg)
+            res = await send_request(client, model, messages, output_len, cfg)
         else:
             async with sem:
-                res = await send_request(client, model, req, cfg)
+                res = await send_request(client, model, messages, output_len, cfg)
         if bar is not None:
             bar.update(1)
         return res
 
     start = time.perf_counter()
     tasks = []
-    for req, gap in zip(requests, intervals):
-        tasks.append(asyncio.create_task(one(req)))
+    for (messages, output_len), gap in zip(jobs, intervals):
+        tasks.append(asyncio.create_task(one(messages, output_len)))
         if gap > 0:
             await asyncio.sleep(gap)
     try:

@@ -32,7 +32,11 @@ VOCAB_SIZE = 1024  # BPE merges + bytes + specials; small so the embedding stays
 PATCH_SIZE = 14
 MERGE_SIZE = 2
 IMAGE_MAX_PIXELS = 224 * 224
-IMAGE_MIN_PIXELS = 56 * 56
+# min == max: every image is resized to about the same area, so shapes on small canvases get as
+# many patches as on large ones (shape recognition is what limits accuracy).
+IMAGE_MIN_PIXELS = 224 * 224
+# The first phase of training ran with the HF default minimum (see train_vl.RESOLUTION_SWITCH_STEP).
+IMAGE_MIN_PIXELS_PHASE1 = 56 * 56
 VIDEO_MAX_PIXELS = 112 * 112
 VIDEO_MIN_PIXELS = 56 * 56
 

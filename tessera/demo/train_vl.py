@@ -26,9 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from tessera.demo import scenes
-from tessera.demo.build_vl import build_processor_files, build_skeleton
+from tessera.demo.build_vl import IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS_PHASE1, build_processor_files, build_skeleton
 
 IGNORE = -100
+# Steps before this one resized small images less (HF's default minimum area); from here on every
+# image gets the checkpoint's fixed area. Kept so that retraining reproduces the shipped model.
+RESOLUTION_SWITCH_STEP = 800
 
 
 def curriculum_max_shapes(step: int) -> int:
@@ -64,11 +67,15 @@ def chat_text(processor, sample: scenes.Sample, answer: bool) -> str:
     return text + (sample.answer + "<|im_end|>\n" if answer else "")
 
 
-def make_batch(processor, samples: list[scenes.Sample], with_answer: bool = True) -> dict:
+def make_batch(processor, samples: list[scenes.Sample], with_answer: bool = True,
+               image_min_pixels: int | None = None) -> dict:
     texts = [chat_text(processor, s, with_answer) for s in samples]
     kind = samples[0].kind
     if kind == "image":
-        enc = processor(text=texts, images=[s.frames[0] for s in samples], padding=True, return_tensors="pt")
+        kw = {}
+        if image_min_pixels is not None:
+            kw["images_kwargs"] = {"size": {"shortest_edge": image_min_pixels, "longest_edge": IMAGE_MAX_PIXELS}}
+        enc = processor(text=texts, images=[s.frames[0] for s in samples], padding=True, return_tensors="pt", **kw)
         grids = enc["image_grid_thw"].tolist()
     else:
         enc = processor(text=texts, videos=[list(s.frames) for s in samples], padding=True, return_tensors="pt")
@@ -100,6 +107,8 @@ def batch_for_step(processor, seed: int, step: int, batch_size: int, video_fract
     else:
         ms = curriculum_max_shapes(step)
         samples = [scenes.image_sample(rng, max_shapes=ms) for _ in range(batch_size)]
+        if step < RESOLUTION_SWITCH_STEP:
+            return make_batch(processor, samples, image_min_pixels=IMAGE_MIN_PIXELS_PHASE1)
     return make_batch(processor, samples)
 
 

@@ -138,7 +138,8 @@ def create_app(args: ServerArgs) -> FastAPI:
                 stats = await state.tm.get_stats(timeout=2.0)
             except asyncio.TimeoutError:
                 stats = None
-        return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4")
+        frontend = state.tm.frontend_stats() if state.ready else None
+        return Response(state.metrics.render(stats, frontend), media_type="text/plain; version=0.0.4")
 
     @app.get("/get_server_info")
     async def server_info():

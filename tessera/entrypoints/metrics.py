@@ -32,6 +32,8 @@ class Metrics:
                                       registry=r)
         self.encoder_hits = Gauge("tessera_encoder_cache_hits", "Encoder-cache hits", labels, registry=r)
         self.encoder_misses = Gauge("tessera_encoder_cache_misses", "Encoder-cache misses", labels, registry=r)
+        self.preprocess_hit_rate = Gauge("tessera_preprocess_cache_hit_rate",
+                                         "Media items served from the preprocessing cache / items", labels, registry=r)
 
     def observe_request(self, state, result: dict) -> None:
         m, meta = self.model_name, result["meta_info"]
@@ -46,8 +48,11 @@ class Metrics:
             if b > a:
                 self.itl.labels(m).observe(b - a)
 
-    def render(self, stats) -> bytes:
+    def render(self, stats, frontend=None) -> bytes:
         m = self.model_name
+        if frontend is not None:
+            items = frontend.preprocess_cache_hits + frontend.preprocess_cache_misses
+            self.preprocess_hit_rate.labels(m).set(frontend.preprocess_cache_hits / max(1, items))
         if stats is not None:
             self.running.labels(m).set(stats.num_running)
             self.queued.labels(m).set(stats.num_waiting)

@@ -20,7 +20,7 @@ PER_SYSTEM = {
 
 
 def _offline_result() -> dict:
-    return {"model_path": "demo-vl", "date": "2026-11-29 12:00:00", "config": {"num_runs": 3},
+    return {"model_path": "demo-vl", "date": "2026-11-29 12:00:00", "config": {"num_runs": 3, "num_requests": 64},
             "machine": {"cpu": "Test CPU", "cpu_count": 2, "torch_threads": 2, "python": "3.11", "torch": "2"},
             "results": summarize(PER_SYSTEM, ("a", "b", "c", "d"))}
 
@@ -39,7 +39,7 @@ def test_render_contains_every_figure() -> None:
                "metrics": compute_metrics([RequestResult(True, 5, 2, 0.1, 0.3, [0.2])], 1.0).to_dict()}
     text = render([_offline_result()], [serving, serving])
     for figure in ("300.0 / 100.0", "3.00x", "400.0 / 200.0", "2.00x", "50.0 / 10.0", "1000 / 4000", "75.0%",
-                   "5.00 / 10.00", "9.00 / 30.00 (32)", "Test CPU", "median of 3 runs"):
+                   "5.00 / 10.00", "9.00 / 30.00 (32)", "Test CPU", "median of 3 run(s)", "a: 64 image requests"):
         assert figure in text, figure
     assert "| 4 | 2 | 1.00 | 2.0 | 100.0 / 100.0 | 200.0 | 300.0 | 0 |" in text
 

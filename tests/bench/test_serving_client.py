@@ -77,3 +77,9 @@ def test_unreachable_server_fails_the_warmup_with_a_clear_error() -> None:
     cfg = ServingConfig(base_url="http://127.0.0.1:9", model="m", num_prompts=1, disable_tqdm=True, timeout_s=5)
     with pytest.raises(ValueError, match="warm-up request failed"):
         asyncio.run(run_benchmark_async(cfg))
+
+
+def test_no_server_and_no_model_is_a_clear_error() -> None:
+    cfg = ServingConfig(base_url="http://127.0.0.1:9", num_prompts=1, disable_tqdm=True, timeout_s=5)
+    with pytest.raises(ValueError, match="base_url: cannot list the models"):
+        asyncio.run(run_benchmark_async(cfg))
