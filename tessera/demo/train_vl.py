@@ -38,26 +38,49 @@ def curriculum_max_shapes(step: int) -> int:
     return 1 if step < 300 else 2 if step < 900 else 3
 
 
-def token_labels(sample: scenes.Sample, grid_thw: list[int], patch: int, merge: int) -> tuple[np.ndarray, np.ndarray]:
-    """Per merged vision token: shape class and color class of what lies under it (0 = background)."""
+NUM_XBINS = 8
+
+
+def token_labels(sample: scenes.Sample, grid_thw: list[int], patch: int, merge: int) -> dict[str, np.ndarray]:
+    """Per merged vision token: what lies under it, for the auxiliary heads.
+
+    shape / color: class of the shape covering the token (0 = background).
+    direction: for video tokens on the shape, its motion (1 + index in DIRECTIONS); ignored elsewhere.
+      A temporal patch holds two frames, so the motion is visible to one token.
+    xbin: for tokens on a shape, which of NUM_XBINS vertical bands of the canvas the shape's centre
+      is in (1-based); ignored elsewhere. It puts left-to-right order into the features, which
+      "Describe the image." needs and rotary positions give the language model only indirectly.
+    """
     t, gh, gw = grid_thw
     h, w = gh * patch, gw * patch
     block = patch * merge
-    shape_out, color_out = [], []
+    out: dict[str, list[np.ndarray]] = {"shape": [], "color": [], "direction": [], "xbin": []}
+    direction = (1 + scenes.DIRECTIONS.index(sample.answer.split()[-1])) if sample.kind == "video" else IGNORE
     for ti in range(t):
         scene = sample.scenes[min(2 * ti, len(sample.scenes) - 1)]
         smap, cmap = scenes.label_maps(scene)
         ys = (np.arange(h) * scene.height / h).astype(int)  # nearest-neighbour resize
         xs = (np.arange(w) * scene.width / w).astype(int)
-        for lab, out, ncls in ((smap, shape_out, 4), (cmap, color_out, 7)):
+        best_shape = None
+        for name, lab, ncls in (("shape", smap, 4), ("color", cmap, 7)):
             r = lab[ys][:, xs].reshape(gh // merge, block, gw // merge, block).transpose(0, 2, 1, 3)
             r = r.reshape(gh // merge, gw // merge, block * block)
             counts = np.stack([(r == c).sum(-1) for c in range(ncls)], -1)
             counts[..., 0] = 0
             best = counts.argmax(-1)
             best[counts.max(-1) < 0.15 * block * block] = 0
-            out.append(best.reshape(-1))
-    return np.concatenate(shape_out), np.concatenate(color_out)
+            out[name].append(best.reshape(-1))
+            if name == "color":
+                best_shape = best.reshape(-1)
+        fg = best_shape > 0
+        out["direction"].append(np.where(fg, direction, IGNORE))
+        xbin = np.full(fg.shape, IGNORE)
+        colors = list(scenes.COLORS)
+        for sh in scene.shapes:
+            on = best_shape == 1 + colors.index(sh.color)
+            xbin[on] = 1 + min(NUM_XBINS - 1, int(sh.center_x / scene.width * NUM_XBINS))
+        out["xbin"].append(xbin)
+    return {k: np.concatenate(v) for k, v in out.items()}
 
 
 def chat_text(processor, sample: scenes.Sample, answer: bool) -> str:
@@ -82,8 +105,8 @@ def make_batch(processor, samples: list[scenes.Sample], with_answer: bool = True
         grids = enc["video_grid_thw"].tolist()
     ip = processor.image_processor
     labs = [token_labels(s, g, ip.patch_size, ip.merge_size) for s, g in zip(samples, grids)]
-    enc["aux_shape"] = torch.from_numpy(np.concatenate([a for a, _ in labs])).long()
-    enc["aux_color"] = torch.from_numpy(np.concatenate([b for _, b in labs])).long()
+    for key in ("shape", "color", "direction", "xbin"):
+        enc[f"aux_{key}"] = torch.from_numpy(np.concatenate([lab[key] for lab in labs])).long()
     # LM labels: the answer tokens and the closing <|im_end|>, nothing of the prompt.
     ids = enc["input_ids"]
     labels = torch.full_like(ids, IGNORE)
@@ -133,6 +156,18 @@ class AuxHeads(torch.nn.Module):
         super().__init__()
         self.shape = torch.nn.Linear(dim, 4)
         self.color = torch.nn.Linear(dim, 7)
+        self.direction = torch.nn.Linear(dim, 1 + len(scenes.DIRECTIONS))
+        self.xbin = torch.nn.Linear(dim, 1 + NUM_XBINS)
+
+    def loss(self, merged: torch.Tensor, batch: dict) -> torch.Tensor:
+        # Shape is what the tower learns slowest, so it weighs double.
+        total = 2.0 * F.cross_entropy(self.shape(merged), batch["aux_shape"])
+        total = total + F.cross_entropy(self.color(merged), batch["aux_color"])
+        for key in ("direction", "xbin"):
+            target = batch[f"aux_{key}"]
+            if bool((target != IGNORE).any()):
+                total = total + F.cross_entropy(getattr(self, key)(merged), target, ignore_index=IGNORE)
+        return total
 
 
 def model_inputs(batch: dict) -> dict:
@@ -211,13 +246,19 @@ def main() -> None:
     params = list(model.parameters()) + list(aux.parameters())
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     step, log = 0, []
+    rewarm_from: int | None = None  # step at which the optimizer was rebuilt (the shipped run: 1100)
     ckpt = args.work_dir / "ckpt.pt"
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
         model.load_state_dict(state["model"])
-        aux.load_state_dict(state["aux"])
-        opt.load_state_dict(state["opt"])
         step, log = state["step"], state["log"]
+        missing, _ = aux.load_state_dict(state["aux"], strict=False)
+        rewarm_from = state.get("rewarm_from")
+        if missing:  # a checkpoint from before the direction/xbin heads: new heads, fresh optimizer
+            rewarm_from = step
+            print(f"new aux heads {sorted(missing)}; fresh optimizer, re-warmup from step {step}", flush=True)
+        else:
+            opt.load_state_dict(state["opt"])
         print(f"resumed at step {step}", flush=True)
 
     captured: dict[str, torch.Tensor] = {}
@@ -226,13 +267,18 @@ def main() -> None:
     def lr_at(s: int) -> float:
         if s < args.warmup:
             return args.lr * (s + 1) / args.warmup
+        if rewarm_from is not None and s < rewarm_from + 50:
+            return cosine(s) * (s - rewarm_from + 1) / 50
+        return cosine(s)
+
+    def cosine(s: int) -> float:
         p = (s - args.warmup) / max(1, args.steps - args.warmup)
         return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
 
     def checkpoint() -> None:
         tmp = ckpt.with_suffix(".tmp")
         torch.save({"model": model.state_dict(), "aux": aux.state_dict(), "opt": opt.state_dict(),
-                    "step": step, "log": log}, tmp)
+                    "step": step, "log": log, "rewarm_from": rewarm_from}, tmp)
         tmp.rename(ckpt)
         (args.work_dir / "log.json").write_text(json.dumps(log, indent=1))
 
@@ -250,8 +296,7 @@ def main() -> None:
             g["lr"] = lr_at(step)
         out = model(**model_inputs(batch), labels=batch["labels"])
         merged = captured["merged"]
-        aux_loss = F.cross_entropy(aux.shape(merged), batch["aux_shape"]) + F.cross_entropy(
-            aux.color(merged), batch["aux_color"])
+        aux_loss = aux.loss(merged, batch)
         loss = out.loss + args.aux_weight * aux_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()

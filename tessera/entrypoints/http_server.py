@@ -21,6 +21,7 @@ from tessera.config import ServerArgs
 from tessera.entrypoints.metrics import Metrics
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
 from tessera.entrypoints.openai.serving import OpenAIServing
+from tessera.entrypoints.openai.transcriptions import TranscriptionServing
 from tessera.frontend.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("tessera.server")
@@ -32,6 +33,7 @@ class ServerState:
         self.args = args
         self.tm: TokenizerManager | None = None
         self.serving: OpenAIServing | None = None
+        self.transcriptions: TranscriptionServing | None = None
         self.metrics = Metrics(args.model_name)
         self.load_error: str | None = None
         self.started = time.time()
@@ -47,6 +49,7 @@ class ServerState:
             await tm.start()
             tm.on_request_done = self.metrics.observe_request
             self.tm, self.serving = tm, OpenAIServing(tm, self.args.model_name)
+            self.transcriptions = TranscriptionServing(self.serving)
             print(f"Tessera is ready: serving {self.args.model_name!r} at "
                   f"http://{self.args.host}:{self.args.port}/v1", flush=True)
         except Exception as e:
@@ -158,6 +161,12 @@ def create_app(args: ServerArgs) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         return await serving().completions(request, await body_of(request))
+
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(request: Request):
+        serving()  # 503 until the model is loaded
+        assert state.transcriptions is not None  # set together with state.serving
+        return await state.transcriptions.create(request)
 
     @app.post("/generate")
     async def generate(request: Request):

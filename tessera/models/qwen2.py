@@ -203,8 +203,26 @@ class Qwen2ForCausalLM(nn.Module):
             rows = fb.extend_start_loc + fb.extend_lens - 1
         return self.lm_head(hidden[rows])
 
+    def embed(self, fb: ForwardBatch) -> torch.Tensor:
+        """Token embeddings [T, H] with fb.mm_embeds scattered at the flat rows fb.mm_embed_rows.
+
+        The one scatter routine of every multimodal subclass (images, videos, audio alike): the runner
+        has already matched each item's embedding rows to its placeholder offsets."""
+        x = self.model.embed_tokens(fb.input_ids)
+        if fb.mm_embed_rows is None and fb.mm_embeds is None:
+            return x
+        if fb.mm_embed_rows is None or fb.mm_embeds is None:
+            raise ValueError("mm_embed_rows and mm_embeds must be set together")
+        if fb.mm_embed_rows.shape[0] != fb.mm_embeds.shape[0]:
+            raise ValueError(
+                f"mm_embed_rows has {fb.mm_embed_rows.shape[0]} rows but mm_embeds has {fb.mm_embeds.shape[0]}"
+            )
+        return x.index_copy_(0, fb.mm_embed_rows, fb.mm_embeds.to(x.dtype))
+
     def forward(self, fb: ForwardBatch, pool: TokenToKVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        hidden = self.model(fb.input_ids, fb.positions, fb, pool, input_embeds)
+        """logits [len(fb.logits_indices), vocab] (default: last new token of each request)."""
+        x = self.embed(fb) if input_embeds is None else input_embeds
+        hidden = self.model(fb.input_ids, fb.positions, fb, pool, x)
         return self.compute_logits(hidden, fb)
 
 

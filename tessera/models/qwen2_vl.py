@@ -13,12 +13,10 @@ from typing import Any
 
 import torch
 
-from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.attention import BaseAttentionBackend
 from tessera.models.qwen2 import QWEN2_STACKED_PARAMS, Qwen2ForCausalLM, Qwen2LMConfig
 from tessera.models.weights import WeightMapping
 from tessera.multimodal.items import MultimodalDataItem
-from tessera.runner.forward_batch import ForwardBatch
 
 
 def build_vision_tower(vision_config: Any) -> torch.nn.Module:
@@ -132,24 +130,3 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                     f"item {i}: embedding has {emb.shape[0]} rows but its offsets cover {item.num_tokens} tokens"
                 )
         return out  # type: ignore[return-value]
-
-    # ---- language model ---------------------------------------------------------------------------------
-
-    def embed(self, fb: ForwardBatch) -> torch.Tensor:
-        """Token embeddings [T, H] with fb.mm_embeds scattered at the flat rows fb.mm_embed_rows."""
-        x = self.model.embed_tokens(fb.input_ids)
-        if fb.mm_embed_rows is None and fb.mm_embeds is None:
-            return x
-        if fb.mm_embed_rows is None or fb.mm_embeds is None:
-            raise ValueError("mm_embed_rows and mm_embeds must be set together")
-        if fb.mm_embed_rows.shape[0] != fb.mm_embeds.shape[0]:
-            raise ValueError(
-                f"mm_embed_rows has {fb.mm_embed_rows.shape[0]} rows but mm_embeds has {fb.mm_embeds.shape[0]}"
-            )
-        return x.index_copy_(0, fb.mm_embed_rows, fb.mm_embeds.to(x.dtype))
-
-    def forward(self, fb: ForwardBatch, pool: TokenToKVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """logits [len(fb.logits_indices), vocab] (default: last new token of each request)."""
-        x = self.embed(fb) if input_embeds is None else input_embeds
-        hidden = self.model(fb.input_ids, fb.positions, fb, pool, x)
-        return self.compute_logits(hidden, fb)

@@ -17,6 +17,7 @@ from tessera.models.weights import load_weights
 # architecture -> "module:Class"; adding a model is one line here plus its file.
 _MODELS: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "Qwen2AudioForConditionalGeneration": "tessera.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
     "Qwen2ForCausalLM": "tessera.models.qwen2:Qwen2ForCausalLM",
 }
 

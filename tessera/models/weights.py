@@ -37,11 +37,14 @@ class WeightMapping:
     stacked: (checkpoint module, our fused module, shard id) triples, matched as a whole dotted path
         segment after renaming: `...self_attn.k_proj.bias` -> shard "k" of `...self_attn.qkv_proj.bias`.
     ignore: regexes (re.search) of checkpoint names to drop silently (e.g. stale rotary buffers).
+    stacked_prefix: stacked rules apply only to our names starting with it (e.g. "model.", so that an
+        encoder module with its own separate q_proj/k_proj/v_proj keeps them).
     """
 
     prefix_rules: tuple[tuple[str, str | None], ...]
     stacked: tuple[tuple[str, str, str], ...] = ()
     ignore: tuple[str, ...] = (r"rotary_emb\.inv_freq$",)
+    stacked_prefix: str = ""
 
     def map_name(self, name: str) -> tuple[str, str | None] | None:
         """Checkpoint name -> (our parameter name, shard id or None); None = drop; KeyError = unexpected."""
@@ -55,6 +58,8 @@ class WeightMapping:
                 break
         else:
             raise KeyError(name)
+        if not ours.startswith(self.stacked_prefix):
+            return ours, None
         for ckpt_mod, our_mod, shard_id in self.stacked:
             segment = f".{ckpt_mod}."
             if segment in ours:

@@ -17,12 +17,14 @@ __all__ = ["get_processor_class", "architecture_of", "create_processor", "suppor
 _PROCESSORS: dict[str, str] = {
     "Qwen2VLForConditionalGeneration": "tessera.multimodal.processors.qwen_vl:QwenVLProcessor",
     "Qwen2_5_VLForConditionalGeneration": "tessera.multimodal.processors.qwen_vl:QwenVLProcessor",
+    "Qwen2AudioForConditionalGeneration": "tessera.multimodal.processors.qwen_audio:QwenAudioProcessor",
 }
 
 # For configs saved without `architectures` (e.g. a freshly built skeleton config).
 _MODEL_TYPES: dict[str, str] = {
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2_audio": "Qwen2AudioForConditionalGeneration",
 }
 
 

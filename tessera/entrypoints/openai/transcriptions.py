@@ -1,0 +1,334 @@
+"""POST /v1/audio/transcriptions: OpenAI's speech-to-text endpoint over an audio chat model (Qwen2-Audio).
+
+The model is prompted through the checkpoint's chat template with the audio followed by
+`Transcribe the audio.` (a `prompt` form field becomes the system message). Audio longer than the audio
+encoder's window (the feature extractor's chunk, Whisper's 30 s) is cut at quiet points with a small overlap
+(tessera.multimodal.audio_windows); the windows are decoded concurrently as separate requests and their
+transcripts joined with a space, in order. Each window is one segment of verbose_json / srt / vtt.
+Streaming sends OpenAI's `transcript.text.delta` events window after window, then `transcript.text.done`.
+
+Not done: word timestamps, language detection (`language` is checked and echoed, not used), translation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import zlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.datastructures import UploadFile
+
+from tessera.entrypoints.openai.errors import APIError
+from tessera.entrypoints.openai.serving import OpenAIServing
+from tessera.frontend.request import GenerateRequest
+from tessera.multimodal.audio_windows import AudioWindow, split_audio
+from tessera.multimodal.media import MediaError, load_audio
+from tessera.sampling_params import SamplingParams
+
+TRANSCRIBE_INSTRUCTION = "Transcribe the audio."
+RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
+STREAM_FORMATS = ("json", "text")
+# Output budget per window: generous for speech (~3 words/s), and it bounds a model that never stops.
+MAX_TOKENS_PER_SECOND = 10
+MIN_TOKENS_PER_WINDOW = 16
+# OpenAI form fields accepted besides the ones used; anything else is refused by name.
+_IGNORED_FIELDS = ("include[]", "chunking_strategy")
+_LANGUAGE_RE = re.compile(r"^[A-Za-z]{2,3}(-[A-Za-z0-9]{2,8})?$")
+
+
+@dataclass(frozen=True)
+class TranscriptionRequest:
+    """The multipart form, validated."""
+
+    audio: bytes
+    model: str
+    language: str | None
+    prompt: str | None
+    response_format: str
+    temperature: float
+    stream: bool
+
+
+@dataclass
+class WindowResult:
+    window: AudioWindow
+    text: str
+    output_ids: list[int]
+    logprobs: list[float]
+
+
+def _form_str(form: Any, name: str) -> str | None:
+    value = form.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise APIError(f"{name}: must be a text field, not a file", param=name)
+    return value
+
+
+def _form_bool(value: str | None, name: str) -> bool:
+    if value is None or value == "":
+        return False
+    if value.lower() in ("true", "1"):
+        return True
+    if value.lower() in ("false", "0"):
+        return False
+    raise APIError(f"{name}: expected true or false, got {value!r}", param=name)
+
+
+async def parse_transcription_form(request: Request, max_bytes: int) -> TranscriptionRequest:
+    """Reads and validates the multipart form; APIError (400) naming the field on anything wrong."""
+    content_type = request.headers.get("content-type", "")
+    if not content_type.startswith("multipart/form-data"):
+        raise APIError(f"body: expected multipart/form-data with a 'file' part, got content-type {content_type!r}",
+                       param="file")
+    try:
+        form = await request.form()
+    except Exception as e:  # noqa: BLE001 - malformed multipart bodies of any kind are user errors
+        raise APIError(f"body: malformed multipart form ({e})", param="file") from None
+    known = {"file", "model", "language", "prompt", "response_format", "temperature", "stream",
+             "timestamp_granularities[]", *_IGNORED_FIELDS}
+    unknown = sorted(set(form.keys()) - known)
+    if unknown:
+        raise APIError(f"{unknown[0]}: unknown field (accepted: {', '.join(sorted(known))})", param=unknown[0])
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise APIError("file: the audio file part is required (multipart field 'file')", param="file")
+    data = await upload.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise APIError(f"file: audio is larger than the limit of {max_bytes} bytes", param="file")
+    if not data:
+        raise APIError("file: the audio file is empty", param="file")
+    model = _form_str(form, "model")
+    if not model:
+        raise APIError("model: required", param="model")
+    response_format = _form_str(form, "response_format") or "json"
+    if response_format not in RESPONSE_FORMATS:
+        raise APIError(f"response_format: {response_format!r} is not one of {', '.join(RESPONSE_FORMATS)}",
+                       param="response_format")
+    language = _form_str(form, "language") or None
+    if language is not None and not _LANGUAGE_RE.match(language):
+        raise APIError(f"language: expected an ISO-639-1 code such as 'en', got {language!r}", param="language")
+    for granularity in form.getlist("timestamp_granularities[]"):
+        if granularity != "segment":
+            raise APIError(f"timestamp_granularities: only 'segment' is supported, got {granularity!r}",
+                           param="timestamp_granularities")
+    raw_temperature = _form_str(form, "temperature")
+    try:
+        temperature = float(raw_temperature) if raw_temperature else 0.0
+    except ValueError:
+        raise APIError(f"temperature: expected a number, got {raw_temperature!r}", param="temperature") from None
+    if not 0.0 <= temperature <= 2.0 or math.isnan(temperature):
+        raise APIError(f"temperature: must be between 0 and 2, got {temperature}", param="temperature")
+    stream = _form_bool(_form_str(form, "stream"), "stream")
+    if stream and response_format not in STREAM_FORMATS:
+        raise APIError(f"stream: streaming is supported with response_format json or text, not {response_format!r}",
+                       param="stream")
+    return TranscriptionRequest(data, model, language, _form_str(form, "prompt") or None, response_format,
+                                temperature, stream)
+
+
+# ---- response formats ------------------------------------------------------------------------------
+
+
+def _timestamp(seconds: float, decimal: str) -> str:
+    ms = int(round(seconds * 1000))
+    hours, ms = divmod(ms, 3_600_000)
+    minutes, ms = divmod(ms, 60_000)
+    secs, ms = divmod(ms, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{decimal}{ms:03d}"
+
+
+def cue_text(text: str) -> str:
+    """A segment's text as one subtitle line: a blank line would end the cue early and `-->` would read as
+    a timing line, so line breaks become spaces and arrows are defused (as Whisper's writers do)."""
+    return " ".join(text.split()).replace("-->", "->")
+
+
+def format_srt(segments: list[dict]) -> str:
+    """SubRip: numbered cues from 1, `HH:MM:SS,mmm --> HH:MM:SS,mmm`, a blank line after each cue.
+    Segments without text get no cue."""
+    cues = [(s, cue_text(s["text"])) for s in segments]
+    return "".join(f"{i}\n{_timestamp(s['start'], ',')} --> {_timestamp(s['end'], ',')}\n{text}\n\n"
+                   for i, (s, text) in enumerate([c for c in cues if c[1]], start=1))
+
+
+def format_vtt(segments: list[dict]) -> str:
+    """WebVTT: the `WEBVTT` header, then `HH:MM:SS.mmm --> HH:MM:SS.mmm` cues."""
+    cues = [(s, cue_text(s["text"])) for s in segments]
+    return "WEBVTT\n\n" + "".join(f"{_timestamp(s['start'], '.')} --> {_timestamp(s['end'], '.')}\n{text}\n\n"
+                                  for s, text in cues if text)
+
+
+def _compression_ratio(text: str) -> float:
+    """Whisper's repetition signal: raw length / zlib-compressed length (1.0 for empty text)."""
+    raw = text.encode("utf-8")
+    return len(raw) / len(zlib.compress(raw)) if raw else 1.0
+
+
+def _segment(i: int, r: WindowResult, rate: int, temperature: float) -> dict:
+    start, end = r.window.seconds(rate)
+    return {"id": i, "seek": r.window.seg_start * 100 // rate,  # Whisper's seek: 10 ms mel frames
+            "start": round(start, 3), "end": round(end, 3), "text": r.text, "tokens": r.output_ids,
+            "temperature": temperature,
+            "avg_logprob": float(np.mean(r.logprobs)) if r.logprobs else 0.0,
+            "compression_ratio": _compression_ratio(r.text),
+            # Qwen2-Audio has no no-speech head (Whisper's <|nospeech|> probability): not estimated.
+            "no_speech_prob": 0.0}
+
+
+def join_transcripts(texts: list[str]) -> str:
+    return " ".join(t.strip() for t in texts if t.strip())
+
+
+# ---- serving ---------------------------------------------------------------------------------------
+
+
+class TranscriptionServing:
+    """The endpoint over a TokenizerManager; `serving` (OpenAIServing) supplies model-name checks and
+    disconnect-aware collection."""
+
+    def __init__(self, serving: OpenAIServing):
+        self.serving = serving
+        self.tm = serving.tm
+
+    def _check_audio_model(self, model: str) -> None:
+        self.serving.check_model({"model": model})
+        info = self.tm.info
+        if not info.has_audio_understanding:
+            reason = (info.no_media_reason() if info.args.language_model_only else
+                      f"model {self.serving.model_name!r} ({info.architecture}) does not understand audio")
+            raise APIError(f"model: {reason}; /v1/audio/transcriptions needs an audio model such as "
+                           "Qwen2-Audio (e.g. --model-path demo-asr)", param="model")
+
+    def _prompt_text(self, prompt: str | None) -> str:
+        messages: list[dict] = [{"role": "system", "content": prompt}] if prompt else []
+        messages.append({"role": "user", "content": [{"type": "audio"},
+                                                     {"type": "text", "text": TRANSCRIBE_INSTRUCTION}]})
+        return self.tm.info.apply_chat_template(messages, add_generation_prompt=True)
+
+    async def _decode(self, data: bytes) -> tuple[np.ndarray, int]:
+        processor = self.tm.mm_processor
+        assert processor is not None, "an audio model always has a multimodal processor"
+        rate = int(processor.audio_sampling_rate)
+        loop = asyncio.get_running_loop()
+        try:  # decoding is CPU work: off the event loop
+            samples = await loop.run_in_executor(
+                self.tm.executor, lambda: load_audio(data, limits=processor.limits, sampling_rate=rate))
+        except MediaError as e:
+            raise APIError(f"file: {e}", status=e.status, param="file") from None
+        if len(samples) == 0:
+            raise APIError("file: the audio has no samples", param="file")
+        return samples, rate
+
+    def _requests(self, req: TranscriptionRequest, samples: np.ndarray, rate: int,
+                  windows: list[AudioWindow]) -> list[GenerateRequest]:
+        text = self._prompt_text(req.prompt)
+        out = []
+        for w in windows:
+            budget = max(MIN_TOKENS_PER_WINDOW, math.ceil((w.end - w.start) / rate * MAX_TOKENS_PER_SECOND))
+            sp = SamplingParams(temperature=req.temperature, max_new_tokens=budget).normalize()
+            out.append(GenerateRequest(text=text, audio_data=[samples[w.start: w.end]], sampling_params=sp,
+                                       return_logprob=True, stream=req.stream))
+        return out
+
+    async def create(self, request: Request) -> Response:
+        limits = self.tm.mm_processor.limits if self.tm.mm_processor is not None else None
+        max_bytes = limits.max_audio_bytes if limits is not None else 64 << 20
+        req = await parse_transcription_form(request, max_bytes)
+        self._check_audio_model(req.model)
+        samples, rate = await self._decode(req.audio)
+        chunk_s = float(getattr(self.tm.mm_processor, "chunk_seconds", 30.0))
+        windows = split_audio(samples, rate, chunk_s)
+        reqs = self._requests(req, samples, rate, windows)
+        duration = len(samples) / rate
+        if req.stream:
+            stream = await self.serving._first_or_error(self._stream(reqs))
+            return StreamingResponse(stream, media_type="text/event-stream")
+        outs = await self.serving._collect_all(request, reqs)
+        results = [WindowResult(w, out["text"].strip(), list(out["output_ids"]),
+                                [lp for lp, _ in out["meta_info"].get("output_token_logprobs", [])])
+                   for w, out in zip(windows, outs)]
+        return self._render(req, results, rate, duration)
+
+    def _render(self, req: TranscriptionRequest, results: list[WindowResult], rate: int, duration: float) -> Response:
+        text = join_transcripts([r.text for r in results])
+        usage = {"type": "duration", "seconds": math.ceil(duration)}
+        if req.response_format == "json":
+            return JSONResponse({"text": text, "usage": usage})
+        if req.response_format == "text":
+            return PlainTextResponse(text + "\n")
+        segments = [_segment(i, r, rate, req.temperature) for i, r in enumerate(results)]
+        if req.response_format == "srt":
+            return PlainTextResponse(format_srt(segments), media_type="application/x-subrip")
+        if req.response_format == "vtt":
+            return PlainTextResponse(format_vtt(segments), media_type="text/vtt")
+        return JSONResponse({"task": "transcribe", "language": req.language or "unknown",
+                             "duration": round(duration, 3), "text": text, "segments": segments, "usage": usage})
+
+    async def _stream(self, reqs: list[GenerateRequest]) -> AsyncIterator[str]:
+        """All windows decode concurrently; their deltas are sent in window order (a later window's text
+        waits in its queue until the earlier ones are done). The deltas add up to exactly the done event's
+        text, join_transcripts of the window texts: whitespace at a window's edges is held back, and one
+        space separates windows. A failure before the first event propagates (an HTTP error, see
+        _first_or_error); a later one becomes an `error` event."""
+        queues: list[asyncio.Queue] = [asyncio.Queue() for _ in reqs]
+        done = object()
+
+        async def pump(i: int) -> None:
+            try:
+                async for out in self.tm.generate(reqs[i]):
+                    await queues[i].put(out)
+            except Exception as e:  # noqa: BLE001 - handed to the consumer below
+                await queues[i].put(e)
+            finally:
+                await queues[i].put(done)
+
+        tasks = [asyncio.ensure_future(pump(i)) for i in range(len(reqs))]
+        texts: list[str] = []
+        input_tokens = output_tokens = 0
+        started = False
+        try:
+            for queue in queues:
+                window_text, pending = "", ""
+                while (item := await queue.get()) is not done:
+                    if isinstance(item, Exception):
+                        if not started:
+                            raise item
+                        yield _sse({"type": "error", "error": {"message": str(item)}})
+                        return
+                    meta = item["meta_info"]
+                    if meta.get("finish_reason") is not None:
+                        input_tokens += meta["prompt_tokens"]
+                        output_tokens += meta["completion_tokens"]
+                    combined = pending + item["delta"]
+                    if not window_text:
+                        combined = combined.lstrip()
+                    emit = combined.rstrip()
+                    pending = combined[len(emit):]
+                    if not emit:
+                        continue
+                    prefix = " " if not window_text and any(texts) else ""
+                    window_text += emit
+                    started = True
+                    yield _sse({"type": "transcript.text.delta", "delta": prefix + emit})
+                texts.append(window_text)
+            usage = {"type": "tokens", "input_tokens": input_tokens, "output_tokens": output_tokens,
+                     "total_tokens": input_tokens + output_tokens}
+            yield _sse({"type": "transcript.text.done", "text": join_transcripts(texts), "usage": usage})
+            yield _sse("[DONE]")
+        finally:
+            for t in tasks:  # a client that went away: each generate()'s finally aborts its request
+                t.cancel()
+
+
+def _sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,163 @@
+"""Qwen2-Audio processor: audio clips as Whisper log-mel features, one `<|AUDIO|>` run per clip.
+
+The HF `Qwen2AudioProcessor` (with a `WhisperFeatureExtractor`) pads every clip to the feature extractor's
+chunk (`n_samples`, 30 s for Whisper) and truncates longer ones; an item owns its padded features
+[num_mel_bins, nb_max_frames] and model_specific_data["feature_attention_mask"] ([1, frames], 1 = real frame).
+It owns `audio_output_len(mask.sum())` placeholder tokens, the count the HF processor expands to.
+Audio longer than one chunk is truncated, as in transformers; /v1/audio/transcriptions cuts long audio into
+chunk-sized windows before it gets here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from tessera.models.qwen2_audio import FEATURE_MASK_KEY, audio_output_len
+from tessera.multimodal.items import Modality
+from tessera.multimodal.processors.base import (
+    BaseMultimodalProcessor,
+    InputFormat,
+    ItemFeatures,
+    LoadedMultimodalData,
+)
+from tessera.multimodal.special_tokens import MultimodalSpecialTokens
+
+__all__ = ["QwenAudioProcessor"]
+
+# Feature-extractor settings that shape the features (hashed with the content, see feature_kwargs).
+_EXTRACTOR_FIELDS = ("feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft", "n_samples",
+                     "nb_max_frames", "padding_value", "dither")
+
+
+def _tensor(value: Any, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    try:
+        return torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{name} must be a tensor or array, got {type(value).__name__}") from e
+
+
+class QwenAudioProcessor(BaseMultimodalProcessor):
+    """Qwen2AudioForConditionalGeneration."""
+
+    supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.AUDIO})
+
+    def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
+        extractor = hf_processor.feature_extractor
+        # What the encoder accepts, checked on caller-supplied tensors here: a mismatch found in the
+        # scheduler process would fail a whole batch.
+        self.num_mel_bins = int(hf_config.audio_config.num_mel_bins)
+        self.num_frames = 2 * int(hf_config.audio_config.max_source_positions)
+        self.embed_dim = int(hf_config.get_text_config().hidden_size)
+        if int(extractor.feature_size) != self.num_mel_bins:
+            raise ValueError(f"feature extractor feature_size {extractor.feature_size} != audio_config.num_mel_bins "
+                             f"{self.num_mel_bins}")
+        if int(extractor.nb_max_frames) != self.num_frames:
+            raise ValueError(f"feature extractor pads to {extractor.nb_max_frames} frames; the audio encoder takes "
+                             f"2 * max_source_positions = {self.num_frames}")
+        super().__init__(hf_processor, hf_config, *args, **kwargs)
+
+    def build_special_tokens(self) -> MultimodalSpecialTokens:
+        return MultimodalSpecialTokens(
+            audio_token=getattr(self.hf_processor, "audio_token", "<|AUDIO|>"),
+            audio_token_id=getattr(self.hf_config, "audio_token_id", None),
+        )
+
+    @property
+    def chunk_seconds(self) -> float:
+        """The longest clip one item holds (longer ones are truncated): the extractor's padded length."""
+        extractor = self.hf_processor.feature_extractor
+        return float(extractor.n_samples) / float(extractor.sampling_rate)
+
+    # ------------------------------------------------------------ kwargs
+
+    def hf_kwargs(self, modality: Modality) -> dict[str, Any]:
+        kwargs = super().hf_kwargs(modality)
+        if modality is Modality.AUDIO:
+            # Qwen2AudioProcessor forces these; the text-free path below must match them.
+            kwargs.update(padding="max_length", return_attention_mask=True)
+        return kwargs
+
+    def feature_kwargs(self, modality: Modality) -> dict[str, Any]:
+        kwargs = super().feature_kwargs(modality)
+        extractor = self.hf_processor.feature_extractor
+        for name in _EXTRACTOR_FIELDS:
+            kwargs.setdefault(name, getattr(extractor, name, None))
+        return kwargs
+
+    def call_hf_processor(self, prompt: str | None, loaded: LoadedMultimodalData) -> Mapping[str, Any]:
+        """With a prompt, the HF processor (its placeholder expansion is the reference). Without one (a
+        preprocessing-cache miss among hits, or input_ids), the feature extractor alone: Qwen2AudioProcessor
+        refuses audio without text, and its features are exactly the extractor's."""
+        if prompt is not None:
+            return super().call_hf_processor(prompt, loaded)
+        assert not loaded.images and not loaded.videos, "only audio reaches this processor"
+        out = self.hf_processor.feature_extractor(loaded.audios, return_tensors="pt",
+                                                  **self.hf_kwargs(Modality.AUDIO))
+        return {"input_features": out["input_features"], FEATURE_MASK_KEY: out["attention_mask"]}
+
+    # ------------------------------------------------------------ splitting
+
+    def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
+        if not loaded.audios:
+            return []
+        items = self._split_features(hf_output, "HF processor output")
+        assert len(items) == len(loaded.audios), f"HF processor returned {len(items)} clips for {len(loaded.audios)}"
+        return items
+
+    def split_preprocessed(self, modality: Modality, data: Mapping[str, Any],
+                           input_format: InputFormat) -> list[ItemFeatures]:
+        assert modality is Modality.AUDIO
+        if input_format is InputFormat.PROCESSOR_OUTPUT:
+            return self._split_features(data, "processor_output")
+        return self._split_embeddings(data)
+
+    def _split_features(self, data: Mapping[str, Any], what: str) -> list[ItemFeatures]:
+        for key in ("input_features", FEATURE_MASK_KEY):
+            if data.get(key) is None:
+                raise ValueError(f"{what} audio data needs {key!r}")
+        features = _tensor(data["input_features"], "input_features")
+        masks = _tensor(data[FEATURE_MASK_KEY], FEATURE_MASK_KEY)
+        if features.ndim == 2:
+            features = features[None]
+        if masks.ndim == 1:
+            masks = masks[None]
+        expected = (self.num_mel_bins, self.num_frames)
+        if features.ndim != 3 or tuple(features.shape[1:]) != expected or not features.is_floating_point():
+            raise ValueError(f"input_features has shape {tuple(features.shape)} ({features.dtype}); the audio "
+                             f"encoder takes floating-point [num_clips, {expected[0]}, {expected[1]}]")
+        if masks.ndim != 2 or tuple(masks.shape) != (features.shape[0], self.num_frames):
+            raise ValueError(f"{FEATURE_MASK_KEY} has shape {tuple(masks.shape)}; expected "
+                             f"[{features.shape[0]}, {self.num_frames}] (one row per clip)")
+        masks = masks.to(torch.long)
+        if bool(((masks != 0) & (masks != 1)).any()):
+            raise ValueError(f"{FEATURE_MASK_KEY} must hold only 0 and 1")
+        out = []
+        for feature, mask in zip(features, masks):
+            num_valid = int(mask.sum())
+            if num_valid < 1:
+                raise ValueError(f"{FEATURE_MASK_KEY} marks no frame of a clip as real audio")
+            out.append(ItemFeatures(Modality.AUDIO, audio_output_len(num_valid), feature=feature.clone(),
+                                    model_specific_data={FEATURE_MASK_KEY: mask.view(1, -1).clone()}))
+        return out
+
+    def _split_embeddings(self, data: Mapping[str, Any]) -> list[ItemFeatures]:
+        """`feature`: one [num_tokens, hidden] encoder output, or a list of them (one per clip)."""
+        feature = data.get("feature")
+        if feature is None:
+            raise ValueError("precomputed_embedding audio data needs 'feature' (projected encoder output)")
+        chunks = [_tensor(f, "feature") for f in feature] if isinstance(feature, (list, tuple)) else [
+            _tensor(feature, "feature")]
+        for i, c in enumerate(chunks):
+            while c.ndim > 2 and c.shape[0] == 1:
+                c = c[0]
+            chunks[i] = c
+            if c.ndim != 2 or c.shape[0] == 0 or c.shape[1] != self.embed_dim or not c.is_floating_point():
+                raise ValueError(f"precomputed audio feature has shape {tuple(c.shape)} ({c.dtype}); the language "
+                                 f"model takes floating-point [num_tokens, {self.embed_dim}]")
+        return [ItemFeatures(Modality.AUDIO, c.shape[0], precomputed_embedding=c.clone()) for c in chunks]
