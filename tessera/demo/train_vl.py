@@ -3,12 +3,22 @@
     python -m tessera.demo.train_vl --work-dir .train/demo-vl --out tessera/assets/demo-vl
 
 Resumable: the work dir holds the latest checkpoint (model, optimizer, step); batches are
-a pure function of (seed, step), so a resumed run sees exactly the data it would have.
-Recipe (why): few image tokens (max 224x224 px images, 112x112 px video frames); a
-curriculum from one shape to three; warmup + cosine LR; an auxiliary per-token loss on
-the vision tower's merged output that names the shape and color under each token (the
-linear heads are dropped from the saved model) because shape recognition is what a
-plain LM loss learns slowest.
+a pure function of (seed, step), so a resumed run sees exactly the data it would have, and the
+default command reproduces the shipped checkpoint (up to floating-point thread nondeterminism).
+
+Recipe (why):
+- Few image tokens: every image is resized to about 224x224 px of area (64 tokens), video
+  frames to 112x112 px; small canvases are scaled up so their shapes get enough patches
+  (from RESOLUTION_SWITCH_STEP on; earlier steps used HF's default minimum area).
+- A curriculum from one shape to three (curriculum_max_shapes), warmup + cosine LR.
+- Auxiliary per-token losses on the vision tower's merged output (linear heads, dropped from the
+  saved model): the shape and color under each token from the start, because shape recognition
+  is what a plain LM loss learns slowest; from EXTRA_HEADS_STEP also the motion direction of video
+  tokens (a temporal patch holds two frames, so one token can see it) and the horizontal band of
+  the shape (left-to-right order for "Describe the image."), which rotary positions give the
+  language model only indirectly.
+- Evaluation every --eval-every steps by question type (teacher-forced exact match, which equals
+  greedy exact match); the curve is kept in the work dir's log.json.
 """
 
 from __future__ import annotations
@@ -32,6 +42,9 @@ IGNORE = -100
 # Steps before this one resized small images less (HF's default minimum area); from here on every
 # image gets the checkpoint's fixed area. Kept so that retraining reproduces the shipped model.
 RESOLUTION_SWITCH_STEP = 800
+# The motion and position heads join here, with a fresh optimizer and a 50-step re-warmup (the
+# shipped run added them at this step after seeing shape and direction stall near chance).
+EXTRA_HEADS_STEP = 1100
 
 
 def curriculum_max_shapes(step: int) -> int:
@@ -159,7 +172,10 @@ class AuxHeads(torch.nn.Module):
         self.direction = torch.nn.Linear(dim, 1 + len(scenes.DIRECTIONS))
         self.xbin = torch.nn.Linear(dim, 1 + NUM_XBINS)
 
-    def loss(self, merged: torch.Tensor, batch: dict) -> torch.Tensor:
+    def loss(self, merged: torch.Tensor, batch: dict, step: int) -> torch.Tensor:
+        if step < EXTRA_HEADS_STEP:  # the first phase of the shipped recipe
+            return F.cross_entropy(self.shape(merged), batch["aux_shape"]) + F.cross_entropy(
+                self.color(merged), batch["aux_color"])
         # Shape is what the tower learns slowest, so it weighs double.
         total = 2.0 * F.cross_entropy(self.shape(merged), batch["aux_shape"])
         total = total + F.cross_entropy(self.color(merged), batch["aux_color"])
@@ -221,7 +237,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work-dir", type=Path, default=Path(".train/demo-vl"))
     ap.add_argument("--out", type=Path, default=Path("tessera/assets/demo-vl"))
-    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--steps", type=int, default=2600)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=200)
@@ -292,11 +308,14 @@ def main() -> None:
     for batch in loader:
         if step >= args.steps:
             break
+        if step == EXTRA_HEADS_STEP and rewarm_from is None:
+            opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
+            rewarm_from = step
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         out = model(**model_inputs(batch), labels=batch["labels"])
         merged = captured["merged"]
-        aux_loss = aux.loss(merged, batch)
+        aux_loss = aux.loss(merged, batch, step)
         loss = out.loss + args.aux_weight * aux_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
