@@ -7,6 +7,7 @@ the shards from the checkpoint's separate tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,6 +203,30 @@ class Qwen2ForCausalLM(nn.Module):
         if rows is None:
             rows = fb.extend_start_loc + fb.extend_lens - 1
         return self.lm_head(hidden[rows])
+
+    def encode_items(self, items: list, encode: Callable[[list[int]], list[torch.Tensor]]) -> list[torch.Tensor]:
+        """Shared part of get_*_feature: one embedding [num_tokens, hidden] per item, in order.
+
+        Items with a precomputed_embedding pass through (cast to the model's dtype/device); the
+        indices of the others go to `encode` in ONE call, which returns their embeddings in order.
+        Every embedding's row count is checked against the item's placeholder offsets.
+        """
+        weight = self.model.embed_tokens.weight
+        out: list[torch.Tensor | None] = [None] * len(items)
+        todo = [i for i, item in enumerate(items) if item.precomputed_embedding is None]
+        for i, item in enumerate(items):
+            if item.precomputed_embedding is not None:
+                out[i] = item.precomputed_embedding.to(device=weight.device, dtype=weight.dtype)
+        if todo:
+            for i, emb in zip(todo, encode(todo)):
+                out[i] = emb
+        for i, (item, emb) in enumerate(zip(items, out)):
+            assert emb is not None
+            if item.offsets and emb.shape[0] != item.num_tokens:
+                raise ValueError(
+                    f"item {i}: embedding has {emb.shape[0]} rows but its offsets cover {item.num_tokens} tokens"
+                )
+        return out  # type: ignore[return-value]
 
     def embed(self, fb: ForwardBatch) -> torch.Tensor:
         """Token embeddings [T, H] with fb.mm_embeds scattered at the flat rows fb.mm_embed_rows.

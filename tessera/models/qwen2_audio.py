@@ -118,30 +118,15 @@ class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
         a `precomputed_embedding` (returned as is, cast to the model's dtype/device).
         num_tokens = audio_output_len(mask.sum()).
         """
-        weight = self.model.embed_tokens.weight
-        out: list[torch.Tensor | None] = [None] * len(items)
-        todo: list[int] = []
-        features: list[torch.Tensor] = []
-        masks: list[torch.Tensor] = []
-        for i, item in enumerate(items):
-            if item.precomputed_embedding is not None:
-                out[i] = item.precomputed_embedding.to(device=weight.device, dtype=weight.dtype)
-                continue
-            feature, mask = self._checked_feature(i, item)
-            todo.append(i)
-            features.append(feature)
-            masks.append(mask)
-        if todo:
-            embeds = self._encode(torch.stack(features), torch.stack(masks))
-            for i, emb in zip(todo, embeds):
-                out[i] = emb
-        for i, (item, emb) in enumerate(zip(items, out)):
-            assert emb is not None
-            if item.offsets and emb.shape[0] != item.num_tokens:
-                raise ValueError(
-                    f"item {i}: embedding has {emb.shape[0]} rows but its offsets cover {item.num_tokens} tokens"
-                )
-        return out  # type: ignore[return-value]
+        checked = {i: self._checked_feature(i, item) for i, item in enumerate(items)
+                   if item.precomputed_embedding is None}
+
+        def encode(todo: list[int]) -> list[torch.Tensor]:
+            embeds = self._encode(torch.stack([checked[i][0] for i in todo]),
+                                  torch.stack([checked[i][1] for i in todo]))
+            return list(embeds)
+
+        return self.encode_items(items, encode)
 
     def _checked_feature(self, i: int, item: MultimodalDataItem) -> tuple[torch.Tensor, torch.Tensor]:
         """(feature [mel, frames], mask [frames] long) of item i, or ValueError naming what is wrong."""

@@ -91,13 +91,10 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def _encode(self, items: list[MultimodalDataItem], grid_key: str) -> list[torch.Tensor]:
         weight = self.model.embed_tokens.weight
-        out: list[torch.Tensor | None] = [None] * len(items)
-        todo: list[int] = []
         pixels: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
         for i, item in enumerate(items):
             if item.precomputed_embedding is not None:
-                out[i] = item.precomputed_embedding.to(device=weight.device, dtype=weight.dtype)
                 continue
             if item.feature is None:
                 raise ValueError(f"item {i}: neither feature nor precomputed_embedding is set")
@@ -109,10 +106,10 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                 raise ValueError(
                     f"item {i}: feature has {item.feature.shape[0]} patch rows, {grid_key} implies {num_patches}"
                 )
-            todo.append(i)
             pixels.append(item.feature)
             grids.append(grid)
-        if todo:
+
+        def encode(todo: list[int]) -> list[torch.Tensor]:
             if self.visual is None:
                 raise RuntimeError("the model was loaded with language_model_only=True: it has no vision tower")
             # The tower is built in the model's dtype (load_model's default-dtype context).
@@ -120,13 +117,6 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
             grid_thw = torch.cat(grids).to(weight.device)
             embeds = self.visual(rows, grid_thw=grid_thw).pooler_output.to(weight.dtype)
             merge = self.spatial_merge_size**2
-            sizes = [int(g.prod(-1).sum()) // merge for g in grids]
-            for i, emb in zip(todo, embeds.split(sizes)):
-                out[i] = emb
-        for i, (item, emb) in enumerate(zip(items, out)):
-            assert emb is not None
-            if item.offsets and emb.shape[0] != item.num_tokens:
-                raise ValueError(
-                    f"item {i}: embedding has {emb.shape[0]} rows but its offsets cover {item.num_tokens} tokens"
-                )
-        return out  # type: ignore[return-value]
+            return list(embeds.split([int(g.prod(-1).sum()) // merge for g in grids]))
+
+        return self.encode_items(items, encode)
