@@ -237,7 +237,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work-dir", type=Path, default=Path(".train/demo-vl"))
     ap.add_argument("--out", type=Path, default=Path("tessera/assets/demo-vl"))
-    ap.add_argument("--steps", type=int, default=2600)
+    ap.add_argument("--steps", type=int, default=2600, help="length of the LR schedule")
+    ap.add_argument("--stop-step", type=int, default=2000,
+                    help="stop (and save) after this step; the shipped run was cut here for time, its "
+                         "schedule planned for --steps")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=200)
@@ -306,7 +309,7 @@ def main() -> None:
     t_start, t_last = time.time(), time.time()
     model.train()
     for batch in loader:
-        if step >= args.steps:
+        if step >= min(args.steps, args.stop_step):
             break
         if step == EXTRA_HEADS_STEP and rewarm_from is None:
             opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
@@ -327,7 +330,7 @@ def main() -> None:
             t_last = time.time()
             print(f"step {step} lm {out.loss.item():.4f} aux {aux_loss.item():.4f} lr {lr_at(step):.2e} "
                   f"{dt:.2f}s/step", flush=True)
-        if step % args.eval_every == 0 or step == args.steps:
+        if step % args.eval_every == 0 or step == min(args.steps, args.stop_step):
             acc = evaluate(model, processor, evals)
             log.append({"step": step, "minutes": round((time.time() - t_start) / 60, 1), **acc})
             print("eval", json.dumps(log[-1]), flush=True)
