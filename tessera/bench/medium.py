@@ -13,6 +13,7 @@ never committed.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import tempfile
@@ -51,13 +52,29 @@ def medium_config(skeleton_dir: Path):
                          vision_end_token_id=base.vision_end_token_id)
 
 
+def processor_digest(directory: Path) -> str:
+    """Hash of the tokenizer/processor files: demo-vl's may still change (retraining rebuilds them),
+    and a checkpoint built from older copies would tokenize prompts differently from demo-vl."""
+    h = hashlib.sha256()
+    for name in PROCESSOR_FILES:
+        path = directory / name
+        h.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b"<missing>") + b"\0")
+    return h.hexdigest()[:12]
+
+
 def default_dir(seed: int) -> Path:
-    return Path(tempfile.gettempdir()) / f"tessera-{MEDIUM_NAME}-v{MEDIUM_VERSION}-seed{seed}"
+    digest = processor_digest(ASSETS_DIR / "demo-vl")
+    return Path(tempfile.gettempdir()) / f"tessera-{MEDIUM_NAME}-v{MEDIUM_VERSION}-seed{seed}-{digest}"
 
 
 def is_complete(path: Path) -> bool:
     return (path / "config.json").exists() and (path / "model.safetensors").exists() and all(
         (path / f).exists() for f in PROCESSOR_FILES)
+
+
+def is_current(path: Path) -> bool:
+    """Complete, and built from demo-vl's present tokenizer/processor files."""
+    return is_complete(path) and processor_digest(path) == processor_digest(ASSETS_DIR / "demo-vl")
 
 
 def build_medium(seed: int = 0, out_dir: str | Path | None = None) -> Path:
@@ -66,7 +83,7 @@ def build_medium(seed: int = 0, out_dir: str | Path | None = None) -> Path:
     from transformers import Qwen2VLForConditionalGeneration
 
     target = Path(out_dir) if out_dir is not None else default_dir(seed)
-    if is_complete(target):
+    if is_current(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # Build beside the target and rename at the end: a crash or a concurrent build never leaves a
@@ -82,11 +99,15 @@ def build_medium(seed: int = 0, out_dir: str | Path | None = None) -> Path:
         model = Qwen2VLForConditionalGeneration(cfg)  # HF's init: normal(0, initializer_range)
         model.save_pretrained(work)
         del model
-        try:
-            os.rename(work, target)
-        except OSError:
-            if not is_complete(target):  # somebody else's complete build is fine; anything else is not
-                raise
+        if target.exists():  # a stale build (older processor files): replace it file by file
+            for path in work.iterdir():
+                os.replace(path, target / path.name)
+        else:
+            try:
+                os.rename(work, target)
+            except OSError:
+                if not is_current(target):  # somebody else's concurrent build is fine; anything else is not
+                    raise
     finally:
         if work.exists():
             shutil.rmtree(work, ignore_errors=True)

@@ -67,6 +67,11 @@ def test_build_is_deterministic_reused_and_loadable(tmp_path, monkeypatch) -> No
     mtime = (a / "model.safetensors").stat().st_mtime_ns
     assert medium.build_medium(seed=3, out_dir=a) == a and (a / "model.safetensors").stat().st_mtime_ns == mtime
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no half-built leftovers
+    # A build from older tokenizer/processor files than demo-vl's present ones is rebuilt in place.
+    (a / "preprocessor_config.json").write_text("{}")
+    assert not medium.is_current(a)
+    assert medium.build_medium(seed=3, out_dir=a) == a and medium.is_current(a)
+    assert (a / "preprocessor_config.json").read_bytes() == (ASSETS_DIR / "demo-vl" / "preprocessor_config.json").read_bytes()
     from tessera.config import ServerArgs
 
     assert ServerArgs(model_path=str(a)).model_path == str(a.resolve())
