@@ -81,23 +81,10 @@ def encode_image(img: Image.Image, fmt: str = "PNG") -> bytes:
 
 
 def encode_video(frames: list[Image.Image], fps: int = 4) -> bytes:
-    """An MP4 (MPEG-4 part 2, like tessera/demo/examples.py) in memory; sides are cut to even."""
-    import av
+    """An MP4 in memory, encoded like the bundled examples."""
+    from tessera.demo.examples import encode_video as encode
 
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
-        w, h = frames[0].size
-        stream.width, stream.height = w - w % 2, h - h % 2
-        stream.pix_fmt = "yuv420p"
-        stream.options = {"qscale": "2"}
-        for img in frames:
-            arr = np.ascontiguousarray(np.asarray(img.convert("RGB"))[: stream.height, : stream.width])
-            for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
-                container.mux(packet)
-        for packet in stream.encode():
-            container.mux(packet)
-    return buf.getvalue()
+    return encode(frames, fps)
 
 
 def data_uri(payload: bytes, mime: str) -> str:

@@ -8,6 +8,7 @@ the grammar, so they double as smoke checks of the demo model.
 
 from __future__ import annotations
 
+import io
 import random
 from pathlib import Path
 
@@ -35,19 +36,26 @@ def example_video() -> scenes.Sample:
             return v
 
 
-def write_video(frames, path: Path, fps: int = 4) -> None:
-    with av.open(str(path), "w") as container:
+def encode_video(frames, fps: int = 4) -> bytes:
+    """An MP4 (MPEG-4 part 2, high quality) of PIL frames, in memory; sides are cut to even."""
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as container:
         stream = container.add_stream("mpeg4", rate=fps)
         w, h = frames[0].size
         stream.width, stream.height = w - w % 2, h - h % 2
         stream.pix_fmt = "yuv420p"
         stream.options = {"qscale": "2"}
         for img in frames:
-            arr = np.asarray(img)[: stream.height, : stream.width]
+            arr = np.ascontiguousarray(np.asarray(img.convert("RGB"))[: stream.height, : stream.width])
             for packet in stream.encode(av.VideoFrame.from_ndarray(arr, format="rgb24")):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
+    return buf.getvalue()
+
+
+def write_video(frames, path: Path, fps: int = 4) -> None:
+    path.write_bytes(encode_video(frames, fps))
 
 
 def main() -> None:
