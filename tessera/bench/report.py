@@ -178,10 +178,13 @@ def serving_table(results: list[dict]) -> str:
 
 def render(offline: list[dict], serving: list[dict]) -> str:
     parts = []
+    offline = sorted(offline, key=lambda r: r["date"])  # columns in the order the models were run
     machine = (offline[0] if offline else {}).get("machine")
     if machine:
         gpu = f", GPU {machine['gpu']}" if machine.get("gpu") else ""
-        parts.append(f"Measured {offline[0]['date']} on {machine['cpu']} ({machine['cpu_count']} CPUs, "
+        dates = sorted({r["date"] for r in offline} | {r["date"] for r in serving if "date" in r})
+        when = dates[0] if len(dates) == 1 else f"between {dates[0]} and {dates[-1]}"
+        parts.append(f"Measured {when} on {machine['cpu']} ({machine['cpu_count']} CPUs, "
                      f"{machine['torch_threads']} torch threads{gpu}), Python {machine['python']}, "
                      f"torch {machine['torch']}. Each figure is the median of "
                      f"{offline[0]['config']['num_runs']} run(s). The serving client runs on the same machine "
