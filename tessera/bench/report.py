@@ -39,6 +39,7 @@ class LocalServer:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody drains
         self.proc = subprocess.Popen([sys.executable, "-m", "tessera", "serve", "--model-path", model_path,
@@ -58,7 +59,14 @@ class LocalServer:
         self.stop()
         raise RuntimeError(f"tessera serve did not become healthy within {startup_timeout_s:.0f} s")
 
-    def stop(self) -> None:
+    def output(self) -> str:
+        """Everything the server printed so far."""
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def stop(self) -> int:
+        """SIGTERM (graceful), SIGKILL after 30 s; returns the exit code."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -66,6 +74,7 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        return self.proc.returncode
 
     def __enter__(self) -> LocalServer:
         return self
