@@ -82,7 +82,12 @@ def machine_info() -> dict:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
+    from tessera.config import ServerArgs
+
+    # HF generate runs in this process with torch's default threads; Tessera's model runs in its scheduler
+    # process with ServerArgs.cpu_threads (default: all cores but the one left to its frontend).
     info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "tessera_scheduler_threads": ServerArgs().scheduler_threads,
             "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)

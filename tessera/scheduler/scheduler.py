@@ -181,6 +181,7 @@ def run_scheduler_process(args: ServerArgs, recv_endpoint: str, send_endpoint: s
     import torch
 
     torch.manual_seed(args.random_seed)
+    torch.set_num_threads(args.scheduler_threads)
     ready = zmq.Context.instance().socket(zmq.PUSH)
     ready.connect(ready_endpoint)
     try:
