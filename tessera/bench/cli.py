@@ -129,11 +129,45 @@ def _cmd_offline(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_profile(sub) -> None:
+    p = sub.add_parser("profile", help="one decode step of our model vs HF's, with torch.profiler's op table",
+                       description="Times a decode step of Tessera's model over a paged KV pool and of HF's "
+                                   "model with its DynamicCache, same batch and context, and groups Tessera's "
+                                   "operators by self CPU time (see tessera/bench/step_profile.py).")
+    p.add_argument("--model-path", default="demo-vl", help="checkpoint dir, demo-vl, or bench-medium (~150M random)")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--context-len", type=int, default=256)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=_cmd_profile)
+
+
+def _cmd_profile(ns: argparse.Namespace) -> int:
+    import torch
+
+    from tessera.bench.step_profile import ProfileConfig, format_profile, run_profile
+
+    for name in ("batch_size", "context_len", "steps"):
+        if getattr(ns, name) < 1:
+            raise ValueError(f"{name}: must be a positive integer")
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    result = run_profile(ProfileConfig(model_path=ns.model_path, batch_size=ns.batch_size,
+                                       context_len=ns.context_len, steps=ns.steps))
+    print(format_profile(result))
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tessera bench", description="Tessera benchmarks")
     sub = p.add_subparsers(dest="bench", required=True)
     _add_serving(sub)
     _add_offline(sub)
+    _add_profile(sub)
     return p
 
 

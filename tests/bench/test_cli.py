@@ -14,7 +14,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args,expected", [
-    ((), ["serving", "offline"]),
+    ((), ["serving", "offline", "profile"]),
     (("serving",), ["--base-url", "--request-rate", "--max-concurrency", "--image-resolution", "--from-json"]),
     (("offline",), ["--model-path", "--workload", "--compare", "--num-runs"]),
 ])
@@ -30,6 +30,7 @@ def test_help(args: tuple[str, ...], expected: list[str]) -> None:
     (("serving",), "base_url"),
     (("serving", "--plot", "x.png"), "plot"),
     (("offline", "--workload", "e"), "workload"),
+    (("profile", "--batch-size", "0"), "batch_size"),
 ])
 def test_user_errors_are_one_line(args: tuple[str, ...], field: str) -> None:
     out = run_cli(*args)

@@ -36,3 +36,14 @@ def test_offline_benchmark_runs_every_workload_on_both_systems() -> None:
     # The shared system prompt (64 tokens) and the one image of b are computed once with caches on.
     assert r["c"]["tessera"]["prefill_tokens"] < r["c"]["tessera_nocache"]["prefill_tokens"]
     assert set(r["d"]["tessera"]) == {"bs1", "bs2"}
+
+
+def test_step_profile_times_both_models_and_accounts_for_every_operator() -> None:
+    from tessera.bench.step_profile import ProfileConfig, format_profile, run_profile
+
+    r = run_profile(ProfileConfig(batch_size=3, context_len=20, steps=2, warmup=1))
+    assert r["tessera_step_ms_median"] > 0 and r["hf_step_ms_median"] > 0
+    assert sum(r["tessera_groups_pct"].values()) == pytest.approx(100, abs=0.5)
+    assert {"matmul", "K/V gather (index)", "attention (sdpa)"} <= set(r["tessera_groups_pct"])
+    assert any("index_select" in o["op"] for o in r["tessera_top_ops"])
+    assert "decode step, median of 2" in format_profile(r)

@@ -110,21 +110,20 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         num_tokens, num_heads, head_dim = q.shape
         is_gqa = num_heads != k.shape[1]
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
-        k_buf, v_buf = pool.get_kv(layer_id)
         meta = self._metadata_for(fb)
 
         if meta.is_all_decode:
-            return self._decode(q, k_buf, v_buf, meta, scaling)
+            return self._decode(q, pool, layer_id, meta, scaling)
 
         out = q.new_empty(num_tokens, num_heads * head_dim)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], k_buf, v_buf, meta, scaling)
+            out[meta.decode_rows] = self._decode(q[meta.decode_rows], pool, layer_id, meta, scaling)
         for plan in meta.extends:
             rows = slice(plan.start, plan.start + plan.extend_len)
             if plan.slots is None:
                 k_i, v_i = k[rows], v[rows]
             else:
-                k_i, v_i = k_buf[plan.slots].to(q.dtype), v_buf[plan.slots].to(q.dtype)
+                k_i, v_i = pool.gather(layer_id, plan.slots, q.dtype)
             o = F.scaled_dot_product_attention(
                 q[rows].transpose(0, 1).unsqueeze(0),
                 k_i.transpose(0, 1).unsqueeze(0),
@@ -140,8 +139,8 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
     @staticmethod
     def _decode(
         q: torch.Tensor,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
+        pool: TokenToKVPool,
+        layer_id: int,
         meta: _StepMetadata,
         scaling: float,
     ) -> torch.Tensor:
@@ -153,9 +152,9 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         """
         assert meta.decode_slots is not None
         batch, num_heads, head_dim = q.shape
-        num_kv_heads = k_buf.shape[1]
-        k = k_buf[meta.decode_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
-        v = v_buf[meta.decode_slots].to(q.dtype).transpose(1, 2)
+        num_kv_heads = pool.num_kv_heads
+        k, v = pool.gather(layer_id, meta.decode_slots, q.dtype)  # [B, L, Hkv, D]
+        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
         o = F.scaled_dot_product_attention(
             q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v,
             attn_mask=meta.decode_mask, scale=scaling,
