@@ -36,13 +36,14 @@ def _add_serving(sub) -> None:
     p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:30000 (with or without /v1)")
     p.add_argument("--model", default=None, help="model name to send (default: the first one the server lists)")
     p.add_argument("--dataset", default="random-image", choices=SERVING_DATASETS,
-                   help="random-image | random-video | scenes (random-audio needs an audio model: not supported)")
+                   help="random-image | random-video | scenes | random-audio (for audio models, e.g. demo-asr)")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s, Poisson arrivals (default inf)")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: no cap)")
     p.add_argument("--image-resolution", default="448x448", help="WxH or random:MIN-MAX (random-image/-video)")
     p.add_argument("--image-count", type=int, default=1, help="images per request (random-image, scenes)")
     p.add_argument("--video-frames", type=int, default=8, help="frames per video (random-video)")
+    p.add_argument("--audio-seconds", type=float, default=4.0, help="clip length (random-audio)")
     p.add_argument("--input-len", type=int, default=32, help="random words of text per request (random-*)")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request")
     p.add_argument("--no-ignore-eos", action="store_true",
@@ -73,12 +74,13 @@ def _cmd_serving(ns: argparse.Namespace) -> int:
     from tessera.bench.datasets import make_serving_dataset
     from tessera.bench.serving import ServingConfig, run_serving
 
-    if ns.dataset == "random-audio":  # fail before connecting to anything
-        make_serving_dataset("random-audio", 1)
+    make_serving_dataset(ns.dataset, 1, image_resolution=ns.image_resolution, image_count=ns.image_count,
+                         audio_seconds=ns.audio_seconds)  # bad options fail before connecting to anything
     cfg = ServingConfig(
         base_url=ns.base_url, model=ns.model, dataset=ns.dataset, num_prompts=ns.num_prompts,
         request_rate=ns.request_rate, max_concurrency=ns.max_concurrency, image_resolution=ns.image_resolution,
         image_count=ns.image_count, output_len=ns.output_len, input_len=ns.input_len, video_frames=ns.video_frames,
+        audio_seconds=ns.audio_seconds,
         seed=ns.seed, ignore_eos=not ns.no_ignore_eos, temperature=ns.temperature, api_key=ns.api_key,
         timeout_s=ns.timeout, num_warmup=ns.num_warmup, disable_tqdm=ns.disable_tqdm, extra_body=ns.extra_body)
     result = run_serving(cfg, ns.output_json)

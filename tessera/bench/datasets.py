@@ -87,6 +87,28 @@ def encode_video(frames: list[Image.Image], fps: int = 4) -> bytes:
     return encode(frames, fps)
 
 
+AUDIO_RATE = 16_000
+
+
+def random_audio(rng: random.Random, seconds: float) -> bytes:
+    """A 16 kHz mono WAV of tone bursts ("words", 0.2-0.6 s at 150-800 Hz) between quiet gaps, plus faint
+    noise: what speech looks like to a feature extractor, and never twice the same (no cache hits)."""
+    import soundfile as sf
+
+    gen = np.random.default_rng(rng.getrandbits(64))
+    total = int(seconds * AUDIO_RATE)
+    x = 0.003 * gen.standard_normal(total).astype(np.float32)
+    pos = int(gen.uniform(0.05, 0.3) * AUDIO_RATE)
+    while pos < total:
+        n = min(total - pos, int(gen.uniform(0.2, 0.6) * AUDIO_RATE))
+        t = np.arange(n) / AUDIO_RATE
+        x[pos : pos + n] += 0.3 * np.sin(2 * np.pi * gen.uniform(150, 800) * t) * np.hanning(n)
+        pos += n + int(gen.uniform(0.1, 0.4) * AUDIO_RATE)
+    buf = io.BytesIO()
+    sf.write(buf, x, AUDIO_RATE, format="WAV", subtype="PCM_16")
+    return buf.getvalue()
+
+
 def data_uri(payload: bytes, mime: str) -> str:
     return f"data:{mime};base64,{base64.b64encode(payload).decode()}"
 
@@ -100,28 +122,31 @@ class BenchRequest:
     image_mime: str
     videos: tuple[bytes, ...]
     output_len: int
+    audios: tuple[bytes, ...] = ()  # WAV files
 
     def openai_messages(self) -> list[dict]:
-        """Chat messages with media as data URIs (so any OpenAI-compatible server can read them)."""
+        """Chat messages with media as data URIs (so any OpenAI-compatible server can read them); audio as
+        OpenAI's `input_audio` parts."""
         content: list[dict] = [{"type": "image_url", "image_url": {"url": data_uri(b, self.image_mime)}}
                                for b in self.images]
         content += [{"type": "video_url", "video_url": {"url": data_uri(v, "video/mp4")}} for v in self.videos]
+        content += [{"type": "input_audio", "input_audio": {"data": base64.b64encode(a).decode(), "format": "wav"}}
+                    for a in self.audios]
         content.append({"type": "text", "text": self.text})
         return [{"role": "user", "content": content}]
 
 
 def make_serving_dataset(name: str, num_prompts: int, *, seed: int = 0, image_resolution: str = "448x448",
                          image_count: int = 1, output_len: int = 128, input_len: int = 32,
-                         video_frames: int = 8) -> list[BenchRequest]:
+                         video_frames: int = 8, audio_seconds: float = 4.0) -> list[BenchRequest]:
     """Requests for `tessera bench serving`.
 
     random-image: `image_count` noise images of `image_resolution` and `input_len` random words.
     random-video: one noise video of `video_frames` frames at `image_resolution`, plus random words.
+    random-audio: one synthetic clip of `audio_seconds` (for audio models such as demo-asr), then
+      "Transcribe the audio." and `input_len` random words.
     scenes: `image_count` demo-grammar scenes (their own canvas sizes) with a question demo-vl knows.
     """
-    if name == "random-audio":
-        raise ValueError("dataset: random-audio needs an audio model (Qwen2-Audio), which Tessera does not serve "
-                         "yet; use random-image, random-video or scenes")
     if name not in SERVING_DATASETS:
         raise ValueError(f"dataset: unknown {name!r}; expected one of {', '.join(SERVING_DATASETS)}")
     for field_name, value, low in (("num_prompts", num_prompts, 1), ("image_count", image_count, 0),
@@ -131,6 +156,8 @@ def make_serving_dataset(name: str, num_prompts: int, *, seed: int = 0, image_re
             raise ValueError(f"{field_name}: must be >= {low}, got {value}")
     if name == "scenes" and image_count < 1:
         raise ValueError("image_count: the scenes dataset asks about images; it needs at least 1")
+    if not 0.1 <= audio_seconds <= 600:
+        raise ValueError(f"audio_seconds: must be in 0.1..600, got {audio_seconds}")
     res = Resolution.parse(image_resolution)
     rng = random.Random(seed)
     out = []
@@ -143,6 +170,9 @@ def make_serving_dataset(name: str, num_prompts: int, *, seed: int = 0, image_re
         elif name == "random-image":
             images = tuple(encode_image(random_image(rng, *res.draw(rng)), "JPEG") for _ in range(image_count))
             out.append(BenchRequest(random_text(rng, input_len), images, "image/jpeg", (), output_len))
+        elif name == "random-audio":
+            text = " ".join(["Transcribe the audio.", random_text(rng, input_len)]).strip()
+            out.append(BenchRequest(text, (), "image/jpeg", (), output_len, (random_audio(rng, audio_seconds),)))
         else:  # random-video
             w, h = res.draw(rng)
             frames = [random_image(rng, w, h) for _ in range(video_frames)]

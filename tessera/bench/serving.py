@@ -32,6 +32,7 @@ class ServingConfig:
     output_len: int = 128
     input_len: int = 32
     video_frames: int = 8
+    audio_seconds: float = 4.0
     seed: int = 0
     ignore_eos: bool = True
     temperature: float = 0.0
@@ -138,7 +139,7 @@ async def run_benchmark_async(cfg: ServingConfig, requests: list[BenchRequest] |
         requests = make_serving_dataset(cfg.dataset, cfg.num_prompts, seed=cfg.seed,
                                         image_resolution=cfg.image_resolution, image_count=cfg.image_count,
                                         output_len=cfg.output_len, input_len=cfg.input_len,
-                                        video_frames=cfg.video_frames)
+                                        video_frames=cfg.video_frames, audio_seconds=cfg.audio_seconds)
     intervals = poisson_intervals(len(requests), cfg.request_rate, cfg.seed)
     # Base64 data URIs are built now, not inside each request's timing.
     jobs = [(r.openai_messages(), r.output_len) for r in requests]

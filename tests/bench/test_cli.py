@@ -26,7 +26,8 @@ def test_help(args: tuple[str, ...], expected: list[str]) -> None:
 
 
 @pytest.mark.parametrize("args,field", [
-    (("serving", "--dataset", "random-audio", "--base-url", "http://127.0.0.1:9"), "audio model"),
+    (("serving", "--dataset", "random-audio", "--audio-seconds", "0", "--base-url", "http://127.0.0.1:9"),
+     "audio_seconds"),
     (("serving",), "base_url"),
     (("serving", "--plot", "x.png"), "plot"),
     (("offline", "--workload", "e"), "workload"),

@@ -63,9 +63,24 @@ def test_bad_resolution_names_the_field(spec: str) -> None:
         Resolution.parse(spec)
 
 
-def test_random_audio_is_refused_with_a_reason() -> None:
-    with pytest.raises(ValueError, match="audio model"):
-        make_serving_dataset("random-audio", 1)
+def test_random_audio_is_wav_in_input_audio_parts() -> None:
+    import base64
+    import io
+
+    import soundfile as sf
+
+    reqs = make_serving_dataset("random-audio", 3, seed=5, audio_seconds=2.5, input_len=0)
+    assert reqs == make_serving_dataset("random-audio", 3, seed=5, audio_seconds=2.5, input_len=0)
+    assert len({r.audios for r in reqs}) == 3  # distinct clips: no cache hits between requests
+    content = reqs[0].openai_messages()[0]["content"]
+    assert [c["type"] for c in content] == ["input_audio", "text"] and content[1]["text"] == "Transcribe the audio."
+    x, rate = sf.read(io.BytesIO(base64.b64decode(content[0]["input_audio"]["data"])))
+    assert rate == 16000 and x.ndim == 1 and len(x) == 40000 and 0.1 < abs(x).max() < 1.0
+    with pytest.raises(ValueError, match="audio_seconds"):
+        make_serving_dataset("random-audio", 1, audio_seconds=0)
+
+
+def test_bad_serving_datasets_name_the_field() -> None:
     with pytest.raises(ValueError, match="dataset"):
         make_serving_dataset("nope", 1)
     with pytest.raises(ValueError, match="num_prompts"):
