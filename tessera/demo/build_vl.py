@@ -35,28 +35,33 @@ IMAGE_MAX_PIXELS = 224 * 224
 # min == max: every image is resized to about the same area, so shapes on small canvases get as
 # many patches as on large ones (shape recognition is what limits accuracy).
 IMAGE_MIN_PIXELS = 224 * 224
-# The first phase of training ran with the HF default minimum (see train_vl.RESOLUTION_SWITCH_STEP).
-IMAGE_MIN_PIXELS_PHASE1 = 56 * 56
 VIDEO_MAX_PIXELS = 112 * 112
 VIDEO_MIN_PIXELS = 56 * 56
 
-# Qwen2-VL style, with one difference: within a message, media parts come before its text parts
-# whatever their order in the request (as LLaVA's templates do), so "text then image_url" requests
-# see the layout the demo model was trained on.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
+
+
+def media_first_chat_template(media_parts: str) -> str:
+    """A Qwen-style chat template in which, within a message, the media parts come before its text parts
+    whatever their order in the request (as LLaVA's templates do), so "text then image_url" requests see the
+    layout the demo models were trained on. `media_parts`: the Jinja run for one content part."""
+    return (
+        "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+        "{% else %}{% for content in message['content'] %}" + media_parts +
+        "{% endfor %}{% for content in message['content'] %}"
+        "{% if content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+        "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+CHAT_TEMPLATE = media_first_chat_template(
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
     "{% elif content['type'] == 'video' or 'video' in content or 'video_url' in content %}"
     "<|vision_start|><|video_pad|><|vision_end|>{% endif %}"
-    "{% endfor %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
-    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 GENERIC_TEXT = """\

@@ -43,15 +43,23 @@ def _answer(model, processor, sample: scenes.Sample) -> str:
 
 
 def test_answers_fixed_scenes(hf_demo) -> None:
-    """Regression guard on the questions the shipped model answers reliably (counting, and the color
-    of the only shape in a scene); the per-question accuracy of every type is in the README."""
+    """Regression guard on fixed held-out scenes for what the shipped model does reliably (held-out
+    accuracy: count 97%, video direction 100%, describe image 86%; in "Describe the video." the color and
+    the direction, its shape being the weak part); the per-question accuracy of every type is in the README."""
     model, processor = hf_demo
     rng = random.Random(123)
-    samples = [scenes.image_sample(rng, "count") for _ in range(8)]
-    samples += [scenes.image_sample(rng, "color", max_shapes=1) for _ in range(8)]
-    answers = [_answer(model, processor, s) for s in samples]
-    correct = sum(a == s.answer for a, s in zip(answers, samples))
-    assert correct >= 14, list(zip(answers, [s.answer for s in samples]))
-    # Answers are always well-formed words of the grammar, never free text.
-    vocabulary = set(scenes.COUNT_WORDS) | set(scenes.COLORS)
-    assert all(a in vocabulary for a in answers), answers
+    by_type = {q: [scenes.image_sample(rng, q) for _ in range(8)] for q in ("count", "describe")}
+    by_type.update({q: [scenes.video_sample(rng, q) for _ in range(8)] for q in ("direction", "describe_video")})
+    right = {q: [(_answer(model, processor, s), s.answer) for s in samples] for q, samples in by_type.items()}
+    score = {q: sum(a == b for a, b in pairs) for q, pairs in right.items()}
+    assert score["count"] >= 7 and score["direction"] >= 7, right
+    assert score["describe"] >= 6, right
+
+    def color_and_direction(phrase: str) -> tuple[str, str]:  # "a {color} {shape} moving {direction}"
+        words = phrase.split()
+        return (words[1], words[-1]) if len(words) == 5 else ("", "")
+
+    assert sum(color_and_direction(a) == color_and_direction(b) for a, b in right["describe_video"]) >= 7, right
+    # Answers are always well-formed phrases of the grammar, never free text.
+    assert all(a in scenes.COUNT_WORDS for a, _ in right["count"]) and all(
+        a in scenes.DIRECTIONS for a, _ in right["direction"]), right
