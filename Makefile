@@ -8,7 +8,7 @@ PORT    ?= 30000
 MODEL   ?= demo-vl
 ARGS    ?=
 
-.PHONY: setup serve test test-fast eval-vl train-vl clean
+.PHONY: setup serve test test-fast eval-vl train-vl eval-asr train-asr clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -32,6 +32,13 @@ eval-vl: $(STAMP)
 
 train-vl: $(STAMP)
 	$(BIN)/python -m tessera.demo.train_vl --work-dir .train/demo-vl --out tessera/assets/demo-vl
+
+# demo-asr data is synthesised with espeak-ng (apt-get install espeak-ng); tests and serving never need it.
+eval-asr: $(STAMP)
+	$(BIN)/python -m tessera.demo.eval_asr --model-path tessera/assets/demo-asr
+
+train-asr: $(STAMP)
+	$(BIN)/python -m tessera.demo.train_asr --work-dir .train/demo-asr --out tessera/assets/demo-asr
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,7 +1,7 @@
 """Parity of our paged Qwen2-Audio with transformers on tiny random checkpoints.
 
 Two checkpoints: Whisper's 30 s encoder input with GQA, and a 10 s encoder input with MHA (nothing may
-assume 3000 mel frames). Inputs come from our processor (its parity with HF's is tested in
+assume 3000 mel frames); and the shipped demo-asr (6 s encoder input, trained weights). Inputs come from our processor (its parity with HF's is tested in
 tests/multimodal/test_mm_qwen_audio_processor.py) and are fed to HF unchanged.
 """
 
@@ -15,6 +15,7 @@ import torch
 from paged_driver import PagedKV, Step, make_batch
 from safetensors.torch import save_file
 
+from tessera.config import ASSETS_DIR
 from tessera.models.qwen2_audio import Qwen2AudioForConditionalGeneration, audio_output_len
 from tessera.models.registry import load_model
 from tessera.multimodal.media import MediaLimits
@@ -35,12 +36,14 @@ class AudioCase:
     hf_processor: object
 
 
-@pytest.fixture(scope="module", params=["whisper30_gqa", "chunk10_mha"])
+@pytest.fixture(scope="module", params=["whisper30_gqa", "chunk10_mha", "demo_asr"])
 def audio_case(request, tmp_path_factory) -> AudioCase:
     from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration as HFModel
 
-    path = tmp_path_factory.mktemp(request.param)
-    if request.param == "whisper30_gqa":
+    path = ASSETS_DIR / "demo-asr" if request.param == "demo_asr" else tmp_path_factory.mktemp(request.param)
+    if request.param == "demo_asr":
+        pass
+    elif request.param == "whisper30_gqa":
         build_tiny_audio_checkpoint(path, num_kv_heads=2)
     else:
         build_tiny_audio_checkpoint(path, num_kv_heads=4, hidden=48, layers=3, chunk_length=10, seed=1)

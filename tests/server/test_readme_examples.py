@@ -28,14 +28,25 @@ def server():
     srv.stop()
 
 
-def test_curl_example(server, monkeypatch):
-    (curl,) = [b for b in blocks("bash") if "curl" in b]
-    script = curl.replace("127.0.0.1:30000", f"127.0.0.1:{server.port}")
+def run_curl(marker: str, port: int) -> tuple[str, str]:
+    """The README's bash block that calls `marker`, run against `port`: (its stdout, the block)."""
+    (curl,) = [b for b in blocks("bash") if "curl" in b and marker in b]
+    script = curl.replace("127.0.0.1:30000", f"127.0.0.1:{port}")
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr
-    reply = json.loads(out.stdout)
+    return out.stdout, curl
+
+
+def test_curl_example(server):
+    stdout, curl = run_curl("/v1/chat/completions", server.port)
     expected = re.search(r'"content": "(\w+)"\}', curl).group(1)
-    assert reply["choices"][0]["message"]["content"] == expected
+    assert json.loads(stdout)["choices"][0]["message"]["content"] == expected
+
+
+def test_transcription_curl_example(demo_asr_server):
+    stdout, curl = run_curl("/v1/audio/transcriptions", demo_asr_server.port)
+    expected = re.search(r'# -> \{"text":"([a-z ]+)"', curl).group(1)
+    assert json.loads(stdout)["text"] == expected
 
 
 def test_python_examples(server, monkeypatch):
