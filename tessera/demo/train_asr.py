@@ -32,6 +32,7 @@ import torch
 from tessera.demo import speech
 from tessera.demo.build_asr import build_processor_files, build_skeleton
 from tessera.demo.checkpoint import save_checkpoint
+from tessera.models.qwen2_audio import audio_output_len
 
 IGNORE = -100
 TRAIN_SEED = 1234
@@ -123,13 +124,10 @@ class Batcher:
 
     def __init__(self, processor):
         self.tokenizer = processor.tokenizer
+        self.tokenizer.padding_side = "right"  # labels are the last tokens of each row
         msgs = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": speech.INSTRUCTION}]}]
         self.prompt = processor.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         self.audio_token = processor.audio_token
-
-    @staticmethod
-    def num_audio_tokens(frames: int) -> int:
-        return (((frames - 1) // 2 + 1) - 2) // 2 + 1
 
     def __call__(self, pool: dict, idx: list[int], rng: np.random.Generator | None = None,
                  silence_p: float = 0.7) -> dict:
@@ -142,11 +140,10 @@ class Batcher:
                 lengths[row] = pad_with_silence(feats[row], int(lengths[row]), rng, silence_p)
         texts, answer_lens = [], []
         for row, i in enumerate(idx):
-            n = self.num_audio_tokens(int(lengths[row]))
+            n = audio_output_len(int(lengths[row]))
             answer = pool["transcripts"][i] + "<|im_end|>"
             texts.append(self.prompt.replace(self.audio_token, self.audio_token * n) + answer)
             answer_lens.append(len(self.tokenizer(answer, add_special_tokens=False)["input_ids"]))
-        self.tokenizer.padding_side = "right"
         enc = self.tokenizer(texts, padding=True, return_tensors="pt", add_special_tokens=False)
         labels = torch.full_like(enc["input_ids"], IGNORE)
         for row, n_ans in enumerate(answer_lens):
