@@ -19,6 +19,12 @@ Recipe (why):
   with the same heads kept on at --aux-weight so the tower does not forget. Stage 3 (--focus-steps)
   continues at a lower rate with more of the questions that look one object up by an attribute
   (FOCUS_WEIGHTS), the ones stage 2 left weakest.
+- Stage 4 (--bind-steps) supervises attention. After stage 3 those lookups were still at chance
+  whenever a scene had more than one shape: the model had never learnt to find an object by one
+  attribute. AttentionProbe teaches one head of layer 0 to look from the asked word to that object's
+  image tokens, and one head of layer 2 to look from the answer position back to the asked word.
+  Measured: color and shape went from 66% / 69% to 100% / 100% on the training-time evaluation set
+  within 900 steps, the other question types unchanged.
 - Evaluation every --eval-every steps: stage 1 by per-token head accuracy, stage 2 by question
   type (teacher-forced exact match, which equals greedy exact match); the curve is kept in the work
   dir's log.json.
@@ -119,9 +125,71 @@ def make_batch(processor, samples: list[scenes.Sample], with_answer: bool = True
         end = int(valid.nonzero().max()) + 1
         labels[i, a0 : end - 1] = ids[i, a0 : end - 1]  # drop the trailing "\n"
     enc["labels"] = labels
+    enc.update(binding_targets(processor, samples, ids, labels, labs))
     enc["answers"] = [s.answer for s in samples]
     enc["qtypes"] = [s.question_type for s in samples]
     return enc
+
+
+def binding_targets(processor, samples, ids, labels, labs) -> dict[str, torch.Tensor]:
+    """Where the two attention hops of a lookup question should look (stage 4, see AttentionProbe).
+
+    "What color is the circle?": hop 1 goes from the keyword token (" circle") to the image tokens of
+    that object; hop 2 from the position that predicts the answer back to the keyword. Samples of other
+    question types get query position -1 and no loss.
+    """
+    b, n = ids.shape
+    q1, q2 = torch.full((b,), -1), torch.full((b,), -1)
+    t1, t2 = torch.zeros(b, n, dtype=torch.bool), torch.zeros(b, n, dtype=torch.bool)
+    image_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    colors = list(scenes.COLORS)
+    for i, s in enumerate(samples):
+        if s.kind != "image" or s.question_type not in ("color", "shape"):
+            continue
+        scene = s.scenes[0]
+        word = s.question.rstrip("?").split()[-1 if s.question_type == "color" else -2]
+        obj = next(sh for sh in scene.shapes if word in (sh.kind, sh.color))
+        keyword = processor.tokenizer.convert_tokens_to_ids("\u0120" + word)
+        image_pos = (ids[i] == image_id).nonzero().flatten()
+        on_obj = torch.from_numpy(labs[i]["color"] == 1 + colors.index(obj.color))
+        if not bool(on_obj.any()):
+            continue
+        after = int(image_pos[-1]) + 1
+        q1[i] = after + int((ids[i, after:] == keyword).nonzero()[0])
+        t1[i, image_pos[on_obj]] = True
+        q2[i] = int((labels[i] != IGNORE).nonzero()[0]) - 1
+        t2[i, q1[i]] = True
+    return {"bind_q1": q1, "bind_t1": t1, "bind_q2": q2, "bind_t2": t2}
+
+
+class AttentionProbe:
+    """Captures attention maps of two language-model layers and scores them against the lookup targets.
+
+    Why: after stage 3, "What color is the {shape}?" was at chance on 2- and 3-shape scenes (51% and
+    28% on 200 held-out questions, 100% with one shape) while "Describe the image." named every object
+    right in 86%: the model never learnt to find an object by one attribute. One head of layer 0
+    is taught to attend from the keyword to that object's image tokens, and one head of layer 2 from the
+    answer position to the keyword (a negative log of the attention mass on the targets).
+    """
+
+    def __init__(self, model, hops=((0, "bind_q1", "bind_t1"), (2, "bind_q2", "bind_t2")), head: int = 0):
+        self.hops, self.head, self.maps = hops, head, {}
+        layers = model.model.language_model.layers
+        for layer, _, _ in hops:
+            layers[layer].self_attn.register_forward_hook(
+                lambda m, i, o, layer=layer: self.maps.__setitem__(layer, o[1]))
+
+    def loss(self, batch: dict) -> torch.Tensor:
+        total = torch.zeros(())
+        for layer, q_key, t_key in self.hops:
+            q, targets, weights = batch[q_key], batch[t_key], self.maps.get(layer)
+            rows = (q >= 0).nonzero().flatten()
+            if weights is None or len(rows) == 0:
+                continue
+            attn = weights[rows, self.head, q[rows]]  # (rows, keys)
+            mass = (attn * targets[rows]).sum(-1)
+            total = total + (-torch.log(mass + 1e-6)).mean()
+        return total
 
 
 # Stage 3 (--focus-steps): image questions drawn in these proportions. After stage 2 the model described
@@ -260,6 +328,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2000, help="stage 2 runs from --vision-steps to here")
     ap.add_argument("--focus-steps", type=int, default=300, help="stage 3: more color/shape questions, after --steps")
     ap.add_argument("--focus-lr", type=float, default=3e-4)
+    ap.add_argument("--bind-steps", type=int, default=1500, help="stage 4: attention supervision on lookups, after stage 3")
+    ap.add_argument("--bind-lr", type=float, default=5e-4)
+    ap.add_argument("--bind-weight", type=float, default=1.0)
     ap.add_argument("--stop-step", type=int, default=None, help="stop (and save) after this step")
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--vision-lr", type=float, default=2e-3)
@@ -282,6 +353,9 @@ def main() -> None:
     config = build_skeleton(skel)
     processor = AutoProcessor.from_pretrained(skel)
     model = Qwen2VLForConditionalGeneration(config)
+    # Stage 4 reads attention maps, which only the eager implementation returns (same arithmetic).
+    model.set_attn_implementation({"text_config": "eager", "vision_config": "sdpa"})
+    probe = AttentionProbe(model)
     aux = AuxHeads(config.text_config.hidden_size)
     tower = list(model.model.visual.parameters()) + list(aux.parameters())
     tower_ids = {id(p) for p in tower}
@@ -306,10 +380,13 @@ def main() -> None:
     if state is not None and state.get("stage") == stage:
         opt.load_state_dict(state["opt"])
 
+    bind_from = args.steps + args.focus_steps
+
     def lr_at(s: int) -> float:
         begin, end, peak = ((0, args.vision_steps, args.vision_lr) if s < args.vision_steps else
                             (args.vision_steps, args.steps, args.lr) if s < args.steps else
-                            (args.steps, args.steps + args.focus_steps, args.focus_lr))
+                            (args.steps, bind_from, args.focus_lr) if s < bind_from else
+                            (bind_from, bind_from + args.bind_steps, args.bind_lr))
         if s - begin < args.warmup:
             return peak * (s - begin + 1) / args.warmup
         p = (s - begin - args.warmup) / max(1, end - begin - args.warmup)
@@ -329,7 +406,7 @@ def main() -> None:
         StepBatches(str(skel), args.seed, step, args.batch_size, args.video_fraction, focus_from=args.steps),
         batch_size=None, num_workers=1, prefetch_factor=4,
     )
-    total = args.steps + args.focus_steps
+    total = bind_from + args.bind_steps
     last = min(total, args.stop_step or total)
     t_start = t_last = time.time()
     model.train()
@@ -346,10 +423,11 @@ def main() -> None:
         else:
             lm_loss = model(**model_inputs(batch), labels=batch["labels"]).loss
             merged = captured["merged"]
+        bind_loss = probe.loss(batch) if step >= bind_from else torch.zeros(())
         heads = aux.losses(merged, batch)
         # Shape is what the tower learns slowest, so it weighs double.
         aux_loss = sum(2.0 * v if k == "shape" else v for k, v in heads.items())
-        loss = aux_loss if stage == 1 else lm_loss + args.aux_weight * aux_loss
+        loss = aux_loss if stage == 1 else lm_loss + args.aux_weight * aux_loss + args.bind_weight * bind_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(tower if stage == 1 else tower + rest, 1.0)
@@ -358,7 +436,8 @@ def main() -> None:
         if step % 20 == 0:
             dt = (time.time() - t_last) / 20
             t_last = time.time()
-            print(f"step {step} stage {stage} lm {lm_loss.item():.4f} aux {float(aux_loss):.4f} "
+            print(f"step {step} stage {stage} lm {lm_loss.item():.4f} aux {float(aux_loss.detach()):.4f} "
+                  f"bind {float(bind_loss.detach()):.4f} "
                   f"lr {lr_at(step):.2e} {dt:.2f}s/step", flush=True)
         if step % args.eval_every == 0 or step == last or step == args.vision_steps:
             row = {"step": step, "minutes": round((time.time() - t_start) / 60, 1)}
