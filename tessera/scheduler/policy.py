@@ -6,10 +6,16 @@ prefill chunks until `chunked_prefill_size` tokens are scheduled. When the KV po
 the radix cache is evicted first; if a decode still cannot get a slot, the most recently
 arrived running request is retracted: its KV goes into the prefix cache (so resuming is
 mostly a cache hit), and it returns to the front of the waiting queue with its output kept.
+
+In-batch prefix sharing: requests that arrive together with the same system prompt or image
+would each compute it, because the radix cache only learns a prefix after the step that computes
+it. So a waiting request that shares at least IN_BATCH_PREFIX_MIN uncached tokens with a prefill
+of this step waits one step and then finds them in the cache (SGLang deprioritises the same way).
 """
 
 from __future__ import annotations
 
+import os
 from collections import deque
 
 import torch
@@ -19,6 +25,9 @@ from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
 from tessera.scheduler.batch import ScheduledBatch, ScheduledReq
 from tessera.scheduler.req import Req
+
+
+IN_BATCH_PREFIX_MIN = 32  # shorter shared spans are cheaper to recompute than a step's wait
 
 
 class KVManager:
@@ -43,11 +52,14 @@ class KVManager:
             self.req_pool.req_to_token[row, :n] = match.slots
         self.tree.inc_lock_ref(match.last_node)
         req.last_node, req.prefix_len, req.kv_len = match.last_node, n, n
+        return True
+
+    def count_hit(self, req: Req) -> None:
+        """Prefix-cache statistics, once per request: when it starts running for the first time."""
         if req.num_retractions == 0:
-            req.cached_len = min(n, len(req.origin_input_ids))
+            req.cached_len = min(req.prefix_len, len(req.origin_input_ids))
             self.prefix_hit_tokens += req.cached_len
             self.prefix_total_tokens += len(req.origin_input_ids)
-        return True
 
     def alloc(self, req: Req, num_tokens: int) -> torch.Tensor | None:
         """Slots for the next num_tokens of req, evicting cached prefixes if needed."""
@@ -143,20 +155,39 @@ class SchedulePolicy:
             budget -= self._schedule_chunk(batch, req, budget)
         if self.policy == "lpm" and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=lambda r: -int(self.kv.tree.match_prefix(r.cache_key()).slots.numel())))
+        # Keys of the prompts this step prefills whose KV the cache does not hold yet.
+        inflight = [r.cache_key() for r in self.running if not r.is_prefill_done]
+        deferred: list[Req] = []
         while budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
             if not self.kv.admit(req):
                 break
+            if self._shares_inflight_prefix(req, inflight):
+                self.kv.release(req)
+                if self.policy == "fcfs":
+                    break  # nobody overtakes it
+                deferred.append(self.waiting.popleft())
+                continue
             used = self._schedule_chunk(batch, req, budget)
             if used == 0:
                 self.kv.release(req)
                 break
+            self.kv.count_hit(req)
             self.waiting.popleft()
             self.running.append(req)
             budget -= used
+            inflight.append(req.cache_key())
+        self.waiting.extendleft(reversed(deferred))
         for s in batch.reqs:
             s.req.kv_len = s.end  # KV for these tokens is written by this step's forward
         return batch if batch.reqs else None
+
+    def _shares_inflight_prefix(self, req: Req, inflight: list[list[int]]) -> bool:
+        if self.kv.tree.disable or not inflight:
+            return False
+        key = req.cache_key()
+        shared = max(len(os.path.commonprefix([key, other])) for other in inflight)
+        return shared - req.prefix_len >= IN_BATCH_PREFIX_MIN
 
     def _schedule_chunk(self, batch: ScheduledBatch, req: Req, budget: int) -> int:
         n = min(req.remaining_extend, budget)

@@ -28,7 +28,8 @@ def make_req(rid: str, prompt: list[int], max_new: int) -> Req:
 
 
 def run_to_completion(policy: SchedulePolicy, reqs: list[Req], max_steps: int = 10_000) -> list[list[tuple[int, int]]]:
-    """Fake forward: each sampling request gets token (1000 + its output length). Returns per-step chunks."""
+    """Fake forward: each sampling request gets token (1000 + its output length); prefill chunks are shared
+    through the radix cache right after their step, as the scheduler does. Returns per-step chunks."""
     for r in reqs:
         policy.add(r)
     steps = []
@@ -44,6 +45,9 @@ def run_to_completion(policy: SchedulePolicy, reqs: list[Req], max_steps: int = 
         for s in batch.reqs:
             row = policy.kv.req_pool.req_to_token[s.req.req_pool_idx]
             assert torch.equal(row[s.start : s.end], s.out_cache_loc)
+        for s in batch.reqs:
+            if s.end - s.start > 1 or not s.req.output_ids:  # as the scheduler: prefill chunks go to the cache
+                policy.kv.cache_prefill(s.req)
         for s in batch.reqs:
             if s.samples:
                 s.req.output_ids.append(1000 + len(s.req.output_ids))
@@ -130,3 +134,37 @@ def test_failed_step_returns_fresh_slots() -> None:
         req.kv_len = s.start
         policy.finish(req, allocated_len=s.end)
         assert_no_leak(policy)
+
+
+@pytest.mark.parametrize("policy_name", ["fcfs", "lpm"])
+def test_requests_arriving_together_compute_a_shared_prefix_once(policy_name: str) -> None:
+    """Three requests with one 40-token system prompt in the same step: the first computes it, the others
+    wait one step and find it cached (without this, all three would prefill it side by side)."""
+    policy = make_policy(pool_tokens=512, chunk=256)
+    policy.policy = policy_name
+    shared = list(range(1, 41))
+    reqs = [make_req(f"r{i}", shared + [100 + i, 200 + i], 2) for i in range(3)]
+    other = make_req("other", list(range(300, 320)), 2)  # shares nothing: never held back by lpm
+    steps = run_to_completion(policy, reqs + [other])
+    if policy_name == "fcfs":
+        assert steps[0] == [(0, 42)]  # r0 alone: under fcfs nobody overtakes r1
+    else:
+        assert sorted(steps[0]) == [(0, 20), (0, 42)]
+    assert [r.cached_len for r in reqs] == [0, 40, 40]
+    assert policy.kv.prefix_hit_tokens == 80  # counted once per request, not per deferral
+    assert policy.kv.prefix_total_tokens == 3 * 42 + 20
+    assert_no_leak(policy)
+
+
+def test_short_shared_spans_do_not_hold_requests_back() -> None:
+    policy = make_policy(pool_tokens=512, chunk=256)
+    reqs = [make_req(f"r{i}", [1, 2, 3, 4] + [100 + i] * 10, 2) for i in range(3)]
+    steps = run_to_completion(policy, reqs)
+    assert len(steps[0]) == 3
+
+
+def test_disabled_cache_never_defers() -> None:
+    policy = make_policy(pool_tokens=512, chunk=256, disable_cache=True)
+    reqs = [make_req(f"r{i}", list(range(1, 41)) + [100 + i], 2) for i in range(3)]
+    steps = run_to_completion(policy, reqs)
+    assert len(steps[0]) == 3
