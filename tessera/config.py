@@ -63,6 +63,9 @@ class ServerArgs:
     random_seed: int = 0
     context_length: int | None = None
     attention_backend: str = "torch_native"
+    # Decode reads each request's K/V from a contiguous copy kept across steps (appending one token per
+    # step) instead of gathering it from the pool's pages every step; it costs up to the pool's size again.
+    disable_decode_kv_mirror: bool = False
     language_model_only: bool = False
     # Intra-op threads of the scheduler process (the model). None: all cores but one, which is left to the
     # frontend (HTTP, tokenizer, media processors), as vLLM's CPU backend reserves a core. Measured on

@@ -141,6 +141,8 @@ def _add_profile(sub) -> None:
     p.add_argument("--context-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--disable-decode-kv-mirror", action="store_true",
+                   help="gather every request's K/V from the pool each step, as before the mirror")
     p.add_argument("--output-json", default=None)
     p.set_defaults(func=_cmd_profile)
 
@@ -156,7 +158,8 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
     if ns.threads:
         torch.set_num_threads(ns.threads)
     result = run_profile(ProfileConfig(model_path=ns.model_path, batch_size=ns.batch_size,
-                                       context_len=ns.context_len, steps=ns.steps))
+                                       context_len=ns.context_len, steps=ns.steps,
+                                       no_mirror=ns.disable_decode_kv_mirror))
     print(format_profile(result))
     if ns.output_json:
         with open(ns.output_json, "w") as f:

@@ -49,6 +49,7 @@ class ProfileConfig:
     warmup: int = 3
     seed: int = 0
     top: int = 15
+    no_mirror: bool = False  # gather K/V from the pool every step (--disable-decode-kv-mirror)
 
 
 def _tessera_steps(cfg: ProfileConfig, model_dir: str):
@@ -61,13 +62,14 @@ def _tessera_steps(cfg: ProfileConfig, model_dir: str):
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     b, ctx = cfg.batch_size, cfg.context_len
     total = ctx + cfg.warmup + 2 * cfg.steps + 1  # timed steps, then as many profiled ones
-    pool = TokenToKVPool(b * total, text.num_hidden_layers, text.num_key_value_heads, head_dim)
+    # Twice the batch's tokens, as a serving pool has room to spare (and the decode mirror may use as much).
+    pool = TokenToKVPool(2 * b * total, text.num_hidden_layers, text.num_key_value_heads, head_dim)
     gen = torch.Generator().manual_seed(cfg.seed)
     for layer in range(text.num_hidden_layers):  # any values: attention cost does not depend on them
         pool.k_buffers[layer].normal_(generator=gen)
         pool.v_buffers[layer].normal_(generator=gen)
     req = ReqToTokenPool(b, total)
-    req.req_to_token[:] = (1 + torch.randperm(b * total, generator=gen)).view(b, total)  # scattered slots
+    req.req_to_token[:] = (1 + torch.randperm(2 * b * total - 1, generator=gen))[: b * total].view(b, total)  # scattered
     state = {"len": ctx}
     rows = torch.arange(b)
 
@@ -81,6 +83,7 @@ def _tessera_steps(cfg: ProfileConfig, model_dir: str):
             req_pool_indices=rows, seq_lens=torch.full((b,), n + 1, dtype=torch.int64),
             extend_lens=torch.ones(b, dtype=torch.int64), req_to_token=req.req_to_token,
             logits_indices=rows,
+            req_generations=None if cfg.no_mirror else [1] * b,  # as the engine's steps: decode K/V mirror on
         )
         model(fb, pool)
         state["len"] = n + 1

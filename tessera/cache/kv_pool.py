@@ -61,9 +61,16 @@ class ReqToTokenPool:
         self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int64, device=device)
         self.free_rows = list(range(max_reqs))
         self.max_context_len = max_context_len
+        # Bumped on every alloc, so (row, generation) names one tenancy of a row: per-request state kept
+        # elsewhere (the decode K/V mirror) can tell a new request in a reused row from the old one.
+        self.generation = [0] * max_reqs
 
     def alloc(self) -> int | None:
-        return self.free_rows.pop() if self.free_rows else None
+        if not self.free_rows:
+            return None
+        row = self.free_rows.pop()
+        self.generation[row] += 1
+        return row
 
     def free(self, row: int) -> None:
         assert row not in self.free_rows, f"double free of req row {row}"

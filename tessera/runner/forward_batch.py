@@ -31,6 +31,9 @@ class ForwardBatch:
     # Optional per-request attention masks: None = causal. A mask is bool [extend_len, seq_len],
     # True = may attend (e.g. bidirectional inside an image span for Gemma-3).
     custom_masks: list[torch.Tensor | None] | None = None
+    # Allocation generation of each request's req_to_token row (ReqToTokenPool.generation): with the row it
+    # names a request's KV for caches kept across steps (the decode K/V mirror). None: no such caching.
+    req_generations: list[int] | None = None
     extend_start_loc: torch.Tensor = field(init=False)
     prefix_lens: torch.Tensor = field(init=False)
 

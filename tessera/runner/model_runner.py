@@ -170,6 +170,8 @@ class ModelRunner:
             req_to_token=self.req_pool.req_to_token,
             logits_indices=torch.tensor(logits_rows, dtype=torch.int64, device=dev),
             mm_embed_rows=mm_rows, mm_embeds=mm_embeds,
+            req_generations=None if self.args.disable_decode_kv_mirror else
+            [self.req_pool.generation[s.req.req_pool_idx] for s in batch.reqs],
         )
         for s in batch.reqs:  # embeddings are only needed until the prompt's KV exists
             if s.end >= len(s.req.origin_input_ids):

@@ -1,8 +1,10 @@
 """Attention over the paged KV cache with torch's scaled_dot_product_attention (CPU and GPU).
 
-Decode requests (one new token, no custom mask) are batched into ONE SDPA call over their K/V gathered
-and padded to the longest of them; prefill/extend requests run one SDPA call each. Gather indices and
-masks are built once per step (init_forward_metadata) and shared by all layers.
+Decode requests (one new token, no custom mask) are batched into ONE SDPA call over their K/V, padded to
+the longest of them: kept contiguous across steps in a DecodeKVMirror when the ForwardBatch carries
+request generations (the model runner's batches do), else gathered from the pool. Prefill/extend
+requests run one SDPA call each. Gather indices and masks are built once per step
+(init_forward_metadata) and shared by all layers.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.attention.base import BaseAttentionBackend
+from tessera.layers.attention.decode_mirror import DecodeKVMirror, MirrorPlan
 from tessera.runner.forward_batch import ForwardBatch
 
 
@@ -36,6 +39,11 @@ class _StepMetadata:
     decode_slots: torch.Tensor | None  # [B_dec, max_len] KV slots, padding -> slot 0
     decode_mask: torch.Tensor | None  # bool [B_dec, 1, 1, max_len]; None when all lengths are equal
     extends: list[_ExtendPlan]
+    mirror_keys: list[tuple[int, int]] | None  # (req row, generation) per decode request; None: no mirror
+    decode_lens: list[int]
+    decode_req_rows: list[int]  # req_to_token rows of the decode requests
+    mirror_plan: MirrorPlan | None = None  # made on the first layer (it needs the pool)
+    mirror_planned: bool = False
 
 
 class TorchNativeAttentionBackend(BaseAttentionBackend):
@@ -43,6 +51,8 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
 
     def __init__(self) -> None:
         self._meta: _StepMetadata | None = None
+        self._mirror = DecodeKVMirror()
+        self._mirror_layers_left = 0  # layers of the last planned step not yet updated (nonzero: a step failed)
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         self._meta = self._build_metadata(fb)
@@ -95,7 +105,21 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
                 decode_slots = decode_slots.masked_fill(~valid, 0)
                 decode_mask = valid[:, None, None, :]
         is_all_decode = not extends and len(decode_reqs) == len(seq_lens)
-        return _StepMetadata(fb, is_all_decode, decode_rows, decode_slots, decode_mask, extends)
+        gens = fb.req_generations
+        keys = [(rows[i], gens[i]) for i in decode_reqs] if gens is not None and decode_reqs else None
+        return _StepMetadata(fb, is_all_decode, decode_rows, decode_slots, decode_mask, extends, keys,
+                             [seq_lens[i] for i in decode_reqs], [rows[i] for i in decode_reqs])
+
+    def _plan_mirror(self, meta: _StepMetadata, pool: TokenToKVPool, dtype: torch.dtype) -> None:
+        meta.mirror_planned = True
+        if self._mirror_layers_left:  # the previous step stopped between layers: its rows are partial
+            self._mirror.clear()
+        if meta.mirror_keys is None:
+            return
+        req_to_token = meta.fb.req_to_token
+        meta.mirror_plan = self._mirror.plan(meta.mirror_keys, meta.decode_lens,
+                                             [req_to_token[r] for r in meta.decode_req_rows], pool, dtype)
+        self._mirror_layers_left = pool.num_layers if meta.mirror_plan is not None else 0
 
     def forward(
         self,
@@ -111,13 +135,16 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         is_gqa = num_heads != k.shape[1]
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         meta = self._metadata_for(fb)
+        if not meta.mirror_planned:
+            self._plan_mirror(meta, pool, q.dtype)
 
         if meta.is_all_decode:
-            return self._decode(q, pool, layer_id, meta, scaling)
+            return self._decode(q, k, v, pool, layer_id, meta, scaling)
 
         out = q.new_empty(num_tokens, num_heads * head_dim)
         if meta.decode_rows is not None:
-            out[meta.decode_rows] = self._decode(q[meta.decode_rows], pool, layer_id, meta, scaling)
+            r = meta.decode_rows
+            out[r] = self._decode(q[r], k[r], v[r], pool, layer_id, meta, scaling)
         for plan in meta.extends:
             rows = slice(plan.start, plan.start + plan.extend_len)
             if plan.slots is None:
@@ -136,9 +163,11 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
             out[rows] = o[0].transpose(0, 1).reshape(plan.extend_len, num_heads * head_dim)
         return out
 
-    @staticmethod
     def _decode(
+        self,
         q: torch.Tensor,
+        k_new: torch.Tensor,
+        v_new: torch.Tensor,
         pool: TokenToKVPool,
         layer_id: int,
         meta: _StepMetadata,
@@ -153,10 +182,18 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         assert meta.decode_slots is not None
         batch, num_heads, head_dim = q.shape
         num_kv_heads = pool.num_kv_heads
-        k, v = pool.gather(layer_id, meta.decode_slots, q.dtype)  # [B, L, Hkv, D]
-        k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
-        o = F.scaled_dot_product_attention(
-            q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim), k, v,
-            attn_mask=meta.decode_mask, scale=scaling,
-        )
+        qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        plan = meta.mirror_plan
+        if plan is None:
+            k, v = pool.gather(layer_id, meta.decode_slots, q.dtype)  # [B, L, Hkv, D]
+            k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scaling)
+            return o.reshape(batch, num_heads * head_dim)
+        k, v = self._mirror.update_layer(layer_id, plan, k_new, v_new, pool)  # rows in mirror order
+        self._mirror_layers_left -= 1
+        if not plan.identity:  # request d sits in mirror row plan.rows[d]
+            qg = torch.empty_like(qg).index_copy_(0, plan.rows, qg)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scaling)
+        if not plan.identity:
+            o = o.index_select(0, plan.rows)
         return o.reshape(batch, num_heads * head_dim)
