@@ -138,9 +138,9 @@ class DecodeKVMirror:
         for src, dst, n in plan.moves:
             mk[dst, :, :n] = mk[src, :, :n]
             mv[dst, :, :n] = mv[src, :, :n]
-        if plan.append_rows is not None:
-            mk[plan.append_rows, :, plan.append_pos] = k_new[plan.append_src].to(mk.dtype)
-            mv[plan.append_rows, :, plan.append_pos] = v_new[plan.append_src].to(mv.dtype)
+        if plan.append_rows is not None:  # through the pool's dtype: the same values a gather would read
+            mk[plan.append_rows, :, plan.append_pos] = k_new[plan.append_src].to(pool.dtype).to(mk.dtype)
+            mv[plan.append_rows, :, plan.append_pos] = v_new[plan.append_src].to(pool.dtype).to(mv.dtype)
         for row, slots in plan.fills:
             k, v = pool.gather(layer, slots, mk.dtype)  # [L, Hkv, D], includes this step's token
             mk[row, :, : len(slots)] = k.transpose(0, 1)
