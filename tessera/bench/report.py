@@ -216,14 +216,11 @@ def update_doc(doc: Path, body: str) -> None:
 
 
 def load_dir(directory: Path) -> tuple[list[dict], list[dict]]:
-    offline, serving = [], []
-    for path in sorted(directory.glob("*.json")):
-        d = json.loads(path.read_text())
-        if "results" in d and "machine" in d:
-            offline.append(d)
-        elif "metrics" in d and "config" in d:
-            serving.append(d)
-    return offline, serving
+    """The report's own result files only (the names main() writes): other benchmark JSONs kept in the same
+    directory, e.g. a hand-run serving check on another dataset, must not be mixed into its tables."""
+    offline = [json.loads(p.read_text()) for p in sorted(directory.glob("offline-*.json"))]
+    serving = [json.loads(p.read_text()) for p in sorted(directory.glob("serving-*-c*-run*.json"))]
+    return [d for d in offline if "results" in d], [d for d in serving if "metrics" in d]
 
 
 def main(argv: list[str] | None = None) -> int:

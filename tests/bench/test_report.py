@@ -8,7 +8,7 @@ import pytest
 
 from tessera.bench.metrics import RequestResult, compute_metrics
 from tessera.bench.offline import summarize
-from tessera.bench.report import DEFAULT_DOC, END_MARKER, START_MARKER, render, update_doc
+from tessera.bench.report import DEFAULT_DOC, END_MARKER, START_MARKER, load_dir, render, update_doc
 
 PER_SYSTEM = {
     "tessera": {"a": {"tok_s": 300.0}, "b": {"tok_s": 400.0, "ttft_first_seen_ms": 50.0, "ttft_repeat_ms": 10.0},
@@ -42,6 +42,20 @@ def test_render_contains_every_figure() -> None:
                    "5.00 / 10.00", "9.00 / 30.00 (32)", "Test CPU", "median of 3 run(s)", "a: 64 image requests"):
         assert figure in text, figure
     assert "| 4 | 2 | 1.00 | 2.0 | 100.0 / 100.0 | 200.0 | 300.0 | 0 |" in text
+
+
+def test_load_dir_reads_only_the_reports_own_files(tmp_path: Path) -> None:
+    import json
+
+    serving = {"model": "demo-vl", "config": {"dataset": "scenes"}, "metrics": {"num_completed": 1}}
+    (tmp_path / "offline-demo-vl.json").write_text(json.dumps(_offline_result()))
+    (tmp_path / "serving-demo-vl-c4-run0.json").write_text(json.dumps(serving))
+    # A hand-run serving check and a profile kept in the same directory stay out of the tables.
+    (tmp_path / "random-image-c16.json").write_text(json.dumps({**serving, "config": {"dataset": "random-image"}}))
+    (tmp_path / "profile-demo-vl.json").write_text(json.dumps({"results": {}, "machine": {}}))
+    offline, served = load_dir(tmp_path)
+    assert [d["model_path"] for d in offline] == ["demo-vl"]
+    assert [d["config"]["dataset"] for d in served] == ["scenes"]
 
 
 def test_update_doc_replaces_only_between_markers(tmp_path: Path) -> None:
