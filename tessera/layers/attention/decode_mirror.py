@@ -13,8 +13,8 @@ Invariants, re-established by `plan()` once per step before layer 0:
     request, or re-admitted after retraction, never inherits a stale mirror;
   - positions past a row's length hold finite values (the buffers start zeroed), so masked keys stay
     harmless in SDPA's weighted sum.
-The pool stays the source of truth; the mirror is dropped whenever it would outgrow `max_bytes`, and that
-step (and any step whose ForwardBatch has no generations) gathers from the pool as before.
+The pool stays the source of truth; the mirror is dropped whenever it would outgrow the pool itself, and
+that step (and any step whose ForwardBatch has no generations) gathers from the pool as before.
 """
 
 from __future__ import annotations
@@ -50,10 +50,6 @@ class DecodeKVMirror:
 
     def clear(self) -> None:
         self.k, self.v, self.row_of, self.length = [], [], {}, []
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def plan(self, keys: list[tuple[int, int]], seq_lens: list[int], slots: list[torch.Tensor],
              pool: TokenToKVPool, dtype: torch.dtype) -> MirrorPlan | None:

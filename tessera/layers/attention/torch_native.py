@@ -41,7 +41,6 @@ class _StepMetadata:
     extends: list[_ExtendPlan]
     mirror_keys: list[tuple[int, int]] | None  # (req row, generation) per decode request; None: no mirror
     decode_lens: list[int]
-    decode_req_rows: list[int]  # req_to_token rows of the decode requests
     mirror_plan: MirrorPlan | None = None  # made on the first layer (it needs the pool)
     mirror_planned: bool = False
 
@@ -108,7 +107,7 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         gens = fb.req_generations
         keys = [(rows[i], gens[i]) for i in decode_reqs] if gens is not None and decode_reqs else None
         return _StepMetadata(fb, is_all_decode, decode_rows, decode_slots, decode_mask, extends, keys,
-                             [seq_lens[i] for i in decode_reqs], [rows[i] for i in decode_reqs])
+                             [seq_lens[i] for i in decode_reqs])
 
     def _plan_mirror(self, meta: _StepMetadata, pool: TokenToKVPool, dtype: torch.dtype) -> None:
         meta.mirror_planned = True
@@ -118,7 +117,7 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
             return
         req_to_token = meta.fb.req_to_token
         meta.mirror_plan = self._mirror.plan(meta.mirror_keys, meta.decode_lens,
-                                             [req_to_token[r] for r in meta.decode_req_rows], pool, dtype)
+                                             [req_to_token[row] for row, _ in meta.mirror_keys], pool, dtype)
         self._mirror_layers_left = pool.num_layers if meta.mirror_plan is not None else 0
 
     def forward(
