@@ -47,6 +47,17 @@ def _json_dict(name: str, value: Any) -> dict:
     return value
 
 
+def _check_device(device: str) -> None:
+    """A device that is absent is a one-line error here, before anything starts."""
+    if device == "auto" or device == "cpu":
+        return
+    if not (device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit())):
+        raise ValueError(f"device: expected auto, cpu or cuda[:N], got {device!r}")
+    from tessera.models.registry import resolve_device
+
+    resolve_device(device)
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str = "demo-vl"
@@ -57,8 +68,9 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     # Model / runtime
-    dtype: str = "float32"
-    device: str = "cpu"
+    # "auto": the checkpoint's dtype (float32 when it records none; float16 becomes bfloat16 on CPU).
+    dtype: str = "auto"
+    device: str = "auto"  # auto | cpu | cuda[:N]; auto picks CUDA when available
     tp_size: int = 1
     random_seed: int = 0
     context_length: int | None = None
@@ -76,7 +88,10 @@ class ServerArgs:
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 8192
     page_size: int = 1
-    max_total_tokens: int = 65536  # KV pool size in tokens (the CPU stand-in for --mem-fraction-static)
+    # KV pool size in tokens. None: on CUDA, what --mem-fraction-static of the device leaves after the weights;
+    # on CPU, 65536.
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.85  # share of the GPU's memory for weights + KV pool
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
     # Multimodal
@@ -106,10 +121,16 @@ class ServerArgs:
             if key not in ("image", "video", "audio") or not isinstance(val, int) or val < 0:
                 raise ValueError(f"limit_mm_data_per_request: bad entry {key!r}: {val!r}")
         positive = ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens", "page_size",
-                    "max_total_tokens", "stream_interval", "mm_preprocess_workers")
+                    "stream_interval", "mm_preprocess_workers")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_total_tokens is not None and (not isinstance(self.max_total_tokens, int)
+                                                  or self.max_total_tokens < 2 * self.page_size):
+            raise ValueError(f"max_total_tokens: must hold at least two pages, got {self.max_total_tokens!r}")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static: must be in (0, 1), got {self.mem_fraction_static!r}")
+        _check_device(self.device)
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads: must be a positive integer, got {self.cpu_threads!r}")
         if self.tp_size != 1:
@@ -124,8 +145,6 @@ class ServerArgs:
             raise ValueError(f"log_level: unknown level {self.log_level!r}")
         if not (0 < self.port < 65536):
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
-        if self.max_total_tokens < 2 * self.page_size:
-            raise ValueError("max_total_tokens: must hold at least two pages")
 
     @property
     def scheduler_threads(self) -> int:
@@ -134,13 +153,6 @@ class ServerArgs:
     @property
     def model_name(self) -> str:
         return self.served_model_name or Path(self.model_path).name
-
-    @property
-    def torch_dtype(self):
-        import torch
-
-        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                "auto": torch.float32}[self.dtype]
 
     def replace(self, **changes: Any) -> ServerArgs:
         return dataclasses.replace(self, **changes)
@@ -155,6 +167,8 @@ class ServerArgs:
                 parser.add_argument(flag, action="store_true", default=default)
             elif f.type in ("int", "int | None"):
                 parser.add_argument(flag, type=int, default=default)
+            elif f.type in ("float", "float | None"):
+                parser.add_argument(flag, type=float, default=default)
             elif f.type in ("dict",):
                 parser.add_argument(flag, type=str, default=None, help="JSON object")
             else:

@@ -190,14 +190,18 @@ class TesseraRunner:
 class HFRunner:
     """transformers' batched `generate`: left padding, greedy, exactly the requested token counts."""
 
-    def __init__(self, model_path: str, batch_size: int, device: str = "cpu", dtype: str = "float32"):
+    def __init__(self, model_path: str, batch_size: int, device: str = "auto", dtype: str = "auto"):
         import torch
         from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+        from tessera.models.config import ModelConfig
+        from tessera.models.registry import resolve_device, resolve_dtype
 
         self.torch = torch
         self.processor = AutoProcessor.from_pretrained(model_path)
         self.processor.tokenizer.padding_side = "left"  # decoder-only batching: pad before the prompt
-        torch_dtype = getattr(torch, dtype) if dtype != "auto" else torch.float32  # as ServerArgs.torch_dtype
+        device = str(resolve_device(device))  # the same device and dtype the engine resolves to
+        torch_dtype = resolve_dtype(dtype, ModelConfig.load(model_path), device)
         self.model = Qwen2VLForConditionalGeneration.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
         self.device, self.batch_size = device, batch_size
         self.pad_id = self.processor.tokenizer.pad_token_id or 0
@@ -290,8 +294,8 @@ def run_offline(cfg: OfflineConfig, log=print) -> dict:
     if any(w in cfg.workloads for w in ("b", "c")):
         systems.append(("tessera_nocache", lambda: TesseraRunner(model_path, {**cfg.engine_args, **NOCACHE_ARGS})))
     if cfg.compare_hf:
-        systems.append(("hf", lambda: HFRunner(model_path, cfg.hf_batch_size, cfg.engine_args.get("device", "cpu"),
-                                               cfg.engine_args.get("dtype", "float32"))))
+        systems.append(("hf", lambda: HFRunner(model_path, cfg.hf_batch_size, cfg.engine_args.get("device", "auto"),
+                                               cfg.engine_args.get("dtype", "auto"))))
     per_system: dict[str, dict] = {}
     for name, make in systems:
         only = cfg.workloads if name != "tessera_nocache" else tuple(w for w in cfg.workloads if w in ("b", "c"))

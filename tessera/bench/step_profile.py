@@ -57,15 +57,14 @@ def _tessera_steps(cfg: ProfileConfig, model_dir: str):
     from tessera.cache.kv_pool import ReqToTokenPool, TokenToKVPool
     from tessera.models.registry import load_model
 
-    model, hf_config = load_model(model_dir, language_model_only=True)
-    text = hf_config.get_text_config()
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    model, config = load_model(model_dir, language_model_only=True)
+    kv = config.kv_layout
     b, ctx = cfg.batch_size, cfg.context_len
     total = ctx + cfg.warmup + 2 * cfg.steps + 1  # timed steps, then as many profiled ones
     # Twice the batch's tokens, as a serving pool has room to spare (and the decode mirror may use as much).
-    pool = TokenToKVPool(2 * b * total, text.num_hidden_layers, text.num_key_value_heads, head_dim)
+    pool = TokenToKVPool(2 * b * total, kv.num_layers, kv.num_kv_heads, kv.head_dim)
     gen = torch.Generator().manual_seed(cfg.seed)
-    for layer in range(text.num_hidden_layers):  # any values: attention cost does not depend on them
+    for layer in range(kv.num_layers):  # any values: attention cost does not depend on them
         pool.k_buffers[layer].normal_(generator=gen)
         pool.v_buffers[layer].normal_(generator=gen)
     req = ReqToTokenPool(b, total)
@@ -77,7 +76,7 @@ def _tessera_steps(cfg: ProfileConfig, model_dir: str):
         n = state["len"]
         pos = torch.full((b,), n, dtype=torch.int64)
         fb = ForwardBatch(
-            input_ids=torch.randint(0, int(text.vocab_size), (b,), generator=gen),
+            input_ids=torch.randint(0, config.vocab_size, (b,), generator=gen),
             positions=pos,  # [T]: text positions, for plain RoPE and M-RoPE alike
             out_cache_loc=req.req_to_token[:, n].clone(),
             req_pool_indices=rows, seq_lens=torch.full((b,), n + 1, dtype=torch.int64),

@@ -195,6 +195,11 @@ class Engine:
         """The scheduler's counters (KV use, prefix-cache and encoder-cache hits, ...)."""
         return self._run(self.tokenizer_manager.get_stats())
 
+    def get_server_info(self) -> dict:
+        """As SGLang's /get_server_info: the server arguments, the settings they resolved to (device,
+        dtype, KV pool size, ...) and the scheduler's counters."""
+        return {**self.tokenizer_manager.server_info(), "stats": dataclasses.asdict(self.get_stats())}
+
     def get_frontend_stats(self) -> FrontendStats:
         """The frontend's counters (preprocessing-cache hits and misses, ...)."""
         return self.tokenizer_manager.frontend_stats()

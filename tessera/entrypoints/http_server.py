@@ -146,8 +146,8 @@ def create_app(args: ServerArgs) -> FastAPI:
 
     @app.get("/get_server_info")
     async def server_info():
-        stats = await serving().tm.get_stats()
-        return {"server_args": {k: v for k, v in vars(args).items() if k != "api_key"}, "stats": vars(stats)}
+        tm = serving().tm
+        return {**tm.server_info(), "stats": vars(await tm.get_stats())}
 
     @app.post("/flush_cache")
     async def flush_cache():
@@ -176,7 +176,10 @@ def create_app(args: ServerArgs) -> FastAPI:
 
 
 def launch_server(args: ServerArgs) -> None:
+    from tessera.models.config import ModelConfig
+
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    ModelConfig.load(args.model_path)  # an unsupported architecture is a one-line error now, not a 503 later
     app = create_app(args)
     print(f"Tessera: loading {args.model_path}; listening on http://{args.host}:{args.port}", flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),

@@ -6,15 +6,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.config import ServerArgs
-
-VISION_ARCHS = {"Qwen2VLForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration"}
-AUDIO_ARCHS = {"Qwen2AudioForConditionalGeneration"}
+from tessera.models.config import ModelConfig
+from tessera.multimodal.items import Modality
 
 
 @dataclass
 class ModelInfo:
     args: ServerArgs
-    hf_config: Any
+    config: ModelConfig
     tokenizer: Any
     hf_processor: Any | None
     architecture: str
@@ -23,13 +22,13 @@ class ModelInfo:
 
     @classmethod
     def load(cls, args: ServerArgs) -> ModelInfo:
-        from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+        """Reads the checkpoint's config once; an architecture outside the family table fails here, at
+        startup, with the supported ones listed (UnsupportedArchitectureError, a ValueError)."""
+        from transformers import AutoProcessor, AutoTokenizer
 
-        hf_config = AutoConfig.from_pretrained(args.model_path)
-        arch = (getattr(hf_config, "architectures", None) or ["unknown"])[0]
-        text_cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        config = ModelConfig.load(args.model_path)
         processor = None
-        if arch in VISION_ARCHS | AUDIO_ARCHS:
+        if config.family.processor is not None:
             processor = AutoProcessor.from_pretrained(args.tokenizer_path or args.model_path)
             tokenizer = processor.tokenizer
         else:
@@ -38,20 +37,29 @@ class ModelInfo:
             tokenizer.chat_template = _read_template(args.chat_template)
             if processor is not None:
                 processor.chat_template = tokenizer.chat_template
-        ctx = args.context_length or int(getattr(text_cfg, "max_position_embeddings", 4096))
-        return cls(args, hf_config, tokenizer, processor, arch, ctx, int(text_cfg.vocab_size))
+        ctx = args.context_length or config.max_position_embeddings
+        return cls(args, config, tokenizer, processor, config.architecture, ctx, config.vocab_size)
+
+    @property
+    def hf_config(self) -> Any:
+        return self.config.hf_config
+
+    @property
+    def modalities(self) -> frozenset[Modality]:
+        """What this server accepts besides text (none with --language-model-only)."""
+        return self.config.family.served_modalities(self.args.language_model_only)
 
     @property
     def has_image_understanding(self) -> bool:
-        return self.architecture in VISION_ARCHS and not self.args.language_model_only
+        return Modality.IMAGE in self.modalities
 
     @property
     def has_video_understanding(self) -> bool:
-        return self.has_image_understanding
+        return Modality.VIDEO in self.modalities
 
     @property
     def has_audio_understanding(self) -> bool:
-        return self.architecture in AUDIO_ARCHS and not self.args.language_model_only
+        return Modality.AUDIO in self.modalities
 
     def no_media_reason(self) -> str:
         if self.args.language_model_only:
@@ -63,10 +71,10 @@ class ModelInfo:
         if self.hf_processor is None:
             return None
         from tessera.multimodal.media import MediaLimits
-        from tessera.multimodal.processors.registry import get_processor_class
 
         limits = MediaLimits.from_server_args(self.args)
-        cls = get_processor_class(self.architecture)
+        cls = self.config.family.processor_class()
+        assert cls is not None  # hf_processor is only loaded for families with a processor
         return cls(self.hf_processor, self.hf_config, self.args.mm_process_config, limits,
                    self.args.limit_mm_data_per_request, language_model_only=self.args.language_model_only,
                    cache_size_bytes=self.args.mm_cache_size_mb * 1024 * 1024)

@@ -28,7 +28,9 @@ from tessera.config import ServerArgs
 from tessera.frontend.detokenizer import IncrementalDetokenizer
 from tessera.frontend.model_info import ModelInfo
 from tessera.frontend.request import GenerateRequest
+from tessera import __version__ as tessera_version
 from tessera.scheduler import io
+from tessera.worker.forward_input import WorkerInfo
 
 logger = logging.getLogger("tessera")
 STARTUP_TIMEOUT_S = 300
@@ -76,7 +78,8 @@ class TokenizerManager:
         self._stats_waiters: list[asyncio.Future] = []
         self.ready = False
         self.context_length = self.info.context_length
-        self.max_total_tokens = args.max_total_tokens
+        self.max_total_tokens = args.max_total_tokens or 0  # the worker's real pool size once it is ready
+        self.worker_info: WorkerInfo | None = None
         self.on_request_done = None  # optional callback(state, output_dict) for metrics
 
     def _endpoint(self, name: str) -> str:
@@ -110,6 +113,7 @@ class TokenizerManager:
         ready_sock.close(linger=0)
         if isinstance(msg, io.SchedulerError):
             raise RuntimeError(f"model failed to load: {msg.message}")
+        self.worker_info = msg.worker
         self.max_total_tokens = msg.max_total_tokens
         self.context_length = msg.context_length
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
@@ -127,6 +131,19 @@ class TokenizerManager:
         for sock in (getattr(self, "send_sock", None), getattr(self, "recv_sock", None)):
             if sock is not None:
                 sock.close(linger=0)
+
+    def server_info(self) -> dict:
+        """SGLang's /get_server_info shape: the server arguments at the top level, with the settings they
+        resolved to in the worker (device, dtype, KV pool size, context length) in place of "auto"/None;
+        the arguments as given under "server_args" and the worker's settings under "effective"."""
+        given = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
+        effective = dict(dataclasses.asdict(self.worker_info) if self.worker_info else {},
+                         architecture=self.info.architecture,
+                         modalities=sorted(m.value for m in self.info.modalities))
+        resolved = {k: effective[k] for k in ("device", "dtype", "max_total_tokens", "context_length")
+                    if k in effective}
+        return {**given, **resolved, "max_total_num_tokens": effective.get("max_total_tokens"),
+                "server_args": given, "effective": effective, "version": tessera_version}
 
     def shutdown(self) -> None:
         self.ready = False

@@ -10,19 +10,23 @@ of a step go through the encoder in ONE batched call.
 
 from __future__ import annotations
 
-import copy
-from typing import Any
+import dataclasses
 
 import torch
 from torch import nn
 
 from tessera.layers.attention import BaseAttentionBackend
+from tessera.layers.decoder import STACKED_PARAMS
 from tessera.layers.linear import Linear
-from tessera.models.qwen2 import QWEN2_STACKED_PARAMS, Qwen2ForCausalLM, Qwen2LMConfig
+from tessera.models.base import Encoder
+from tessera.models.config import ModelConfig
+from tessera.models.hf_towers import build_transformers_tower
+from tessera.models.qwen2 import Qwen2ForCausalLM
 from tessera.models.weights import WeightMapping
-from tessera.multimodal.items import MultimodalDataItem
+from tessera.multimodal.items import Modality, MultimodalDataItem
 
 FEATURE_MASK_KEY = "feature_attention_mask"
+AUDIO_TOWER = "transformers.models.qwen2_audio.modeling_qwen2_audio:Qwen2AudioEncoder"
 
 
 def audio_output_len(num_frames: int) -> int:
@@ -30,19 +34,6 @@ def audio_output_len(num_frames: int) -> int:
     arithmetic of transformers' `_get_feat_extract_output_lengths` and of Qwen2AudioProcessor."""
     after_conv = (num_frames - 1) // 2 + 1
     return (after_conv - 2) // 2 + 1
-
-
-def build_audio_tower(audio_config: Any) -> nn.Module:
-    """transformers' Qwen2AudioEncoder on the current default device/dtype, parameters uninitialised
-    (the checkpoint fills them), SDPA attention."""
-    from transformers.initialization import no_init_weights
-    from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder
-
-    # _from_config writes dtype/attn settings into the config it gets; keep the caller's config untouched.
-    cfg = copy.deepcopy(audio_config)
-    with no_init_weights():
-        tower = Qwen2AudioEncoder._from_config(cfg, dtype=torch.get_default_dtype(), attn_implementation="sdpa")
-    return tower.eval()
 
 
 class Qwen2AudioMultiModalProjector(nn.Module):
@@ -57,37 +48,24 @@ class Qwen2AudioMultiModalProjector(nn.Module):
 
 
 class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
-    """forward(fb, pool) -> logits [len(logits_indices), vocab] (inherited; the scatter is `embed`).
+    """transformers' Qwen2-Audio never ties lm_head to the embeddings (it declares no tied weights), so neither
+    do we, whatever the config says: the checkpoint always carries lm_head."""
 
-    transformers' Qwen2-Audio never ties lm_head to the embeddings (it declares no tied weights), so neither
-    do we, whatever text_config.tie_word_embeddings says: the checkpoint always carries lm_head.
-    """
-
-    def __init__(
-        self, config: Any, attn_backend: BaseAttentionBackend | None = None, language_model_only: bool = False
-    ):
-        lm_cfg = Qwen2LMConfig.from_hf(config.text_config, tie_word_embeddings=False, use_mrope=False)
-        super().__init__(lm_cfg, attn_backend)
-        self.audio_token_id: int = int(config.audio_token_id)
-        audio_cfg = config.audio_config
+    def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
+                 language_model_only: bool = False):
+        super().__init__(dataclasses.replace(config, tie_word_embeddings=False), attn_backend, language_model_only)
+        audio_cfg = config.hf_config.audio_config
         # The encoder's position table fixes its input length: conv1 keeps it, conv2 halves it.
         self.num_input_frames: int = 2 * int(audio_cfg.max_source_positions)
         self.num_mel_bins: int = int(audio_cfg.num_mel_bins)
-        self.language_model_only = language_model_only
         self.audio_tower: nn.Module | None = None
         self.multi_modal_projector: Qwen2AudioMultiModalProjector | None = None
         if not language_model_only:
-            self.audio_tower = build_audio_tower(audio_cfg)
-            self.multi_modal_projector = Qwen2AudioMultiModalProjector(int(audio_cfg.d_model), lm_cfg.hidden_size)
+            self.audio_tower = build_transformers_tower(AUDIO_TOWER, audio_cfg)
+            self.multi_modal_projector = Qwen2AudioMultiModalProjector(int(audio_cfg.d_model), config.hidden_size)
 
     @classmethod
-    def from_hf_config(
-        cls, config: Any, attn_backend: BaseAttentionBackend | None = None, language_model_only: bool = False
-    ) -> Qwen2AudioForConditionalGeneration:
-        return cls(config, attn_backend, language_model_only)
-
-    @classmethod
-    def weight_mapping(cls, config: Any, language_model_only: bool = False) -> WeightMapping:
+    def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
         """Checkpoint names as transformers saves them (`language_model.model.*`, `language_model.lm_head.*`,
         `audio_tower.*`, `multi_modal_projector.*`) and its in-memory 5.x names (`model.language_model.*`,
         `model.audio_tower.*`, `model.multi_modal_projector.*`, `lm_head.*`). More specific prefixes first."""
@@ -104,9 +82,12 @@ class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
                 ("multi_modal_projector.", projector),
                 ("lm_head.", "lm_head."),
             ),
-            stacked=QWEN2_STACKED_PARAMS,
+            stacked=STACKED_PARAMS,
             stacked_prefix="model.",  # the encoder keeps transformers' separate q/k/v projections
         )
+
+    def encoders(self) -> dict[Modality, Encoder]:
+        return {} if self.audio_tower is None else {Modality.AUDIO: self.get_audio_feature}
 
     # ---- audio encoding ---------------------------------------------------------------------------------
 

@@ -8,58 +8,36 @@ each other (the tower attends within each grid_thw row), and the output is split
 
 from __future__ import annotations
 
-import copy
-from typing import Any
+from typing import ClassVar
 
 import torch
 
 from tessera.layers.attention import BaseAttentionBackend
-from tessera.models.qwen2 import QWEN2_STACKED_PARAMS, Qwen2ForCausalLM, Qwen2LMConfig
+from tessera.layers.decoder import STACKED_PARAMS
+from tessera.models.base import Encoder
+from tessera.models.config import ModelConfig
+from tessera.models.hf_towers import build_transformers_tower
+from tessera.models.qwen2 import Qwen2ForCausalLM
 from tessera.models.weights import WeightMapping
-from tessera.multimodal.items import MultimodalDataItem
-
-
-def build_vision_tower(vision_config: Any) -> torch.nn.Module:
-    """transformers' Qwen2-VL vision tower on the current default device/dtype, parameters uninitialised
-    (the checkpoint fills them), SDPA attention."""
-    from transformers.initialization import no_init_weights
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
-
-    # _from_config writes dtype/attn settings into the config it gets; keep the caller's config untouched.
-    cfg = copy.deepcopy(vision_config)
-    with no_init_weights():
-        tower = Qwen2VisionTransformerPretrainedModel._from_config(
-            cfg, dtype=torch.get_default_dtype(), attn_implementation="sdpa"
-        )
-    return tower.eval()
+from tessera.multimodal.items import Modality, MultimodalDataItem
 
 
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
-    """forward(fb, pool) -> logits [len(logits_indices), vocab].
+    """The worker encodes media with the encoders() (or takes them from its encoder cache) and puts the
+    embedding rows of this step's placeholder tokens into fb.mm_embed_rows / fb.mm_embeds."""
 
-    The runner encodes media with get_image_feature / get_video_feature (or an encoder cache), and puts the
-    embedding rows of the placeholder tokens of this step into fb.mm_embed_rows / fb.mm_embeds.
-    """
+    vision_tower: ClassVar[str] = "transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel"
 
-    def __init__(
-        self, config: Any, attn_backend: BaseAttentionBackend | None = None, language_model_only: bool = False
-    ):
-        lm_cfg = Qwen2LMConfig.from_hf(config.text_config, config.tie_word_embeddings, use_mrope=True)
-        super().__init__(lm_cfg, attn_backend)
-        self.image_token_id: int = config.image_token_id
-        self.video_token_id: int = config.video_token_id
-        self.spatial_merge_size: int = config.vision_config.spatial_merge_size
-        self.language_model_only = language_model_only
-        self.visual: torch.nn.Module | None = None if language_model_only else build_vision_tower(config.vision_config)
+    def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
+                 language_model_only: bool = False):
+        super().__init__(config, attn_backend, language_model_only)
+        vision_config = config.hf_config.vision_config
+        self.spatial_merge_size: int = int(vision_config.spatial_merge_size)
+        self.visual: torch.nn.Module | None = (
+            None if language_model_only else build_transformers_tower(self.vision_tower, vision_config))
 
     @classmethod
-    def from_hf_config(
-        cls, config: Any, attn_backend: BaseAttentionBackend | None = None, language_model_only: bool = False
-    ) -> Qwen2VLForConditionalGeneration:
-        return cls(config, attn_backend, language_model_only)
-
-    @classmethod
-    def weight_mapping(cls, config: Any, language_model_only: bool = False) -> WeightMapping:
+    def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
         """transformers 5.x names (`model.language_model.*`, `model.visual.*`, `lm_head.*`) and older ones
         (`model.*`, `visual.*`, `lm_head.*`). More specific prefixes come first."""
         visual = None if language_model_only else "visual."
@@ -71,8 +49,14 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                 ("model.", "model."),
                 ("lm_head.", None if config.tie_word_embeddings else "lm_head."),
             ),
-            stacked=QWEN2_STACKED_PARAMS,
+            stacked=STACKED_PARAMS,
+            stacked_prefix="model.",  # the vision tower keeps transformers' own module layout
         )
+
+    def encoders(self) -> dict[Modality, Encoder]:
+        if self.visual is None:
+            return {}
+        return {Modality.IMAGE: self.get_image_feature, Modality.VIDEO: self.get_video_feature}
 
     # ---- media encoding -------------------------------------------------------------------------------
 
@@ -112,7 +96,6 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         def encode(todo: list[int]) -> list[torch.Tensor]:
             if self.visual is None:
                 raise RuntimeError("the model was loaded with language_model_only=True: it has no vision tower")
-            # The tower is built in the model's dtype (load_model's default-dtype context).
             rows = torch.cat(pixels).to(device=weight.device, dtype=weight.dtype)
             grid_thw = torch.cat(grids).to(weight.device)
             embeds = self.visual(rows, grid_thw=grid_thw).pooler_output.to(weight.dtype)

@@ -1,51 +1,58 @@
-"""Architecture name (config.architectures[0]) -> our model class, imported lazily; and load_model."""
+"""load_model: the family table's model class, built from the ModelConfig and filled from the checkpoint."""
 
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch import nn
 
 from tessera.layers.attention import get_attention_backend
+from tessera.models.base import TesseraModel
+from tessera.models.config import ModelConfig
+from tessera.models.families import get_family, supported_architectures
 from tessera.models.weights import load_weights
 
-# architecture -> "module:Class"; adding a model is one line here plus its file.
-_MODELS: dict[str, str] = {
-    "Qwen2VLForConditionalGeneration": "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",
-    "Qwen2AudioForConditionalGeneration": "tessera.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
-    "Qwen2ForCausalLM": "tessera.models.qwen2:Qwen2ForCausalLM",
-}
+__all__ = ["get_model_class", "load_model", "resolve_dtype", "resolve_device", "supported_architectures"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def supported_architectures() -> list[str]:
-    return sorted(_MODELS)
+def get_model_class(architecture: str) -> type[TesseraModel]:
+    """Our model class for an HF architecture; UnsupportedArchitectureError (a ValueError) naming it."""
+    return get_family(architecture).model_class()
 
 
-def get_model_class(architecture: str) -> type[nn.Module]:
-    if architecture not in _MODELS:
-        raise ValueError(f"architectures[0]={architecture!r} is not supported; supported: {supported_architectures()}")
-    module_name, cls_name = _MODELS[architecture].split(":")
-    return getattr(importlib.import_module(module_name), cls_name)
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" -> cuda when available, else cpu; "cuda" without CUDA -> ValueError in one line."""
+    name = str(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
+        raise ValueError(f"device: {name!r} requested but no CUDA device is available ({build}); "
+                         "use --device cpu or --device auto")
+    if not (name == "cpu" or name.startswith("cuda")):
+        raise ValueError(f"device: expected auto, cpu or cuda[:N], got {name!r}")
+    return torch.device(name)
 
 
-def resolve_dtype(dtype: torch.dtype | str, hf_config: Any) -> torch.dtype:
-    """torch dtype, or "float32"/"float16"/"bfloat16", or "auto" (the checkpoint's dtype, float32 if unset)."""
+def resolve_dtype(dtype: torch.dtype | str, config: ModelConfig | None = None,
+                  device: torch.device | str = "cpu") -> torch.dtype:
+    """torch dtype, or "float32"/"float16"/"bfloat16", or "auto": the checkpoint's dtype (float32 when the
+    checkpoint records none). On CPU, auto turns a float16 checkpoint into bfloat16: CPU float16 matmuls
+    are emulated and slow, bfloat16 has the same size and native kernels."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        ckpt = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-        if isinstance(ckpt, torch.dtype):
-            return ckpt
-        return _DTYPES.get(str(ckpt), torch.float32)
+        name = config.dtype if config is not None else None
+        resolved = _DTYPES.get(name or "float32", torch.float32)
+        if resolved == torch.float16 and torch.device(device).type == "cpu":
+            return torch.bfloat16
+        return resolved
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype={dtype!r}: choose one of {sorted(_DTYPES)} or 'auto'")
+        raise ValueError(f"dtype: {dtype!r}; choose one of {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
 
 
@@ -66,24 +73,19 @@ def load_model(
     language_model_only: bool = False,
     device: str | torch.device = "cpu",
     attention_backend: str = "torch_native",
-) -> tuple[nn.Module, Any]:
+    config: ModelConfig | None = None,
+) -> tuple[TesseraModel, ModelConfig]:
     """Builds our model for the local HF checkpoint dir `model_path` and loads its safetensors.
 
-    Returns (model in eval mode without grads, hf_config). With language_model_only the vision tower is
-    neither built nor loaded (its checkpoint tensors are skipped). Raises WeightLoadError on mismatch.
+    Returns (model in eval mode without grads, its ModelConfig). With language_model_only the encoders are
+    neither built nor loaded (their checkpoint tensors are skipped). Raises WeightLoadError on mismatch.
     """
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(str(model_path))
-    archs = getattr(hf_config, "architectures", None) or []
-    if not archs:
-        raise ValueError(f"{model_path}/config.json has no 'architectures' entry")
-    cls = get_model_class(archs[0])
-    torch_dtype = resolve_dtype(dtype, hf_config)
-    with torch.device(device), _default_dtype(torch_dtype):
-        model = cls.from_hf_config(  # type: ignore[attr-defined]
-            hf_config, attn_backend=get_attention_backend(attention_backend), language_model_only=language_model_only
-        )
-    load_weights(model, model_path, cls.weight_mapping(hf_config, language_model_only))  # type: ignore[attr-defined]
+    config = config or ModelConfig.load(model_path)
+    cls = config.family.model_class()
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, config, dev)
+    with torch.device(dev), _default_dtype(torch_dtype):
+        model = cls.build(config, get_attention_backend(attention_backend), language_model_only)
+    load_weights(model, model_path, cls.weight_mapping(config, language_model_only))
     model.eval().requires_grad_(False)
-    return model, hf_config
+    return model, config

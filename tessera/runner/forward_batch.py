@@ -34,6 +34,11 @@ class ForwardBatch:
     # Allocation generation of each request's req_to_token row (ReqToTokenPool.generation): with the row it
     # names a request's KV for caches kept across steps (the decode K/V mirror). None: no such caching.
     req_generations: list[int] | None = None
+    # Host copies of the per-request lengths and rows, when the caller has them (the worker always does):
+    # backends plan from these instead of reading the device tensors back (a sync per step on CUDA).
+    host_seq_lens: list[int] | None = None
+    host_extend_lens: list[int] | None = None
+    host_req_pool_indices: list[int] | None = None
     extend_start_loc: torch.Tensor = field(init=False)
     prefix_lens: torch.Tensor = field(init=False)
 
@@ -45,6 +50,18 @@ class ForwardBatch:
     def batch_size(self) -> int:
         return int(self.seq_lens.shape[0])
 
-    @property
-    def is_decode_only(self) -> bool:
-        return bool((self.extend_lens == 1).all())
+    def host_plan(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """(extend_lens, seq_lens, extend starts, req rows) as Python ints; read back from the device only
+        when the batch was built without host copies."""
+        if self.host_seq_lens is not None and self.host_extend_lens is not None and \
+                self.host_req_pool_indices is not None:
+            ext, seq, rows = self.host_extend_lens, self.host_seq_lens, self.host_req_pool_indices
+            starts, acc = [], 0
+            for n in ext:
+                starts.append(acc)
+                acc += n
+            return list(ext), list(seq), starts, list(rows)
+        ext, seq, starts, rows = torch.stack(
+            [self.extend_lens, self.seq_lens, self.extend_start_loc, self.req_pool_indices.to(self.seq_lens.dtype)]
+        ).tolist()
+        return ext, seq, starts, rows

@@ -18,6 +18,7 @@ import zmq
 
 from tessera.multimodal.items import MultimodalInputs
 from tessera.sampling_params import SamplingParams
+from tessera.worker.forward_input import WorkerInfo
 
 
 @dataclass
@@ -83,9 +84,19 @@ class BatchOutput:
 
 @dataclass
 class SchedulerReady:
-    max_total_tokens: int
-    context_length: int
-    vocab_size: int
+    worker: WorkerInfo  # the effective device, dtype, KV pool size, ...
+
+    @property
+    def max_total_tokens(self) -> int:
+        return self.worker.max_total_tokens
+
+    @property
+    def context_length(self) -> int:
+        return self.worker.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.worker.vocab_size
 
 
 @dataclass

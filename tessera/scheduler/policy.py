@@ -25,18 +25,36 @@ from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
 from tessera.scheduler.batch import ScheduledBatch, ScheduledReq
 from tessera.scheduler.req import Req
+from tessera.worker.forward_input import SlotWrite
 
 
 IN_BATCH_PREFIX_MIN = 32  # shorter shared spans are cheaper to recompute than a step's wait
 
 
 class KVManager:
-    """Owns the request slot table, the page allocator and the radix cache; pairs their calls."""
+    """Owns the request slot table, the page allocator and the radix cache; pairs their calls.
+
+    Every slot-table write is also journaled (take_pending), so the model worker's copy of the table is
+    brought up to date by the next ForwardInput; so are the requests that left, whose worker state can go.
+    """
 
     def __init__(self, req_pool: ReqToTokenPool, allocator: PagedTokenAllocator, tree: RadixCache, page_size: int):
         self.req_pool, self.allocator, self.tree, self.page_size = req_pool, allocator, tree, page_size
         self.prefix_hit_tokens = 0
         self.prefix_total_tokens = 0
+        self._slot_writes: list[SlotWrite] = []
+        self._released: list[str] = []
+
+    def _write(self, row: int, start: int, slots: torch.Tensor) -> None:
+        if slots.numel():
+            self.req_pool.req_to_token[row, start:start + slots.shape[0]] = slots
+            self._slot_writes.append(SlotWrite(row, start, slots.clone()))
+
+    def take_pending(self) -> tuple[list[SlotWrite], list[str]]:
+        """The slot-table writes and released request ids since the last call (for the next ForwardInput)."""
+        writes, released = self._slot_writes, self._released
+        self._slot_writes, self._released = [], []
+        return writes, released
 
     def admit(self, req: Req) -> bool:
         """Gives req a slot-table row and its cached prefix. False if no row is free."""
@@ -48,8 +66,11 @@ class KVManager:
         # Leave at least one token to compute: its logits produce the next token.
         match = self.tree.match_prefix(key[: req.seq_len - 1])
         n = int(match.slots.numel())
-        if n:
-            self.req_pool.req_to_token[row, :n] = match.slots
+        cut = next((lo for lo, hi in req.atomic_spans if lo < n < hi), None)
+        if cut is not None:  # a cached prefix may not end inside a span that must be computed whole
+            match = self.tree.match_prefix(key[:cut])
+            n = int(match.slots.numel())
+        self._write(row, 0, match.slots)
         self.tree.inc_lock_ref(match.last_node)
         req.last_node, req.prefix_len, req.kv_len = match.last_node, n, n
         return True
@@ -69,7 +90,7 @@ class KVManager:
             self.tree.evict(num_tokens + self.page_size)
             slots = self.allocator.alloc_extend(req.kv_len, last_slot, num_tokens)
         if slots is not None:
-            self.req_pool.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + num_tokens] = slots
+            self._write(req.req_pool_idx, req.kv_len, slots)
         return slots
 
     def release(self, req: Req, allocated_len: int | None = None) -> None:
@@ -84,6 +105,7 @@ class KVManager:
         slots = self.req_pool.req_to_token[row, : max(req.kv_len, allocated_len or 0)].clone()
         self.tree.cache_finished_req(req.cache_key()[: req.kv_len], slots, req.prefix_len, req.last_node)
         self.req_pool.free(row)
+        self._released.append(req.rid)
         req.req_pool_idx, req.last_node, req.kv_len, req.prefix_len = None, None, 0, 0
 
     def cache_prefill(self, req: Req) -> None:
@@ -94,7 +116,7 @@ class KVManager:
         m = self.tree.cache_unfinished_req(key, self.req_pool.req_to_token[row, : req.kv_len].clone(),
                                            req.prefix_len, req.last_node)
         n = int(m.slots.numel())
-        self.req_pool.req_to_token[row, req.prefix_len : n] = m.slots[req.prefix_len :]
+        self._write(row, req.prefix_len, m.slots[req.prefix_len:])
         req.prefix_len, req.last_node = n, m.last_node
 
 
@@ -191,6 +213,12 @@ class SchedulePolicy:
 
     def _schedule_chunk(self, batch: ScheduledBatch, req: Req, budget: int) -> int:
         n = min(req.remaining_extend, budget)
+        end = req.kv_len + n
+        for lo, hi in req.atomic_spans:  # never split a span that must be computed in one step
+            if lo < end < hi:
+                # Stop before it, or when the chunk starts at it, take it whole (over budget, or never progress).
+                n = (lo if lo > req.kv_len else hi) - req.kv_len
+                break
         slots = self.kv.alloc(req, n)
         if slots is None:
             return 0

@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from tessera.multimodal.items import MultimodalInputs
 from tessera.sampling_params import SamplingParams
 
@@ -36,12 +34,20 @@ class Req:
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stop_token_ids: set[int] = field(default_factory=set)
     _padded_prompt: list[int] | None = None
-    # Encoder outputs of this request's items, held from the first prefill chunk to the last.
-    mm_embed_stash: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Token ranges that must be computed in one step (media attended bidirectionally); [] for most families.
+    atomic_spans: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def fill_ids(self) -> list[int]:
         return self.origin_input_ids + self.output_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """fill_ids[start:end] without building fill_ids."""
+        prompt = self.origin_input_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        out = self.output_ids[max(start - len(prompt), 0):end - len(prompt)]
+        return prompt[start:] + out if start < len(prompt) else out
 
     @property
     def seq_len(self) -> int:
@@ -66,19 +72,3 @@ class Req:
             ids = self.origin_input_ids
             self._padded_prompt = self.mm_inputs.pad_input_ids(ids) if self.mm_inputs else list(ids)
         return self._padded_prompt + self.output_ids
-
-    def positions(self, start: int, end: int) -> torch.Tensor:
-        """M-RoPE positions [3, end - start] of fill_ids[start:end]."""
-        prompt_len = len(self.origin_input_ids)
-        mm = self.mm_inputs
-        delta = mm.mrope_position_delta if mm is not None else 0
-        parts = []
-        if start < prompt_len:
-            if mm is not None and mm.mrope_positions is not None:
-                parts.append(mm.mrope_positions[:, start : min(end, prompt_len)])
-            else:
-                parts.append(torch.arange(start, min(end, prompt_len)).expand(3, -1))
-        if end > prompt_len:
-            lo = max(start, prompt_len)
-            parts.append(torch.arange(lo + delta, end + delta).expand(3, -1))
-        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]

@@ -15,14 +15,24 @@ import zmq
 from tessera.config import ServerArgs
 from tessera.scheduler import io
 from tessera.scheduler.req import Req
+from tessera.scheduler.step_input import build_forward_input
 
 logger = logging.getLogger("tessera.scheduler")
 
 
 class Scheduler:
+    """Owns the request table, the page allocator, the radix tree and the cache keys; each step it hands a
+    ForwardInput to the model worker (in-process today) and applies the sampled tokens it returns."""
+
     def __init__(self, args: ServerArgs, recv_endpoint: str, send_endpoint: str):
-        from tessera.runner.model_runner import ModelRunner
+        from transformers import AutoTokenizer
+
+        from tessera.cache.allocator import PagedTokenAllocator
+        from tessera.cache.kv_pool import ReqToTokenPool
+        from tessera.cache.radix_cache import RadixCache
+        from tessera.models.config import ModelConfig, load_eos_token_ids
         from tessera.scheduler.policy import KVManager, SchedulePolicy
+        from tessera.worker.model_worker import ModelWorker
 
         self.args = args
         ctx = zmq.Context.instance()
@@ -31,20 +41,31 @@ class Scheduler:
         self.send_sock = ctx.socket(zmq.PUSH)
         self.send_sock.connect(send_endpoint)
 
-        self.runner = ModelRunner(args)
-        self.tokenizer = self.runner.tokenizer
-        kv = KVManager(self.runner.req_pool, self.runner.allocator, self.runner.tree, args.page_size)
+        self.config = ModelConfig.load(args.model_path)
+        self.model_cls = self.config.family.model_class()
+        self.eos_ids = load_eos_token_ids(args.model_path, self.config.hf_config)
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+        self.worker = ModelWorker(args, self.eos_ids, self.config)
+        info = self.worker.info
+        self.context_length = info.context_length
+        # Scheduler-side KV bookkeeping lives on the host: the worker's device copy of the slot table is
+        # kept in step by the ForwardInput's slot writes, so nothing here reads a device tensor.
+        req_pool = ReqToTokenPool(args.max_running_requests + 1, info.context_length + 8)
+        allocator = PagedTokenAllocator(info.max_total_tokens, args.page_size)
+        self.tree = RadixCache(allocator, args.page_size, disable=args.disable_radix_cache)
+        kv = KVManager(req_pool, allocator, self.tree, args.page_size)
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy)
         self.reqs: dict[str, Req] = {}
         self.num_forward_steps = 0
         self.num_prefill_tokens_computed = 0
-        self.eos_ids = self.runner.eos_token_ids
 
     # ---- messages -----------------------------------------------------------------------
     def handle(self, msg) -> None:
         if isinstance(msg, io.TokenizedGenerateReq):
             sp = msg.sampling_params
             req = Req(msg.rid, msg.input_ids, sp, msg.mm_inputs, msg.stream, msg.return_logprob)
+            if self.config.family.bidirectional_mm_spans and msg.mm_inputs is not None:
+                req.atomic_spans = sorted(r for item in msg.mm_inputs.items for r in item.offsets)
             req.stop_token_ids = set(sp.stop_token_ids or [])
             if not sp.ignore_eos:
                 req.stop_token_ids |= self.eos_ids
@@ -61,23 +82,24 @@ class Scheduler:
                 self._emit([self._output(req, req.finished_reason)])
         elif isinstance(msg, io.FlushCacheReq):
             if not self.reqs:
-                self.runner.tree.reset()
-                self.runner.encoder_cache.clear()
+                self.tree.reset()
+                self.worker.flush_cache()
         elif isinstance(msg, io.GetStatsReq):
             io.send(self.send_sock, self.stats())
         else:
             raise TypeError(f"unexpected message {type(msg).__name__}")
 
     def stats(self) -> io.SchedulerStats:
-        r, kv = self.runner, self.policy.kv
-        total = r.allocator.num_pages * r.allocator.page_size
+        kv = self.policy.kv
+        total = kv.allocator.num_pages * kv.allocator.page_size
+        hits, misses, used = self.worker.cache_stats()
         return io.SchedulerStats(
             num_running=len(self.policy.running), num_waiting=len(self.policy.waiting),
-            kv_used_tokens=total - r.allocator.num_free_tokens - r.tree.evictable_size(),
-            kv_total_tokens=total, radix_cache_tokens=r.tree.total_size(),
+            kv_used_tokens=total - kv.allocator.num_free_tokens - self.tree.evictable_size(),
+            kv_total_tokens=total, radix_cache_tokens=self.tree.total_size(),
             prefix_hit_tokens=kv.prefix_hit_tokens, prefix_total_tokens=kv.prefix_total_tokens,
-            encoder_cache_hits=r.encoder_cache.hits, encoder_cache_misses=r.encoder_cache.misses,
-            encoder_cache_bytes=r.encoder_cache.used_bytes, num_forward_steps=self.num_forward_steps,
+            encoder_cache_hits=hits, encoder_cache_misses=misses,
+            encoder_cache_bytes=used, num_forward_steps=self.num_forward_steps,
             num_prefill_tokens_computed=self.num_prefill_tokens_computed,
             num_retractions=self.policy.num_retractions,
         )
@@ -106,7 +128,7 @@ class Scheduler:
             return {"type": "stop", "matched": tok}
         if len(req.output_ids) >= sp.max_new_tokens:
             return {"type": "length", "length": len(req.output_ids)}
-        if req.seq_len >= self.runner.context_length:
+        if req.seq_len >= self.context_length:
             return {"type": "length", "length": len(req.output_ids)}
         if sp.stop:
             # Decode only the tail that can contain a new match.
@@ -122,7 +144,7 @@ class Scheduler:
         if batch is None:
             return False
         try:
-            result = self.runner.forward(batch)
+            result = self.worker.execute(build_forward_input(batch, self.model_cls, self.config, self.policy.kv))
         except Exception as e:  # a bug or a bad tensor that got past the frontend: fail this batch only
             logger.exception("model step failed; failing the %d requests of the batch", len(batch.reqs))
             self._fail(batch, f"internal error in the model step: {type(e).__name__}: {e}")
@@ -134,8 +156,8 @@ class Scheduler:
                 if not self.args.disable_radix_cache:
                     self.policy.kv.cache_prefill(s.req)
         outputs = []
-        for i, (sreq, token) in enumerate(zip(result.sampled, result.next_token_ids)):
-            req = sreq.req
+        sampled = [s.req for s in batch.reqs if s.samples]
+        for i, (req, token) in enumerate(zip(sampled, result.next_token_ids)):
             req.output_ids.append(token)
             if req.return_logprob:
                 req.logprobs.append(result.logprobs[i])
@@ -190,6 +212,5 @@ def run_scheduler_process(args: ServerArgs, recv_endpoint: str, send_endpoint: s
         io.send(ready, io.SchedulerError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         time.sleep(0.5)
         return
-    r = scheduler.runner
-    io.send(ready, io.SchedulerReady(r.allocator.num_pages * r.allocator.page_size, r.context_length, r.vocab_size))
+    io.send(ready, io.SchedulerReady(scheduler.worker.info))
     scheduler.run_forever()

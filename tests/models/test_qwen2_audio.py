@@ -48,9 +48,9 @@ def audio_case(request, tmp_path_factory) -> AudioCase:
     else:
         build_tiny_audio_checkpoint(path, num_kv_heads=4, hidden=48, layers=3, chunk_length=10, seed=1)
     hf = HFModel.from_pretrained(path).eval()
-    ours, hf_config = load_model(path, torch.float32)
+    ours, config = load_model(path, torch.float32)
     hf_processor = AutoProcessor.from_pretrained(path)
-    processor = create_processor(hf_processor, hf_config, limits=MediaLimits.offline())
+    processor = create_processor(hf_processor, config.hf_config, limits=MediaLimits.offline())
     yield AudioCase(request.param, str(path), hf, ours, processor, hf_processor)
     processor.close()
 

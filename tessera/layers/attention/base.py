@@ -24,6 +24,8 @@ class BaseAttentionBackend(ABC):
         and may attend key positions 0..prefix_len + j (causal), unless fb.custom_masks[i] is not None:
         then that bool [extend_len, seq_len] tensor decides (True = may attend). A mask row must allow at
         least one key, otherwise the row's output is undefined.
+      - sliding_window (optional): a query at position p also sees only keys at positions > p - window (the
+        window applies on top of the causal or custom mask).
       - Scores are q.k * scaling, softmax over the allowed keys.
       - Returns [T, num_heads * head_dim] in q's dtype, rows in the same order as q.
 
@@ -46,5 +48,6 @@ class BaseAttentionBackend(ABC):
         fb: ForwardBatch,
         pool: TokenToKVPool,
         scaling: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """See the class docstring. Returns [T, num_heads * head_dim]."""

@@ -9,7 +9,7 @@ requests run one SDPA call each. Gather indices and masks are built once per ste
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,7 @@ class _StepMetadata:
     decode_lens: list[int]
     mirror_plan: MirrorPlan | None = None  # made on the first layer (it needs the pool)
     mirror_planned: bool = False
+    window_masks: dict = field(default_factory=dict)  # (what, window) -> mask, built once per step
 
 
 class TorchNativeAttentionBackend(BaseAttentionBackend):
@@ -63,10 +64,8 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
 
     @staticmethod
     def _build_metadata(fb: ForwardBatch) -> _StepMetadata:
-        # The one host sync of the step: per-request lengths decide the Python-level plan.
-        extend_lens, seq_lens, starts, rows = torch.stack(
-            [fb.extend_lens, fb.seq_lens, fb.extend_start_loc, fb.req_pool_indices.to(fb.seq_lens.dtype)]
-        ).tolist()
+        # Per-request lengths decide the Python-level plan: host copies when the batch has them (no sync).
+        extend_lens, seq_lens, starts, rows = fb.host_plan()
         custom = fb.custom_masks or [None] * len(seq_lens)
         assert len(custom) == len(seq_lens), "custom_masks must have one entry per request"
         device = fb.req_to_token.device
@@ -129,6 +128,7 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         fb: ForwardBatch,
         pool: TokenToKVPool,
         scaling: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
         is_gqa = num_heads != k.shape[1]
@@ -138,14 +138,15 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
             self._plan_mirror(meta, pool, q.dtype)
 
         if meta.is_all_decode:
-            return self._decode(q, k, v, pool, layer_id, meta, scaling)
+            return self._decode(q, k, v, pool, layer_id, meta, scaling, sliding_window)
 
         out = q.new_empty(num_tokens, num_heads * head_dim)
         if meta.decode_rows is not None:
             r = meta.decode_rows
-            out[r] = self._decode(q[r], k[r], v[r], pool, layer_id, meta, scaling)
-        for plan in meta.extends:
+            out[r] = self._decode(q[r], k[r], v[r], pool, layer_id, meta, scaling, sliding_window)
+        for i, plan in enumerate(meta.extends):
             rows = slice(plan.start, plan.start + plan.extend_len)
+            mask = plan.mask if sliding_window is None else self._extend_window_mask(meta, i, sliding_window, q.device)
             if plan.slots is None:
                 k_i, v_i = k[rows], v[rows]
             else:
@@ -154,8 +155,8 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
                 q[rows].transpose(0, 1).unsqueeze(0),
                 k_i.transpose(0, 1).unsqueeze(0),
                 v_i.transpose(0, 1).unsqueeze(0),
-                attn_mask=plan.mask,
-                is_causal=plan.mask is None,
+                attn_mask=mask,
+                is_causal=mask is None,
                 scale=scaling,
                 enable_gqa=is_gqa,
             )
@@ -171,6 +172,7 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         layer_id: int,
         meta: _StepMetadata,
         scaling: float,
+        sliding_window: int | None = None,
     ) -> torch.Tensor:
         """q: [B_dec, H, D] (one token per request) -> [B_dec, H * D], one batched SDPA call.
 
@@ -186,13 +188,45 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         if plan is None:
             k, v = pool.gather(layer_id, meta.decode_slots, q.dtype)  # [B, L, Hkv, D]
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
-            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.decode_mask, scale=scaling)
+            mask = meta.decode_mask
+            if sliding_window is not None:
+                mask = self._decode_window_mask(meta, "gather", meta.decode_lens, k.shape[2], sliding_window)
+            o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)
             return o.reshape(batch, num_heads * head_dim)
         k, v = self._mirror.update_layer(layer_id, plan, k_new, v_new, pool)  # rows in mirror order
         self._mirror_layers_left -= 1
         if not plan.identity:  # request d sits in mirror row plan.rows[d]
             qg = torch.empty_like(qg).index_copy_(0, plan.rows, qg)
-        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=plan.mask, scale=scaling)
+        mask = plan.mask
+        if sliding_window is not None:  # rows in mirror order, whose lengths the mirror keeps
+            mask = self._decode_window_mask(meta, "mirror", self._mirror.length[:batch], k.shape[2], sliding_window)
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scaling)
         if not plan.identity:
             o = o.index_select(0, plan.rows)
         return o.reshape(batch, num_heads * head_dim)
+
+    @staticmethod
+    def _extend_window_mask(meta: _StepMetadata, i: int, window: int, device: torch.device) -> torch.Tensor:
+        """Extend request i's mask limited to the last `window` positions of each query (a key at position
+        k is seen from query position p when p - window < k <= p, or as its custom mask allows within that)."""
+        key = ("extend", i, window)
+        if key not in meta.window_masks:
+            plan = meta.extends[i]
+            seq = plan.prefix_len + plan.extend_len
+            q_pos = torch.arange(plan.prefix_len, seq, device=device)[:, None]
+            k_pos = torch.arange(seq, device=device)[None, :]
+            base = plan.mask if plan.mask is not None else k_pos <= q_pos
+            meta.window_masks[key] = base & (k_pos > q_pos - window)
+        return meta.window_masks[key]
+
+    @staticmethod
+    def _decode_window_mask(meta: _StepMetadata, what: str, lens: list[int], max_len: int,
+                            window: int) -> torch.Tensor:
+        """bool [B, 1, 1, max_len]: row b sees keys lens[b] - window .. lens[b] - 1."""
+        key = (what, window)
+        if key not in meta.window_masks:
+            device = meta.fb.req_to_token.device
+            n = torch.tensor(lens, device=device)[:, None]
+            k_pos = torch.arange(max_len, device=device)[None, :]
+            meta.window_masks[key] = ((k_pos < n) & (k_pos >= n - window))[:, None, None, :]
+        return meta.window_masks[key]

@@ -1,0 +1,150 @@
+"""Decoder building blocks over the paged KV cache: attention, gated MLP, pre-norm layer, decoder stack.
+
+A decoder-only language model is these blocks plus a few options (DecoderOptions) read by its family's
+model file. Parameter names follow transformers' Llama/Qwen2 layout (`layers.N.self_attn.qkv_proj`,
+`mlp.gate_up_proj`, `input_layernorm`, ...), with q/k/v and gate/up fused into one matmul each; the weight
+loader fills the shards from the checkpoint's separate tensors (STACKED_PARAMS).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessera.cache.kv_pool import TokenToKVPool
+from tessera.layers.activation import SiluAndMul
+from tessera.layers.attention import BaseAttentionBackend
+from tessera.layers.linear import Linear, MergedLinear, VocabEmbedding
+from tessera.layers.norm import RMSNorm
+from tessera.layers.rotary import RotaryEmbedding, apply_rotary
+from tessera.runner.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from tessera.models.config import ModelConfig
+
+# (checkpoint module, our fused module, shard id): checkpoints keep q/k/v and gate/up as separate tensors.
+STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", "gate"),
+    ("up_proj", "gate_up_proj", "up"),
+)
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """What differs between decoder families that share this layout."""
+
+    qkv_bias: bool = False  # Qwen2: True
+    o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma-3)
+
+
+class GatedActivation(nn.Module):
+    """[..., 2d] laid out [gate | up] -> act(gate) * up."""
+
+    def __init__(self, act: str):
+        super().__init__()
+        if act not in ("silu", "gelu_tanh", "gelu_pytorch_tanh"):
+            raise NotImplementedError(f"hidden_act={act!r}: gated MLPs support silu and gelu_pytorch_tanh")
+        self.act = act
+        self._silu = SiluAndMul() if act == "silu" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._silu is not None:
+            return self._silu(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, opts: DecoderOptions, layer_id: int, attn_backend: BaseAttentionBackend):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.scaling = cfg.head_dim**-0.5
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=opts.qkv_bias)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=opts.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
+        self.sliding_window = cfg.sliding_windows[layer_id]
+        self.attn_backend = attn_backend  # shared by all layers; not a submodule
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
+                pool: TokenToKVPool) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        o = self.attn_backend.forward(q, k, v, self.layer_id, fb, pool, self.scaling, self.sliding_window)
+        return self.o_proj(o)
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
+        self.act = GatedActivation(act)
+        self.down_proj = Linear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into the norms."""
+
+    def __init__(self, cfg: ModelConfig, opts: DecoderOptions, layer_id: int, attn_backend: BaseAttentionBackend):
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, opts, layer_id, attn_backend)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                fb: ForwardBatch, pool: TokenToKVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual); the caller adds them (fused into the next norm)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, fb, pool)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding table, decoder layers and final norm: `model.*` in the checkpoint."""
+
+    def __init__(self, cfg: ModelConfig, opts: DecoderOptions, attn_backend: BaseAttentionBackend):
+        super().__init__()
+        if cfg.rope_type not in ("default", "mrope"):
+            raise NotImplementedError(f"rope_parameters.rope_type={cfg.rope_type!r}: only default RoPE is supported")
+        self.attn_backend = attn_backend
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, opts, i, attn_backend) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        mrope = list(cfg.mrope_section) if cfg.mrope_section else None
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, mrope)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
+        """x: input embeddings [T, H]; positions [T] or [3, T]. Returns the final-norm hidden states [T, H]."""
+        cos, sin = self.rotary_emb.get_cos_sin(positions, x.dtype)  # once per forward, shared by all layers
+        self.attn_backend.init_forward_metadata(fb)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, cos, sin, fb, pool)
+        if residual is None:  # zero layers
+            return self.norm(x)
+        x, _ = self.norm(x, residual)
+        return x

@@ -1,0 +1,121 @@
+"""The model contract: the one interface through which the scheduler, the worker and the loader use a model.
+
+A model is built from a ModelConfig (`build`), declares how checkpoint names map onto its parameters
+(`weight_mapping`), the shape of its K/V (`kv_layout`), its encoders per modality (`encoders`), and how a
+step's tokens are positioned and masked (`prepare_step`, a classmethod: the scheduler calls it without the
+model, and its result travels in the ForwardInput). `forward(fb, pool)` returns the logits of the rows
+fb.logits_indices.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from tessera.models.config import KVLayout, ModelConfig
+from tessera.models.weights import WeightMapping
+from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+
+if TYPE_CHECKING:
+    from tessera.cache.kv_pool import TokenToKVPool
+    from tessera.layers.attention import BaseAttentionBackend
+    from tessera.runner.forward_batch import ForwardBatch
+
+# An encoder: items of one modality -> one embedding [num_tokens, hidden] per item, in order.
+Encoder = Callable[[list[MultimodalDataItem]], list[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class StepSegment:
+    """One request's tokens in a step, as prepare_step sees them: fill_ids[start:end] of a request whose
+    prompt has prompt_len tokens (the rest are generated tokens)."""
+
+    start: int
+    end: int
+    prompt_len: int
+    mm_inputs: MultimodalInputs | None = None
+
+
+@dataclass
+class StepLayout:
+    """prepare_step's result for a whole step (requests in order, tokens flattened)."""
+
+    positions: torch.Tensor  # [T] (1-D RoPE) or [3, T] (M-RoPE), int64
+    # Per request: absolute [lo, hi) token ranges inside which attention is bidirectional (None: causal only).
+    bidirectional_spans: list[list[tuple[int, int]]] | None = None
+
+
+def rope_positions(seg: StepSegment) -> torch.Tensor:
+    return torch.arange(seg.start, seg.end, dtype=torch.long)
+
+
+def mrope_positions(seg: StepSegment) -> torch.Tensor:
+    """M-RoPE positions [3, end - start]: the prompt's from the processor, generated tokens continue them
+    at index + mrope_position_delta on all three rows."""
+    mm = seg.mm_inputs
+    delta = mm.mrope_position_delta if mm is not None else 0
+    parts = []
+    if seg.start < seg.prompt_len:
+        stop = min(seg.end, seg.prompt_len)
+        if mm is not None and mm.mrope_positions is not None:
+            parts.append(mm.mrope_positions[:, seg.start:stop])
+        else:
+            parts.append(torch.arange(seg.start, stop, dtype=torch.long).expand(3, -1))
+    if seg.end > seg.prompt_len:
+        lo = max(seg.start, seg.prompt_len)
+        parts.append(torch.arange(lo + delta, seg.end + delta, dtype=torch.long).expand(3, -1))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+
+def mm_spans(seg: StepSegment) -> list[tuple[int, int]]:
+    """Every placeholder range of the request's media items (absolute token indices)."""
+    if seg.mm_inputs is None:
+        return []
+    return sorted(r for item in seg.mm_inputs.items for r in item.offsets)
+
+
+_POSITIONS = {"rope": rope_positions, "mrope": mrope_positions}
+
+
+class TesseraModel(nn.Module):
+    """Base of every model. Subclasses set `config` and implement weight_mapping and forward; multimodal
+    ones override `encoders`; a family with another position scheme overrides prepare_step."""
+
+    config: ModelConfig
+
+    @classmethod
+    def build(cls, config: ModelConfig, attn_backend: BaseAttentionBackend,
+              language_model_only: bool = False) -> TesseraModel:
+        """The model on the current default device and dtype, parameters allocated but not initialised."""
+        return cls(config, attn_backend, language_model_only)  # type: ignore[call-arg]
+
+    @classmethod
+    @abstractmethod
+    def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
+        """Checkpoint tensor names -> our parameter names (language_model_only drops the encoders')."""
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.config.kv_layout
+
+    def encoders(self) -> dict[Modality, Encoder]:
+        """Modality -> encoder. Empty for text-only models and language-model-only loads."""
+        return {}
+
+    @classmethod
+    def prepare_step(cls, config: ModelConfig, segments: Sequence[StepSegment]) -> StepLayout:
+        """Positions of the step's tokens (the family's scheme) and, for families whose media attend
+        bidirectionally, each request's media spans."""
+        position_fn = _POSITIONS[config.positions]
+        positions = torch.cat([position_fn(s) for s in segments], dim=-1)
+        spans = [mm_spans(s) for s in segments] if config.family.bidirectional_mm_spans else None
+        return StepLayout(positions, spans)
+
+    @abstractmethod
+    def forward(self, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
+        """Logits [len(fb.logits_indices), vocab]; writes every layer's K/V of the new tokens into pool."""

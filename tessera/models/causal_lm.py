@@ -1,0 +1,75 @@
+"""CausalLM: a decoder-only language model (shared decoder blocks + LM head) under the model contract.
+
+A text family subclasses it and sets `decoder_options`; a multimodal family adds its encoders and
+returns them from `encoders()`; the merge of their embeddings into the token embeddings is shared.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from tessera.cache.kv_pool import TokenToKVPool
+from tessera.layers.attention import BaseAttentionBackend, get_attention_backend
+from tessera.layers.decoder import STACKED_PARAMS, DecoderModel, DecoderOptions
+from tessera.layers.linear import Linear
+from tessera.models.base import TesseraModel
+from tessera.models.config import ModelConfig
+from tessera.models.mm_embed import item_embeddings, merge_mm_embeddings
+from tessera.models.weights import WeightMapping
+from tessera.multimodal.items import MultimodalDataItem
+from tessera.runner.forward_batch import ForwardBatch
+
+
+class CausalLM(TesseraModel):
+    """forward(fb, pool) -> logits [num_logits, vocab] for fb.logits_indices."""
+
+    decoder_options: ClassVar[DecoderOptions] = DecoderOptions()
+
+    def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
+                 language_model_only: bool = False):
+        super().__init__()
+        self.config = config
+        self.language_model_only = language_model_only
+        self.model = DecoderModel(config, self.decoder_options, attn_backend or get_attention_backend("torch_native"))
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def lm_config(self) -> ModelConfig:
+        return self.config
+
+    @classmethod
+    def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
+        """`model.*` and `lm_head.*` as in transformers' *ForCausalLM checkpoints."""
+        return WeightMapping(
+            prefix_rules=(("model.", "model."), ("lm_head.", None if config.tie_word_embeddings else "lm_head.")),
+            stacked=STACKED_PARAMS,
+        )
+
+    def encode_items(self, items: list[MultimodalDataItem], encode) -> list[torch.Tensor]:
+        """Embeddings of `items` (precomputed ones pass through; `encode(indices)` runs the rest in one call),
+        in the language model's dtype and device, row counts checked against the placeholders."""
+        return item_embeddings(items, encode, self.model.embed_tokens.weight)
+
+    def embed(self, fb: ForwardBatch) -> torch.Tensor:
+        """Token embeddings [T, H] with the step's media embeddings merged at their rows."""
+        return merge_mm_embeddings(self.model.embed_tokens(fb.input_ids), fb.mm_embed_rows, fb.mm_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """Logits for the rows fb.logits_indices of `hidden`; when it is None, for the last new token of
+        each request (extend_start_loc + extend_lens - 1), in request order."""
+        rows = fb.logits_indices
+        if rows is None:
+            rows = fb.extend_start_loc + fb.extend_lens - 1
+        logits = self.lm_head(hidden[rows])
+        cap = self.config.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def forward(self, fb: ForwardBatch, pool: TokenToKVPool, input_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed(fb) if input_embeds is None else input_embeds
+        return self.compute_logits(self.model(x, fb.positions, fb, pool), fb)

@@ -1,0 +1,162 @@
+"""ModelConfig: the checkpoint's HF config, read and normalised once.
+
+The frontend, the scheduler and the model worker all take their facts about the model from here (the
+HF config object is kept as `hf_config` for what only an encoder or a processor needs: vision and audio
+sub-configs). Family-specific quirks stay in the family's model file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tessera.models.families import Family, architecture_of, get_family
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What one token's K/V looks like: the KV pool is sized and shaped from this."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _dtype_name(value: Any) -> str | None:
+    if value is None:
+        return None
+    name = str(value).removeprefix("torch.")
+    return name if name in ("float32", "float16", "bfloat16") else None
+
+
+def _token_id(cfg: Any, *names: str) -> int | None:
+    for name in names:
+        value = getattr(cfg, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    family: Family
+    # ---- language model
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_act: str
+    rms_norm_eps: float
+    rope_type: str  # rope_parameters.rope_type ("default", "mrope", ...)
+    rope_theta: float
+    mrope_section: tuple[int, ...] | None  # set when the family's position scheme is "mrope"
+    # Per layer: the sliding window in tokens, or None for full attention.
+    sliding_windows: tuple[int | None, ...]
+    final_logit_softcap: float | None
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    dtype: str | None  # the checkpoint's dtype ("float32", "bfloat16", "float16"), None when unrecorded
+    # ---- media
+    image_token_id: int | None
+    video_token_id: int | None
+    audio_token_id: int | None
+    hf_config: Any  # the transformers config, for encoders and processors
+
+    @property
+    def positions(self) -> str:
+        return self.family.positions
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim)
+
+    @classmethod
+    def load(cls, model_path: str | Path) -> ModelConfig:
+        from transformers import AutoConfig
+
+        return cls.from_hf(AutoConfig.from_pretrained(str(model_path)))
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> ModelConfig:
+        """Reads a transformers config (top-level; text sub-config found with get_text_config).
+
+        Raises UnsupportedArchitectureError for an architecture outside the family table and ValueError
+        for an inconsistent config (heads not divisible by KV heads, M-RoPE sections that do not fit).
+        """
+        family = get_family(architecture_of(hf_config))
+        text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        num_heads = int(text.num_attention_heads)
+        num_kv_heads = int(getattr(text, "num_key_value_heads", None) or num_heads)
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // num_heads)
+        rope = dict(getattr(text, "rope_parameters", None) or {})
+        mrope = None
+        if family.positions == "mrope":
+            mrope = tuple(int(x) for x in rope.get("mrope_section", (16, 24, 24)))  # HF's default section
+        tie = getattr(hf_config, "tie_word_embeddings", None)
+        if tie is None:
+            tie = getattr(text, "tie_word_embeddings", False)
+        return cls(
+            architecture=family.architecture,
+            model_type=str(getattr(hf_config, "model_type", "")),
+            family=family,
+            vocab_size=int(text.vocab_size),
+            hidden_size=int(text.hidden_size),
+            intermediate_size=int(text.intermediate_size),
+            num_layers=int(text.num_hidden_layers),
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            hidden_act=str(getattr(text, "hidden_act", "silu")),
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+            rope_type=str(rope.get("rope_type", rope.get("type", "default"))),
+            rope_theta=float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
+            mrope_section=mrope,
+            sliding_windows=_sliding_windows(text),
+            final_logit_softcap=getattr(text, "final_logit_softcapping", None),
+            tie_word_embeddings=bool(tie),
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", 4096)),
+            dtype=_dtype_name(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+                              or getattr(text, "dtype", None)),
+            image_token_id=_token_id(hf_config, "image_token_id", "image_token_index"),
+            video_token_id=_token_id(hf_config, "video_token_id", "video_token_index"),
+            audio_token_id=_token_id(hf_config, "audio_token_id", "audio_token_index"),
+            hf_config=hf_config,
+        )
+
+
+def _sliding_windows(text: Any) -> tuple[int | None, ...]:
+    """transformers marks sliding layers in `layer_types` ("sliding_attention"); older Qwen2 configs use
+    use_sliding_window + max_window_layers (layers from max_window_layers on slide)."""
+    num_layers = int(text.num_hidden_layers)
+    window = getattr(text, "sliding_window", None)
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if getattr(text, "use_sliding_window", False) and window:
+        first = int(getattr(text, "max_window_layers", 0))
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (None,) * num_layers
+
+
+def load_eos_token_ids(model_path: str | Path, hf_config: Any) -> set[int]:
+    """EOS ids from generation_config.json and the text config (either may list several)."""
+    ids: set[int] = set()
+    gen = Path(model_path) / "generation_config.json"
+    candidates = [json.loads(gen.read_text()).get("eos_token_id")] if gen.exists() else []
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    candidates.append(getattr(text, "eos_token_id", None))
+    for c in candidates:
+        if isinstance(c, int):
+            ids.add(c)
+        elif isinstance(c, list):
+            ids.update(int(x) for x in c)
+    return ids

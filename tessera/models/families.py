@@ -1,0 +1,93 @@
+"""The family table: every architecture Tessera serves, and everything the rest of the engine derives from it.
+
+One row per HF architecture name (config.architectures[0]): our model class, the multimodal processor,
+the modalities it takes, its position scheme, and what it needs from the attention backend and the
+scheduler. The model registry (load_model), the processor registry, /model_info's capabilities,
+`--language-model-only` and the frontend's startup check all read this table and nothing else, so they
+cannot disagree. Classes are named "module:Class" and imported only when a model of that family loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.multimodal.items import Modality
+
+IMAGE, VIDEO, AUDIO = Modality.IMAGE, Modality.VIDEO, Modality.AUDIO
+
+
+@dataclass(frozen=True)
+class Family:
+    architecture: str  # HF config.architectures[0]
+    model: str  # "module:Class" of our model (a tessera.models.base.TesseraModel)
+    processor: str | None  # "module:Class" of the BaseMultimodalProcessor; None for text-only models
+    modalities: frozenset[Modality]
+    positions: str  # "rope" (1-D) | "mrope" (Qwen2-VL's 3-row multimodal RoPE)
+    model_types: tuple[str, ...] = ()  # config.model_type values, for configs saved without `architectures`
+    # Attention inside each media item's token span is bidirectional (Gemma-3 images): the backend gets
+    # custom masks and the scheduler never splits such a span across prefill chunks.
+    bidirectional_mm_spans: bool = False
+    # Attention-backend features the model needs beyond causal paged attention.
+    backend_needs: frozenset[str] = frozenset()
+
+    def model_class(self) -> type:
+        return _import(self.model)
+
+    def processor_class(self) -> type | None:
+        return _import(self.processor) if self.processor else None
+
+    def served_modalities(self, language_model_only: bool) -> frozenset[Modality]:
+        return frozenset() if language_model_only else self.modalities
+
+
+_QWEN_VL_PROCESSOR = "tessera.multimodal.processors.qwen_vl:QwenVLProcessor"
+
+FAMILIES: dict[str, Family] = {f.architecture: f for f in (
+    Family("Qwen2ForCausalLM", "tessera.models.qwen2:Qwen2ForCausalLM", None, frozenset(), "rope",
+           model_types=("qwen2",)),
+    Family("Qwen2VLForConditionalGeneration", "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+           _QWEN_VL_PROCESSOR, frozenset({IMAGE, VIDEO}), "mrope", model_types=("qwen2_vl",)),
+    Family("Qwen2_5_VLForConditionalGeneration", "tessera.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
+           _QWEN_VL_PROCESSOR, frozenset({IMAGE, VIDEO}), "mrope", model_types=("qwen2_5_vl",)),
+    Family("Qwen2AudioForConditionalGeneration",
+           "tessera.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
+           "tessera.multimodal.processors.qwen_audio:QwenAudioProcessor", frozenset({AUDIO}), "rope",
+           model_types=("qwen2_audio",)),
+)}
+
+
+class UnsupportedArchitectureError(ValueError):
+    """The checkpoint's architecture has no row in the family table."""
+
+
+def supported_architectures() -> list[str]:
+    return sorted(FAMILIES)
+
+
+def architecture_of(hf_config: Any) -> str:
+    """config.architectures[0], or the architecture its model_type implies."""
+    architectures = getattr(hf_config, "architectures", None) or []
+    if architectures:
+        return str(architectures[0])
+    model_type = getattr(hf_config, "model_type", None)
+    for family in FAMILIES.values():
+        if model_type in family.model_types:
+            return family.architecture
+    raise UnsupportedArchitectureError(
+        f"config.json has no `architectures` and model_type={model_type!r} is unknown; "
+        f"supported architectures: {', '.join(supported_architectures())}")
+
+
+def get_family(architecture: str) -> Family:
+    family = FAMILIES.get(architecture)
+    if family is None:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}")
+    return family
+
+
+def _import(target: str) -> type:
+    module_name, class_name = target.split(":")
+    return getattr(importlib.import_module(module_name), class_name)

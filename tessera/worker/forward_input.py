@@ -1,0 +1,96 @@
+"""The scheduler -> worker step message and its answer.
+
+ForwardInput holds everything a model worker needs for one step and nothing it must ask back for: token
+ids, positions, KV slots (the new tokens' slots plus the slot-table writes since the last step), per-request
+lengths, the media items to encode and where their embedding rows go, and the sampling parameters. It is
+a plain dataclass of tensors, ints and lists, encoded by scheduler/io's codec when it crosses a process
+(the same message is meant for every tensor-parallel rank). The worker answers with a StepOutput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tessera.multimodal.items import MultimodalDataItem
+from tessera.sampling_params import SamplingParams
+
+
+@dataclass
+class SlotWrite:
+    """Slot-table write: request row `row` holds its tokens start..start+len(slots)-1 at `slots`."""
+
+    row: int
+    start: int
+    slots: torch.Tensor  # [n] int64, host
+
+
+@dataclass
+class MMPlacement:
+    """Embedding rows [lo, hi) of mm_items[item] go to flat token rows [row, row + hi - lo)."""
+
+    item: int
+    req: int  # index of the request in the step (whose embeddings stay with it across prefill chunks)
+    row: int
+    lo: int
+    hi: int
+
+
+@dataclass
+class SamplingRow:
+    """Sampling inputs of one request that produces a token this step."""
+
+    params: SamplingParams
+    output_ids: list[int]  # generated so far (penalties, min_new_tokens, the per-step seed)
+    prompt_ids: list[int]  # the prompt, only when repetition_penalty needs it; [] otherwise
+
+
+@dataclass
+class ForwardInput:
+    rids: list[str]  # per request
+    input_ids: torch.Tensor  # [T] int64, requests' new tokens flattened in order
+    positions: torch.Tensor  # [T] or [3, T] int64 (the model's prepare_step)
+    out_cache_loc: torch.Tensor  # [T] int64 KV slot of each new token
+    req_pool_indices: list[int]  # per request: its slot-table row
+    req_generations: list[int]  # per request: allocation generation of that row (names its KV across steps)
+    seq_lens: list[int]  # per request: KV length after this step
+    extend_lens: list[int]  # per request: new tokens this step
+    slot_writes: list[SlotWrite]  # apply in order before the step
+    logits_rows: list[int]  # flat rows whose logits are sampled, one per SamplingRow
+    sampling: list[SamplingRow]
+    mm_items: list[MultimodalDataItem] = field(default_factory=list)
+    mm_placements: list[MMPlacement] = field(default_factory=list)
+    # Per request: [lo, hi) token ranges attended bidirectionally (None: every request is causal).
+    bidirectional_spans: list[list[tuple[int, int]]] | None = None
+    # Requests whose prompt KV is complete after this step: their held embeddings can go after it.
+    prompt_done: list[str] = field(default_factory=list)
+    # Requests that left (finished, aborted, retracted) since the last step: drop their state first.
+    released: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class StepOutput:
+    """One entry per SamplingRow, in order."""
+
+    next_token_ids: list[int]
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the worker settled on at startup (reported by /get_server_info)."""
+
+    device: str
+    dtype: str
+    max_total_tokens: int  # KV pool size in tokens
+    kv_bytes_per_token: int
+    context_length: int
+    vocab_size: int
+    attention_backend: str
+    decode_kv_mirror: bool

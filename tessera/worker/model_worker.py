@@ -1,0 +1,197 @@
+"""ModelWorker: owns the model, the KV pool (and its copy of the slot table) and the encoder-output cache;
+runs one ForwardInput per step and returns the sampled tokens.
+
+Everything it needs arrives in the ForwardInput; it never reads scheduler state. Media are encoded once
+per distinct item (by content hash, shared through the encoder cache); an item's embedding is held for its
+request from the first prefill chunk that needs it until the prompt's KV is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tessera.cache.encoder_cache import EncoderCache
+from tessera.cache.kv_pool import TokenToKVPool
+from tessera.config import ServerArgs
+from tessera.models.config import ModelConfig
+from tessera.models.mm_embed import EmbeddingCountError
+from tessera.models.registry import load_model, resolve_device
+from tessera.multimodal.items import Modality
+from tessera.runner.forward_batch import ForwardBatch
+from tessera.runner.sampler import Sampler, SamplingBatchInfo
+from tessera.worker.forward_input import ForwardInput, StepOutput, WorkerInfo
+from tessera.worker.masks import span_mask
+
+logger = logging.getLogger("tessera.worker")
+
+DEFAULT_CPU_KV_TOKENS = 65536  # CPU pools are sized by --max-total-tokens; this is its default
+
+
+def kv_pool_tokens(args: ServerArgs, bytes_per_token: int, cuda_mem_info: tuple[int, int] | None) -> int:
+    """KV pool size in tokens, whole pages: --max-total-tokens when given; on CUDA (cuda_mem_info = free,
+    total bytes, read after the weights are loaded) what --mem-fraction-static of the device leaves after
+    everything already in use; on CPU, DEFAULT_CPU_KV_TOKENS."""
+    page = args.page_size
+    if args.max_total_tokens is not None:
+        tokens = args.max_total_tokens
+    elif cuda_mem_info is not None:
+        free, total = cuda_mem_info
+        budget = total * args.mem_fraction_static - (total - free)
+        tokens = int(budget // bytes_per_token)
+        if tokens < 2 * page:
+            raise ValueError(f"mem_fraction_static: {args.mem_fraction_static} of {total / 2**30:.1f} GiB leaves no "
+                             f"room for the KV pool after the weights ({(total - free) / 2**30:.1f} GiB in use)")
+    else:
+        tokens = DEFAULT_CPU_KV_TOKENS
+    return tokens // page * page
+
+
+class ModelWorker:
+    def __init__(self, args: ServerArgs, eos_token_ids: set[int], config: ModelConfig | None = None):
+        self.args = args
+        self.device = resolve_device(args.device)
+        self.model, self.config = load_model(args.model_path, dtype=args.dtype, device=self.device,
+                                             language_model_only=args.language_model_only,
+                                             attention_backend=args.attention_backend, config=config)
+        self.dtype = next(self.model.parameters()).dtype
+        self.context_length = args.context_length or self.config.max_position_embeddings
+        layout = self.model.kv_layout
+        bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
+        mem_info = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
+        size = kv_pool_tokens(args, bytes_per_token, mem_info)
+        self.kv_pool = TokenToKVPool(size, layout.num_layers, layout.num_kv_heads, layout.head_dim,
+                                     dtype=self.dtype, device=self.device)
+        # The worker's copy of the slot table, kept equal to the scheduler's by ForwardInput.slot_writes.
+        self.req_to_token = torch.zeros((args.max_running_requests + 1, self.context_length + 8),
+                                        dtype=torch.int64, device=self.device)
+        self.encoder_cache = EncoderCache(args.mm_cache_size_mb * 1024 * 1024, args.keep_mm_feature_on_device)
+        self.encoders = self.model.encoders()
+        self.sampler = Sampler(seed=args.random_seed)
+        self.eos_token_ids = eos_token_ids
+        # The mirror measured faster on CPU (gathers are the bottleneck there); elsewhere it is off.
+        self.use_decode_mirror = not args.disable_decode_kv_mirror and self.device.type == "cpu"
+        self._held: dict[str, dict[int, torch.Tensor]] = {}  # rid -> item hash -> embedding
+        self.info = WorkerInfo(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                               max_total_tokens=size, kv_bytes_per_token=bytes_per_token,
+                               context_length=self.context_length, vocab_size=self.config.vocab_size,
+                               attention_backend=args.attention_backend, decode_kv_mirror=self.use_decode_mirror)
+
+    # ---- cache control ---------------------------------------------------------------------------
+    def flush_cache(self) -> None:
+        self.encoder_cache.clear()
+
+    def cache_stats(self) -> tuple[int, int, int]:
+        """Encoder cache (hits, misses, bytes)."""
+        c = self.encoder_cache
+        return c.hits, c.misses, c.used_bytes
+
+    # ---- media -----------------------------------------------------------------------------------
+    def _mm_embeds(self, fi: ForwardInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        if not fi.mm_placements:
+            return None, None
+        found: dict[int, torch.Tensor] = {}  # item index -> embedding
+        missing: dict[int, list[int]] = {}  # hash -> item indices
+        for p in fi.mm_placements:
+            if p.item in found or p.item in missing.get(fi.mm_items[p.item].hash, ()):
+                continue
+            item = fi.mm_items[p.item]
+            held = self._held.get(fi.rids[p.req], {})
+            emb = item.precomputed_embedding
+            if emb is None:
+                emb = held.get(item.hash)
+            if emb is None:
+                emb = self.encoder_cache.get(item.hash)
+            if emb is None:
+                missing.setdefault(item.hash, []).append(p.item)
+            else:
+                found[p.item] = emb
+        if missing:
+            found.update(self._encode(fi, missing))
+        rows, embeds = [], []
+        for p in fi.mm_placements:
+            emb = found[p.item]
+            self._held.setdefault(fi.rids[p.req], {})[fi.mm_items[p.item].hash] = emb
+            rows.append(torch.arange(p.row, p.row + p.hi - p.lo))
+            # Slices move one by one: cached entries live on the host (unless --keep-mm-feature-on-device)
+            # while fresh encoder outputs are on the device, and torch.cat refuses such a mix.
+            embeds.append(emb[p.lo:p.hi].to(self.device))
+        return torch.cat(rows).to(self.device), torch.cat(embeds)
+
+    def _encode(self, fi: ForwardInput, missing: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Encodes each missing distinct item once, one encoder call per modality."""
+        by_modality: dict[Modality, list[int]] = {}
+        for indices in missing.values():
+            by_modality.setdefault(fi.mm_items[indices[0]].modality, []).append(indices[0])
+        out: dict[int, torch.Tensor] = {}
+        for modality, indices in by_modality.items():
+            encoder = self.encoders.get(modality)
+            if encoder is None:
+                raise ValueError(f"{modality.value}: this model has no {modality.value} encoder")
+            items = [fi.mm_items[i] for i in indices]
+            for item, emb in zip(items, encoder(items)):
+                if emb.shape[0] != item.num_tokens:
+                    raise EmbeddingCountError(f"{modality.value}: encoder gave {emb.shape[0]} embeddings for "
+                                              f"{item.num_tokens} placeholder tokens")
+                self.encoder_cache.put(item.hash, emb)
+                for i in missing[item.hash]:
+                    out[i] = emb
+        return out
+
+    def _custom_masks(self, fi: ForwardInput) -> list[torch.Tensor | None] | None:
+        if fi.bidirectional_spans is None:
+            return None
+        masks = [span_mask(spans, seq - ext, seq, self.device)
+                 for spans, seq, ext in zip(fi.bidirectional_spans, fi.seq_lens, fi.extend_lens)]
+        return masks if any(m is not None for m in masks) else None
+
+    def _apply_slot_writes(self, fi: ForwardInput) -> None:
+        """One host-to-device copy for all the step's slot writes, then device-side copies in order (a row
+        freed and reused between two steps gets its writes in the order they happened)."""
+        if not fi.slot_writes:
+            return
+        values = torch.cat([w.slots for w in fi.slot_writes]).to(self.device, non_blocking=True)
+        offset = 0
+        for w in fi.slot_writes:
+            n = w.slots.shape[0]
+            self.req_to_token[w.row, w.start:w.start + n] = values[offset:offset + n]
+            offset += n
+
+    # ---- the step ---------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, fi: ForwardInput) -> StepOutput:
+        for rid in fi.released:
+            self._held.pop(rid, None)
+        dev = self.device
+        self._apply_slot_writes(fi)
+        mm_rows, mm_embeds = self._mm_embeds(fi)
+
+        def ints(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=dev)
+
+        fb = ForwardBatch(
+            input_ids=fi.input_ids.to(dev), positions=fi.positions.to(dev), out_cache_loc=fi.out_cache_loc.to(dev),
+            req_pool_indices=ints(fi.req_pool_indices), seq_lens=ints(fi.seq_lens), extend_lens=ints(fi.extend_lens),
+            req_to_token=self.req_to_token, logits_indices=ints(fi.logits_rows),
+            mm_embed_rows=mm_rows, mm_embeds=mm_embeds, custom_masks=self._custom_masks(fi),
+            req_generations=fi.req_generations if self.use_decode_mirror else None,
+            host_seq_lens=fi.seq_lens, host_extend_lens=fi.extend_lens, host_req_pool_indices=fi.req_pool_indices,
+        )
+        for rid in fi.prompt_done:  # embeddings are only needed until the prompt's KV exists
+            self._held.pop(rid, None)
+        logits = self.model(fb, self.kv_pool)
+        if not fi.sampling:
+            return StepOutput([])
+        rows = fi.sampling
+        info = SamplingBatchInfo.build([r.params for r in rows], logits.shape[-1], [r.output_ids for r in rows],
+                                       [r.prompt_ids for r in rows], eos_token_ids=self.eos_token_ids, device=dev)
+        out = self.sampler(logits.float(), info)
+        next_ids = out.next_token_ids.tolist()  # the step's one host sync
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        top = None
+        if out.top_logprob_ids is not None and out.top_logprob_values is not None:
+            ids_l, vals_l = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
+            top = [list(zip(ids_l[i][:r.params.top_logprobs_num], vals_l[i][:r.params.top_logprobs_num]))
+                   for i, r in enumerate(rows)]
+        return StepOutput(next_ids, logprobs, top)

@@ -1,0 +1,122 @@
+"""The family table is the one source: registries, capabilities and startup errors all derive from it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tessera.models.base import TesseraModel
+from tessera.models.config import ModelConfig
+from tessera.models.families import FAMILIES, UnsupportedArchitectureError, get_family
+from tessera.models.registry import get_model_class, load_model, resolve_dtype
+from tessera.multimodal.items import Modality
+from tessera.multimodal.processors import registry as processors
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_every_family_row_resolves(arch: str) -> None:
+    family = FAMILIES[arch]
+    assert issubclass(family.model_class(), TesseraModel)
+    assert family.positions in ("rope", "mrope")
+    if family.modalities:
+        assert family.processor_class() is processors.get_processor_class(arch)
+    else:
+        assert family.processor is None
+        with pytest.raises(ValueError, match="no multimodal processor"):
+            processors.get_processor_class(arch)
+    assert family.served_modalities(language_model_only=True) == frozenset()
+
+
+def test_processor_registry_lists_exactly_the_multimodal_families() -> None:
+    assert processors.supported_architectures() == sorted(a for a, f in FAMILIES.items() if f.modalities)
+
+
+def test_unsupported_architecture_names_it_and_lists_supported() -> None:
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        get_model_class("LlamaForCausalLM")
+    assert "LlamaForCausalLM" in str(e.value)
+    for arch in FAMILIES:
+        assert arch in str(e.value)
+
+
+def _tiny_qwen2(path, dtype: torch.dtype, arch: str | None = None):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).to(dtype).save_pretrained(path)
+    if arch is not None:  # rewrite the architecture as an unsupported checkpoint would carry it
+        import json
+
+        data = json.loads((path / "config.json").read_text())
+        data["architectures"] = [arch]
+        (path / "config.json").write_text(json.dumps(data))
+    return path
+
+
+def test_model_config_reads_layout_and_dtype(tmp_path) -> None:
+    config = ModelConfig.load(_tiny_qwen2(tmp_path, torch.bfloat16))
+    assert config.family is get_family("Qwen2ForCausalLM")
+    assert (config.kv_layout.num_layers, config.kv_layout.num_kv_heads, config.kv_layout.head_dim) == (1, 2, 8)
+    assert config.dtype == "bfloat16" and config.positions == "rope"
+    assert config.sliding_windows == (None,)
+
+
+def test_dtype_auto_follows_the_checkpoint(tmp_path) -> None:
+    path = _tiny_qwen2(tmp_path, torch.bfloat16)
+    model, config = load_model(path, "auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert resolve_dtype("auto", config, "cpu") == torch.bfloat16
+    f16 = ModelConfig.load(path).__class__(**{**ModelConfig.load(path).__dict__, "dtype": "float16"})
+    assert resolve_dtype("auto", f16, "cpu") == torch.bfloat16  # CPU float16 is emulated: same size, native bf16
+    assert resolve_dtype("auto", f16, "cuda") == torch.float16
+    assert resolve_dtype("float32", config, "cpu") == torch.float32
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True, timeout=240)
+
+
+def test_unsupported_architecture_fails_serve_at_startup(tmp_path) -> None:
+    path = _tiny_qwen2(tmp_path, torch.float32, arch="FancyNewForCausalLM")
+    out = _cli("serve", "--model-path", str(path), "--port", "30999")
+    assert out.returncode == 2, out.stderr
+    assert "FancyNewForCausalLM" in out.stderr and "Qwen2VLForConditionalGeneration" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda_is_one_line() -> None:
+    out = _cli("generate", "--device", "cuda", "--max-new-tokens", "2")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "device" in lines[0] and "CUDA" in lines[0], out.stderr
+
+
+def test_language_model_only_serves_no_media() -> None:
+    from tessera.config import ServerArgs
+    from tessera.frontend.model_info import ModelInfo
+
+    info = ModelInfo.load(ServerArgs(model_path="demo-vl", language_model_only=True))
+    assert info.modalities == frozenset() and not info.has_image_understanding
+    info = ModelInfo.load(ServerArgs(model_path="demo-vl"))
+    assert info.modalities == {Modality.IMAGE, Modality.VIDEO}
+
+
+def test_readme_support_table_is_the_family_table() -> None:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("## Supported architectures", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    listed = {line.split("`")[1]: line for line in rows}
+    assert set(listed) == set(FAMILIES)
+    for arch, line in listed.items():
+        family = FAMILIES[arch]
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[1] == (", ".join(sorted(m.value for m in family.modalities)) or "text")
+        assert cells[2] == {"rope": "RoPE", "mrope": "M-RoPE"}[family.positions]

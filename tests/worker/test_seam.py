@@ -1,0 +1,190 @@
+"""The scheduler/worker seam: ForwardInput is self-contained and serialisable, and the worker's slot table
+follows the scheduler's through the journaled writes alone."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tessera.cache.allocator import PagedTokenAllocator
+from tessera.cache.kv_pool import ReqToTokenPool
+from tessera.cache.radix_cache import RadixCache
+from tessera.config import ServerArgs
+from tessera.models.base import StepSegment, TesseraModel
+from tessera.models.config import ModelConfig
+from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from tessera.sampling_params import SamplingParams
+from tessera.scheduler import io
+from tessera.scheduler.policy import KVManager, SchedulePolicy
+from tessera.scheduler.req import Req
+from tessera.scheduler.step_input import build_forward_input
+from tessera.worker.forward_input import ForwardInput
+from tessera.worker.masks import span_mask
+
+
+def _policy(pool_tokens: int, page_size: int, chunk: int, max_running: int = 6) -> SchedulePolicy:
+    alloc = PagedTokenAllocator(pool_tokens, page_size)
+    tree = RadixCache(alloc, page_size)
+    return SchedulePolicy(KVManager(ReqToTokenPool(max_running + 1, 256), alloc, tree, page_size), max_running, chunk)
+
+
+def _drive(policy: SchedulePolicy, reqs: list[Req], config: ModelConfig, on_step) -> int:
+    """Runs the policy with a fake model (token 7 every step) until all requests finish; on_step(fi, batch)."""
+    for r in reqs:
+        policy.add(r)
+    steps = 0
+    while True:
+        batch = policy.next_batch()
+        if batch is None:
+            return steps
+        fi = build_forward_input(batch, TesseraModel, config, policy.kv)
+        on_step(fi, batch)
+        steps += 1
+        for s in batch.reqs:
+            if s.end - s.start > 1 or not s.req.output_ids:
+                policy.kv.cache_prefill(s.req)
+        for s in batch.reqs:
+            if s.samples:
+                s.req.output_ids.append(7)
+                if len(s.req.output_ids) >= s.req.sampling_params.max_new_tokens:
+                    policy.finish(s.req)
+                    s.req.finished_reason = {"type": "length"}
+
+
+def test_worker_slot_table_follows_the_journal_under_random_traffic() -> None:
+    config = ModelConfig.load(ServerArgs(model_path="demo-vl").model_path)
+    rng = random.Random(0)
+    shared = [rng.randrange(50) for _ in range(40)]  # a common prefix, so the radix cache dedups slots
+    reqs = [Req(f"r{i}", shared[: rng.randrange(0, 40)] + [rng.randrange(50) for _ in range(rng.randrange(1, 30))],
+                SamplingParams(max_new_tokens=rng.randrange(1, 12)), None) for i in range(24)]
+    policy = _policy(pool_tokens=300, page_size=4, chunk=24)  # small pool: evictions and retractions happen
+    worker_table = torch.zeros_like(policy.kv.req_pool.req_to_token)
+    released: set[str] = set()
+
+    def on_step(fi: ForwardInput, batch) -> None:
+        fi = io.decode(io.encode(fi))  # what another process (a TP rank) would receive
+        for w in fi.slot_writes:
+            worker_table[w.row, w.start:w.start + w.slots.shape[0]] = w.slots
+        released.update(fi.released)
+        for row, seq in zip(fi.req_pool_indices, fi.seq_lens):
+            assert torch.equal(worker_table[row, :seq], policy.kv.req_pool.req_to_token[row, :seq])
+        assert fi.num_tokens == int(fi.out_cache_loc.shape[0]) == sum(fi.extend_lens)
+        assert len(fi.sampling) == len(fi.logits_rows)
+
+    assert _drive(policy, reqs, config, on_step) > 10
+    assert policy.num_retractions > 0 or policy.kv.tree.total_size() > 0
+    # Every request's worker state is released: in a later step's message, or pending for the next one.
+    assert released | set(policy.kv.take_pending()[1]) == {r.rid for r in reqs}
+
+
+def _image_req(rid: str, prompt_len: int, span: tuple[int, int]) -> Req:
+    item = MultimodalDataItem(Modality.IMAGE, hash=hash(rid) & 0xFFFF, offsets=[span])
+    req = Req(rid, list(range(prompt_len)), SamplingParams(max_new_tokens=2), MultimodalInputs([item]))
+    req.atomic_spans = [span]
+    return req
+
+
+def test_chunked_prefill_never_splits_an_atomic_span() -> None:
+    config = ModelConfig.load(ServerArgs(model_path="demo-vl").model_path)
+    policy = _policy(pool_tokens=512, page_size=1, chunk=8)
+    req = _image_req("a", 40, (5, 25))  # a 20-token image: bigger than one chunk
+    chunks: list[tuple[int, int]] = []
+    _drive(policy, [req], config, lambda fi, b: chunks.extend((s.start, s.end) for s in b.reqs))
+    for start, end in chunks:
+        assert not (5 < start < 25) and not (5 < end < 25), chunks
+    assert (5, 25) in chunks  # taken whole, over the chunk budget
+    assert chunks[0] == (0, 5)  # the chunk before it stops at its start
+
+
+def test_prefix_match_never_ends_inside_an_atomic_span() -> None:
+    policy = _policy(pool_tokens=512, page_size=1, chunk=64)
+    first = Req("x", list(range(30)), SamplingParams(max_new_tokens=1), None)
+    _drive(policy, [first], ModelConfig.load(ServerArgs(model_path="demo-vl").model_path), lambda fi, b: None)
+    # Same first 30 tokens cached; a request whose span [20, 35) straddles the cached end must not reuse 20..29.
+    req = _image_req("y", 40, (20, 35))
+    req.mm_inputs = None  # plain tokens as the cache key, so the cached prefix really matches
+    assert policy.kv.admit(req)
+    assert req.prefix_len == 20
+
+
+def test_span_mask_is_causal_plus_whole_spans() -> None:
+    mask = span_mask([(2, 5)], prefix_len=0, seq_len=7)
+    causal = torch.ones(7, 7).tril().bool()
+    expected = causal.clone()
+    expected[2:5, 2:5] = True
+    assert torch.equal(mask, expected)
+    assert span_mask([(2, 5)], prefix_len=5, seq_len=7) is None  # no query inside a span: plain causal
+    tail = span_mask([(6, 9)], prefix_len=5, seq_len=9)
+    assert tail.shape == (4, 9) and tail[1, 8] and not tail[0, 6]
+
+
+def test_prepare_step_positions() -> None:
+    vl = ModelConfig.load(ServerArgs(model_path="demo-vl").model_path)
+    mrope = torch.arange(30).view(3, 10)
+    mm = MultimodalInputs([], mrope_positions=mrope, mrope_position_delta=-4)
+    layout = TesseraModel.prepare_step(vl, [StepSegment(3, 10, 10, mm), StepSegment(12, 13, 10, mm)])
+    assert torch.equal(layout.positions[:, :7], mrope[:, 3:10])
+    assert layout.positions[:, 7].tolist() == [8, 8, 8]  # decode: index 12 + delta -4
+    assert layout.bidirectional_spans is None
+    asr = ModelConfig.load(ServerArgs(model_path="demo-asr").model_path)
+    layout = TesseraModel.prepare_step(asr, [StepSegment(4, 7, 5), StepSegment(0, 2, 2)])
+    assert layout.positions.tolist() == [4, 5, 6, 0, 1]
+
+
+def test_a_worker_fed_decoded_messages_matches_one_fed_the_originals() -> None:
+    """Two workers step through the same ForwardInputs: one receives them in-process, the other after the
+    wire codec (as a tensor-parallel rank would). Same tokens, and the image is encoded once per worker."""
+    from tessera.config import ASSETS_DIR
+    from tessera.frontend.model_info import ModelInfo
+    from tessera.models.config import load_eos_token_ids
+    from tessera.worker.model_worker import ModelWorker
+
+    args = ServerArgs.for_engine("demo-vl", max_total_tokens=2048, max_running_requests=4)
+    info = ModelInfo.load(args)
+    processor = info.make_mm_processor()
+    try:
+        prompt = info.apply_chat_template([{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": "How many shapes are there?"}]}])
+        out = processor.process(prompt=prompt, image_data=[str(ASSETS_DIR / "examples" / "scene.png")])
+    finally:
+        processor.close()
+    eos = load_eos_token_ids(args.model_path, info.hf_config)
+    local, remote = ModelWorker(args, eos, info.config), ModelWorker(args, eos, info.config)
+    policy = _policy(pool_tokens=2048, page_size=1, chunk=32, max_running=4)  # the image spans several chunks
+    reqs = [Req(f"q{i}", list(out.input_ids), SamplingParams(max_new_tokens=6, temperature=0), out.mm_inputs)
+            for i in range(2)]
+    tokens: dict[str, list[int]] = {"local": [], "remote": []}
+    for r in reqs:
+        policy.add(r)
+    while (batch := policy.next_batch()) is not None:
+        fi = build_forward_input(batch, info.config.family.model_class(), info.config, policy.kv)
+        a, b = local.execute(fi), remote.execute(io.decode(io.encode(fi)))
+        assert a.next_token_ids == b.next_token_ids
+        tokens["local"] += a.next_token_ids
+        for s in batch.reqs:
+            if s.end - s.start > 1 or not s.req.output_ids:
+                policy.kv.cache_prefill(s.req)
+        for s, tok in zip([s for s in batch.reqs if s.samples], a.next_token_ids):
+            s.req.output_ids.append(tok)
+            if len(s.req.output_ids) >= 6:
+                policy.finish(s.req)
+    assert len(tokens["local"]) == 12
+    assert reqs[0].output_ids == reqs[1].output_ids  # same prompt, greedy
+    assert local.cache_stats()[1] == remote.cache_stats()[1] == 1  # one encoder miss each: the image once
+    assert local._held == remote._held == {}  # embeddings are dropped once a prompt's KV exists
+
+
+def test_kv_pool_sizing() -> None:
+    from tessera.worker.model_worker import DEFAULT_CPU_KV_TOKENS, kv_pool_tokens
+
+    gib = 2**30
+    args = ServerArgs(model_path="demo-vl", page_size=16)
+    assert kv_pool_tokens(args, 1024, None) == DEFAULT_CPU_KV_TOKENS
+    # 80 GiB device, 20 GiB in use after the weights, 0.85 of it for weights + KV: 48 GiB of KV.
+    tokens = kv_pool_tokens(args, 1 << 20, (60 * gib, 80 * gib))
+    assert tokens == 48 * 1024 and tokens % 16 == 0
+    assert kv_pool_tokens(args.replace(max_total_tokens=1000), 1 << 20, (60 * gib, 80 * gib)) == 992  # flag wins
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        kv_pool_tokens(args.replace(mem_fraction_static=0.2), 1 << 20, (60 * gib, 80 * gib))
