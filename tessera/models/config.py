@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tessera.models.families import Family, architecture_of, get_family
+from tessera.models.families import Family, family_for_config
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class ModelConfig:
         Raises UnsupportedArchitectureError for an architecture outside the family table and ValueError
         for an inconsistent config (heads not divisible by KV heads, M-RoPE sections that do not fit).
         """
-        family = get_family(architecture_of(hf_config))
+        family = family_for_config(hf_config)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         num_heads = int(text.num_attention_heads)
         num_kv_heads = int(getattr(text, "num_key_value_heads", None) or num_heads)

@@ -31,6 +31,14 @@ class Family:
     bidirectional_mm_spans: bool = False
     # Attention-backend features the model needs beyond causal paged attention.
     backend_needs: frozenset[str] = frozenset()
+    # One architecture name can front several families (LLaVA with a CLIP or a Pixtral tower): a row with
+    # vision_model_type serves only configs whose vision_config.model_type equals it.
+    vision_model_type: str | None = None
+    notes: str = ""  # what the README's support table says is not supported
+
+    @property
+    def name(self) -> str:
+        return self.architecture + (f" ({self.vision_model_type} vision)" if self.vision_model_type else "")
 
     def model_class(self) -> type:
         return _import(self.model)
@@ -44,7 +52,7 @@ class Family:
 
 _QWEN_VL_PROCESSOR = "tessera.multimodal.processors.qwen_vl:QwenVLProcessor"
 
-FAMILIES: dict[str, Family] = {f.architecture: f for f in (
+FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("Qwen2ForCausalLM", "tessera.models.qwen2:Qwen2ForCausalLM", None, frozenset(), "rope",
            model_types=("qwen2",)),
     Family("Qwen2VLForConditionalGeneration", "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",
@@ -63,7 +71,7 @@ class UnsupportedArchitectureError(ValueError):
 
 
 def supported_architectures() -> list[str]:
-    return sorted(FAMILIES)
+    return sorted({f.architecture for f in FAMILIES.values()})
 
 
 def architecture_of(hf_config: Any) -> str:
@@ -80,12 +88,37 @@ def architecture_of(hf_config: Any) -> str:
         f"supported architectures: {', '.join(supported_architectures())}")
 
 
-def get_family(architecture: str) -> Family:
-    family = FAMILIES.get(architecture)
-    if family is None:
+def get_family(architecture: str, vision_model_type: str | None = None) -> Family:
+    """The row for an architecture (and, where rows differ by vision tower, its vision model_type)."""
+    rows = [f for f in FAMILIES.values() if f.architecture == architecture]
+    if not rows:
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}")
-    return family
+    for family in rows:
+        if family.vision_model_type is not None and family.vision_model_type == vision_model_type:
+            return family
+    generic = [f for f in rows if f.vision_model_type is None]
+    if not generic:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} with a {vision_model_type!r} vision tower is not supported; "
+            f"supported towers: {', '.join(sorted(str(f.vision_model_type) for f in rows))}")
+    return generic[0]
+
+
+def family_for_config(hf_config: Any) -> Family:
+    vision = getattr(hf_config, "vision_config", None)
+    return get_family(architecture_of(hf_config), getattr(vision, "model_type", None))
+
+
+def support_table() -> str:
+    """The README's table of supported architectures (a test keeps the README equal to it)."""
+    lines = ["| architecture (`config.json`) | modalities | positions | not supported |", "|---|---|---|---|"]
+    for f in sorted(FAMILIES.values(), key=lambda f: f.name):
+        arch = f"`{f.architecture}`" + (f" ({f.vision_model_type} vision)" if f.vision_model_type else "")
+        modalities = ", ".join(sorted(m.value for m in f.modalities)) or "text"
+        positions = {"rope": "RoPE", "mrope": "M-RoPE"}.get(f.positions, f.positions)
+        lines.append(f"| {arch} | {modalities} | {positions} | {f.notes} |")
+    return "\n".join(lines)
 
 
 def _import(target: str) -> type:
