@@ -133,8 +133,8 @@ class ServerArgs:
         _check_device(self.device)
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads: must be a positive integer, got {self.cpu_threads!r}")
-        if self.tp_size != 1:
-            raise ValueError("tp_size: tensor parallelism is not implemented yet; use --tp-size 1")
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise ValueError(f"tp_size: must be a positive integer, got {self.tp_size!r}")
         if self.mm_cache_size_mb < 0:
             raise ValueError(f"mm_cache_size_mb: must be >= 0, got {self.mm_cache_size_mb}")
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
@@ -149,6 +149,11 @@ class ServerArgs:
     @property
     def scheduler_threads(self) -> int:
         return self.cpu_threads or max(1, (os.cpu_count() or 1) - 1)
+
+    @property
+    def worker_threads(self) -> int:
+        """Intra-op threads of each tensor-parallel rank: the scheduler's share split between the ranks."""
+        return max(1, self.scheduler_threads // self.tp_size)
 
     @property
     def model_name(self) -> str:

@@ -8,6 +8,7 @@ loader fills the shards from the checkpoint's separate tensors (STACKED_PARAMS).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,8 @@ from torch import nn
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.activation import SiluAndMul
 from tessera.layers.attention import BaseAttentionBackend
-from tessera.layers.linear import Linear, MergedLinear, VocabEmbedding
+from tessera.distributed.parallel_state import tp_group
+from tessera.layers.linear import Linear, MergedLinear, RowParallelLinear, VocabParallelEmbedding
 from tessera.layers.norm import RMSNorm
 from tessera.layers.rotary import RotaryEmbedding, apply_rotary
 from tessera.runner.forward_batch import ForwardBatch
@@ -66,11 +68,28 @@ class DecoderAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, opts: DecoderOptions, layer_id: int, attn_backend: BaseAttentionBackend):
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.scaling = cfg.head_dim**-0.5
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=opts.qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=opts.o_bias)
+        hd = cfg.head_dim
+        # Tensor parallel: each rank keeps its share of the query heads and of the KV heads (one replicated
+        # KV head per rank when there are fewer KV heads than ranks); with one rank this is every head.
+        tp = tp_group()
+        q_start, self.num_heads = tp.shard(cfg.num_heads, "num_attention_heads")
+        if cfg.num_kv_heads >= tp.size:
+            kv_start, self.num_kv_heads = tp.shard(cfg.num_kv_heads, "num_key_value_heads")
+        elif tp.size % cfg.num_kv_heads == 0:
+            kv_start, self.num_kv_heads = tp.rank * cfg.num_kv_heads // tp.size, 1
+        else:
+            raise ValueError(f"num_key_value_heads={cfg.num_kv_heads} neither splits over nor divides "
+                             f"tp_size={tp.size}")
+        self.head_dim = hd
+        self.scaling = hd**-0.5
+        q_size, kv_size = self.num_heads * hd, self.num_kv_heads * hd
+        sources = None if tp.size == 1 else {"q": (q_start * hd, cfg.num_heads * hd),
+                                             "k": (kv_start * hd, cfg.num_kv_heads * hd),
+                                             "v": (kv_start * hd, cfg.num_kv_heads * hd)}
+        self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=opts.qkv_bias,
+                                     sources=sources)
+        self.o_proj = (Linear(q_size, cfg.hidden_size, bias=opts.o_bias) if tp.size == 1 else
+                       RowParallelLinear(q_size, cfg.hidden_size, opts.o_bias, q_start * hd, cfg.num_heads * hd))
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
         self.sliding_window = cfg.sliding_windows[layer_id]
@@ -93,9 +112,13 @@ class DecoderAttention(nn.Module):
 class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, act: str):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, {"gate": intermediate_size, "up": intermediate_size})
+        tp = tp_group()
+        start, size = tp.shard(intermediate_size, "intermediate_size")  # column- then row-parallel
+        sources = None if tp.size == 1 else {"gate": (start, intermediate_size), "up": (start, intermediate_size)}
+        self.gate_up_proj = MergedLinear(hidden_size, {"gate": size, "up": size}, sources=sources)
         self.act = GatedActivation(act)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.down_proj = (Linear(size, hidden_size) if tp.size == 1 else
+                          RowParallelLinear(size, hidden_size, False, start, intermediate_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -131,19 +154,27 @@ class DecoderModel(nn.Module):
         if cfg.rope_type not in ("default", "mrope"):
             raise NotImplementedError(f"rope_parameters.rope_type={cfg.rope_type!r}: only default RoPE is supported")
         self.attn_backend = attn_backend
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        tp = tp_group()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp.rank, tp.size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, opts, i, attn_backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         mrope = list(cfg.mrope_section) if cfg.mrope_section else None
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, mrope)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
-        """x: input embeddings [T, H]; positions [T] or [3, T]. Returns the final-norm hidden states [T, H]."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool,
+                after_layer: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None) -> torch.Tensor:
+        """x: input embeddings [T, H]; positions [T] or [3, T]. Returns the final-norm hidden states [T, H].
+
+        after_layer[i] (optional) rewrites layer i's output hidden states (Qwen3-VL's DeepStack adds
+        visual features there); those layers' residual sums are materialised for it.
+        """
         cos, sin = self.rotary_emb.get_cos_sin(positions, x.dtype)  # once per forward, shared by all layers
         self.attn_backend.init_forward_metadata(fb)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, fb, pool)
+            if after_layer is not None and i in after_layer:
+                x, residual = after_layer[i](x + residual), None
         if residual is None:  # zero layers
             return self.norm(x)
         x, _ = self.norm(x, residual)

@@ -25,11 +25,17 @@ class Linear(nn.Module):
 
 
 class MergedLinear(Linear):
-    """Projections of one input concatenated along the output dim, in the order of `output_sizes`."""
+    """Projections of one input concatenated along the output dim, in the order of `output_sizes`.
 
-    def __init__(self, in_features: int, output_sizes: dict[str, int], bias: bool = False):
+    Tensor parallel (column-parallel): `sources` gives, per shard, the first checkpoint row of this rank's
+    part and the checkpoint's full row count; the shard loads rows [start, start + size) of the full tensor.
+    """
+
+    def __init__(self, in_features: int, output_sizes: dict[str, int], bias: bool = False,
+                 sources: dict[str, tuple[int, int]] | None = None):
         super().__init__(in_features, sum(output_sizes.values()), bias)
         self.output_sizes = dict(output_sizes)
+        self.sources = dict(sources or {})
         self.shard_offsets: dict[str, tuple[int, int]] = {}
         offset = 0
         for shard_id, size in self.output_sizes.items():
@@ -45,6 +51,12 @@ class MergedLinear(Linear):
         """Copies one checkpoint tensor (e.g. k_proj.bias) into its rows of `param_name` (weight/bias)."""
         param = getattr(self, param_name)
         offset, size = self.shard_offsets[shard_id]
+        if shard_id in self.sources:
+            start, full = self.sources[shard_id]
+            if loaded.shape[0] != full:
+                raise ValueError(f"shard {shard_id!r} of {param_name}: checkpoint has {loaded.shape[0]} rows, "
+                                 f"want {full}")
+            loaded = loaded.narrow(0, start, size)
         want = (size, *param.shape[1:])
         if tuple(loaded.shape) != want:
             raise ValueError(f"shard {shard_id!r} of {param_name}: checkpoint shape {tuple(loaded.shape)}, want {want}")
@@ -64,3 +76,71 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.weight)
+
+
+class RowParallelLinear(Linear):
+    """Tensor parallel: this rank holds columns [start, start + in_features) of the weight (its share of the
+    input features); partial outputs are summed over the ranks, then the bias is added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, start: int = 0,
+                 full_in_features: int | None = None):
+        super().__init__(in_features, out_features, bias)
+        self.start, self.full_in_features = start, full_in_features or in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from tessera.distributed.parallel_state import all_reduce
+
+        y = all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    @torch.no_grad()
+    def load_param(self, param_name: str, loaded: torch.Tensor) -> None:
+        param = getattr(self, param_name)
+        if param_name == "weight":
+            if loaded.shape != (self.out_features, self.full_in_features):
+                raise ValueError(f"checkpoint {tuple(loaded.shape)}, want {(self.out_features, self.full_in_features)}")
+            loaded = loaded.narrow(1, self.start, self.in_features)
+        if loaded.shape != param.shape:
+            raise ValueError(f"checkpoint {tuple(loaded.shape)}, model {tuple(param.shape)}")
+        param.copy_(loaded)
+
+
+class VocabParallelEmbedding(VocabEmbedding):
+    """Tensor parallel: this rank holds vocabulary rows [start, start + rows) (the vocab padded to a multiple
+    of the ranks); ids outside them embed to zero and the ranks' results are summed. The same shard is the
+    LM head's when embeddings are tied (see ParallelLMHead)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int = 0, size: int = 1):
+        per = -(-vocab_size // size)
+        super().__init__(per, hidden_size)
+        self.vocab_size, self.start, self.rows, self.tp_size = vocab_size, rank * per, per, size
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        from tessera.distributed.parallel_state import all_reduce
+
+        local = input_ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(out.masked_fill(outside[:, None], 0))
+
+    @torch.no_grad()
+    def load_param(self, param_name: str, loaded: torch.Tensor) -> None:
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1:] != self.weight.shape[1:]:
+            raise ValueError(f"checkpoint {tuple(loaded.shape)}, want {(self.vocab_size, *self.weight.shape[1:])}")
+        part = loaded[self.start:self.start + self.rows]
+        self.weight.zero_()  # padding rows past the vocabulary stay zero
+        self.weight[: part.shape[0]].copy_(part)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Hidden -> logits over this rank's vocabulary shard, gathered from all ranks into the full vocabulary."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        from tessera.distributed.parallel_state import all_gather_last_dim
+
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size == 1:
+            return logits
+        return all_gather_last_dim(logits)[..., : self.vocab_size]

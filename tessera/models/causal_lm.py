@@ -13,9 +13,10 @@ import torch
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.attention import BaseAttentionBackend, get_attention_backend
 from tessera.layers.decoder import STACKED_PARAMS, DecoderModel, DecoderOptions
-from tessera.layers.linear import Linear
+from tessera.distributed.parallel_state import tp_group
+from tessera.layers.linear import ParallelLMHead
 from tessera.models.base import TesseraModel
-from tessera.models.config import ModelConfig
+from tessera.models.config import KVLayout, ModelConfig
 from tessera.models.mm_embed import item_embeddings, merge_mm_embeddings
 from tessera.models.weights import WeightMapping
 from tessera.multimodal.items import MultimodalDataItem
@@ -26,20 +27,31 @@ class CausalLM(TesseraModel):
     """forward(fb, pool) -> logits [num_logits, vocab] for fb.logits_indices."""
 
     decoder_options: ClassVar[DecoderOptions] = DecoderOptions()
+    # The `model.*` stack: (config, options, backend) -> module with embed_tokens and forward(x, positions, fb,
+    # pool) -> final hidden states. A family with its own block layout (Gemma-3) names its own.
+    decoder_model_class: ClassVar[type[torch.nn.Module]] = DecoderModel
 
     def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
                  language_model_only: bool = False):
         super().__init__()
         self.config = config
         self.language_model_only = language_model_only
-        self.model = DecoderModel(config, self.decoder_options, attn_backend or get_attention_backend("torch_native"))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = self.decoder_model_class(config, self.decoder_options, attn_backend or get_attention_backend("torch_native"))
+        tp = tp_group()
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp.rank, tp.size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def lm_config(self) -> ModelConfig:
         return self.config
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """This rank's K/V: its share of the KV heads under tensor parallelism."""
+        attn = self.model.layers[0].self_attn if len(self.model.layers) else None
+        kv_heads = attn.num_kv_heads if attn is not None else self.config.num_kv_heads
+        return KVLayout(self.config.num_layers, kv_heads, self.config.head_dim)
 
     @classmethod
     def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:

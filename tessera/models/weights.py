@@ -137,10 +137,20 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
                 continue
         else:
             param = params[name]
-            if param.shape != tensor.shape:
+            module_name, _, param_name = name.rpartition(".")
+            # Tensor-parallel modules take their rank's slice of the full checkpoint tensor themselves.
+            load_param = getattr(model.get_submodule(module_name), "load_param", None)
+            if load_param is not None:
+                try:
+                    load_param(param_name, tensor)
+                except ValueError as e:
+                    mismatched.append(f"{ckpt_name}: {e}")
+                    continue
+            elif param.shape != tensor.shape:
                 mismatched.append(f"{ckpt_name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
                 continue
-            param.copy_(tensor)
+            else:
+                param.copy_(tensor)
         loaded.add((name, shard_id))
 
     missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)

@@ -15,6 +15,7 @@ import zmq
 from tessera.config import ServerArgs
 from tessera.scheduler import io
 from tessera.scheduler.req import Req
+from tessera.distributed.tp_launch import TPGroupHandle
 from tessera.scheduler.step_input import build_forward_input
 
 logger = logging.getLogger("tessera.scheduler")
@@ -45,6 +46,7 @@ class Scheduler:
         self.model_cls = self.config.family.model_class()
         self.eos_ids = load_eos_token_ids(args.model_path, self.config.hf_config)
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+        self.tp: TPGroupHandle | None = TPGroupHandle(args) if args.tp_size > 1 else None
         self.worker = ModelWorker(args, self.eos_ids, self.config)
         info = self.worker.info
         self.context_length = info.context_length
@@ -83,6 +85,8 @@ class Scheduler:
         elif isinstance(msg, io.FlushCacheReq):
             if not self.reqs:
                 self.tree.reset()
+                if self.tp is not None:
+                    self.tp.broadcast(("flush",))
                 self.worker.flush_cache()
         elif isinstance(msg, io.GetStatsReq):
             io.send(self.send_sock, self.stats())
@@ -144,7 +148,10 @@ class Scheduler:
         if batch is None:
             return False
         try:
-            result = self.worker.execute(build_forward_input(batch, self.model_cls, self.config, self.policy.kv))
+            fi = build_forward_input(batch, self.model_cls, self.config, self.policy.kv)
+            if self.tp is not None:  # every rank runs the same step; rank 0 (here) samples
+                self.tp.broadcast(("step", fi))
+            result = self.worker.execute(fi)
         except Exception as e:  # a bug or a bad tensor that got past the frontend: fail this batch only
             logger.exception("model step failed; failing the %d requests of the batch", len(batch.reqs))
             self._fail(batch, f"internal error in the model step: {type(e).__name__}: {e}")
@@ -203,7 +210,7 @@ def run_scheduler_process(args: ServerArgs, recv_endpoint: str, send_endpoint: s
     import torch
 
     torch.manual_seed(args.random_seed)
-    torch.set_num_threads(args.scheduler_threads)
+    torch.set_num_threads(args.worker_threads)
     ready = zmq.Context.instance().socket(zmq.PUSH)
     ready.connect(ready_endpoint)
     try:

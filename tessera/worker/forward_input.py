@@ -94,3 +94,4 @@ class WorkerInfo:
     vocab_size: int
     attention_backend: str
     decode_kv_mirror: bool
+    tp_size: int = 1

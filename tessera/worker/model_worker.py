@@ -15,6 +15,7 @@ import torch
 from tessera.cache.encoder_cache import EncoderCache
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.config import ServerArgs
+from tessera.distributed.parallel_state import min_over_ranks, tp_group
 from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError
 from tessera.models.registry import load_model, resolve_device
@@ -50,8 +51,12 @@ def kv_pool_tokens(args: ServerArgs, bytes_per_token: int, cuda_mem_info: tuple[
 
 class ModelWorker:
     def __init__(self, args: ServerArgs, eos_token_ids: set[int], config: ModelConfig | None = None):
+        """Joins nothing itself: under tensor parallelism the group is initialised before (tp_launch)."""
         self.args = args
+        self.tp = tp_group()
         self.device = resolve_device(args.device)
+        if self.device.type == "cuda" and self.tp.size > 1:
+            self.device = torch.device("cuda", self.tp.rank)  # one GPU per rank
         self.model, self.config = load_model(args.model_path, dtype=args.dtype, device=self.device,
                                              language_model_only=args.language_model_only,
                                              attention_backend=args.attention_backend, config=config)
@@ -60,7 +65,7 @@ class ModelWorker:
         layout = self.model.kv_layout
         bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
         mem_info = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
-        size = kv_pool_tokens(args, bytes_per_token, mem_info)
+        size = min_over_ranks(kv_pool_tokens(args, bytes_per_token, mem_info), self.device)  # ranks must agree
         self.kv_pool = TokenToKVPool(size, layout.num_layers, layout.num_kv_heads, layout.head_dim,
                                      dtype=self.dtype, device=self.device)
         # The worker's copy of the slot table, kept equal to the scheduler's by ForwardInput.slot_writes.
@@ -76,7 +81,8 @@ class ModelWorker:
         self.info = WorkerInfo(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                                max_total_tokens=size, kv_bytes_per_token=bytes_per_token,
                                context_length=self.context_length, vocab_size=self.config.vocab_size,
-                               attention_backend=args.attention_backend, decode_kv_mirror=self.use_decode_mirror)
+                               attention_backend=args.attention_backend, decode_kv_mirror=self.use_decode_mirror,
+                               tp_size=self.tp.size)
 
     # ---- cache control ---------------------------------------------------------------------------
     def flush_cache(self) -> None:
@@ -181,7 +187,7 @@ class ModelWorker:
         for rid in fi.prompt_done:  # embeddings are only needed until the prompt's KV exists
             self._held.pop(rid, None)
         logits = self.model(fb, self.kv_pool)
-        if not fi.sampling:
+        if not fi.sampling or self.tp.rank != 0:  # only rank 0 samples
             return StepOutput([])
         rows = fi.sampling
         info = SamplingBatchInfo.build([r.params for r in rows], logits.shape[-1], [r.output_ids for r in rows],

@@ -1,0 +1,114 @@
+"""Tensor-parallel model workers: rank 0 lives in the scheduler process, ranks 1..N-1 are started here.
+
+Every step the scheduler broadcasts one message to the group (torch.distributed's object broadcast):
+("step", ForwardInput), ("flush",) or ("stop",). All ranks run the same forward (their collectives meet);
+only rank 0 samples and answers the scheduler. A rank exits when its parent (the scheduler) dies.
+
+`python -m tessera.distributed.tp_launch CONFIG_JSON RANK INIT_METHOD`: a rank > 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from tessera.config import ServerArgs
+
+logger = logging.getLogger("tessera.tp")
+
+
+def free_init_method() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+
+class TPGroupHandle:
+    """Rank 0's view: starts the other ranks, broadcasts the step messages, stops them."""
+
+    def __init__(self, args: ServerArgs):
+        import dataclasses
+
+        from tessera.distributed.parallel_state import init_tensor_parallel
+        from tessera.models.registry import resolve_device
+
+        self.size = args.tp_size
+        init_method = free_init_method()
+        cfg = json.dumps(dataclasses.asdict(args))
+        self.procs = [subprocess.Popen([sys.executable, "-m", "tessera.distributed.tp_launch", cfg, str(rank),
+                                        init_method], stdin=subprocess.DEVNULL)
+                      for rank in range(1, self.size)]
+        init_tensor_parallel(0, self.size, init_method, resolve_device(args.device))
+
+    def broadcast(self, msg: tuple) -> None:
+        from tessera.distributed.parallel_state import broadcast_object
+
+        dead = [p.pid for p in self.procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"tensor-parallel rank process(es) {dead} exited; restart the server")
+        broadcast_object(msg)
+
+    def stop(self) -> None:
+        try:
+            self.broadcast(("stop",))
+        except Exception:  # a dead rank: nothing to tell it
+            pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(0)
+        time.sleep(1.0)
+
+
+def rank_main(args: ServerArgs, rank: int, init_method: str) -> None:
+    """A rank > 0: joins the group, loads its shard of the model, then follows rank 0's messages."""
+    import torch
+
+    from tessera.distributed.parallel_state import broadcast_object, init_tensor_parallel
+    from tessera.models.registry import resolve_device
+    from tessera.worker.model_worker import ModelWorker
+
+    torch.manual_seed(args.random_seed)
+    torch.set_num_threads(args.worker_threads)
+    init_tensor_parallel(rank, args.tp_size, init_method, resolve_device(args.device))
+    worker = ModelWorker(args, set())
+    while True:
+        try:
+            msg = broadcast_object()
+        except RuntimeError:  # rank 0 (the scheduler) went away: the server is stopping
+            logger.info("tp rank %d: rank 0 is gone; exiting", rank)
+            os._exit(0)
+        kind = msg[0]
+        if kind == "stop":
+            return
+        if kind == "flush":
+            worker.flush_cache()
+        elif kind == "step":
+            try:
+                worker.execute(msg[1])
+            except Exception:  # rank 0 fails the batch with the same error; keep following it
+                logger.exception("tp rank %d: model step failed", rank)
+
+
+def main() -> None:
+    cfg, rank, init_method = sys.argv[1:4]
+    logging.basicConfig(level="INFO", format=f"[%(asctime)s tp{rank}] %(message)s")
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    rank_main(ServerArgs(**json.loads(cfg)), int(rank), init_method)
+
+
+if __name__ == "__main__":
+    main()
