@@ -72,6 +72,12 @@ class ServerArgs:
     dtype: str = "auto"
     device: str = "auto"  # auto | cpu | cuda[:N]; auto picks CUDA when available
     tp_size: int = 1
+    # Under tensor parallelism, share each step's images out over the ranks (largest first to the least
+    # loaded rank), each encoding its share with its full copy of the tower; one all_gather collects them.
+    mm_enable_dp_encoder: bool = False
+    dp_size: int = 1  # independent scheduler + worker replicas behind the one frontend
+    load_balance_method: str = "round_robin"  # round_robin | shortest_queue | cache_aware (see frontend/dispatcher)
+    base_gpu_id: int = 0  # first GPU of this server; replica r, TP rank t uses base + r * tp_size + t
     random_seed: int = 0
     context_length: int | None = None
     attention_backend: str = "torch_native"
@@ -133,8 +139,12 @@ class ServerArgs:
         _check_device(self.device)
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads: must be a positive integer, got {self.cpu_threads!r}")
-        if not isinstance(self.tp_size, int) or self.tp_size < 1:
-            raise ValueError(f"tp_size: must be a positive integer, got {self.tp_size!r}")
+        for name in ("tp_size", "dp_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.load_balance_method not in ("round_robin", "shortest_queue", "cache_aware"):
+            raise ValueError(f"load_balance_method: expected round_robin, shortest_queue or cache_aware, "
+                             f"got {self.load_balance_method!r}")
         if self.mm_cache_size_mb < 0:
             raise ValueError(f"mm_cache_size_mb: must be >= 0, got {self.mm_cache_size_mb}")
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
@@ -152,8 +162,8 @@ class ServerArgs:
 
     @property
     def worker_threads(self) -> int:
-        """Intra-op threads of each tensor-parallel rank: the scheduler's share split between the ranks."""
-        return max(1, self.scheduler_threads // self.tp_size)
+        """Intra-op threads of each model rank: the scheduler's share split between all ranks of all replicas."""
+        return max(1, self.scheduler_threads // (self.tp_size * self.dp_size))
 
     @property
     def model_name(self) -> str:

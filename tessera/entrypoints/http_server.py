@@ -142,7 +142,8 @@ def create_app(args: ServerArgs) -> FastAPI:
             except asyncio.TimeoutError:
                 stats = None
         frontend = state.tm.frontend_stats() if state.ready else None
-        return Response(state.metrics.render(stats, frontend), media_type="text/plain; version=0.0.4")
+        replicas = state.tm.replica_stats if stats is not None and state.tm is not None else ()
+        return Response(state.metrics.render(stats, frontend, replicas), media_type="text/plain; version=0.0.4")
 
     @app.get("/get_server_info")
     async def server_info():

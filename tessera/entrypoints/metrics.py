@@ -32,6 +32,13 @@ class Metrics:
                                       registry=r)
         self.encoder_hits = Gauge("tessera_encoder_cache_hits", "Encoder-cache hits", labels, registry=r)
         self.encoder_misses = Gauge("tessera_encoder_cache_misses", "Encoder-cache misses", labels, registry=r)
+        per_replica = ["model_name", "dp_rank"]
+        self.replica_running = Gauge("tessera_replica_num_running_reqs", "Requests running, per data-parallel "
+                                     "replica", per_replica, registry=r)
+        self.replica_queued = Gauge("tessera_replica_num_queue_reqs", "Requests waiting, per data-parallel replica",
+                                    per_replica, registry=r)
+        self.replica_kv_usage = Gauge("tessera_replica_kv_cache_usage", "Fraction of KV slots held by requests, "
+                                      "per data-parallel replica", per_replica, registry=r)
         self.preprocess_hit_rate = Gauge("tessera_preprocess_cache_hit_rate",
                                          "Media items served from the preprocessing cache / items", labels, registry=r)
 
@@ -48,8 +55,13 @@ class Metrics:
             if b > a:
                 self.itl.labels(m).observe(b - a)
 
-    def render(self, stats, frontend=None) -> bytes:
+    def render(self, stats, frontend=None, replicas=()) -> bytes:
         m = self.model_name
+        for rs in replicas:
+            dp = str(rs.dp_rank)
+            self.replica_running.labels(m, dp).set(rs.num_running)
+            self.replica_queued.labels(m, dp).set(rs.num_waiting)
+            self.replica_kv_usage.labels(m, dp).set(rs.kv_used_tokens / max(1, rs.kv_total_tokens))
         if frontend is not None:
             items = frontend.preprocess_cache_hits + frontend.preprocess_cache_misses
             self.preprocess_hit_rate.labels(m).set(frontend.preprocess_cache_hits / max(1, items))

@@ -26,6 +26,7 @@ import zmq.asyncio
 
 from tessera.config import ServerArgs
 from tessera.frontend.detokenizer import IncrementalDetokenizer
+from tessera.frontend.dispatcher import Dispatcher
 from tessera.frontend.model_info import ModelInfo
 from tessera.frontend.request import GenerateRequest
 from tessera import __version__ as tessera_version
@@ -74,8 +75,14 @@ class TokenizerManager:
         self.executor = ThreadPoolExecutor(max_workers=args.mm_preprocess_workers, thread_name_prefix="tessera-pre")
         self.states: dict[str, ReqState] = {}
         self._ipc_dir = tempfile.mkdtemp(prefix="tessera-ipc-")
-        self._proc: subprocess.Popen | None = None
+        # One scheduler process per data-parallel replica (--dp-size); requests go where the dispatcher says.
+        self._procs: list[subprocess.Popen] = []
+        self.send_socks: list = []
+        self.dispatcher = Dispatcher(args.dp_size, args.load_balance_method)
+        self.worker_infos: list[WorkerInfo] = []
         self._stats_waiters: list[asyncio.Future] = []
+        self._stats_parts: dict[int, io.SchedulerStats] = {}
+        self.replica_stats: list[io.SchedulerStats] = []
         self.ready = False
         self.context_length = self.info.context_length
         self.max_total_tokens = args.max_total_tokens or 0  # the worker's real pool size once it is ready
@@ -87,35 +94,44 @@ class TokenizerManager:
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
-        """Starts the scheduler process and waits until the model is loaded."""
+        """Starts the scheduler process of every replica and waits until each has loaded the model."""
         self.ctx = zmq.asyncio.Context()
-        to_sched, from_sched, ready = self._endpoint("in"), self._endpoint("out"), self._endpoint("ready")
-        self.send_sock = self.ctx.socket(zmq.PUSH)
-        self.send_sock.bind(to_sched)
-        self.recv_sock = self.ctx.socket(zmq.PULL)
+        from_sched = self._endpoint("out")
+        self.recv_sock = self.ctx.socket(zmq.PULL)  # every replica pushes its outputs here
         self.recv_sock.bind(from_sched)
-        ready_sock = self.ctx.socket(zmq.PULL)
-        ready_sock.bind(ready)
-        cfg = json.dumps(dataclasses.asdict(self.args))
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tessera.scheduler.launch", cfg, to_sched, from_sched, ready],
-            stdin=subprocess.DEVNULL,
-        )
+        ready_socks = []
+        for rank in range(self.args.dp_size):
+            to_sched, ready = self._endpoint(f"in{rank}"), self._endpoint(f"ready{rank}")
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.bind(to_sched)
+            self.send_socks.append(sock)
+            ready_sock = self.ctx.socket(zmq.PULL)
+            ready_sock.bind(ready)
+            ready_socks.append(ready_sock)
+            # Replica r drives GPUs base + r * tp .. base + (r + 1) * tp - 1.
+            replica_args = self.args.replace(base_gpu_id=self.args.base_gpu_id + rank * self.args.tp_size)
+            cfg = json.dumps(dataclasses.asdict(replica_args))
+            self._procs.append(subprocess.Popen(
+                [sys.executable, "-m", "tessera.scheduler.launch", cfg, to_sched, from_sched, ready, str(rank)],
+                stdin=subprocess.DEVNULL,
+            ))
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        msg = None
-        while msg is None:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"scheduler process exited during startup (code {self._proc.returncode})")
-            if time.monotonic() > deadline:
-                raise RuntimeError("scheduler did not become ready in time")
-            if await ready_sock.poll(200):
-                msg = await io.recv_async(ready_sock)
-        ready_sock.close(linger=0)
-        if isinstance(msg, io.SchedulerError):
-            raise RuntimeError(f"model failed to load: {msg.message}")
-        self.worker_info = msg.worker
-        self.max_total_tokens = msg.max_total_tokens
-        self.context_length = msg.context_length
+        for rank, (proc, ready_sock) in enumerate(zip(self._procs, ready_socks)):
+            msg = None
+            while msg is None:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"scheduler process {rank} exited during startup (code {proc.returncode})")
+                if time.monotonic() > deadline:
+                    raise RuntimeError("scheduler did not become ready in time")
+                if await ready_sock.poll(200):
+                    msg = await io.recv_async(ready_sock)
+            ready_sock.close(linger=0)
+            if isinstance(msg, io.SchedulerError):
+                raise RuntimeError(f"model failed to load: {msg.message}")
+            self.worker_infos.append(msg.worker)
+        self.worker_info = self.worker_infos[0]
+        self.max_total_tokens = min(w.max_total_tokens for w in self.worker_infos)
+        self.context_length = self.worker_info.context_length
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
         self.ready = True
 
@@ -128,7 +144,7 @@ class TokenizerManager:
                 await task
             except asyncio.CancelledError:
                 pass
-        for sock in (getattr(self, "send_sock", None), getattr(self, "recv_sock", None)):
+        for sock in [*self.send_socks, getattr(self, "recv_sock", None)]:
             if sock is not None:
                 sock.close(linger=0)
 
@@ -142,18 +158,22 @@ class TokenizerManager:
                          modalities=sorted(m.value for m in self.info.modalities))
         resolved = {k: effective[k] for k in ("device", "dtype", "max_total_tokens", "context_length")
                     if k in effective}
+        replicas = [dict(dataclasses.asdict(w), dp_rank=i, alive=self.dispatcher.alive[i],
+                         in_flight=self.dispatcher.in_flight[i]) for i, w in enumerate(self.worker_infos)]
         return {**given, **resolved, "max_total_num_tokens": effective.get("max_total_tokens"),
-                "server_args": given, "effective": effective, "version": tessera_version}
+                "server_args": given, "effective": effective, "replicas": replicas, "version": tessera_version}
 
     def shutdown(self) -> None:
         self.ready = False
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self._procs:
             try:
-                self._proc.wait(timeout=10)
+                proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+                proc.kill()
+                proc.wait()
         self.executor.shutdown(wait=False, cancel_futures=True)
         try:
             for name in os.listdir(self._ipc_dir):
@@ -164,18 +184,32 @@ class TokenizerManager:
 
     @property
     def scheduler_alive(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
+        """Some replica is serving (a dead replica is taken out; the others go on)."""
+        return any(p.poll() is None for p in self._procs)
 
-    def _fail_all(self, message: str) -> None:
-        for rid, state in list(self.states.items()):
-            state.queue.put_nowait(io.ReqOutput(rid, [], {"type": "error", "message": message}))
+    def _fail(self, rids: list[str], message: str) -> None:
+        for rid in rids:
+            state = self.states.get(rid)
+            if state is not None:
+                state.queue.put_nowait(io.ReqOutput(rid, [], {"type": "error", "message": message}))
+
+    def _check_replicas(self) -> None:
+        """A replica whose scheduler died fails its requests and gets no more; the rest keep serving."""
+        for rank, proc in enumerate(self._procs):
+            if self.dispatcher.alive[rank] and proc.poll() is not None:
+                self.dispatcher.alive[rank] = False
+                logger.error("replica %d: scheduler process exited (code %s)", rank, proc.returncode)
+                self._fail(self.dispatcher.requests_on(rank),
+                           f"the scheduler process of replica {rank} exited (code {proc.returncode})")
+        if not any(self.dispatcher.alive):
+            self.ready = False
 
     async def _recv_loop(self) -> None:
         while True:
             if not await self.recv_sock.poll(1000):
-                if not self.scheduler_alive:  # it died: nobody will ever answer the pending requests
-                    self.ready = False
-                    self._fail_all(f"the scheduler process exited (code {self._proc.returncode})")
+                self._check_replicas()
+                if not self.ready:  # every replica died: nobody will answer the pending requests
+                    self._fail(list(self.states), "the scheduler process exited")
                     return
                 continue
             msg = await io.recv_async(self.recv_sock)
@@ -185,16 +219,28 @@ class TokenizerManager:
                     if state is not None:
                         state.queue.put_nowait(out)
             elif isinstance(msg, io.SchedulerStats):
-                waiters, self._stats_waiters = self._stats_waiters, []
-                for fut in waiters:
-                    if not fut.done():
-                        fut.set_result(msg)
+                self._stats_parts[msg.dp_rank] = msg
+                live = [r for r, ok in enumerate(self.dispatcher.alive) if ok]
+                if all(r in self._stats_parts for r in live):
+                    parts, self._stats_parts = self._stats_parts, {}
+                    self.replica_stats = [parts[r] for r in sorted(parts)]
+                    total = io.SchedulerStats.sum(self.replica_stats)
+                    waiters, self._stats_waiters = self._stats_waiters, []
+                    for fut in waiters:
+                        if not fut.done():
+                            fut.set_result(total)
 
     async def get_stats(self, timeout: float = 5.0) -> io.SchedulerStats:
+        """The scheduler counters summed over the live replicas (each one's in self.replica_stats)."""
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
-        await io.send_async(self.send_sock, io.GetStatsReq())
+        await self._send_all(io.GetStatsReq())
         return await asyncio.wait_for(fut, timeout)
+
+    async def _send_all(self, msg) -> None:
+        for rank, sock in enumerate(self.send_socks):
+            if self.dispatcher.alive[rank]:
+                await io.send_async(sock, msg)
 
     def frontend_stats(self) -> FrontendStats:
         """A snapshot of the frontend counters; safe from any thread (the cache locks)."""
@@ -207,7 +253,7 @@ class TokenizerManager:
         """Drops the preprocessing cache here and asks the scheduler to drop its caches."""
         if self.mm_processor is not None:
             self.mm_processor.preprocess_cache.clear()
-        await io.send_async(self.send_sock, io.FlushCacheReq())
+        await self._send_all(io.FlushCacheReq())
 
     # ---- requests ---------------------------------------------------------------------------
     def _tokenize(self, req: GenerateRequest) -> io.TokenizedGenerateReq:
@@ -255,8 +301,15 @@ class TokenizerManager:
         state = ReqState(req, len(tokenized.input_ids), IncrementalDetokenizer(
             self.tokenizer, sp.skip_special_tokens, sp.stop, sp.spaces_between_special_tokens))
         self.states[req.rid] = state
+        mm = tokenized.mm_inputs
+        self._check_replicas()  # never dispatch to a replica that has died since the last look
+        if not self.ready:
+            raise RuntimeError("every scheduler process has exited")
+        replica = self.dispatcher.choose(
+            req.rid, mm.pad_input_ids(tokenized.input_ids) if mm else tokenized.input_ids,
+            [item.hash for item in mm.items] if mm else [])
         try:
-            await io.send_async(self.send_sock, tokenized)
+            await io.send_async(self.send_socks[replica], tokenized)
             while True:
                 out: io.ReqOutput = await state.queue.get()
                 now = time.monotonic()
@@ -284,11 +337,14 @@ class TokenizerManager:
                     yield self._result(state, out, delta)
         finally:
             self.states.pop(req.rid, None)
+            self.dispatcher.finished(req.rid)
             if not state.finished:  # client went away or was cancelled: free the scheduler's KV
-                await io.send_async(self.send_sock, io.AbortReq(req.rid))
+                await io.send_async(self.send_socks[replica], io.AbortReq(req.rid))
 
     async def abort(self, rid: str) -> None:
-        await io.send_async(self.send_sock, io.AbortReq(rid))
+        replica = self.dispatcher.owner(rid)
+        if replica is not None:
+            await io.send_async(self.send_socks[replica], io.AbortReq(rid))
 
     def _result(self, state: ReqState, out: io.ReqOutput, delta: str) -> dict:
         now = time.monotonic()

@@ -7,6 +7,7 @@ their data travels as out-of-band ZMQ frames (no pickled copy of the bytes).
 from __future__ import annotations
 
 import copyreg
+import dataclasses
 import io
 import pickle
 from dataclasses import dataclass, field
@@ -61,6 +62,14 @@ class SchedulerStats:
     num_forward_steps: int
     num_prefill_tokens_computed: int
     num_retractions: int
+    dp_rank: int = 0  # the data-parallel replica these counters are of
+
+    @classmethod
+    def sum(cls, parts: list[SchedulerStats]) -> SchedulerStats:
+        """The counters of several replicas added up (dp_rank -1: a total)."""
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "dp_rank"]
+        return cls(**{n: sum(getattr(p, n) for p in parts) for n in names}, dp_rank=-1 if len(parts) > 1 else
+                   (parts[0].dp_rank if parts else 0))
 
 
 @dataclass

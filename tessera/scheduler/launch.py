@@ -1,4 +1,4 @@
-"""`python -m tessera.scheduler.launch CONFIG_JSON IN OUT READY`: the scheduler child process.
+"""`python -m tessera.scheduler.launch CONFIG_JSON IN OUT READY [DP_RANK]`: a scheduler child process.
 
 A separate interpreter (not multiprocessing's spawn) so user scripts need no __main__ guard.
 The child exits when its parent dies, so no scheduler outlives the engine that started it.
@@ -26,11 +26,12 @@ def _watch_parent(parent_pid: int) -> None:
 
 def main() -> None:
     cfg, to_sched, from_sched, ready = sys.argv[1:5]
+    dp_rank = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     args = ServerArgs(**json.loads(cfg))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
-    run_scheduler_process(args, to_sched, from_sched, ready)
+    run_scheduler_process(args, to_sched, from_sched, ready, dp_rank)
 
 
 if __name__ == "__main__":

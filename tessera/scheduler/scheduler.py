@@ -25,7 +25,7 @@ class Scheduler:
     """Owns the request table, the page allocator, the radix tree and the cache keys; each step it hands a
     ForwardInput to the model worker (in-process today) and applies the sampled tokens it returns."""
 
-    def __init__(self, args: ServerArgs, recv_endpoint: str, send_endpoint: str):
+    def __init__(self, args: ServerArgs, recv_endpoint: str, send_endpoint: str, dp_rank: int = 0):
         from transformers import AutoTokenizer
 
         from tessera.cache.allocator import PagedTokenAllocator
@@ -36,6 +36,7 @@ class Scheduler:
         from tessera.worker.model_worker import ModelWorker
 
         self.args = args
+        self.dp_rank = dp_rank
         ctx = zmq.Context.instance()
         self.recv_sock = ctx.socket(zmq.PULL)
         self.recv_sock.connect(recv_endpoint)
@@ -105,7 +106,7 @@ class Scheduler:
             encoder_cache_hits=hits, encoder_cache_misses=misses,
             encoder_cache_bytes=used, num_forward_steps=self.num_forward_steps,
             num_prefill_tokens_computed=self.num_prefill_tokens_computed,
-            num_retractions=self.policy.num_retractions,
+            num_retractions=self.policy.num_retractions, dp_rank=self.dp_rank,
         )
 
     # ---- stepping -------------------------------------------------------------------------
@@ -204,7 +205,8 @@ class Scheduler:
             self.step()
 
 
-def run_scheduler_process(args: ServerArgs, recv_endpoint: str, send_endpoint: str, ready_endpoint: str) -> None:
+def run_scheduler_process(args: ServerArgs, recv_endpoint: str, send_endpoint: str, ready_endpoint: str,
+                          dp_rank: int = 0) -> None:
     """Entry point of the scheduler child process."""
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s scheduler] %(message)s")
     import torch
@@ -214,7 +216,7 @@ def run_scheduler_process(args: ServerArgs, recv_endpoint: str, send_endpoint: s
     ready = zmq.Context.instance().socket(zmq.PUSH)
     ready.connect(ready_endpoint)
     try:
-        scheduler = Scheduler(args, recv_endpoint, send_endpoint)
+        scheduler = Scheduler(args, recv_endpoint, send_endpoint, dp_rank)
     except Exception as e:  # report startup failures (bad checkpoint, ...) to the parent
         io.send(ready, io.SchedulerError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
         time.sleep(0.5)

@@ -15,6 +15,7 @@ import torch
 from tessera.cache.encoder_cache import EncoderCache
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.config import ServerArgs
+from tessera.distributed.encoder_dp import dp_sharded_encode
 from tessera.distributed.parallel_state import min_over_ranks, tp_group
 from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError
@@ -55,8 +56,8 @@ class ModelWorker:
         self.args = args
         self.tp = tp_group()
         self.device = resolve_device(args.device)
-        if self.device.type == "cuda" and self.tp.size > 1:
-            self.device = torch.device("cuda", self.tp.rank)  # one GPU per rank
+        if self.device.type == "cuda" and (self.tp.size > 1 or args.base_gpu_id):
+            self.device = torch.device("cuda", args.base_gpu_id + self.tp.rank)  # one GPU per rank
         self.model, self.config = load_model(args.model_path, dtype=args.dtype, device=self.device,
                                              language_model_only=args.language_model_only,
                                              attention_backend=args.attention_backend, config=config)
@@ -136,7 +137,11 @@ class ModelWorker:
             if encoder is None:
                 raise ValueError(f"{modality.value}: this model has no {modality.value} encoder")
             items = [fi.mm_items[i] for i in indices]
-            for item, emb in zip(items, encoder(items)):
+            if self.args.mm_enable_dp_encoder and self.tp.size > 1:  # each rank encodes a share, then all_gather
+                embeds = dp_sharded_encode(encoder, items, [it.num_tokens for it in items], self.dtype, self.device)
+            else:
+                embeds = encoder(items)
+            for item, emb in zip(items, embeds):
                 if emb.shape[0] != item.num_tokens:
                     raise EmbeddingCountError(f"{modality.value}: encoder gave {emb.shape[0]} embeddings for "
                                               f"{item.num_tokens} placeholder tokens")

@@ -76,3 +76,69 @@ def test_tiny_qwen2_audio(tmp_path) -> None:
     prompts = [_chat(path, [{"type": "audio"}, {"type": "text", "text": INSTRUCTION}]),
                _chat(path, [{"type": "audio"}, {"type": "text", "text": "Hello."}])]
     _compare(path, prompts, audio_data=[tone(1.1), speechlike(2.2, seed=2)])
+
+
+def test_dp_encoder_assignment_balances_skewed_sizes() -> None:
+    from tessera.distributed.encoder_dp import dp_encoder_assignment
+
+    sizes = [4096, 64, 64, 1024, 256, 2304, 64, 576, 1600, 144]  # patch counts of 224..1536 px images
+    shares = dp_encoder_assignment(sizes, 2)
+    assert sorted(i for s in shares for i in s) == list(range(len(sizes)))
+    loads = [sum(sizes[i] for i in s) for s in shares]
+    assert max(loads) / (sum(loads) / 2) < 1.05  # 5188 vs 5064
+    assert dp_encoder_assignment(sizes, 2) == shares  # every rank computes the same
+    assert dp_encoder_assignment([5, 5, 5], 4) == [[0], [1], [2], []]  # fewer items than ranks
+    one = dp_encoder_assignment([100, 1, 1, 1], 2)
+    assert one[0] == [0] and one[1] == [1, 2, 3]  # a dominant item gets a rank to itself
+
+
+def test_dp_encoder_matches_one_rank(scene_images) -> None:
+    """Four images of different sizes in one step, shared over 2 ranks: the same tokens as tp 1."""
+    path = str(ASSETS_DIR / "demo-vl")
+    images = [im.resize((w, h)) for im, (w, h) in zip(scene_images, [(112, 112), (224, 168), (56, 84), (168, 168)])]
+    prompts = [_chat(path, [{"type": "image"}, {"type": "text", "text": q}])
+               for q in ("Describe the image.", "How many shapes are there?", "Describe the image.",
+                         "What color is the circle?")]
+    ids1, lp1, _ = _run(path, 1, prompts, image_data=images)
+    with Engine(path, tp_size=2, mm_enable_dp_encoder=True, max_total_tokens=4096, show_progress=False) as e:
+        outs = e.generate(prompts, SAMPLING, image_data=images, return_logprob=True)
+        stats = e.get_stats()
+    assert [o["output_ids"] for o in outs] == ids1
+    for o, ref in zip(outs, lp1):
+        assert max(abs(lp - r) for (lp, _), r in zip(o["meta_info"]["output_token_logprobs"], ref)) < 1e-5
+    assert stats.encoder_cache_misses == 4
+
+
+def _dp_encode_rank(rank: int, init_method: str, result_path: str) -> None:
+    import torch
+
+    from tessera.distributed.encoder_dp import dp_sharded_encode
+    from tessera.distributed.parallel_state import destroy_tensor_parallel, init_tensor_parallel
+
+    init_tensor_parallel(rank, 2, init_method, torch.device("cpu"))
+    torch.manual_seed(0)
+    proj = torch.nn.Linear(6, 5)
+    items = [torch.randn(n, 6) for n in (9, 2, 4, 7, 1)]
+    calls: list[int] = []
+
+    def encoder(batch):
+        calls.append(len(batch))
+        return [proj(x) for x in batch]
+
+    with torch.no_grad():
+        got = dp_sharded_encode(encoder, items, [x.shape[0] for x in items], torch.float32, torch.device("cpu"))
+        want = [proj(x) for x in items]
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    torch.save({"rank": rank, "calls": calls}, f"{result_path}.{rank}")
+    destroy_tensor_parallel()
+
+
+def test_dp_sharded_encode_equals_the_unsharded_encoder(tmp_path) -> None:
+    import torch
+    import torch.multiprocessing as mp
+
+    from tessera.distributed.tp_launch import free_init_method
+
+    mp.spawn(_dp_encode_rank, args=(free_init_method(), str(tmp_path / "r")), nprocs=2, join=True)
+    calls = [torch.load(tmp_path / f"r.{r}")["calls"] for r in range(2)]
+    assert calls == [[3], [2]]  # largest first to the least loaded: rank 0 gets 9 + 2 + 1, rank 1 gets 7 + 4
