@@ -36,9 +36,14 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_serve(ns: argparse.Namespace) -> int:
+    args = ServerArgs.from_cli_args(ns)
+    if args.node_rank > 0:  # another node of a multi-node group: its tensor-parallel ranks only
+        from tessera.distributed.tp_launch import run_node
+
+        return run_node(args)
     from tessera.entrypoints.http_server import launch_server
 
-    launch_server(ServerArgs.from_cli_args(ns))
+    launch_server(args)
     return 0
 
 

@@ -78,6 +78,11 @@ class ServerArgs:
     dp_size: int = 1  # independent scheduler + worker replicas behind the one frontend
     load_balance_method: str = "round_robin"  # round_robin | shortest_queue | cache_aware (see frontend/dispatcher)
     base_gpu_id: int = 0  # first GPU of this server; replica r, TP rank t uses base + r * tp_size + t
+    # Several nodes (SGLang's flags): the TP ranks are spread evenly over nnodes machines; node 0 runs the
+    # frontend and the scheduler, node k > 0 only its ranks. Every node gets the same --dist-init-addr.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of node 0's rendezvous
     random_seed: int = 0
     context_length: int | None = None
     attention_backend: str = "torch_native"
@@ -142,6 +147,15 @@ class ServerArgs:
         for name in ("tp_size", "dp_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank: must be in 0..nnodes-1, got {self.node_rank} of {self.nnodes}")
+        if self.nnodes > 1:
+            if self.tp_size % self.nnodes:
+                raise ValueError(f"tp_size: {self.tp_size} ranks do not spread evenly over nnodes={self.nnodes}")
+            if self.dp_size != 1:
+                raise ValueError("dp_size: several nodes serve one tensor-parallel replica; use --dp-size 1")
+            if not self.dist_init_addr or ":" not in self.dist_init_addr:
+                raise ValueError("dist_init_addr: several nodes need host:port of node 0's rendezvous")
         if self.load_balance_method not in ("round_robin", "shortest_queue", "cache_aware"):
             raise ValueError(f"load_balance_method: expected round_robin, shortest_queue or cache_aware, "
                              f"got {self.load_balance_method!r}")

@@ -23,6 +23,35 @@ from tessera.config import ServerArgs
 logger = logging.getLogger("tessera.tp")
 
 
+def rendezvous(args: ServerArgs) -> str:
+    """The TP group's init method: node 0's --dist-init-addr across nodes, a free local port on one."""
+    return f"tcp://{args.dist_init_addr}" if args.nnodes > 1 else free_init_method()
+
+
+def spawn_ranks(args: ServerArgs, ranks: range, init_method: str) -> list[subprocess.Popen]:
+    import dataclasses
+
+    cfg = json.dumps(dataclasses.asdict(args))
+    return [subprocess.Popen([sys.executable, "-m", "tessera.distributed.tp_launch", cfg, str(rank), init_method],
+                             stdin=subprocess.DEVNULL) for rank in ranks]
+
+
+def run_node(args: ServerArgs) -> int:
+    """`tessera serve --node-rank k` (k > 0): this node's TP ranks, until node 0 stops them."""
+    per_node = args.tp_size // args.nnodes
+    first = args.node_rank * per_node
+    procs = spawn_ranks(args, range(first, first + per_node), rendezvous(args))
+    print(f"Tessera node {args.node_rank}/{args.nnodes}: TP ranks {first}..{first + per_node - 1}, "
+          f"rendezvous {args.dist_init_addr}", flush=True)
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        codes = [p.wait() for p in procs]
+    return max(codes, default=0)
+
+
 def free_init_method() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -33,18 +62,18 @@ class TPGroupHandle:
     """Rank 0's view: starts the other ranks, broadcasts the step messages, stops them."""
 
     def __init__(self, args: ServerArgs):
-        import dataclasses
-
         from tessera.distributed.parallel_state import init_tensor_parallel
         from tessera.models.registry import resolve_device
 
         self.size = args.tp_size
-        init_method = free_init_method()
-        cfg = json.dumps(dataclasses.asdict(args))
-        self.procs = [subprocess.Popen([sys.executable, "-m", "tessera.distributed.tp_launch", cfg, str(rank),
-                                        init_method], stdin=subprocess.DEVNULL)
-                      for rank in range(1, self.size)]
+        init_method = rendezvous(args)
+        # Node 0 starts its own ranks 1..per_node-1; the other nodes start theirs (run_node).
+        self.procs = spawn_ranks(args, range(1, args.tp_size // args.nnodes), init_method)
         init_tensor_parallel(0, self.size, init_method, resolve_device(args.device))
+
+    @property
+    def alive(self) -> bool:
+        return all(p.poll() is None for p in self.procs)
 
     def broadcast(self, msg: tuple) -> None:
         from tessera.distributed.parallel_state import broadcast_object
@@ -67,6 +96,7 @@ class TPGroupHandle:
 
 
 def _watch_parent(parent_pid: int) -> None:
+    # A rank of a multi-node group on node k > 0 has `tessera serve` as its parent: it goes with it too.
     while True:
         if os.getppid() != parent_pid:
             os._exit(0)

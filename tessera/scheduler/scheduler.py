@@ -156,6 +156,11 @@ class Scheduler:
         except Exception as e:  # a bug or a bad tensor that got past the frontend: fail this batch only
             logger.exception("model step failed; failing the %d requests of the batch", len(batch.reqs))
             self._fail(batch, f"internal error in the model step: {type(e).__name__}: {e}")
+            if self.tp is not None and not self.tp.alive:
+                # A tensor-parallel rank died: this replica cannot step again. Exit, so the frontend takes
+                # the replica out and fails its requests (or stops, when it was the only one).
+                logger.error("a tensor-parallel rank exited; stopping this replica")
+                raise SystemExit(1) from e
             return True
         self.num_forward_steps += 1
         for s in batch.reqs:

@@ -142,3 +142,25 @@ def test_dp_sharded_encode_equals_the_unsharded_encoder(tmp_path) -> None:
     mp.spawn(_dp_encode_rank, args=(free_init_method(), str(tmp_path / "r")), nprocs=2, join=True)
     calls = [torch.load(tmp_path / f"r.{r}")["calls"] for r in range(2)]
     assert calls == [[3], [2]]  # largest first to the least loaded: rank 0 gets 9 + 2 + 1, rank 1 gets 7 + 4
+
+
+def test_a_dead_tp_rank_fails_requests_clearly_instead_of_hanging() -> None:
+    import os
+    import signal
+    import time
+
+    from tests.server.server_process import children_of
+
+    path = str(ASSETS_DIR / "demo-vl")
+    with Engine(path, tp_size=2, max_total_tokens=2048, show_progress=False) as engine:
+        scheduler = engine.tokenizer_manager._procs[0]
+        ranks = children_of(scheduler.pid)
+        assert ranks, "the scheduler started no TP rank process"
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="exited|rank"):
+            engine.generate("Hello", SAMPLING)
+        assert time.monotonic() - started < 60
+        scheduler.wait(timeout=30)  # the replica stopped itself
