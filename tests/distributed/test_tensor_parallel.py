@@ -164,3 +164,14 @@ def test_a_dead_tp_rank_fails_requests_clearly_instead_of_hanging() -> None:
             engine.generate("Hello", SAMPLING)
         assert time.monotonic() - started < 60
         scheduler.wait(timeout=30)  # the replica stopped itself
+
+
+def test_dp_encoder_balance_report() -> None:
+    from tessera.bench.dp_encoder import markdown, merged_patches, run
+
+    assert merged_patches(448, 448) == 256 and merged_patches(224, 1536) == 8 * 55
+    rows = run(steps=20, images_per_step=(16,), ranks=(2, 4))
+    for row in rows:  # greedy never does worse than the contiguous split, and is near 1 at 16 images
+        assert 1.0 <= row["greedy_median"] <= row["contiguous_median"]
+        assert row["greedy_median"] < 1.1
+    assert markdown(rows).count("\n| 16 |") == 2
