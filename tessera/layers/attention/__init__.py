@@ -9,6 +9,8 @@ from tessera.layers.attention.base import BaseAttentionBackend
 # name -> "module:Class"
 _BACKENDS: dict[str, str] = {
     "torch_native": "tessera.layers.attention.torch_native:TorchNativeAttentionBackend",
+    # Paged attention in Triton kernels (CUDA; on a CPU only under TRITON_INTERPRET=1, for tests).
+    "triton": "tessera.layers.attention.triton_backend:TritonAttentionBackend",
 }
 
 

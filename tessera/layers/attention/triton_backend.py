@@ -1,0 +1,93 @@
+"""`--attention-backend triton`: paged attention with our Triton kernels (triton_kernels.py).
+
+Per step (init_forward_metadata, shared by all layers): the per-request rows, lengths and extend starts as
+int32 device tensors, and the custom masks flattened into one buffer with per-request offsets. Per layer:
+the new K/V go into the pool, then one kernel launch: decode when every request adds one token without a
+custom mask, extend otherwise (decode requests are extends of length 1 there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from tessera.cache.kv_pool import TokenToKVPool
+from tessera.layers.attention.base import BaseAttentionBackend
+from tessera.runner.forward_batch import ForwardBatch
+
+BLOCK_M = 32  # queries per extend program
+BLOCK_N = 32  # keys per inner step
+
+
+@dataclass
+class _Meta:
+    fb: ForwardBatch
+    rows: torch.Tensor  # [B] int32 req_to_token rows
+    seq_lens: torch.Tensor  # [B] int32
+    ext_lens: torch.Tensor  # [B] int32
+    ext_starts: torch.Tensor  # [B] int32 first flat row of each request
+    masks: torch.Tensor  # flattened uint8 custom masks (a 1-element dummy when there are none)
+    mask_indptr: torch.Tensor  # [B] int64 offset of each request's mask in `masks`, -1 = causal
+    max_ext: int
+    all_decode: bool
+
+
+class TritonAttentionBackend(BaseAttentionBackend):
+    def __init__(self) -> None:
+        self._meta: _Meta | None = None
+
+    def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        self._meta = self._build(fb)
+
+    @staticmethod
+    def _build(fb: ForwardBatch) -> _Meta:
+        ext, seq, starts, rows = fb.host_plan()
+        device = fb.req_to_token.device
+        masks = fb.custom_masks or [None] * len(seq)
+        parts, indptr, offset = [], [], 0
+        for m in masks:
+            if m is None:
+                indptr.append(-1)
+            else:
+                parts.append(m.to(device=device, dtype=torch.uint8).reshape(-1))
+                indptr.append(offset)
+                offset += parts[-1].numel()
+        flat = torch.cat(parts) if parts else torch.zeros(1, dtype=torch.uint8, device=device)
+
+        def ints(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return _Meta(fb, ints(rows), ints(seq), ints(ext), ints(starts), flat, ints(indptr, torch.int64),
+                     max(ext, default=0), all(e == 1 for e in ext) and not parts)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch,
+                pool: TokenToKVPool, scaling: float, sliding_window: int | None = None) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        meta = self._meta if self._meta is not None and self._meta.fb is fb else self._build(fb)
+        self._meta = meta
+        k_buf, v_buf = pool.get_kv(layer_id)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        group = num_heads // pool.num_kv_heads
+        block_d = triton.next_power_of_2(max(head_dim, 16))
+        window = sliding_window or 0
+        r2t = fb.req_to_token
+        if meta.all_decode:
+            decode_kernel[(num_tokens, num_heads)](
+                q, k_buf, v_buf, out, r2t, meta.rows, meta.seq_lens, scaling, window,
+                q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), out.stride(0), out.stride(1),
+                r2t.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N)
+        else:
+            grid = (meta.rows.shape[0], num_heads, triton.cdiv(meta.max_ext, BLOCK_M))
+            extend_kernel[grid](
+                q, k_buf, v_buf, out, r2t, meta.rows, meta.seq_lens, meta.ext_lens, meta.ext_starts, meta.masks,
+                meta.mask_indptr, scaling, window, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
+                out.stride(0), out.stride(1), r2t.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+        return out.reshape(num_tokens, num_heads * head_dim)
+
+
+from tessera.layers.attention.triton_kernels import decode_kernel, extend_kernel  # noqa: E402  (after triton)

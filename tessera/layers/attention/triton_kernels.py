@@ -1,0 +1,117 @@
+"""Triton kernels for attention over the paged KV pool: the page table is read inside the kernel, so no
+step gathers a request's K/V into a contiguous copy.
+
+Both kernels read keys and values through req_to_token[row, position] (one slot per token, page_size
+pages being runs of slots) after the step's new K/V were written to the pool, and use an online softmax
+over blocks of keys in float32.
+- decode: one query per request; grid (requests, query heads).
+- extend: a block of a request's new tokens; grid (requests, query heads, query blocks). Causal unless the
+  request has a custom mask (a flattened bool [extend_len, seq_len] at mask_indptr[request], -1 = none).
+Both apply an optional sliding window (a query at position p sees keys > p - window).
+
+Correctness runs on the CPU under TRITON_INTERPRET=1 (tests/layers/test_triton_attention.py); speed only
+means something on a GPU.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_kernel(Q, K, V, Out, ReqToToken, ReqRows, SeqLens, sm_scale, window,
+                  stride_qb, stride_qh, stride_kt, stride_kh, stride_ob, stride_oh, stride_rt,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kv_h = h // GROUP
+    seq = tl.load(SeqLens + b)
+    row = tl.load(ReqRows + b)
+    start = 0
+    if window > 0:
+        start = tl.maximum(seq - window, 0)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for n0 in range(start, seq, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < seq
+        slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0)
+        kv_off = slots[:, None] * stride_kt + kv_h * stride_kh + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[None, :] * k, 1) * sm_scale
+        s = tl.where(n_mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        p = tl.exp(s - m_new)
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+    out = acc / l_i
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
+def extend_kernel(Q, K, V, Out, ReqToToken, ReqRows, SeqLens, ExtLens, ExtStarts, Masks, MaskIndptr,
+                  sm_scale, window, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_rt,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    mb = tl.program_id(2)
+    ext = tl.load(ExtLens + b)
+    if mb * BLOCK_M < ext:
+        kv_h = h // GROUP
+        seq = tl.load(SeqLens + b)
+        row = tl.load(ReqRows + b)
+        q_start = tl.load(ExtStarts + b)
+        mask_off = tl.load(MaskIndptr + b)
+        prefix = seq - ext
+        offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < ext
+        q_pos = prefix + offs_m
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        # Causal requests see nothing past this block's last query; masked ones may see the whole sequence.
+        kv_end = seq
+        if mask_off < 0:
+            kv_end = tl.minimum(seq, prefix + (mb + 1) * BLOCK_M)
+        for n0 in range(0, kv_end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_mask = offs_n < seq
+            slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0)
+            kv_off = slots[:, None] * stride_kt + kv_h * stride_kh + offs_d[None, :]
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+            allowed = m_mask[:, None] & n_mask[None, :]
+            if mask_off >= 0:
+                custom = tl.load(Masks + mask_off + offs_m[:, None] * seq + offs_n[None, :], mask=allowed, other=0)
+                allowed = allowed & (custom != 0)
+            else:
+                allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
+            if window > 0:
+                allowed = allowed & (offs_n[None, :] > q_pos[:, None] - window)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
