@@ -4,7 +4,7 @@ Every step the scheduler broadcasts one message to the group (torch.distributed'
 ("step", ForwardInput), ("flush",) or ("stop",). All ranks run the same forward (their collectives meet);
 only rank 0 samples and answers the scheduler. A rank exits when its parent (the scheduler) dies.
 
-`python -m tessera.distributed.tp_launch CONFIG_JSON RANK INIT_METHOD`: a rank > 0.
+`python -m tessera.distributed.tp_launch RANK INIT_METHOD` with the ServerArgs JSON on stdin: a rank > 0.
 """
 
 from __future__ import annotations
@@ -31,9 +31,16 @@ def rendezvous(args: ServerArgs) -> str:
 def spawn_ranks(args: ServerArgs, ranks: range, init_method: str) -> list[subprocess.Popen]:
     import dataclasses
 
-    cfg = json.dumps(dataclasses.asdict(args))
-    return [subprocess.Popen([sys.executable, "-m", "tessera.distributed.tp_launch", cfg, str(rank), init_method],
-                             stdin=subprocess.DEVNULL) for rank in ranks]
+    cfg = json.dumps(dataclasses.asdict(args)).encode()
+    procs = []
+    for rank in ranks:  # settings over the pipe, never argv (`ps` would show the API key)
+        proc = subprocess.Popen([sys.executable, "-m", "tessera.distributed.tp_launch", str(rank), init_method],
+                                stdin=subprocess.PIPE)
+        assert proc.stdin is not None
+        proc.stdin.write(cfg)
+        proc.stdin.close()
+        procs.append(proc)
+    return procs
 
 
 def run_node(args: ServerArgs) -> int:
@@ -134,7 +141,8 @@ def rank_main(args: ServerArgs, rank: int, init_method: str) -> None:
 
 
 def main() -> None:
-    cfg, rank, init_method = sys.argv[1:4]
+    rank, init_method = sys.argv[1:3]
+    cfg = sys.stdin.read()
     logging.basicConfig(level="INFO", format=f"[%(asctime)s tp{rank}] %(message)s")
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     rank_main(ServerArgs(**json.loads(cfg)), int(rank), init_method)

@@ -111,10 +111,14 @@ class TokenizerManager:
             # Replica r drives GPUs base + r * tp .. base + (r + 1) * tp - 1.
             replica_args = self.args.replace(base_gpu_id=self.args.base_gpu_id + rank * self.args.tp_size)
             cfg = json.dumps(dataclasses.asdict(replica_args))
-            self._procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tessera.scheduler.launch", cfg, to_sched, from_sched, ready, str(rank)],
-                stdin=subprocess.DEVNULL,
-            ))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tessera.scheduler.launch", to_sched, from_sched, ready, str(rank)],
+                stdin=subprocess.PIPE,  # the settings (API key included) go over the pipe, not argv
+            )
+            assert proc.stdin is not None
+            proc.stdin.write(cfg.encode())
+            proc.stdin.close()
+            self._procs.append(proc)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for rank, (proc, ready_sock) in enumerate(zip(self._procs, ready_socks)):
             msg = None

@@ -1,4 +1,5 @@
-"""`python -m tessera.scheduler.launch CONFIG_JSON IN OUT READY [DP_RANK]`: a scheduler child process.
+"""`python -m tessera.scheduler.launch IN OUT READY [DP_RANK]` with the ServerArgs JSON on stdin: a scheduler
+child process. The settings come over the pipe, never argv, so `ps` never shows the API key.
 
 A separate interpreter (not multiprocessing's spawn) so user scripts need no __main__ guard.
 The child exits when its parent dies, so no scheduler outlives the engine that started it.
@@ -25,9 +26,9 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def main() -> None:
-    cfg, to_sched, from_sched, ready = sys.argv[1:5]
-    dp_rank = int(sys.argv[5]) if len(sys.argv) > 5 else 0
-    args = ServerArgs(**json.loads(cfg))
+    to_sched, from_sched, ready = sys.argv[1:4]
+    dp_rank = int(sys.argv[4]) if len(sys.argv) > 4 else 0
+    args = ServerArgs(**json.loads(sys.stdin.read()))
     threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop

@@ -175,3 +175,18 @@ def test_dp_encoder_balance_report() -> None:
         assert 1.0 <= row["greedy_median"] <= row["contiguous_median"]
         assert row["greedy_median"] < 1.1
     assert markdown(rows).count("\n| 16 |") == 2
+
+
+def test_settings_never_travel_in_argv() -> None:
+    """`ps` must not show the API key: scheduler and TP ranks get their settings over a pipe."""
+    from tests.server.server_process import children_of
+
+    with Engine(str(ASSETS_DIR / "demo-vl"), tp_size=2, api_key="sekret-4711", max_total_tokens=1024,
+                show_progress=False) as engine:
+        scheduler = engine.tokenizer_manager._procs[0].pid
+        pids = [scheduler, *children_of(scheduler)]
+        assert len(pids) >= 2
+        for pid in pids:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                assert b"sekret-4711" not in f.read()
+        assert engine.generate("Hi", SAMPLING)["meta_info"]["completion_tokens"] == MAX_NEW
