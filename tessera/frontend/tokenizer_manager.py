@@ -203,8 +203,9 @@ class TokenizerManager:
             if self.dispatcher.alive[rank] and proc.poll() is not None:
                 self.dispatcher.alive[rank] = False
                 logger.error("replica %d: scheduler process exited (code %s)", rank, proc.returncode)
+                where = f" (data-parallel replica {rank})" if len(self._procs) > 1 else ""
                 self._fail(self.dispatcher.requests_on(rank),
-                           f"the scheduler process of replica {rank} exited (code {proc.returncode})")
+                           f"the scheduler process exited (code {proc.returncode}){where}")
         if not any(self.dispatcher.alive):
             self.ready = False
 

@@ -133,7 +133,7 @@ def test_pending_requests_fail_when_the_scheduler_dies(tiny_gqa):
     with Engine(str(tiny_gqa), max_total_tokens=8192, show_progress=False) as eng:
         stream = eng.generate("Hello", {"max_new_tokens": 4000, "ignore_eos": True}, stream=True)
         next(stream)
-        eng.tokenizer_manager._proc.kill()
+        eng.tokenizer_manager._procs[0].kill()
         t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="scheduler process exited"):
             for _ in stream:
