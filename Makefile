@@ -10,10 +10,11 @@ ARGS    ?=
 
 .PHONY: setup serve test test-fast eval-vl train-vl eval-asr train-asr clean
 
-$(STAMP): pyproject.toml
+# constraints.txt pins every package to the versions CI tests (pyproject.toml only gives ranges).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -12,7 +12,6 @@ import io
 import random
 from pathlib import Path
 
-import av
 import numpy as np
 
 from tessera.demo import scenes
@@ -38,6 +37,8 @@ def example_video() -> scenes.Sample:
 
 def encode_video(frames, fps: int = 4) -> bytes:
     """An MP4 (MPEG-4 part 2, high quality) of PIL frames, in memory; sides are cut to even."""
+    import av  # PyAV: imported here so that image-only users need not install it
+
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as container:
         stream = container.add_stream("mpeg4", rate=fps)

@@ -20,7 +20,6 @@ import tempfile
 from dataclasses import dataclass
 
 import numpy as np
-import soundfile as sf
 
 from tessera.demo.scenes import COLORS, DIRECTIONS, SHAPES
 
@@ -70,6 +69,8 @@ def espeak_available() -> bool:
 
 def synthesize(u: Utterance) -> np.ndarray:
     """float32 mono waveform at RATE Hz."""
+    import soundfile as sf
+
     from tessera.multimodal.media import resample_audio
 
     if not espeak_available():
@@ -85,6 +86,8 @@ def synthesize(u: Utterance) -> np.ndarray:
 
 
 def write_wav(path: str | os.PathLike, x: np.ndarray) -> None:
+    import soundfile as sf  # imported here, as in synthesize, so `INSTRUCTION` and the grammar need no soundfile
+
     sf.write(path, x, RATE, subtype="PCM_16")
 
 

@@ -74,6 +74,7 @@ class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
         return WeightMapping(
             prefix_rules=(
                 ("language_model.lm_head.", "lm_head."),
+                ("language_model.model.model.", "model."),  # as transformers < 5.23 saved it
                 ("language_model.model.", "model."),
                 ("model.language_model.", "model."),
                 ("model.audio_tower.", tower),

@@ -5,6 +5,9 @@ Contract: `load_image`, `load_video` and `load_audio` either return decoded medi
 `status` is 400, or 422 for an unreachable URL). No other exception type escapes for bad
 input: decoder failures of any kind are converted, with the original chained as the cause.
 
+PyAV (`av`) and soundfile are imported only when a video or audio is decoded, so images need
+neither; a decode that needs a missing one raises MediaError with status 501 naming the package.
+
 Decoders are restricted to an allow-list of container formats (PIL `formats=`, FFmpeg
 `format_whitelist`) so that untrusted bytes cannot reach exotic demuxers (e.g. HLS playlists
 that open further URLs or files).
@@ -20,9 +23,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-import av
 import numpy as np
-import soundfile as sf
 import torch
 from PIL import Image
 
@@ -38,6 +39,24 @@ VIDEO_CONTAINERS = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,mpegts,flv,gif,ogg
 AUDIO_CONTAINERS = "mp3,aac,mov,mp4,m4a,3gp,matroska,webm,ogg,flac,wav,w64,aiff,amr"
 
 MediaSource = str | os.PathLike[str] | bytes | bytearray | memoryview
+
+
+def _import_av(purpose: str) -> Any:
+    """PyAV, imported on first use (video decoding, audio decoding and resampling)."""
+    try:
+        import av
+    except ImportError as e:
+        raise MediaError(f"{purpose} needs PyAV, which is not installed: pip install av", status=501) from e
+    return av
+
+
+def _import_soundfile() -> Any | None:
+    """soundfile, or None when it (or its libsndfile) is missing: PyAV then decodes wav/flac/ogg too."""
+    try:
+        import soundfile
+    except (ImportError, OSError):  # OSError: the package is there but libsndfile is not
+        return None
+    return soundfile
 
 
 @dataclass
@@ -193,6 +212,7 @@ def _check_video_pixels(n: int, width: int, height: int, limits: MediaLimits) ->
 
 
 def _decode_video(data: bytes, limits: MediaLimits, **sampling: int | float | None) -> VideoClip:
+    av = _import_av("decoding a video")
     try:
         with av.open(io.BytesIO(data), options={"format_whitelist": VIDEO_CONTAINERS}) as container:
             if not container.streams.video:
@@ -271,6 +291,7 @@ def resample_audio(x: np.ndarray, orig_sr: int, target_sr: int) -> np.ndarray:
     x = np.ascontiguousarray(x, dtype=np.float32)
     if orig_sr == target_sr or x.size == 0:
         return x
+    av = _import_av(f"resampling audio from {orig_sr} Hz to {target_sr} Hz")
     resampler = av.AudioResampler(format="flt", layout="mono", rate=target_sr)
     frame = av.AudioFrame.from_ndarray(x[None, :], format="flt", layout="mono")
     frame.sample_rate = orig_sr
@@ -289,7 +310,11 @@ def _check_duration(num_samples: int, rate: int, limits: MediaLimits) -> None:
 
 
 def _decode_audio_soundfile(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, int] | None:
-    """(mono, rate) via libsndfile, or None when libsndfile does not recognise the format."""
+    """(mono, rate) via libsndfile, or None when libsndfile does not recognise the format (or
+    soundfile is not installed)."""
+    sf = _import_soundfile()
+    if sf is None:
+        return None
     try:
         info = sf.info(io.BytesIO(data))
     except Exception:  # noqa: BLE001 - not a libsndfile format: the PyAV path decides
@@ -303,6 +328,7 @@ def _decode_audio_soundfile(data: bytes, limits: MediaLimits) -> tuple[np.ndarra
 
 
 def _decode_audio_pyav(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, int]:
+    av = _import_av("decoding this audio")
     try:
         with av.open(io.BytesIO(data), options={"format_whitelist": AUDIO_CONTAINERS}) as container:
             if not container.streams.audio:
@@ -360,6 +386,8 @@ def load_audio(src: Any, *, limits: MediaLimits, sampling_rate: int) -> np.ndarr
 def _resample_checked(x: np.ndarray, rate: int, sampling_rate: int) -> np.ndarray:
     try:
         return resample_audio(x, rate, sampling_rate)
+    except MediaError:
+        raise
     except Exception as e:  # noqa: BLE001 - e.g. a sample rate libswresample refuses
         raise MediaError(f"cannot resample audio from {rate} Hz: {type(e).__name__}: {e}") from e
 

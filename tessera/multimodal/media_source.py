@@ -37,7 +37,8 @@ _SCHEME_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 class MediaError(ValueError):
     """Bad or unreachable media. `status` is the HTTP status a server should answer with:
     400 for media that is malformed, too large or not allowed, 422 for a URL that could not
-    be fetched (unreachable host, timeout, HTTP error)."""
+    be fetched (unreachable host, timeout, HTTP error), 501 when decoding it needs an optional
+    package that is not installed (PyAV for video)."""
 
     def __init__(self, message: str, *, status: int = 400) -> None:
         super().__init__(message)
