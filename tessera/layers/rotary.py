@@ -15,12 +15,15 @@ class RotaryEmbedding(nn.Module):
     With `mrope_section` (M-RoPE) the head_dim/2 frequencies are split into consecutive sections;
     section s takes its angle from position row s % 3 (temporal, height, width), as in transformers'
     Qwen2VLRotaryEmbedding. sum(mrope_section) must equal head_dim // 2.
+    With `mrope_interleaved` (Qwen3-VL) the rows alternate t, h, w over the frequencies instead
+    (see _interleaved_rows).
     """
 
     inv_freq: torch.Tensor  # [head_dim // 2] float32
     section_rows: torch.Tensor  # [head_dim // 2] long, M-RoPE only
 
-    def __init__(self, head_dim: int, rope_theta: float, mrope_section: list[int] | None = None):
+    def __init__(self, head_dim: int, rope_theta: float, mrope_section: list[int] | None = None,
+                 mrope_interleaved: bool = False):
         super().__init__()
         assert head_dim % 2 == 0, f"head_dim must be even, got {head_dim}"
         self.head_dim = head_dim
@@ -33,7 +36,10 @@ class RotaryEmbedding(nn.Module):
                     f"rope_parameters.mrope_section={self.mrope_section} must sum to head_dim // 2 = {head_dim // 2}"
                 )
             # Which position row (t, h, w) drives each frequency.
-            rows = [i % 3 for i, n in enumerate(self.mrope_section) for _ in range(n)]
+            if mrope_interleaved:
+                rows = _interleaved_rows(self.mrope_section)
+            else:
+                rows = [i % 3 for i, n in enumerate(self.mrope_section) for _ in range(n)]
             self.register_buffer("section_rows", torch.tensor(rows, dtype=torch.long), persistent=False)
 
     def get_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +55,17 @@ class RotaryEmbedding(nn.Module):
             pos = positions.expand(3, -1) if positions.dim() == 1 else positions
             freqs = pos.index_select(0, self.section_rows).t().float() * self.inv_freq
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def _interleaved_rows(section: list[int]) -> list[int]:
+    """Qwen3-VL's interleaved M-RoPE (transformers' Qwen3VLTextRotaryEmbedding.recomposition_frequencies):
+    frequency j takes row 1 (h) when j % 3 == 1 and j < 3 * section[1], row 2 (w) when j % 3 == 2 and
+    j < 3 * section[2], and row 0 (t) otherwise, so t keeps the tail beyond the interleaved part."""
+    rows = [0] * sum(section)
+    for row, offset in ((1, 1), (2, 2)):
+        for j in range(offset, min(3 * section[row], len(rows)), 3):
+            rows[j] = row
+    return rows
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

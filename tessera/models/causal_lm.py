@@ -36,7 +36,8 @@ class CausalLM(TesseraModel):
         super().__init__()
         self.config = config
         self.language_model_only = language_model_only
-        self.model = self.decoder_model_class(config, self.decoder_options, attn_backend or get_attention_backend("torch_native"))
+        backend = attn_backend or get_attention_backend("torch_native")
+        self.model = self.decoder_model_class(config, self.decoder_options, backend)
         tp = tp_group()
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp.rank, tp.size)
         if config.tie_word_embeddings:

@@ -115,7 +115,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             head_dim=head_dim,
-            hidden_act=str(getattr(text, "hidden_act", "silu")),
+            hidden_act=str(getattr(text, "hidden_act", None) or getattr(text, "hidden_activation", None) or "silu"),
             rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
             rope_type=str(rope.get("rope_type", rope.get("type", "default"))),
             rope_theta=float(rope.get("rope_theta", getattr(text, "rope_theta", 10000.0))),
@@ -135,9 +135,12 @@ class ModelConfig:
 
 def _sliding_windows(text: Any) -> tuple[int | None, ...]:
     """transformers marks sliding layers in `layer_types` ("sliding_attention"); older Qwen2 configs use
-    use_sliding_window + max_window_layers (layers from max_window_layers on slide)."""
+    use_sliding_window + max_window_layers (layers from max_window_layers on slide). Mistral slides every
+    layer by `sliding_window` when it is set (its modeling file reads nothing else)."""
     num_layers = int(text.num_hidden_layers)
     window = getattr(text, "sliding_window", None)
+    if getattr(text, "model_type", None) == "mistral":
+        return (int(window) if window else None,) * num_layers
     layer_types = getattr(text, "layer_types", None)
     if layer_types:
         return tuple(window if t == "sliding_attention" else None for t in layer_types)

@@ -73,6 +73,11 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         """As get_image_feature, with model_specific_data["video_grid_thw"]."""
         return self._encode(items, "video_grid_thw")
 
+    def tower_embeddings(self, pixel_rows: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """The vision tower over every item's pixel rows: [sum of tokens, width], items in grid_thw order."""
+        assert self.visual is not None
+        return self.visual(pixel_rows, grid_thw=grid_thw).pooler_output
+
     def _encode(self, items: list[MultimodalDataItem], grid_key: str) -> list[torch.Tensor]:
         weight = self.model.embed_tokens.weight
         pixels: list[torch.Tensor] = []
@@ -98,7 +103,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
                 raise RuntimeError("the model was loaded with language_model_only=True: it has no vision tower")
             rows = torch.cat(pixels).to(device=weight.device, dtype=weight.dtype)
             grid_thw = torch.cat(grids).to(weight.device)
-            embeds = self.visual(rows, grid_thw=grid_thw).pooler_output.to(weight.dtype)
+            embeds = self.tower_embeddings(rows, grid_thw).to(weight.dtype)
             merge = self.spatial_merge_size**2
             return list(embeds.split([int(g.prod(-1).sum()) // merge for g in grids]))
 

@@ -1,0 +1,209 @@
+"""LLaVA-1.5 (`LlavaForConditionalGeneration` with a CLIP or SigLIP tower): our decoder over the paged KV cache, the
+language model its `text_config` names (Llama, Mistral, Qwen2: models/text_backbones.py), + transformers'
+vision tower + the projector.
+
+An image is one `image_size` x `image_size` crop. The tower's hidden states at `vision_feature_layer` (an index
+into [embeddings, layer 1, ..., layer N], or a list of them concatenated along the features) become the image's
+tokens; with `vision_feature_select_strategy="default"` the CLS token is dropped, with "full" it is kept. The
+projector (`multi_modal_projector`: linear_1, act, linear_2) maps them to the language model's width. All images
+of a step go through the tower in one call. `LlavaImageGeometry` holds the token arithmetic the processor and
+the model share (LLaVA-NeXT extends it with tiles, tessera.models.llava_next).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessera.layers.attention import BaseAttentionBackend
+from tessera.layers.decoder import STACKED_PARAMS, DecoderOptions
+from tessera.layers.linear import Linear
+from tessera.models.base import Encoder
+from tessera.models.causal_lm import CausalLM
+from tessera.models.config import ModelConfig
+from tessera.models.hf_towers import build_transformers_tower
+from tessera.models.text_backbones import decoder_options_for
+from tessera.models.weights import WeightMapping
+from tessera.multimodal import anyres
+from tessera.multimodal.items import Modality, MultimodalDataItem
+
+# vision_config.model_type -> (transformers tower class, whether it prepends a CLS token to the patches)
+VISION_TOWERS: dict[str, tuple[str, bool]] = {
+    "clip_vision_model": ("transformers.models.clip.modeling_clip:CLIPVisionModel", True),
+    "siglip_vision_model": ("transformers.models.siglip.modeling_siglip:SiglipVisionModel", False),
+}
+
+
+@dataclass(frozen=True)
+class LlavaImageGeometry:
+    """How many tiles and tokens an image becomes, read from the model config (the processor and the model
+    both use it). `grid_pinpoints` is set for LLaVA-NeXT's anyres tiling, None for LLaVA-1.5's single crop."""
+
+    image_size: int  # the tower's input side in pixels (one tile)
+    patch_size: int
+    num_channels: int
+    has_cls: bool  # the tower prepends a CLS token
+    select_strategy: str  # "default" (drop the CLS token) | "full"
+    grid_pinpoints: tuple[tuple[int, int], ...] | None = None
+
+    @classmethod
+    def from_config(cls, hf_config: Any) -> LlavaImageGeometry:
+        vision = hf_config.vision_config
+        vision_type = str(getattr(vision, "model_type", ""))
+        if vision_type not in VISION_TOWERS:
+            raise NotImplementedError(f"vision_config.model_type={vision_type!r}: LLaVA's vision tower may be "
+                                      f"{' or '.join(sorted(VISION_TOWERS))}")
+        strategy = str(getattr(hf_config, "vision_feature_select_strategy", "default"))
+        if strategy not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy={strategy!r}: expected 'default' or 'full'")
+        pinpoints = getattr(hf_config, "image_grid_pinpoints", None)
+        return cls(
+            image_size=int(vision.image_size), patch_size=int(vision.patch_size),
+            num_channels=int(getattr(vision, "num_channels", 3)), has_cls=VISION_TOWERS[vision_type][1],
+            select_strategy=strategy,
+            grid_pinpoints=tuple((int(h), int(w)) for h, w in pinpoints) if pinpoints is not None else None,
+        )
+
+    @property
+    def patches_per_side(self) -> int:
+        return self.image_size // self.patch_size
+
+    @property
+    def tokens_per_tile(self) -> int:
+        """Feature rows the tower gives per tile after the select strategy."""
+        return self.patches_per_side**2 + int(self.has_cls) - int(self.select_strategy == "default")
+
+    def num_tiles(self, image_size: tuple[int, int] | None = None) -> int:
+        """Tiles of an image of (height, width) `image_size`: 1 for LLaVA-1.5; the anyres grid + the base
+        image for LLaVA-NeXT."""
+        if self.grid_pinpoints is None:
+            return 1
+        assert image_size is not None, "anyres tiling needs the image's size"
+        return anyres.image_size_to_num_patches(image_size, self.grid_pinpoints, self.image_size)
+
+    def num_image_tokens(self, image_size: tuple[int, int] | None = None) -> int:
+        """Placeholder tokens of one image (HF's processors expand `<image>` to exactly this many)."""
+        if self.grid_pinpoints is None:
+            return self.tokens_per_tile
+        assert image_size is not None, "anyres tiling needs the image's size"
+        extra = int(self.has_cls) - int(self.select_strategy == "default")
+        return anyres.get_anyres_num_image_tokens(image_size, self.grid_pinpoints, self.image_size,
+                                                  self.patch_size, num_additional_tokens=extra)
+
+
+class LlavaMultiModalProjector(nn.Module):
+    """Tower features (vision width x number of feature layers) -> language-model width, as transformers'
+    `multi_modal_projector` (linear_1, act, linear_2)."""
+
+    def __init__(self, in_features: int, text_hidden: int, act: str, bias: bool):
+        from transformers.activations import ACT2FN
+
+        super().__init__()
+        self.linear_1 = Linear(in_features, text_hidden, bias=bias)
+        self.act = ACT2FN[act]
+        self.linear_2 = Linear(text_hidden, text_hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(x)))
+
+
+class LlavaForConditionalGeneration(CausalLM):
+    """Items carry `feature` (pixels [C, image_size, image_size]) or a `precomputed_embedding`."""
+
+    def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
+                 language_model_only: bool = False):
+        super().__init__(config, attn_backend, language_model_only)
+        hf_config = config.hf_config
+        self.geometry = LlavaImageGeometry.from_config(hf_config)
+        layer = hf_config.vision_feature_layer
+        self.vision_feature_layer: int | list[int] = int(layer) if isinstance(layer, int) else [int(x) for x in layer]
+        num_layers = 1 if isinstance(self.vision_feature_layer, int) else len(self.vision_feature_layer)
+        vision = hf_config.vision_config
+        self.vision_tower: nn.Module | None = None
+        self.multi_modal_projector: LlavaMultiModalProjector | None = None
+        if not language_model_only:
+            self.vision_tower = build_transformers_tower(VISION_TOWERS[vision.model_type][0], vision)
+            self.multi_modal_projector = LlavaMultiModalProjector(
+                int(vision.hidden_size) * num_layers, config.hidden_size, str(hf_config.projector_hidden_act),
+                bool(getattr(hf_config, "multimodal_projector_bias", True)))
+
+    @property
+    def decoder_options(self) -> DecoderOptions:  # type: ignore[override]
+        """Chosen by text_config.model_type (CausalLM builds the decoder with it after setting self.config)."""
+        return decoder_options_for(self.config.hf_config.get_text_config())
+
+    @classmethod
+    def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
+        """The names transformers saves (`language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`,
+        `multi_modal_projector.*`) and its in-memory 5.x names (`model.language_model.*`, `model.vision_tower.*`,
+        `model.multi_modal_projector.*`, `lm_head.*`). More specific prefixes first."""
+        tower = None if language_model_only else "vision_tower."
+        projector = None if language_model_only else "multi_modal_projector."
+        lm_head = None if config.tie_word_embeddings else "lm_head."
+        return WeightMapping(
+            prefix_rules=(
+                ("language_model.lm_head.", lm_head),
+                ("language_model.model.", "model."),
+                ("model.language_model.", "model."),
+                ("model.vision_tower.", tower),
+                ("vision_tower.", tower),
+                ("model.multi_modal_projector.", projector),
+                ("multi_modal_projector.", projector),
+                ("lm_head.", lm_head),
+                *cls.extra_prefix_rules(language_model_only),
+            ),
+            stacked=STACKED_PARAMS,
+            stacked_prefix="model.",  # the vision tower keeps transformers' separate q/k/v projections
+        )
+
+    @classmethod
+    def extra_prefix_rules(cls, language_model_only: bool) -> tuple[tuple[str, str | None], ...]:
+        return ()
+
+    def encoders(self) -> dict[Modality, Encoder]:
+        return {} if self.vision_tower is None else {Modality.IMAGE: self.get_image_feature}
+
+    # ---- image encoding ---------------------------------------------------------------------------------
+
+    def tile_features(self, tiles: torch.Tensor) -> torch.Tensor:
+        """Tiles [n, C, S, S] -> projected features [n, tokens_per_tile, hidden] (HF's get_image_features
+        before any anyres packing)."""
+        if self.vision_tower is None or self.multi_modal_projector is None:
+            raise RuntimeError("the model was loaded with language_model_only=True: it has no vision tower")
+        layer = self.vision_feature_layer
+        # Every layer's hidden states, then the selected ones (transformers >= 5.23 can keep only the selected
+        # layers when given their indices, older 5.x return None for them).
+        hidden = self.vision_tower(tiles, output_hidden_states=True, return_dict=True).hidden_states
+        selected = [hidden[layer]] if isinstance(layer, int) else [hidden[i] for i in layer]
+        if self.geometry.select_strategy == "default":
+            selected = [h[:, 1:] for h in selected]
+        return self.multi_modal_projector(torch.cat(selected, dim=-1))
+
+    def item_tiles(self, i: int, item: MultimodalDataItem) -> torch.Tensor:
+        """The tiles [n, C, S, S] of item i (checked); LLaVA-1.5: its one crop."""
+        g = self.geometry
+        expected = (g.num_channels, g.image_size, g.image_size)
+        if item.feature is None or tuple(item.feature.shape) != expected:
+            shape = None if item.feature is None else tuple(item.feature.shape)
+            raise ValueError(f"image item {i}: pixel feature has shape {shape}, the vision tower takes {expected}")
+        return item.feature[None]
+
+    def pack_item(self, item: MultimodalDataItem, features: torch.Tensor) -> torch.Tensor:
+        """An item's tile features [n, tokens_per_tile, hidden] -> its embedding [num_tokens, hidden]."""
+        return features[0]
+
+    def get_image_feature(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        """One embedding [num_tokens, hidden] per image item, in order; every tile of every pixel item in one
+        tower call. Precomputed embeddings are returned as they are (cast to the model's dtype/device)."""
+        weight = self.model.embed_tokens.weight
+        tiles = {i: self.item_tiles(i, item) for i, item in enumerate(items) if item.precomputed_embedding is None}
+
+        def encode(todo: list[int]) -> list[torch.Tensor]:
+            batch = torch.cat([tiles[i] for i in todo]).to(device=weight.device, dtype=weight.dtype)
+            features = self.tile_features(batch).split([tiles[i].shape[0] for i in todo])
+            return [self.pack_item(items[i], f) for i, f in zip(todo, features)]
+
+        return self.encode_items(items, encode)

@@ -1,0 +1,189 @@
+"""Pixtral processor (LLaVA with a Pixtral tower): images at native resolution, one [IMG] per patch, rows
+closed by [IMG_BREAK], the last row by [IMG_END].
+
+The image processor caps the longest edge (size["longest_edge"]) and rounds each side up to a multiple of the
+patch size; an image of h x w pixels then owns (h / patch) * (w / patch) [IMG] tokens, laid out row by row:
+    [IMG] x w/patch [IMG_BREAK]  ...  [IMG] x w/patch [IMG_END]
+as transformers' PixtralProcessor writes it. The [IMG] runs are the item's offsets (one run per row); the
+break and end tokens are ordinary prompt tokens. An item's `feature` is its own pixels [C, h, w] (the HF
+batch's padding cropped off); model_specific_data["image_sizes"] holds [[h, w]].
+
+The image processor is called directly, with the kwargs the HF processor would merge for it (and its patch
+size, patch_size * spatial_merge_size), so that images can be processed without text (preprocessing-cache
+misses); the prompt's single [IMG] placeholders are expanded here, token for token as HF expands its text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from tessera.multimodal.items import Modality
+from tessera.multimodal.processors.base import (
+    BaseMultimodalProcessor,
+    InputFormat,
+    ItemFeatures,
+    LoadedMultimodalData,
+)
+from tessera.multimodal.processors.hf_compat import merge_processor_kwargs
+from tessera.multimodal.special_tokens import MultimodalSpecialTokens
+
+__all__ = ["PixtralProcessor"]
+
+SIZES_KEY = "image_sizes"
+
+
+def _tensor(value: Any, name: str) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    try:
+        return torch.as_tensor(value)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{name} must be a tensor or array, got {type(value).__name__}") from e
+
+
+class PixtralProcessor(BaseMultimodalProcessor):
+    """LlavaForConditionalGeneration with a Pixtral vision config (images)."""
+
+    supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.IMAGE})
+
+    def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
+        vision = hf_config.vision_config
+        self.patch_size = int(vision.patch_size)
+        merge = int(getattr(hf_processor, "spatial_merge_size", 1))
+        if merge != 1 or int(hf_processor.patch_size) != self.patch_size:
+            raise ValueError(f"processor patch_size={hf_processor.patch_size}, spatial_merge_size={merge}: a LLaVA "
+                             f"Pixtral tower takes unmerged patches of vision_config.patch_size={self.patch_size}")
+        self.num_channels = int(getattr(vision, "num_channels", 3))
+        self.embed_dim = int(hf_config.get_text_config().hidden_size)
+        tokenizer = hf_processor.tokenizer
+        self.break_id = int(tokenizer.convert_tokens_to_ids(hf_processor.image_break_token))
+        self.end_id = int(tokenizer.convert_tokens_to_ids(hf_processor.image_end_token))
+        super().__init__(hf_processor, hf_config, *args, **kwargs)
+
+    def build_special_tokens(self) -> MultimodalSpecialTokens:
+        return MultimodalSpecialTokens(image_token=self.hf_processor.image_token,
+                                       image_token_id=getattr(self.hf_config, "image_token_id", None))
+
+    # ------------------------------------------------------------ HF calls
+
+    def image_processor_kwargs(self) -> dict[str, Any]:
+        hf = self.hf_processor
+        merged = merge_processor_kwargs(hf, "transformers.models.pixtral.processing_pixtral:PixtralProcessorKwargs",
+                                        images_kwargs=self.hf_kwargs(Modality.IMAGE))
+        return {**merged["images_kwargs"], "patch_size": self.patch_size, "return_tensors": "pt"}
+
+    def call_hf_processor(self, prompt: str | None, loaded: LoadedMultimodalData) -> Mapping[str, Any]:
+        """All images in one image-processor call (padded to a common size, with their image_sizes), and the
+        prompt's unexpanded ids."""
+        out = dict(self.hf_processor.image_processor(loaded.images, **self.image_processor_kwargs()))
+        if prompt is not None:
+            out["input_ids"] = torch.tensor([self.tokenize(prompt)])
+        return out
+
+    def feature_kwargs(self, modality: Modality) -> dict[str, Any]:
+        kwargs = super().feature_kwargs(modality)
+        ip = self.hf_processor.image_processor
+        kwargs["patch_size"] = self.patch_size
+        for name in ("size", "image_mean", "image_std", "resample"):
+            kwargs.setdefault(name, getattr(ip, name, None))
+        return kwargs
+
+    # ------------------------------------------------------------ placeholders
+
+    def expand_placeholders(self, input_ids: list[int], features: Sequence[ItemFeatures]) -> list[int]:
+        """Each single [IMG] -> its rows of [IMG] tokens, [IMG_BREAK] after each row but the last, [IMG_END]
+        after the last; ids that already hold every item's [IMG] tokens are returned unchanged."""
+        image = self.special_tokens.token_id(Modality.IMAGE)
+        found = sum(1 for t in input_ids if t == image)
+        needed = sum(f.num_tokens for f in features)
+        # An image of one patch is a single [IMG] either way: expanded ids close every image with [IMG_END].
+        closed = sum(1 for t, nxt in zip(input_ids, input_ids[1:]) if t == image and nxt == self.end_id)
+        if found == needed and (found != len(features) or closed == len(features)):
+            return list(input_ids)
+        if found != len(features):
+            raise ValueError(f"input_ids have {found} image placeholder tokens; expected {len(features)} (one per "
+                             f"image item) or {needed} (already expanded)")
+        grids = iter(self._grid(f) for f in features)
+        out: list[int] = []
+        for t in input_ids:
+            if t != image:
+                out.append(t)
+                continue
+            rows, cols = next(grids)
+            for r in range(rows):
+                out.extend([image] * cols + [self.end_id if r == rows - 1 else self.break_id])
+        return out
+
+    def _grid(self, f: ItemFeatures) -> tuple[int, int]:
+        h, w = (int(x) for x in f.model_specific_data[SIZES_KEY].view(2).tolist())
+        return h // self.patch_size, w // self.patch_size
+
+    # ------------------------------------------------------------ splitting
+
+    def _sizes(self, data: Mapping[str, Any], what: str) -> list[tuple[int, int]]:
+        if data.get(SIZES_KEY) is None:
+            raise ValueError(f"{what} image data needs {SIZES_KEY!r} ([height, width] per image)")
+        sizes = _tensor(data[SIZES_KEY], SIZES_KEY).reshape(-1, 2).to(torch.long).tolist()
+        p = self.patch_size
+        for h, w in sizes:
+            if h <= 0 or w <= 0 or h % p or w % p:
+                raise ValueError(f"{SIZES_KEY} {sizes}: heights and widths must be positive multiples of the "
+                                 f"patch size {p}")
+        return [(int(h), int(w)) for h, w in sizes]
+
+    def _split_pixels(self, data: Mapping[str, Any], what: str, num_items: int | None) -> list[ItemFeatures]:
+        sizes = self._sizes(data, what)
+        if num_items is not None and len(sizes) != num_items:
+            raise ValueError(f"{what} has {SIZES_KEY} for {len(sizes)} images, expected {num_items}")
+        if data.get("pixel_values") is None:
+            raise ValueError(f"{what} image data needs 'pixel_values'")
+        value = data["pixel_values"]
+        images = ([_tensor(v, "pixel_values") for v in value] if isinstance(value, (list, tuple))
+                  else list(_tensor(value, "pixel_values")))
+        if len(images) != len(sizes):
+            raise ValueError(f"pixel_values holds {len(images)} images, {SIZES_KEY} {len(sizes)}")
+        out = []
+        for im, (h, w) in zip(images, sizes):
+            if im.ndim != 3 or im.shape[0] != self.num_channels or im.shape[1] < h or im.shape[2] < w \
+                    or not im.is_floating_point():
+                raise ValueError(f"pixel_values image of shape {tuple(im.shape)} ({im.dtype}) does not hold a "
+                                 f"{h}x{w} image of {self.num_channels} floating-point channels")
+            # clone(): the crop would otherwise drag the whole padded batch along when the item is sent on.
+            out.append(ItemFeatures(Modality.IMAGE, (h // self.patch_size) * (w // self.patch_size),
+                                    feature=im[:, :h, :w].clone(),
+                                    model_specific_data={SIZES_KEY: torch.tensor([[h, w]])}))
+        return out
+
+    def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
+        return self._split_pixels(hf_output, "the image processor's output", len(loaded.images))
+
+    def split_preprocessed(self, modality: Modality, data: Mapping[str, Any],
+                           input_format: InputFormat) -> list[ItemFeatures]:
+        """processor_output: {'pixel_values': [N, C, H, W] (padded) or a list of [C, h, w], 'image_sizes'};
+        precomputed_embedding: {'feature': [sum of tokens, hidden] or a list, one per image, 'image_sizes'}."""
+        what = input_format.value
+        if input_format is InputFormat.PROCESSOR_OUTPUT:
+            return self._split_pixels(data, what, None)
+        sizes = self._sizes(data, what)
+        tokens = [(h // self.patch_size) * (w // self.patch_size) for h, w in sizes]
+        if data.get("feature") is None:
+            raise ValueError("precomputed_embedding image data needs 'feature' (projected patch embeddings)")
+        feature = data["feature"]
+        if isinstance(feature, (list, tuple)):
+            chunks = [_tensor(f, "feature") for f in feature]
+        else:
+            emb = _tensor(feature, "feature")
+            if emb.ndim != 2 or emb.shape[0] != sum(tokens):
+                raise ValueError(f"precomputed image feature has shape {tuple(emb.shape)}; {SIZES_KEY} needs "
+                                 f"[{sum(tokens)}, hidden]")
+            chunks = [c.clone() for c in emb.split(tokens)]
+        if len(chunks) != len(tokens) or any(c.ndim != 2 or c.shape[0] != n or c.shape[1] != self.embed_dim
+                                             or not c.is_floating_point() for c, n in zip(chunks, tokens)):
+            raise ValueError(f"precomputed image features have shapes {[tuple(c.shape) for c in chunks]}; "
+                             f"{SIZES_KEY} needs {tokens} floating-point rows of {self.embed_dim} values")
+        return [ItemFeatures(Modality.IMAGE, n, precomputed_embedding=c,
+                             model_specific_data={SIZES_KEY: torch.tensor([[h, w]])})
+                for c, n, (h, w) in zip(chunks, tokens, sizes)]

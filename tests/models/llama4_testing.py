@@ -1,0 +1,328 @@
+"""Test helpers for Llama-4: tiny random checkpoints that can fail, prompts laid out as HF's processor lays them,
+HF references.
+
+`build_tiny_llama4(path, spec)` saves weights + config (vocabulary of 128, the image tokens at 120..125) for the
+model parity tests, which feed pixel tiles directly; `make_tiny_llama4_checkpoint(path)` writes a complete
+checkpoint directory (tokenizer with Llama-4's image tokens, Llama4ImageProcessor + Llama4Processor, a chat
+template) for processor and server tests.
+
+Fixtures that can fail (shared/design/FAMILY-FIXTURES.md): RMSNorm and LayerNorm weights/biases are random, the
+projector is rescaled so image embeddings are text-sized, and the specs use a tiny attention_chunk_size (prompts
+cross several chunk boundaries), a small floor_scale (temperature tuning changes q within a prompt), MoE and dense
+layers, RoPE and NoPE layers.
+
+transformers 5.24 quirks met here: Llama4ForConditionalGeneration.forward raises AttributeError (it reads
+`outputs.image_outputs`, which the language model's output lacks), so `patch_hf_forward()` gives that output
+class an `image_outputs = None` default; the vision config needs intermediate_size = hidden_size /
+pixel_shuffle_ratio^2 and projector_input_dim == projector_output_dim == vision_output_dim; the image processor
+returns bfloat16 pixels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tessera.multimodal.items import Modality, MultimodalDataItem
+
+VOCAB = 128
+IMAGE_START, IMAGE_END, IMAGE_MARK, PATCH_ID, TILE_X, TILE_Y = 120, 121, 122, 123, 124, 125
+MIN_MARGIN = 1e-3
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    num_experts: int
+    top_k: int
+    no_rope_layers: tuple[int, ...]  # 1 = RoPE layer, 0 = NoPE
+    moe_layers: tuple[int, ...] | None  # None: from interleave_moe_layer_step
+    interleave_moe_layer_step: int
+    attention_chunk_size: int | None
+    use_qk_norm: bool
+    floor_scale: int
+    attn_scale: float
+    tie: bool
+    vision_hidden: int
+    vision_layers: int
+    image_size: int
+    patch: int
+    seed: int
+
+    @property
+    def tokens_per_tile(self) -> int:
+        return (self.image_size // self.patch) ** 2 // 4  # pixel_shuffle_ratio 0.5
+
+
+SPECS = {
+    "gqa_chunked": TinySpec("gqa_chunked", hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, num_experts=4,
+                            top_k=2, no_rope_layers=(1, 1, 0, 1), moe_layers=None, interleave_moe_layer_step=2,
+                            attention_chunk_size=8, use_qk_norm=True, floor_scale=4, attn_scale=0.5, tie=False,
+                            vision_hidden=32, vision_layers=2, image_size=28, patch=7, seed=1),
+    "mha_tied": TinySpec("mha_tied", hidden=48, layers=3, heads=4, kv_heads=4, head_dim=12, num_experts=3,
+                         top_k=1, no_rope_layers=(0, 1, 1), moe_layers=(0, 2), interleave_moe_layer_step=1,
+                         attention_chunk_size=7, use_qk_norm=False, floor_scale=3, attn_scale=0.3, tie=True,
+                         vision_hidden=32, vision_layers=1, image_size=28, patch=7, seed=2),
+}
+
+
+def tiny_llama4_config(spec: TinySpec, vocab_size: int = VOCAB, image_token_id: int = PATCH_ID,
+                       boi: int = IMAGE_START, eoi: int = IMAGE_END, **text_extra: Any):
+    from transformers import Llama4Config
+
+    text = dict(
+        vocab_size=vocab_size, hidden_size=spec.hidden, intermediate_size=2 * spec.hidden,
+        intermediate_size_mlp=3 * spec.hidden, num_hidden_layers=spec.layers, num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim, num_local_experts=spec.num_experts,
+        num_experts_per_tok=spec.top_k, no_rope_layers=list(spec.no_rope_layers),
+        moe_layers=None if spec.moe_layers is None else list(spec.moe_layers),
+        interleave_moe_layer_step=spec.interleave_moe_layer_step, attention_chunk_size=spec.attention_chunk_size,
+        use_qk_norm=spec.use_qk_norm, attn_temperature_tuning=True, floor_scale=spec.floor_scale,
+        attn_scale=spec.attn_scale, rms_norm_eps=1e-5, max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        initializer_range=0.2, tie_word_embeddings=spec.tie, **text_extra,
+    )
+    vision = dict(hidden_size=spec.vision_hidden, intermediate_size=4 * spec.vision_hidden,
+                  num_hidden_layers=spec.vision_layers, num_attention_heads=2, image_size=spec.image_size,
+                  patch_size=spec.patch, pixel_shuffle_ratio=0.5, projector_input_dim=spec.vision_hidden,
+                  projector_output_dim=spec.vision_hidden, vision_output_dim=spec.vision_hidden,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+    return Llama4Config(text_config=text, vision_config=vision, image_token_index=image_token_id,
+                        boi_token_index=boi, eoi_token_index=eoi, tie_word_embeddings=spec.tie,
+                        architectures=["Llama4ForConditionalGeneration"])
+
+
+def patch_hf_forward() -> None:
+    """transformers 5.24's Llama4ForConditionalGeneration.forward reads `outputs.image_outputs` from the language
+    model's MoeCausalLMOutputWithPast, which has no such field: give it a None default (idempotent)."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    if not hasattr(MoeCausalLMOutputWithPast, "image_outputs"):
+        MoeCausalLMOutputWithPast.image_outputs = None  # type: ignore[attr-defined]
+
+
+def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
+    """In place: RMSNorm weights 0.5..1.5, LayerNorm weights 0.5..1.5 and biases N(0, 0.1), the untied head wider,
+    the projector scaled so image embeddings have the text embeddings' RMS."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in hf.modules():
+            name = type(module).__name__
+            if name.endswith("RMSNorm"):
+                module.weight.copy_(0.5 + torch.rand(module.weight.shape, generator=g))
+            elif isinstance(module, torch.nn.LayerNorm):
+                module.weight.copy_(0.5 + torch.rand(module.weight.shape, generator=g))
+                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=g))
+        if not hf.config.tie_word_embeddings:
+            hf.get_output_embeddings().weight.normal_(0.0, 0.5, generator=g)
+        size = hf.config.vision_config.image_size
+        probe = torch.randn(2, 3, size, size, generator=g)
+        proj = hf.multi_modal_projector.linear_1.weight
+        image = hf.multi_modal_projector(hf.vision_model(probe).last_hidden_state)
+        text = hf.get_input_embeddings()(torch.arange(min(120, hf.config.text_config.vocab_size)))
+        proj.mul_(float(text.pow(2).mean().sqrt() / image.pow(2).mean().sqrt()))
+
+
+def build_tiny_llama4(path: str | Path, spec: TinySpec):
+    """The HF reference model (eval mode, eager attention), also saved to `path` (config + safetensors)."""
+    from transformers import Llama4ForConditionalGeneration
+
+    patch_hf_forward()
+    torch.manual_seed(spec.seed)
+    hf = Llama4ForConditionalGeneration._from_config(tiny_llama4_config(spec), attn_implementation="eager").eval()
+    make_fixture_can_fail_(hf, spec.seed)
+    hf.save_pretrained(path)
+    return hf
+
+
+# ---------------------------------------------------------------- prompts
+
+@dataclass
+class Prompt:
+    input_ids: torch.Tensor  # [L]
+    items: list[MultimodalDataItem] = field(default_factory=list)
+
+    def pixels(self) -> torch.Tensor | None:
+        p = [it.feature for it in self.items]
+        return torch.cat(p) if p else None
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def image_token_layout(grid: tuple[int, int], tokens_per_tile: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """HF Llama4Processor._prompt_split_image for a (rows, cols) tile grid, as ids, and the patch runs' offsets
+    relative to its start: tiles row by row (x separators between columns, a y separator after each row) when
+    there is more than one tile, then <|image|> and the global image's patches."""
+    ids = [IMAGE_START]
+    runs = []
+    rows, cols = grid
+    if rows * cols > 1:
+        for _ in range(rows):
+            for x in range(cols):
+                runs.append((len(ids), len(ids) + tokens_per_tile))
+                ids += [PATCH_ID] * tokens_per_tile
+                if x < cols - 1:
+                    ids.append(TILE_X)
+            ids.append(TILE_Y)
+    ids.append(IMAGE_MARK)
+    runs.append((len(ids), len(ids) + tokens_per_tile))
+    ids += [PATCH_ID] * tokens_per_tile + [IMAGE_END]
+    return ids, runs
+
+
+def build_prompt(parts: list, spec: TinySpec, seed: int = 0) -> Prompt:
+    """parts: int n = n random text tokens (ids < 120); ("image", rows, cols) = an image of that tile grid (plus
+    the global image when rows * cols > 1) with random pixels. Same parts and seed -> same prompt."""
+    g = torch.Generator().manual_seed(seed)
+    ids: list[int] = []
+    items = []
+    for part in parts:
+        if isinstance(part, int):
+            ids += torch.randint(0, 120, (part,), generator=g).tolist()
+            continue
+        _, rows, cols = part
+        layout, runs = image_token_layout((rows, cols), spec.tokens_per_tile)
+        base = len(ids)
+        ids += layout
+        num_tiles = rows * cols + (1 if rows * cols > 1 else 0)
+        items.append(MultimodalDataItem(
+            modality=Modality.IMAGE, hash=len(items), offsets=[(base + s, base + e) for s, e in runs],
+            feature=torch.randn(num_tiles, 3, spec.image_size, spec.image_size, generator=g),
+            model_specific_data={"aspect_ratio": torch.tensor([rows, cols])},
+        ))
+    return Prompt(torch.tensor(ids), items)
+
+
+def prompt_mm_embeds(model, prompt: Prompt) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if not prompt.items:
+        return None, None
+    embeds = model.get_image_feature(prompt.items)
+    rows = torch.cat([torch.arange(s, e) for it in prompt.items for s, e in it.offsets])
+    return rows, torch.cat(embeds)
+
+
+# ---------------------------------------------------------------- references
+
+def top2_margin(logits: torch.Tensor) -> float:
+    top = logits.float().topk(2, dim=-1).values
+    return float((top[..., 0] - top[..., 1]).min())
+
+
+def hf_inputs(prompt: Prompt) -> dict:
+    inputs = dict(input_ids=prompt.input_ids[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                  pixel_values=prompt.pixels())
+    return {k: v for k, v in inputs.items() if v is not None}
+
+
+def hf_logits(hf, prompt: Prompt) -> torch.Tensor:
+    patch_hf_forward()
+    with torch.inference_mode():
+        return hf(**hf_inputs(prompt)).logits[0]
+
+
+def hf_greedy(hf, prompt: Prompt, num_new: int) -> tuple[list[int], float]:
+    """Greedy tokens of HF's model stepped with its own KV cache, and the smallest top-2 logit margin."""
+    patch_hf_forward()
+    tokens, margins = [], []
+    inputs = hf_inputs(prompt)
+    mask = inputs["attention_mask"]
+    with torch.inference_mode():
+        out = hf(**inputs, use_cache=True)
+        for _ in range(num_new):
+            logits = out.logits[0, -1]
+            margins.append(top2_margin(logits))
+            tokens.append(int(logits.argmax()))
+            mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
+            out = hf(input_ids=torch.tensor([[tokens[-1]]]), attention_mask=mask, cache=out.cache, use_cache=True)
+    return tokens, min(margins)
+
+
+def hf_greedy_no_cache(hf, prompt: Prompt, num_new: int) -> list[int]:
+    """Greedy tokens recomputing the whole sequence each step (no KV cache): checks HF's chunked cache."""
+    patch_hf_forward()
+    ids = prompt.input_ids[None]
+    pixels = prompt.pixels()
+    tokens = []
+    with torch.inference_mode():
+        for _ in range(num_new):
+            kw = {} if pixels is None else {"pixel_values": pixels}
+            tok = int(hf(input_ids=ids, use_cache=False, **kw).logits[0, -1].argmax())
+            tokens.append(tok)
+            ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+    return tokens
+
+
+def hf_generate(hf, prompt: Prompt, num_new: int) -> list[int]:
+    patch_hf_forward()
+    inputs = hf_inputs(prompt)
+    with torch.inference_mode():
+        out = hf.generate(**inputs, max_new_tokens=num_new, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+# ---------------------------------------------------------------- full checkpoint directory
+
+IMAGE_TOKENS = ("<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>",
+                "<|tile_y_separator|>")
+# A short Llama-4-style template: `<|image|>` for each image part, in place.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<|image|>' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def make_tiny_llama4_checkpoint(path: str | Path, spec: TinySpec | None = None, *, seed: int = 0,
+                                max_patches: int = 4) -> Path:
+    """Writes a complete random Llama-4 checkpoint to `path` and returns it: demo-vl's tokenizer with Llama-4's
+    image tokens, a Llama4Processor (patch_size and pixel_shuffle_ratio of the vision config) over a
+    Llama4ImageProcessor with tiles of the tower's image_size and at most `max_patches` tiles, a chat template,
+    and config + model.safetensors from `spec` (default SPECS["gqa_chunked"]) made to be able to fail."""
+    from transformers import (AutoTokenizer, GenerationConfig, Llama4ForConditionalGeneration,
+                              Llama4ImageProcessor, Llama4Processor)
+
+    from tessera.config import ASSETS_DIR
+
+    spec = spec or SPECS["gqa_chunked"]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(ASSETS_DIR / "demo-vl")
+    tok.add_special_tokens({"extra_special_tokens": list(IMAGE_TOKENS)})
+    image_processor = Llama4ImageProcessor(size={"height": spec.image_size, "width": spec.image_size},
+                                           max_patches=max_patches)
+    processor = Llama4Processor(image_processor=image_processor, tokenizer=tok, patch_size=spec.patch,
+                                pixel_shuffle_ratio=0.5, chat_template=CHAT_TEMPLATE)
+    processor.save_pretrained(path)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in IMAGE_TOKENS}
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    cfg = tiny_llama4_config(spec, vocab_size=(len(tok) + 63) // 64 * 64, image_token_id=ids["<|patch|>"],
+                             boi=ids["<|image_start|>"], eoi=ids["<|image_end|>"], eos_token_id=eos,
+                             pad_token_id=pad, bos_token_id=None)
+    patch_hf_forward()
+    torch.manual_seed(seed)
+    model = Llama4ForConditionalGeneration._from_config(cfg, attn_implementation="eager").eval()
+    make_fixture_can_fail_(model, seed)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(path)
+    return path
+
+
+def load_hf_reference(path: str | Path) -> Any:
+    """transformers' Llama4ForConditionalGeneration from `path`, float32, eager attention, eval mode (with the
+    5.24 forward patched)."""
+    from transformers import Llama4ForConditionalGeneration
+
+    patch_hf_forward()
+    return Llama4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                          attn_implementation="eager").eval()

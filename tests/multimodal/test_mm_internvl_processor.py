@@ -1,0 +1,138 @@
+"""InternVLProcessor against transformers' InternVLProcessor (GotOcr2 tiling with a thumbnail): ids, the
+<img>/</img>-wrapped placeholder runs, tiles; the preprocessing cache; the three input formats; refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.multimodal.items import PAD_VALUE_BASE, Modality
+from tessera.multimodal.media import MediaLimits
+from tessera.multimodal.processors.internvl import InternVLProcessor
+from tests.models.internvl_testing import SPECS, make_tiny_internvl_checkpoint
+
+from .conftest import encode_png, scene_image
+
+SPEC = SPECS["qwen2_gqa"]  # 48-pixel tiles, 9 tokens per tile
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    from transformers import AutoConfig, AutoProcessor
+
+    path = make_tiny_internvl_checkpoint(tmp_path_factory.mktemp("internvl_proc"), SPEC, max_patches=6)
+    return AutoProcessor.from_pretrained(path), AutoConfig.from_pretrained(path)
+
+
+@pytest.fixture
+def make_processor(ckpt):
+    from tessera.multimodal.processors.registry import create_processor
+
+    made = []
+
+    def make(**kwargs):
+        kwargs.setdefault("limits", MediaLimits.offline())
+        made.append(create_processor(ckpt[0], ckpt[1], **kwargs))
+        return made[-1]
+
+    yield make
+    for proc in made:
+        proc.close()
+
+
+def chat(hf_processor, parts: list[str]) -> str:
+    content = [{"type": "image"} if p == "image" else {"type": "text", "text": p} for p in parts]
+    return hf_processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            tokenize=False)
+
+
+def assert_matches_hf(out, ref, hf_processor) -> None:
+    assert out.input_ids == ref["input_ids"][0].tolist()
+    items = out.mm_inputs.items
+    assert torch.equal(torch.cat([it.feature for it in items]), ref["pixel_values"])
+    context = hf_processor.image_token_id
+    assert sum(it.num_tokens for it in items) == out.input_ids.count(context)
+    for item in items:
+        assert item.num_tokens == item.feature.shape[0] * SPEC.tokens_per_tile
+        (s, e), = item.offsets
+        assert set(out.input_ids[s:e]) == {context}
+        assert out.input_ids[s - 1] == hf_processor.start_image_token_id
+        assert out.input_ids[e] == hf_processor.end_image_token_id
+        assert item.pad_value >= PAD_VALUE_BASE
+
+
+def test_registry(ckpt, make_processor):
+    assert isinstance(make_processor(), InternVLProcessor)
+
+
+# (width, height): one tile (square, no thumbnail), wide, tall, extreme, tiny and large.
+SIZES = [(48, 48), (140, 40), (40, 150), (500, 30), (20, 20), (333, 251), (97, 260)]
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_single_image_parity_across_sizes(ckpt, make_processor, size):
+    hf_processor = ckpt[0]
+    img = scene_image(sum(size), size)
+    prompt = chat(hf_processor, ["image", "What is this?"])
+    out = make_processor().process(prompt=prompt, image_data=[encode_png(img)])
+    assert_matches_hf(out, hf_processor(text=[prompt], images=[img], return_tensors="pt"), hf_processor)
+
+
+def test_two_images_cache_hits_and_process_config(ckpt, make_processor):
+    hf_processor = ckpt[0]
+    images = [scene_image(1, (200, 90)), scene_image(2, (60, 180))]
+    prompt = chat(hf_processor, ["image", "Compare with", "image", "now."])
+    ref = hf_processor(text=[prompt], images=images, return_tensors="pt")
+    proc = make_processor(cache_size_bytes=1 << 26)
+    first = proc.process(prompt=prompt, image_data=images)
+    assert_matches_hf(first, ref, hf_processor)
+    again = proc.process(prompt=prompt, image_data=images)  # both from the preprocessing cache
+    partly = proc.process(prompt=prompt, image_data=[images[0], scene_image(3, (200, 90))])  # one hit, one miss
+    assert proc.preprocess_cache_hits == 3
+    assert again.input_ids == first.input_ids
+    assert [i.hash for i in again.mm_inputs.items] == [i.hash for i in first.mm_inputs.items]
+    assert_matches_hf(partly, hf_processor(text=[prompt], images=[images[0], scene_image(3, (200, 90))],
+                                           return_tensors="pt"), hf_processor)
+    # max_patches from mm_process_config reaches the image processor (and the hash).
+    fewer = make_processor(mm_process_config={"image": {"max_patches": 2}}).process(prompt=prompt, image_data=images)
+    assert_matches_hf(fewer, hf_processor(text=[prompt], images=images, images_kwargs={"max_patches": 2},
+                                          return_tensors="pt"), hf_processor)
+    assert len(fewer.input_ids) < len(first.input_ids)
+    assert fewer.mm_inputs.items[0].hash != first.mm_inputs.items[0].hash
+
+
+def test_three_formats_give_the_same_ids(ckpt, make_processor):
+    hf_processor = ckpt[0]
+    images = [scene_image(5, (150, 60)), scene_image(6, (48, 48))]
+    prompt = chat(hf_processor, ["image", "image", "Describe."])
+    proc = make_processor()
+    raw = proc.process(prompt=prompt, image_data=images)
+    ids = raw.input_ids
+    tiles = torch.cat([it.feature for it in raw.mm_inputs.items])
+    counts = [it.feature.shape[0] for it in raw.mm_inputs.items]
+    processed = proc.process(input_ids=ids, image_data=[
+        {"format": "processor_output", "pixel_values": tiles, "num_patches": counts}])
+    embeds = [torch.randn(n * SPEC.tokens_per_tile, SPEC.hidden) for n in counts]
+    precomputed = proc.process(prompt=prompt, image_data=[{"format": "precomputed_embedding", "feature": embeds}])
+    from_ids = proc.process(input_ids=proc.tokenize(prompt), image_data=images)  # one placeholder per image
+    for out in (processed, precomputed, from_ids):
+        assert out.input_ids == ids
+        assert [i.offsets for i in out.mm_inputs.items] == [i.offsets for i in raw.mm_inputs.items]
+    assert torch.equal(precomputed.mm_inputs.items[1].precomputed_embedding, embeds[1])
+
+
+def test_text_only_and_refusals(ckpt, make_processor):
+    hf_processor = ckpt[0]
+    proc = make_processor(limit_mm_per_request={"image": 1})
+    assert proc.process(prompt="hello there").input_ids == hf_processor.tokenizer("hello there")["input_ids"]
+    img = scene_image(7, (64, 64))
+    with pytest.raises(ValueError, match="too many image items"):
+        proc.process(prompt=chat(hf_processor, ["image", "image", "?"]), image_data=[img, img])
+    with pytest.raises(ValueError, match="image placeholder"):
+        proc.process(prompt=chat(hf_processor, ["image", "image", "?"]), image_data=[img])
+    with pytest.raises(ValueError, match="does not accept video"):
+        proc.process(prompt="<video>", video_data=[[img, img]])
+    with pytest.raises(ValueError, match="pixel_values has shape"):
+        proc.process(prompt=chat(hf_processor, ["image", "?"]), image_data=[
+            {"format": "processor_output", "pixel_values": torch.zeros(2, 3, 32, 32), "num_patches": [2]}])
+    assert Modality.IMAGE in proc.supported_modalities
