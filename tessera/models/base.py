@@ -112,7 +112,27 @@ class TesseraModel(nn.Module):
         """Positions of the step's tokens (the family's scheme) and, for families whose media attend
         bidirectionally, each request's media spans."""
         position_fn = _POSITIONS[config.positions]
-        positions = torch.cat([position_fn(s) for s in segments], dim=-1)
+        mrope = config.positions == "mrope"
+        # Generated tokens (decode) continue the prompt's positions by a per-request delta: collected as ints
+        # and made into one tensor per run of them, instead of a few small tensors per request.
+        pieces: list[torch.Tensor] = []
+        run: list[int] = []
+
+        def flush() -> None:
+            if run:
+                t = torch.tensor(run, dtype=torch.long)
+                pieces.append(t.expand(3, -1) if mrope else t)
+                run.clear()
+
+        for seg in segments:
+            if seg.start >= seg.prompt_len:
+                delta = seg.mm_inputs.mrope_position_delta if mrope and seg.mm_inputs is not None else 0
+                run.extend(range(seg.start + delta, seg.end + delta))
+            else:
+                flush()
+                pieces.append(position_fn(seg))
+        flush()
+        positions = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
         spans = [mm_spans(s) for s in segments] if config.family.bidirectional_mm_spans else None
         return StepLayout(positions, spans)
 

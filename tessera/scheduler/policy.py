@@ -45,10 +45,12 @@ class KVManager:
         self._slot_writes: list[SlotWrite] = []
         self._released: list[str] = []
 
-    def _write(self, row: int, start: int, slots: torch.Tensor) -> None:
+    def _write(self, row: int, start: int, slots: torch.Tensor, owned: bool = False) -> None:
+        """owned: `slots` is a fresh tensor nobody else writes (the allocator's), so the journal keeps it
+        without a copy."""
         if slots.numel():
             self.req_pool.req_to_token[row, start:start + slots.shape[0]] = slots
-            self._slot_writes.append(SlotWrite(row, start, slots.clone()))
+            self._slot_writes.append(SlotWrite(row, start, slots if owned else slots.clone()))
 
     def take_pending(self) -> tuple[list[SlotWrite], list[str]]:
         """The slot-table writes and released request ids since the last call (for the next ForwardInput)."""
@@ -90,7 +92,7 @@ class KVManager:
             self.tree.evict(num_tokens + self.page_size)
             slots = self.allocator.alloc_extend(req.kv_len, last_slot, num_tokens)
         if slots is not None:
-            self._write(req.req_pool_idx, req.kv_len, slots)
+            self._write(req.req_pool_idx, req.kv_len, slots, owned=True)
         return slots
 
     def release(self, req: Req, allocated_len: int | None = None) -> None:

@@ -160,9 +160,15 @@ class ModelWorker:
     def _apply_slot_writes(self, fi: ForwardInput) -> None:
         """One host-to-device copy for all the step's slot writes, then device-side copies in order (a row
         freed and reused between two steps gets its writes in the order they happened)."""
-        if not fi.slot_writes:
+        writes = fi.slot_writes
+        if not writes:
             return
-        values = torch.cat([w.slots for w in fi.slot_writes]).to(self.device, non_blocking=True)
+        values = torch.cat([w.slots for w in writes]).to(self.device, non_blocking=True)
+        if len({w.row for w in writes}) == len(writes):  # no row written twice: one scatter does it all
+            rows = torch.cat([torch.full((w.slots.shape[0],), w.row, dtype=torch.int64) for w in writes])
+            cols = torch.cat([torch.arange(w.start, w.start + w.slots.shape[0]) for w in writes])
+            self.req_to_token.index_put_((rows.to(self.device), cols.to(self.device)), values)
+            return
         offset = 0
         for w in fi.slot_writes:
             n = w.slots.shape[0]
