@@ -21,13 +21,12 @@ import torch
 from torch import nn
 
 from tessera.layers.attention import BaseAttentionBackend
-from tessera.layers.decoder import STACKED_PARAMS, DecoderOptions
 from tessera.layers.linear import Linear
 from tessera.models.base import Encoder
 from tessera.models.causal_lm import CausalLM
 from tessera.models.config import ModelConfig
 from tessera.models.hf_towers import build_transformers_tower
-from tessera.models.text_backbones import decoder_options_for
+from tessera.models.text_backbones import WrappedTextModel, wrapper_weight_mapping
 from tessera.models.weights import WeightMapping
 from tessera.multimodal.items import Modality, MultimodalDataItem
 
@@ -61,7 +60,7 @@ class InternVLMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(self.layer_norm(x))))
 
 
-class InternVLForConditionalGeneration(CausalLM):
+class InternVLForConditionalGeneration(WrappedTextModel, CausalLM):
     """The worker encodes images with encoders() (or takes them from its encoder cache) and puts the rows of
     this step's <IMG_CONTEXT> tokens into fb.mm_embed_rows / fb.mm_embeds."""
 
@@ -86,30 +85,11 @@ class InternVLForConditionalGeneration(CausalLM):
             self.multi_modal_projector = InternVLMultiModalProjector(width, config.hidden_size,
                                                                      str(hf.projector_hidden_act))
 
-    @property
-    def decoder_options(self) -> DecoderOptions:  # type: ignore[override]
-        """The text model's options (Qwen2: q/k/v bias; Qwen3: qk-norm; Llama: attention_bias)."""
-        return decoder_options_for(self.config.hf_config.get_text_config())
 
     @classmethod
     def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
-        tower = None if language_model_only else "vision_tower."
-        projector = None if language_model_only else "multi_modal_projector."
-        lm_head = None if config.tie_word_embeddings else "lm_head."
-        return WeightMapping(
-            prefix_rules=(
-                ("language_model.lm_head.", lm_head),
-                ("language_model.model.", "model."),
-                ("model.language_model.", "model."),
-                ("model.vision_tower.", tower),
-                ("vision_tower.", tower),
-                ("model.multi_modal_projector.", projector),
-                ("multi_modal_projector.", projector),
-                ("lm_head.", lm_head),
-            ),
-            stacked=STACKED_PARAMS,
-            stacked_prefix="model.",  # the vision tower keeps transformers' own q/k/v projections
-        )
+        return wrapper_weight_mapping(config.tie_word_embeddings, language_model_only,
+                                      ("vision_tower.", "multi_modal_projector."))
 
     def encoders(self) -> dict[Modality, Encoder]:
         return {} if self.vision_tower is None else {Modality.IMAGE: self.get_image_feature}

@@ -19,13 +19,12 @@ import torch
 from torch import nn
 
 from tessera.layers.attention import BaseAttentionBackend
-from tessera.layers.decoder import STACKED_PARAMS, DecoderOptions
 from tessera.layers.linear import Linear
 from tessera.models.base import Encoder
 from tessera.models.causal_lm import CausalLM
 from tessera.models.config import ModelConfig
 from tessera.models.hf_towers import build_transformers_tower
-from tessera.models.text_backbones import decoder_options_for
+from tessera.models.text_backbones import WrappedTextModel, wrapper_weight_mapping
 from tessera.models.weights import WeightMapping
 from tessera.multimodal import anyres
 from tessera.multimodal.items import Modality, MultimodalDataItem
@@ -110,7 +109,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(CausalLM):
+class LlavaForConditionalGeneration(WrappedTextModel, CausalLM):
     """Items carry `feature` (pixels [C, image_size, image_size]) or a `precomputed_embedding`."""
 
     def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
@@ -130,34 +129,12 @@ class LlavaForConditionalGeneration(CausalLM):
                 int(vision.hidden_size) * num_layers, config.hidden_size, str(hf_config.projector_hidden_act),
                 bool(getattr(hf_config, "multimodal_projector_bias", True)))
 
-    @property
-    def decoder_options(self) -> DecoderOptions:  # type: ignore[override]
-        """Chosen by text_config.model_type (CausalLM builds the decoder with it after setting self.config)."""
-        return decoder_options_for(self.config.hf_config.get_text_config())
 
     @classmethod
     def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
-        """The names transformers saves (`language_model.model.*`, `language_model.lm_head.*`, `vision_tower.*`,
-        `multi_modal_projector.*`) and its in-memory 5.x names (`model.language_model.*`, `model.vision_tower.*`,
-        `model.multi_modal_projector.*`, `lm_head.*`). More specific prefixes first."""
-        tower = None if language_model_only else "vision_tower."
-        projector = None if language_model_only else "multi_modal_projector."
-        lm_head = None if config.tie_word_embeddings else "lm_head."
-        return WeightMapping(
-            prefix_rules=(
-                ("language_model.lm_head.", lm_head),
-                ("language_model.model.", "model."),
-                ("model.language_model.", "model."),
-                ("model.vision_tower.", tower),
-                ("vision_tower.", tower),
-                ("model.multi_modal_projector.", projector),
-                ("multi_modal_projector.", projector),
-                ("lm_head.", lm_head),
-                *cls.extra_prefix_rules(language_model_only),
-            ),
-            stacked=STACKED_PARAMS,
-            stacked_prefix="model.",  # the vision tower keeps transformers' separate q/k/v projections
-        )
+        return wrapper_weight_mapping(config.tie_word_embeddings, language_model_only,
+                                      ("vision_tower.", "multi_modal_projector."),
+                                      cls.extra_prefix_rules(language_model_only))
 
     @classmethod
     def extra_prefix_rules(cls, language_model_only: bool) -> tuple[tuple[str, str | None], ...]:

@@ -21,35 +21,19 @@ import torch
 from torch import nn
 
 from tessera.layers.attention import BaseAttentionBackend
-from tessera.layers.decoder import STACKED_PARAMS, DecoderOptions
-from tessera.layers.linear import Linear
 from tessera.models.base import Encoder
 from tessera.models.causal_lm import CausalLM
 from tessera.models.config import ModelConfig
 from tessera.models.hf_towers import build_transformers_tower
-from tessera.models.text_backbones import decoder_options_for
+from tessera.models.llava import LlavaMultiModalProjector
+from tessera.models.text_backbones import WrappedTextModel, wrapper_weight_mapping
 from tessera.models.weights import WeightMapping
 from tessera.multimodal.items import Modality, MultimodalDataItem
 
 VISION_TOWER = "transformers.models.pixtral.modeling_pixtral:PixtralVisionModel"
 
 
-class LlavaMultiModalProjector(nn.Module):
-    """Vision width (x the number of feature layers) -> language-model width; names as transformers'."""
-
-    def __init__(self, in_dim: int, text_dim: int, act: str, bias: bool):
-        super().__init__()
-        from transformers.activations import ACT2FN
-
-        self.linear_1 = Linear(in_dim, text_dim, bias=bias)
-        self.act = ACT2FN[act]
-        self.linear_2 = Linear(text_dim, text_dim, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_2(self.act(self.linear_1(x)))
-
-
-class PixtralLlavaForConditionalGeneration(CausalLM):
+class PixtralLlavaForConditionalGeneration(WrappedTextModel, CausalLM):
     """The worker encodes images with encoders() (or takes them from its encoder cache) and puts the rows of
     this step's [IMG] tokens into fb.mm_embed_rows / fb.mm_embeds."""
 
@@ -74,29 +58,11 @@ class PixtralLlavaForConditionalGeneration(CausalLM):
                 int(vision.hidden_size) * len(self.feature_layers), config.hidden_size,
                 str(hf.projector_hidden_act), bool(getattr(hf, "multimodal_projector_bias", True)))
 
-    @property
-    def decoder_options(self) -> DecoderOptions:  # type: ignore[override]
-        return decoder_options_for(self.config.hf_config.get_text_config())
 
     @classmethod
     def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
-        tower = None if language_model_only else "vision_tower."
-        projector = None if language_model_only else "multi_modal_projector."
-        lm_head = None if config.tie_word_embeddings else "lm_head."
-        return WeightMapping(
-            prefix_rules=(
-                ("language_model.lm_head.", lm_head),
-                ("language_model.model.", "model."),
-                ("model.language_model.", "model."),
-                ("model.vision_tower.", tower),
-                ("vision_tower.", tower),
-                ("model.multi_modal_projector.", projector),
-                ("multi_modal_projector.", projector),
-                ("lm_head.", lm_head),
-            ),
-            stacked=STACKED_PARAMS,
-            stacked_prefix="model.",  # the vision tower keeps transformers' own q/k/v and gate/up projections
-        )
+        return wrapper_weight_mapping(config.tie_word_embeddings, language_model_only,
+                                      ("vision_tower.", "multi_modal_projector."))
 
     def encoders(self) -> dict[Modality, Encoder]:
         return {} if self.vision_tower is None else {Modality.IMAGE: self.get_image_feature}
