@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
-from tessera.multimodal.special_tokens import MultimodalSpecialTokens, check_placeholder_counts
+from tessera.multimodal.special_tokens import (
+    MultimodalSpecialTokens,
+    check_placeholder_counts,
+)
 
 __all__ = ["ItemFeatures", "ProcessorOutput", "expand_placeholders", "build_items", "runs"]
 
@@ -117,3 +122,13 @@ def runs(positions: Sequence[int]) -> list[tuple[int, int]]:
         else:
             out.append((p, p + 1))
     return out
+
+
+def as_tensor(value: Any, name: str) -> torch.Tensor:
+    """A caller-supplied array as a CPU tensor, or ValueError naming the field."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    try:
+        return torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{name} must be a tensor or array, got {type(value).__name__}") from e

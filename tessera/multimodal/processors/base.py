@@ -28,10 +28,28 @@ from typing import Any, ClassVar
 
 from tessera.multimodal.hashing import hash_item
 from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
-from tessera.multimodal.media import MediaLimits, VideoClip, load_audio, load_image, load_video
-from tessera.multimodal.processors.assemble import ItemFeatures, ProcessorOutput, build_items, expand_placeholders
-from tessera.multimodal.processors.loaded import InputFormat, LoadedMultimodalData, as_list
-from tessera.multimodal.processors.preprocess_cache import PreprocessCache, PreprocessCacheStats
+from tessera.multimodal.media import (
+    MediaLimits,
+    VideoClip,
+    load_audio,
+    load_image,
+    load_video,
+)
+from tessera.multimodal.processors.assemble import (
+    ItemFeatures,
+    ProcessorOutput,
+    build_items,
+    expand_placeholders,
+)
+from tessera.multimodal.processors.loaded import (
+    InputFormat,
+    LoadedMultimodalData,
+    as_list,
+)
+from tessera.multimodal.processors.preprocess_cache import (
+    PreprocessCache,
+    PreprocessCacheStats,
+)
 from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 __all__ = ["BaseMultimodalProcessor", "InputFormat", "ItemFeatures", "LoadedMultimodalData", "ProcessorOutput"]

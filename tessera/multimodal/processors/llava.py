@@ -21,12 +21,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from tessera.models.llava import LlavaImageGeometry
 from tessera.models.llava_next import IMAGE_SIZES_KEY
 from tessera.multimodal.items import Modality
+from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.base import (
     BaseMultimodalProcessor,
     InputFormat,
@@ -41,15 +41,6 @@ __all__ = ["LlavaProcessor", "LlavaNextProcessor"]
 _IMAGE_PROCESSOR_FIELDS = ("size", "crop_size", "image_grid_pinpoints", "image_mean", "image_std", "resample",
                            "do_resize", "do_center_crop", "do_pad", "do_rescale", "rescale_factor", "do_normalize",
                            "do_convert_rgb")
-
-
-def _tensor(value: Any, name: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    try:
-        return torch.as_tensor(np.asarray(value))
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{name} must be a tensor or array, got {type(value).__name__}") from e
 
 
 class LlavaProcessor(BaseMultimodalProcessor):

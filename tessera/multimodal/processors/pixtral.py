@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 import torch
 
 from tessera.multimodal.items import Modality
+from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.base import (
     BaseMultimodalProcessor,
     InputFormat,
@@ -33,15 +34,6 @@ from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 __all__ = ["PixtralProcessor"]
 
 SIZES_KEY = "image_sizes"
-
-
-def _tensor(value: Any, name: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    try:
-        return torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{name} must be a tensor or array, got {type(value).__name__}") from e
 
 
 class PixtralProcessor(BaseMultimodalProcessor):

@@ -25,7 +25,11 @@ from tessera.multimodal.hashing import hash_item
 from tessera.multimodal.items import Modality, MultimodalInputs
 from tessera.multimodal.media import VideoClip
 from tessera.multimodal.mrope import VisionSpan, compute_mrope_positions
-from tessera.multimodal.processors.base import InputFormat, ItemFeatures, LoadedMultimodalData
+from tessera.multimodal.processors.base import (
+    InputFormat,
+    ItemFeatures,
+    LoadedMultimodalData,
+)
 from tessera.multimodal.processors.qwen_vl import QwenVLProcessor
 
 __all__ = ["Qwen3VLProcessor", "frame_timestamps"]

@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from tessera.models.qwen2_audio import FEATURE_MASK_KEY, audio_output_len
 from tessera.multimodal.items import Modality
+from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.base import (
     BaseMultimodalProcessor,
     InputFormat,
@@ -31,15 +31,6 @@ __all__ = ["QwenAudioProcessor"]
 # Feature-extractor settings that shape the features (hashed with the content, see feature_kwargs).
 _EXTRACTOR_FIELDS = ("feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft", "n_samples",
                      "nb_max_frames", "padding_value", "dither")
-
-
-def _tensor(value: Any, name: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    try:
-        return torch.as_tensor(np.asarray(value))
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{name} must be a tensor or array, got {type(value).__name__}") from e
 
 
 class QwenAudioProcessor(BaseMultimodalProcessor):

@@ -16,6 +16,7 @@ import torch
 from tessera.multimodal.items import Modality, MultimodalInputs
 from tessera.multimodal.media import VideoClip
 from tessera.multimodal.mrope import VisionSpan, compute_mrope_positions
+from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.base import (
     BaseMultimodalProcessor,
     InputFormat,
@@ -30,15 +31,6 @@ _KEYS = {  # modality -> (pixel key, grid key)
     Modality.IMAGE: ("pixel_values", "image_grid_thw"),
     Modality.VIDEO: ("pixel_values_videos", "video_grid_thw"),
 }
-
-
-def _tensor(value: Any, name: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu()
-    try:
-        return torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"{name} must be a tensor or array, got {type(value).__name__}") from e
 
 
 class QwenVLProcessor(BaseMultimodalProcessor):
