@@ -43,8 +43,7 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         return run_node(args)
     from tessera.entrypoints.http_server import launch_server
 
-    launch_server(args)
-    return 0
+    return launch_server(args)
 
 
 def _cmd_bench(ns: argparse.Namespace) -> int:

@@ -44,3 +44,24 @@ def test_generate_answers_about_the_bundled_image() -> None:
     out = run_cli("generate", "--prompt", "How many shapes are there?", "--max-new-tokens", "8")
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "three"
+
+
+def test_serve_exits_with_one_line_when_the_model_fails_to_load(tmp_path) -> None:
+    """Weights that do not match: `tessera serve` stops within seconds, exit 2, one error line, no traceback."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tessera.config import ASSETS_DIR
+    from tests.server.server_process import free_port
+
+    broken = tmp_path / "broken"
+    shutil.copytree(ASSETS_DIR / "demo-vl", broken)
+    weights = load_file(broken / "model.safetensors")
+    weights.pop(next(k for k in weights if k.endswith("down_proj.weight")))
+    save_file(weights, broken / "model.safetensors", metadata={"format": "pt"})
+    out = run_cli("serve", "--model-path", str(broken), "--port", str(free_port()), timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "model failed to load: WeightLoadError" in errors[0]

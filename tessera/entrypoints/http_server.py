@@ -36,6 +36,7 @@ class ServerState:
         self.transcriptions: TranscriptionServing | None = None
         self.metrics = Metrics(args.model_name)
         self.load_error: str | None = None
+        self.server = None  # the uvicorn server, when launch_server runs one (stopped if loading fails)
         self.started = time.time()
 
     @property
@@ -53,8 +54,10 @@ class ServerState:
             print(f"Tessera is ready: serving {self.args.model_name!r} at "
                   f"http://{self.args.host}:{self.args.port}/v1", flush=True)
         except Exception as e:
-            self.load_error = str(e)
-            logger.error("model failed to load: %s", e)
+            self.load_error = str(e).removeprefix("model failed to load: ")
+            logger.error("model failed to load: %s", self.load_error)
+            if self.server is not None:  # nothing to serve: stop, and let `tessera serve` exit non-zero
+                self.server.should_exit = True
 
 
 def create_app(args: ServerArgs) -> FastAPI:
@@ -176,7 +179,7 @@ def create_app(args: ServerArgs) -> FastAPI:
     return app
 
 
-def launch_server(args: ServerArgs) -> None:
+def launch_server(args: ServerArgs) -> int:
     from tessera.models.config import ModelConfig
 
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
@@ -186,6 +189,11 @@ def launch_server(args: ServerArgs) -> None:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_keep_alive=5, access_log=False)
     server = uvicorn.Server(config)
+    state: ServerState = app.state.tessera
+    state.server = server
     # uvicorn handles SIGINT/SIGTERM: it stops accepting, finishes the lifespan (which shuts the
     # scheduler down) and returns; the scheduler also exits by itself if this process dies.
     server.run()
+    if state.load_error is not None:
+        raise ValueError(f"model failed to load: {state.load_error}")  # the CLI prints it as one line, exit 2
+    return 0

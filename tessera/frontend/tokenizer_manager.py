@@ -131,6 +131,7 @@ class TokenizerManager:
                     msg = await io.recv_async(ready_sock)
             ready_sock.close(linger=0)
             if isinstance(msg, io.SchedulerError):
+                logger.debug("scheduler %d failed to start:\n%s", rank, msg.traceback)
                 raise RuntimeError(f"model failed to load: {msg.message}")
             self.worker_infos.append(msg.worker)
         self.worker_info = self.worker_infos[0]

@@ -110,7 +110,8 @@ class SchedulerReady:
 
 @dataclass
 class SchedulerError:
-    message: str
+    message: str  # one line: what failed
+    traceback: str = ""  # for the server log at debug level, never for users
 
 
 def _reduce_tensor(t: torch.Tensor):

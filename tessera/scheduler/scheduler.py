@@ -223,7 +223,8 @@ def run_scheduler_process(args: ServerArgs, recv_endpoint: str, send_endpoint: s
     try:
         scheduler = Scheduler(args, recv_endpoint, send_endpoint, dp_rank)
     except Exception as e:  # report startup failures (bad checkpoint, ...) to the parent
-        io.send(ready, io.SchedulerError(f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        io.send(ready, io.SchedulerError(f"{type(e).__name__}: {first_line}", traceback.format_exc()))
         time.sleep(0.5)
         return
     io.send(ready, io.SchedulerReady(scheduler.worker.info))
