@@ -1,10 +1,14 @@
-"""Calls into transformers' processors that changed shape within the 5.x versions Tessera supports."""
+"""Calls into transformers' processors: the kwargs merge (which changed shape within the 5.x versions Tessera
+supports), and the image-processor-first call that several processors share."""
 
 from __future__ import annotations
 
 import importlib
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import torch
 
 
 def merge_processor_kwargs(hf_processor: Any, kwargs_class: str, **kwargs: Any) -> dict[str, dict]:
@@ -23,3 +27,40 @@ def merge_processor_kwargs(hf_processor: Any, kwargs_class: str, **kwargs: Any) 
     if cls is None:
         return hf_processor._merge_kwargs(tokenizer_init_kwargs=init_kwargs, **kwargs)
     return hf_processor._merge_kwargs(cls, tokenizer_init_kwargs=init_kwargs, **kwargs)
+
+
+class ImageProcessorCall:
+    """Mixin for a BaseMultimodalProcessor that runs the HF image processor itself, with the kwargs the HF
+    processor would merge (its defaults, the saved settings, then the request's), and tokenizes the prompt
+    unexpanded: the subclass's expand_placeholders then lays out the image tokens exactly as HF's text
+    replacement does. (InternVL's processor refuses calls without text, and cache misses need exactly that.)"""
+
+    processor_kwargs_class: ClassVar[str]  # "module:Class" of the HF processor's kwargs (see merge_processor_kwargs)
+    # Image-processor settings that shape the features: hashed with each item (a changed setting is a new item).
+    hashed_image_settings: ClassVar[tuple[str, ...]] = ()
+    hf_processor: Any
+
+    def extra_image_kwargs(self) -> dict[str, Any]:
+        return {}
+
+    def feature_kwargs(self, modality: Any) -> dict[str, Any]:
+        kwargs = super().feature_kwargs(modality)  # type: ignore[misc]
+        kwargs.update(self.extra_image_kwargs())
+        ip = self.hf_processor.image_processor
+        for name in self.hashed_image_settings:
+            kwargs.setdefault(name, getattr(ip, name, None))
+        return kwargs
+
+    def image_processor_kwargs(self) -> dict[str, Any]:
+        from tessera.multimodal.items import Modality
+
+        merged = merge_processor_kwargs(self.hf_processor, self.processor_kwargs_class,
+                                        images_kwargs=self.hf_kwargs(Modality.IMAGE))  # type: ignore[attr-defined]
+        return {**merged["images_kwargs"], **self.extra_image_kwargs(), "return_tensors": "pt"}
+
+    def call_hf_processor(self, prompt: str | None, loaded: Any) -> Mapping[str, Any]:
+        """All images in one image-processor call, and the prompt's unexpanded ids."""
+        out = dict(self.hf_processor.image_processor(loaded.images, **self.image_processor_kwargs()))
+        if prompt is not None:
+            out["input_ids"] = torch.tensor([self.tokenize(prompt)])  # type: ignore[attr-defined]
+        return out

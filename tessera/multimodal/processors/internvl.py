@@ -16,8 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
-import torch
-
 from tessera.multimodal.items import Modality
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.base import (
@@ -26,16 +24,18 @@ from tessera.multimodal.processors.base import (
     ItemFeatures,
     LoadedMultimodalData,
 )
-from tessera.multimodal.processors.hf_compat import merge_processor_kwargs
+from tessera.multimodal.processors.hf_compat import ImageProcessorCall
 from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 __all__ = ["InternVLProcessor"]
 
 
-class InternVLProcessor(BaseMultimodalProcessor):
+class InternVLProcessor(ImageProcessorCall, BaseMultimodalProcessor):
     """InternVLForConditionalGeneration (images)."""
 
     supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.IMAGE})
+    processor_kwargs_class = "transformers.models.internvl.processing_internvl:InternVLProcessorKwargs"
+    hashed_image_settings = ("size", "crop_to_patches", "min_patches", "max_patches", "image_mean", "image_std")
 
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
         vision = hf_config.vision_config
@@ -60,29 +60,6 @@ class InternVLProcessor(BaseMultimodalProcessor):
                                        image_token_id=getattr(self.hf_config, "image_token_id", None))
 
     # ------------------------------------------------------------ HF calls
-
-    def image_processor_kwargs(self) -> dict[str, Any]:
-        """The image processor's kwargs as the HF processor merges them (its defaults, e.g. crop_to_patches,
-        the saved settings, then ours)."""
-        hf = self.hf_processor
-        merged = merge_processor_kwargs(hf, "transformers.models.internvl.processing_internvl:InternVLProcessorKwargs",
-                                        images_kwargs=self.hf_kwargs(Modality.IMAGE))
-        return {**merged["images_kwargs"], "return_tensors": "pt"}
-
-    def call_hf_processor(self, prompt: str | None, loaded: LoadedMultimodalData) -> Mapping[str, Any]:
-        """Tiles and per-image tile counts of all images in one image-processor call, and the prompt's
-        unexpanded ids (expand_placeholders expands them exactly as the HF processor's text replacement)."""
-        out = dict(self.hf_processor.image_processor(loaded.images, **self.image_processor_kwargs()))
-        if prompt is not None:
-            out["input_ids"] = torch.tensor([self.tokenize(prompt)])
-        return out
-
-    def feature_kwargs(self, modality: Modality) -> dict[str, Any]:
-        kwargs = super().feature_kwargs(modality)
-        ip = self.hf_processor.image_processor
-        for name in ("size", "crop_to_patches", "min_patches", "max_patches", "image_mean", "image_std"):
-            kwargs.setdefault(name, getattr(ip, name, None))
-        return kwargs
 
     # ------------------------------------------------------------ placeholders
 

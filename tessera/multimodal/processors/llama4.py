@@ -35,6 +35,7 @@ from tessera.multimodal.processors.base import (
     ItemFeatures,
     LoadedMultimodalData,
 )
+from tessera.multimodal.processors.hf_compat import ImageProcessorCall
 from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 __all__ = ["Llama4Processor"]
@@ -42,10 +43,12 @@ __all__ = ["Llama4Processor"]
 RATIO_KEY = "aspect_ratio"
 
 
-class Llama4Processor(BaseMultimodalProcessor):
+class Llama4Processor(ImageProcessorCall, BaseMultimodalProcessor):
     """Llama4ForConditionalGeneration (images)."""
 
     supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.IMAGE})
+    processor_kwargs_class = "transformers.models.llama4.processing_llama4:Llama4ProcessorKwargs"
+    hashed_image_settings = ("size", "max_patches", "resize_to_max_canvas", "image_mean", "image_std", "resample")
 
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
         from tessera.models.llama4 import tokens_per_tile
@@ -79,27 +82,6 @@ class Llama4Processor(BaseMultimodalProcessor):
         return MultimodalSpecialTokens(image_token=self.hf_processor.fake_image_token)
 
     # ------------------------------------------------------------ HF calls
-
-    def image_processor_kwargs(self) -> dict[str, Any]:
-        hf = self.hf_processor
-        merged = hf._merge_kwargs(tokenizer_init_kwargs=hf.tokenizer.init_kwargs,
-                                  images_kwargs=self.hf_kwargs(Modality.IMAGE))
-        return {**merged["images_kwargs"], "return_tensors": "pt"}
-
-    def call_hf_processor(self, prompt: str | None, loaded: LoadedMultimodalData) -> Mapping[str, Any]:
-        """All images in one image-processor call (their tiles and aspect ratios), and the prompt's unexpanded
-        ids."""
-        out = dict(self.hf_processor.image_processor(loaded.images, **self.image_processor_kwargs()))
-        if prompt is not None:
-            out["input_ids"] = torch.tensor([self.tokenize(prompt)])
-        return out
-
-    def feature_kwargs(self, modality: Modality) -> dict[str, Any]:
-        kwargs = super().feature_kwargs(modality)
-        ip = self.hf_processor.image_processor
-        for name in ("size", "max_patches", "resize_to_max_canvas", "image_mean", "image_std", "resample"):
-            kwargs.setdefault(name, getattr(ip, name, None))
-        return kwargs
 
     # ------------------------------------------------------------ placeholders
 

@@ -28,7 +28,7 @@ from tessera.multimodal.processors.base import (
     ItemFeatures,
     LoadedMultimodalData,
 )
-from tessera.multimodal.processors.hf_compat import merge_processor_kwargs
+from tessera.multimodal.processors.hf_compat import ImageProcessorCall
 from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 __all__ = ["PixtralProcessor"]
@@ -36,10 +36,12 @@ __all__ = ["PixtralProcessor"]
 SIZES_KEY = "image_sizes"
 
 
-class PixtralProcessor(BaseMultimodalProcessor):
+class PixtralProcessor(ImageProcessorCall, BaseMultimodalProcessor):
     """LlavaForConditionalGeneration with a Pixtral vision config (images)."""
 
     supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.IMAGE})
+    processor_kwargs_class = "transformers.models.pixtral.processing_pixtral:PixtralProcessorKwargs"
+    hashed_image_settings = ("size", "image_mean", "image_std", "resample")
 
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
         vision = hf_config.vision_config
@@ -61,27 +63,8 @@ class PixtralProcessor(BaseMultimodalProcessor):
 
     # ------------------------------------------------------------ HF calls
 
-    def image_processor_kwargs(self) -> dict[str, Any]:
-        hf = self.hf_processor
-        merged = merge_processor_kwargs(hf, "transformers.models.pixtral.processing_pixtral:PixtralProcessorKwargs",
-                                        images_kwargs=self.hf_kwargs(Modality.IMAGE))
-        return {**merged["images_kwargs"], "patch_size": self.patch_size, "return_tensors": "pt"}
-
-    def call_hf_processor(self, prompt: str | None, loaded: LoadedMultimodalData) -> Mapping[str, Any]:
-        """All images in one image-processor call (padded to a common size, with their image_sizes), and the
-        prompt's unexpanded ids."""
-        out = dict(self.hf_processor.image_processor(loaded.images, **self.image_processor_kwargs()))
-        if prompt is not None:
-            out["input_ids"] = torch.tensor([self.tokenize(prompt)])
-        return out
-
-    def feature_kwargs(self, modality: Modality) -> dict[str, Any]:
-        kwargs = super().feature_kwargs(modality)
-        ip = self.hf_processor.image_processor
-        kwargs["patch_size"] = self.patch_size
-        for name in ("size", "image_mean", "image_std", "resample"):
-            kwargs.setdefault(name, getattr(ip, name, None))
-        return kwargs
+    def extra_image_kwargs(self) -> dict[str, Any]:
+        return {"patch_size": self.patch_size}
 
     # ------------------------------------------------------------ placeholders
 
