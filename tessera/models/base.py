@@ -72,13 +72,6 @@ def mrope_positions(seg: StepSegment) -> torch.Tensor:
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
-def mm_spans(seg: StepSegment) -> list[tuple[int, int]]:
-    """Every placeholder range of the request's media items (absolute token indices)."""
-    if seg.mm_inputs is None:
-        return []
-    return sorted(r for item in seg.mm_inputs.items for r in item.offsets)
-
-
 _POSITIONS = {"rope": rope_positions, "mrope": mrope_positions}
 
 
@@ -133,7 +126,8 @@ class TesseraModel(nn.Module):
                 pieces.append(position_fn(seg))
         flush()
         positions = torch.cat(pieces, dim=-1) if len(pieces) > 1 else pieces[0]
-        spans = [mm_spans(s) for s in segments] if config.family.bidirectional_mm_spans else None
+        spans = ([s.mm_inputs.spans() if s.mm_inputs is not None else [] for s in segments]
+                 if config.family.bidirectional_mm_spans else None)
         return StepLayout(positions, spans)
 
     @abstractmethod

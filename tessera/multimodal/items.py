@@ -58,6 +58,10 @@ class MultimodalInputs:
     mrope_positions: torch.Tensor | None = None
     mrope_position_delta: int = 0
 
+    def spans(self) -> list[tuple[int, int]]:
+        """Every placeholder range of every item, in prompt order."""
+        return sorted(r for item in self.items for r in item.offsets)
+
     def pad_input_ids(self, input_ids: list[int]) -> list[int]:
         """The prefix-cache key: placeholder ids replaced by each item's pad value."""
         key = list(input_ids)

@@ -95,18 +95,6 @@ class BatchOutput:
 class SchedulerReady:
     worker: WorkerInfo  # the effective device, dtype, KV pool size, ...
 
-    @property
-    def max_total_tokens(self) -> int:
-        return self.worker.max_total_tokens
-
-    @property
-    def context_length(self) -> int:
-        return self.worker.context_length
-
-    @property
-    def vocab_size(self) -> int:
-        return self.worker.vocab_size
-
 
 @dataclass
 class SchedulerError:

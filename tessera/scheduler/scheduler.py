@@ -68,7 +68,7 @@ class Scheduler:
             sp = msg.sampling_params
             req = Req(msg.rid, msg.input_ids, sp, msg.mm_inputs, msg.stream, msg.return_logprob)
             if self.config.family.bidirectional_mm_spans and msg.mm_inputs is not None:
-                req.atomic_spans = sorted(r for item in msg.mm_inputs.items for r in item.offsets)
+                req.atomic_spans = msg.mm_inputs.spans()
             req.stop_token_ids = set(sp.stop_token_ids or [])
             if not sp.ignore_eos:
                 req.stop_token_ids |= self.eos_ids
