@@ -15,8 +15,6 @@ import os
 import socket
 import subprocess
 import sys
-import threading
-import time
 
 from tessera.config import ServerArgs
 
@@ -102,14 +100,6 @@ class TPGroupHandle:
                 p.kill()
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # A rank of a multi-node group on node k > 0 has `tessera serve` as its parent: it goes with it too.
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(0)
-        time.sleep(1.0)
-
-
 def rank_main(args: ServerArgs, rank: int, init_method: str) -> None:
     """A rank > 0: joins the group, loads its shard of the model, then follows rank 0's messages."""
     import torch
@@ -141,10 +131,12 @@ def rank_main(args: ServerArgs, rank: int, init_method: str) -> None:
 
 
 def main() -> None:
+    from tessera.scheduler.launch import exit_with_parent
+
     rank, init_method = sys.argv[1:3]
     cfg = sys.stdin.read()
     logging.basicConfig(level="INFO", format=f"[%(asctime)s tp{rank}] %(message)s")
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    exit_with_parent()
     rank_main(ServerArgs(**json.loads(cfg)), int(rank), init_method)
 
 

@@ -29,12 +29,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
     name = str(device)
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not (name in ("cpu", "cuda") or (name.startswith("cuda:") and name[5:].isdigit())):
+        raise ValueError(f"device: expected auto, cpu or cuda[:N], got {name!r}")
     if name.startswith("cuda") and not torch.cuda.is_available():
         build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
         raise ValueError(f"device: {name!r} requested but no CUDA device is available ({build}); "
                          "use --device cpu or --device auto")
-    if not (name == "cpu" or name.startswith("cuda")):
-        raise ValueError(f"device: expected auto, cpu or cuda[:N], got {name!r}")
     return torch.device(name)
 
 

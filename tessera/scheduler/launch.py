@@ -18,6 +18,12 @@ from tessera.config import ServerArgs
 from tessera.scheduler.scheduler import run_scheduler_process
 
 
+def exit_with_parent() -> None:
+    """A daemon thread ends this process when its parent dies (no child outlives the process that started
+    it: the scheduler its frontend, a TP rank its scheduler or its node's `tessera serve`)."""
+    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+
+
 def _watch_parent(parent_pid: int) -> None:
     while True:
         if os.getppid() != parent_pid:
@@ -29,7 +35,7 @@ def main() -> None:
     to_sched, from_sched, ready = sys.argv[1:4]
     dp_rank = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     args = ServerArgs(**json.loads(sys.stdin.read()))
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True).start()
+    exit_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
     run_scheduler_process(args, to_sched, from_sched, ready, dp_rank)
