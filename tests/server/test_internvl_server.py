@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import base64
-import io
 import random
 
 import httpx
 import pytest
-import torch
 
 from tessera.demo import scenes
 from tests.models.internvl_testing import make_tiny_internvl_checkpoint
 from tests.server.server_process import ServerProcess
+from tests.server.vlm_chat import hf_reply, served_reply
 
 MAX_TOKENS = 8
 QUESTION = "What is in the image?"
@@ -26,39 +24,15 @@ def internvl_server(tmp_path_factory):
     srv.stop()
 
 
-def _data_uri(image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _hf_reply(path, images) -> str:
-    from transformers import AutoProcessor, InternVLForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(path)
-    model = InternVLForConditionalGeneration.from_pretrained(path).eval()
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": QUESTION}]
-    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
-    enc = processor(text=[text], images=images, return_tensors="pt")
-    with torch.inference_mode():
-        out = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-
-
 def test_chat_with_images_matches_hf(internvl_server) -> None:
-    from openai import OpenAI
+    from transformers import InternVLForConditionalGeneration
 
     srv, path = internvl_server
     rng = random.Random(7)
     images = [scenes.image_sample(rng).frames[0].resize(size) for size in ((150, 60), (64, 64))]
-    client = OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", timeout=60)
     for used in (images[:1], images):  # one tiled image, then two images in one prompt
-        parts = [{"type": "image_url", "image_url": {"url": _data_uri(im)}} for im in used]
-        reply = client.chat.completions.create(
-            model=path.name, temperature=0, max_tokens=MAX_TOKENS,
-            messages=[{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}])
-        expected = _hf_reply(path, used)
+        reply = served_reply(srv.base_url, path.name, used, QUESTION, MAX_TOKENS)
+        expected = hf_reply(path, InternVLForConditionalGeneration, used, QUESTION, MAX_TOKENS)
         assert reply.choices[0].message.content == expected
         assert reply.usage.completion_tokens == MAX_TOKENS
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import base64
 import random
 
 import httpx
 import pytest
-import torch
 
 from tessera.demo import scenes
 from tests.models.qwen2_5_vl_testing import make_tiny_qwen2_5_vl_checkpoint
 from tests.server.server_process import ServerProcess
+from tests.server.vlm_chat import hf_reply, served_reply
 
 MAX_TOKENS = 8
 
@@ -24,42 +23,16 @@ def qwen25_server(tmp_path_factory):
     srv.stop()
 
 
-def _png(image) -> bytes:
-    import io
-
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return buf.getvalue()
-
-
-def _hf_reply(path, images, question: str) -> str:
-    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
-
-    processor = AutoProcessor.from_pretrained(path)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path).eval()
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
-    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
-    enc = processor(text=[text], images=images, return_tensors="pt")
-    with torch.inference_mode():
-        out = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-
-
 def test_chat_with_images_matches_hf(qwen25_server) -> None:
-    from openai import OpenAI
+    from transformers import Qwen2_5_VLForConditionalGeneration
 
     srv, path = qwen25_server
     rng = random.Random(7)
     images = [scenes.image_sample(rng).frames[0] for _ in range(2)]
-    client = OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", timeout=60)
     for used in (images[:1], images):  # one image, then two images in one prompt
-        parts = [{"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(_png(im)).decode()}}
-                 for im in used]
-        reply = client.chat.completions.create(
-            model=path.name, temperature=0, max_tokens=MAX_TOKENS,
-            messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is in the image?"}]}])
-        assert reply.choices[0].message.content == _hf_reply(path, used, "What is in the image?")
+        reply = served_reply(srv.base_url, path.name, used, "What is in the image?", MAX_TOKENS)
+        expected = hf_reply(path, Qwen2_5_VLForConditionalGeneration, used, "What is in the image?", MAX_TOKENS)
+        assert reply.choices[0].message.content == expected
         assert reply.usage.completion_tokens == MAX_TOKENS
 
 

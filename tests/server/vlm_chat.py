@@ -1,0 +1,41 @@
+"""Shared pieces of the per-family server tests: an OpenAI chat with images against `tessera serve`, and the
+answer HF `generate` gives to the same conversation."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import torch
+
+
+def data_uri(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def served_reply(base_url: str, model: str, images, question: str, max_tokens: int):
+    """The openai client's chat completion for the images (data URIs) followed by `question`, greedy."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=60)
+    parts = [{"type": "image_url", "image_url": {"url": data_uri(im)}} for im in images]
+    return client.chat.completions.create(
+        model=model, temperature=0, max_tokens=max_tokens,
+        messages=[{"role": "user", "content": [*parts, {"type": "text", "text": question}]}])
+
+
+def hf_reply(path, hf_class, images, question: str, max_tokens: int) -> str:
+    """HF generate's greedy answer for the same conversation, decoded without special tokens."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(path)
+    model = hf_class.from_pretrained(path).eval()
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=False)
+    enc = processor(text=[text], images=images, return_tensors="pt")
+    with torch.inference_mode():
+        out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)
+    return processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
