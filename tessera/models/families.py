@@ -29,7 +29,8 @@ class Family:
     # Attention inside each media item's token span is bidirectional (Gemma-3 images): the backend gets
     # custom masks and the scheduler never splits such a span across prefill chunks.
     bidirectional_mm_spans: bool = False
-    # Attention-backend features the model needs beyond causal paged attention.
+    # Attention-backend features the model needs beyond causal paged attention ("custom_mask",
+    # "sliding_window"; see BaseAttentionBackend.features), checked when the model loads.
     backend_needs: frozenset[str] = frozenset()
     # One architecture name can front several families (LLaVA with a CLIP or a Pixtral tower): a row with
     # vision_model_type serves only configs whose vision_config.model_type equals it.
@@ -76,9 +77,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("Gemma3ForConditionalGeneration", "tessera.models.gemma3:Gemma3ForConditionalGeneration",
            "tessera.multimodal.processors.gemma3:Gemma3Processor", frozenset({IMAGE}), "rope",
            model_types=("gemma3",), bidirectional_mm_spans=True,
+           backend_needs=frozenset({"custom_mask", "sliding_window"}),
            notes="attn_logit_softcapping; use_bidirectional_attention; RoPE scaling other than linear"),
     Family("Gemma3ForCausalLM", "tessera.models.gemma3:Gemma3ForCausalLM", None, frozenset(), "rope",
-           model_types=("gemma3_text",),
+           model_types=("gemma3_text",), backend_needs=frozenset({"sliding_window"}),
            notes="attn_logit_softcapping; use_bidirectional_attention; RoPE scaling other than linear"),
     Family("Qwen3ForCausalLM", "tessera.models.qwen3:Qwen3ForCausalLM", None, frozenset(), "rope",
            model_types=("qwen3",)),
@@ -97,11 +99,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                  "(no CLS token: transformers fails too); text models other than Mistral, Llama, Qwen2, Qwen3"),
     Family("Llama4ForConditionalGeneration", "tessera.models.llama4:Llama4ForConditionalGeneration",
            "tessera.multimodal.processors.llama4:Llama4Processor", frozenset({IMAGE}), "rope",
-           model_types=("llama4",),
+           model_types=("llama4",), backend_needs=frozenset({"custom_mask"}),
            notes="tensor parallelism (MoE layers); rope_type dynamic; chunked attention runs as per-request "
                  "masks (no decode K/V mirror)"),
     Family("Llama4ForCausalLM", "tessera.models.llama4:Llama4ForCausalLM", None, frozenset(), "rope",
-           model_types=("llama4_text",),
+           model_types=("llama4_text",), backend_needs=frozenset({"custom_mask"}),
            notes="tensor parallelism (MoE layers); rope_type dynamic"),
 )}
 

@@ -84,8 +84,14 @@ def load_model(
     cls = config.family.model_class()
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, dev)
+    backend = get_attention_backend(attention_backend)
+    # Per-layer sliding windows are a config fact too (Qwen2/Mistral may set them without their family needing it).
+    needs = config.family.backend_needs | ({"sliding_window"} if any(config.sliding_windows) else set())
+    if not needs <= backend.features:
+        raise ValueError(f"attention_backend={attention_backend!r} lacks {sorted(needs - backend.features)}, which "
+                         f"{config.family.name} needs")
     with torch.device(dev), _default_dtype(torch_dtype):
-        model = cls.build(config, get_attention_backend(attention_backend), language_model_only)
+        model = cls.build(config, backend, language_model_only)
     load_weights(model, model_path, cls.weight_mapping(config, language_model_only))
     model.eval().requires_grad_(False)
     return model, config

@@ -117,3 +117,17 @@ def test_readme_support_table_is_the_family_table() -> None:
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     assert support_table() in readme, "README's support table differs: paste families.support_table() into it"
     assert support_table().count("\n| `") == len(FAMILIES)
+
+
+def test_a_backend_without_what_the_family_needs_is_refused(tmp_path, monkeypatch) -> None:
+    from tessera.layers.attention.torch_native import TorchNativeAttentionBackend
+
+    path = _tiny_qwen2(tmp_path, torch.float32)
+    config = ModelConfig.load(path)
+    family = config.family.__class__(**{**config.family.__dict__, "backend_needs": frozenset({"custom_mask"})})
+    config = config.__class__(**{**config.__dict__, "family": family})
+    monkeypatch.setattr(TorchNativeAttentionBackend, "features", frozenset(), raising=False)
+    with pytest.raises(ValueError, match=r"lacks \['custom_mask'\]"):
+        load_model(path, "float32", config=config)
+    monkeypatch.undo()
+    load_model(path, "float32", config=config)  # torch_native has it

@@ -35,6 +35,10 @@ class BaseAttentionBackend(ABC):
     a backend must never reuse it for a different batch.
     """
 
+    # What a backend does beyond causal paged attention; families list what they need (Family.backend_needs)
+    # and load_model refuses a backend that lacks it.
+    features: frozenset[str] = frozenset({"custom_mask", "sliding_window"})
+
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Prepares per-step state shared by all layers. Default: nothing to prepare."""
 
