@@ -88,9 +88,11 @@ class ServerArgs:
     # step) instead of gathering it from the pool's pages every step; it costs up to the pool's size again.
     disable_decode_kv_mirror: bool = False
     language_model_only: bool = False
-    # Intra-op threads of the scheduler process (the model). None: all cores but one, which is left to the
-    # frontend (HTTP, tokenizer, media processors), as vLLM's CPU backend reserves a core. Measured on
-    # 2 cores: a scheduler with both cores' threads ran demo-vl decode ~5x slower while anything else ran.
+    # Intra-op threads of the scheduler process (the model). None: on a CPU with one model rank, adaptive
+    # (scheduler/cpu_threads.py: before each step, the cores that nothing else used in the last quarter
+    # second, at least one); with several ranks, all cores but one split between them. A fixed count
+    # loses either way on few cores: both of 2 cores ran demo-vl ~5x slower while anything else ran, one
+    # of 2 leaves half the machine idle while the frontend is.
     cpu_threads: int | None = None
     # Scheduling and memory
     max_running_requests: int = 64
@@ -171,6 +173,11 @@ class ServerArgs:
     @property
     def scheduler_threads(self) -> int:
         return self.cpu_threads or max(1, (os.cpu_count() or 1) - 1)
+
+    @property
+    def adaptive_threads(self) -> bool:
+        """The scheduler process picks its thread count per step (cpu_threads unset, one model rank)."""
+        return self.cpu_threads is None and self.tp_size * self.dp_size == 1
 
     @property
     def worker_threads(self) -> int:

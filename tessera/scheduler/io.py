@@ -62,6 +62,7 @@ class SchedulerStats:
     num_forward_steps: int
     num_prefill_tokens_computed: int
     num_retractions: int
+    num_steps_all_cores: int = 0  # CPU: model steps that ran with every core's thread (adaptive threads)
     dp_rank: int = 0  # the data-parallel replica these counters are of
 
     @classmethod

@@ -14,6 +14,7 @@ import zmq
 
 from tessera.config import ServerArgs
 from tessera.scheduler import io
+from tessera.scheduler.cpu_threads import AdaptiveThreads, available_cores
 from tessera.scheduler.req import Req
 from tessera.distributed.tp_launch import TPGroupHandle
 from tessera.scheduler.step_input import build_forward_input
@@ -59,7 +60,12 @@ class Scheduler:
         kv = KVManager(req_pool, allocator, self.tree, args.page_size)
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy)
         self.reqs: dict[str, Req] = {}
+        # Threads per step on a CPU (see cpu_threads.py); None: the fixed count set at process start.
+        self.threads: AdaptiveThreads | None = None
+        if args.adaptive_threads and self.worker.device.type == "cpu":
+            self.threads = AdaptiveThreads(available_cores())
         self.num_forward_steps = 0
+        self.num_steps_all_cores = 0
         self.num_prefill_tokens_computed = 0
 
     # ---- messages -----------------------------------------------------------------------
@@ -106,7 +112,8 @@ class Scheduler:
             encoder_cache_hits=hits, encoder_cache_misses=misses,
             encoder_cache_bytes=used, num_forward_steps=self.num_forward_steps,
             num_prefill_tokens_computed=self.num_prefill_tokens_computed,
-            num_retractions=self.policy.num_retractions, dp_rank=self.dp_rank,
+            num_retractions=self.policy.num_retractions, num_steps_all_cores=self.num_steps_all_cores,
+            dp_rank=self.dp_rank,
         )
 
     # ---- stepping -------------------------------------------------------------------------
@@ -152,6 +159,8 @@ class Scheduler:
             fi = build_forward_input(batch, self.model_cls, self.config, self.policy.kv)
             if self.tp is not None:  # every rank runs the same step; rank 0 (here) samples
                 self.tp.broadcast(("step", fi))
+            if self.threads is not None and self.threads.before_step() == self.threads.cores:
+                self.num_steps_all_cores += 1
             result = self.worker.execute(fi)
         except Exception as e:  # a bug or a bad tensor that got past the frontend: fail this batch only
             logger.exception("model step failed; failing the %d requests of the batch", len(batch.reqs))
