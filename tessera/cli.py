@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 
 from tessera.config import ASSETS_DIR, ServerArgs
 
@@ -78,11 +79,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     ns = build_parser().parse_args(argv)
+    debug = str(getattr(ns, "log_level", "") or "").lower() == "debug"
     try:
         code = ns.func(ns)
-    except ValueError as e:  # user errors: one clear line, no traceback
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
     except KeyboardInterrupt:
         code = 130
+    except Exception as e:  # noqa: BLE001 - every error is one line; --log-level debug shows the traceback
+        if debug:
+            traceback.print_exc()
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        code = 2 if isinstance(e, ValueError) else 1
     sys.exit(code)
+
+
+def one_line(e: BaseException) -> str:
+    """The first line of the error's message; its type too unless it is a ValueError (our user errors)."""
+    text = (str(e).strip().splitlines() or [""])[0]
+    if isinstance(e, ValueError):
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__

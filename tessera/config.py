@@ -112,6 +112,9 @@ class ServerArgs:
     limit_mm_data_per_request: dict = field(default_factory=dict)
     allowed_local_media_path: str | None = None
     allow_private_media_urls: bool = False  # fetch from loopback/private addresses (off: SSRF protection)
+    # Comma-separated host names media URLs may name (each redirect hop too); `*.example.com` admits its
+    # subdomains. None: any public host.
+    allowed_media_domains: tuple[str, ...] | None = None
     max_image_pixels: int | None = None  # refuse larger images before decoding (None: the loader's default)
     mm_preprocess_workers: int = 4
     # Frontend
@@ -125,6 +128,11 @@ class ServerArgs:
         set_("model_path", resolve_model_path(self.model_path))
         set_("mm_process_config", _json_dict("mm_process_config", self.mm_process_config))
         set_("limit_mm_data_per_request", _json_dict("limit_mm_data_per_request", self.limit_mm_data_per_request))
+        domains = self.allowed_media_domains
+        if isinstance(domains, str):
+            domains = domains.split(",")
+        if domains is not None:
+            set_("allowed_media_domains", tuple(d.strip().lower() for d in domains if d.strip()))
         for key in self.mm_process_config:
             if key not in ("image", "video", "audio"):
                 raise ValueError(f"mm_process_config: unknown modality {key!r} (expected image, video, audio)")

@@ -65,3 +65,27 @@ def test_serve_exits_with_one_line_when_the_model_fails_to_load(tmp_path) -> Non
     assert "Traceback" not in out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "model failed to load: WeightLoadError" in errors[0]
+
+
+def test_any_error_is_one_line_unless_debug(monkeypatch, capsys) -> None:
+    """A chained RuntimeError from deep inside prints one `error:` line (exit 1); --log-level debug adds the
+    traceback."""
+    from tessera import cli
+
+    def explode(ns):
+        try:
+            raise KeyError("inner")
+        except KeyError as e:
+            raise RuntimeError("scheduler step failed\nsecond line") from e
+
+    monkeypatch.setattr(cli, "_cmd_generate", explode)
+    for level, traceback_shown in (("info", False), ("debug", True)):
+        with pytest.raises(SystemExit) as info:
+            cli.main(["generate", "--log-level", level])
+        err = capsys.readouterr().err
+        assert info.value.code == 1
+        assert [line for line in err.splitlines() if line.startswith("error:")] == [
+            "error: RuntimeError: scheduler step failed"]
+        assert ("Traceback" in err) is traceback_shown
+        if not traceback_shown:
+            assert len(err.strip().splitlines()) == 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import time
 from contextlib import asynccontextmanager
 
@@ -19,13 +20,15 @@ from fastapi.responses import Response
 
 from tessera.config import ServerArgs
 from tessera.entrypoints.metrics import Metrics
+from tessera.entrypoints.middleware import ServerMiddleware, observe_generation
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
 from tessera.entrypoints.openai.serving import OpenAIServing
 from tessera.entrypoints.openai.transcriptions import TranscriptionServing
 from tessera.frontend.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger("tessera.server")
-OPEN_PATHS = {"/health", "/metrics", "/docs", "/openapi.json"}
+WATCH_INTERVAL_S = 0.1
+DRAIN_TIMEOUT_S = 20.0  # SIGTERM: in-flight requests get this long to finish; uvicorn waits 5 s more
 
 
 class ServerState:
@@ -36,28 +39,87 @@ class ServerState:
         self.transcriptions: TranscriptionServing | None = None
         self.metrics = Metrics(args.model_name)
         self.load_error: str | None = None
-        self.server = None  # the uvicorn server, when launch_server runs one (stopped if loading fails)
+        self.scheduler_died = False  # every scheduler process exited while serving: the server stops, exit 1
+        self.draining = False  # SIGTERM: no new requests, in-flight ones finish (or end cleanly at the deadline)
+        self.server = None  # the uvicorn server, when launch_server runs one
         self.started = time.time()
 
     @property
     def ready(self) -> bool:
-        return self.tm is not None and self.tm.ready and self.tm.scheduler_alive
+        return self.tm is not None and self.tm.ready and self.tm.scheduler_alive and not self.draining
+
+    def _request_done(self, req_state, result: dict) -> None:
+        self.metrics.observe_request(req_state, result)
+        observe_generation(result["meta_info"])
 
     async def load(self) -> None:
+        tm = None
         try:
             loop = asyncio.get_running_loop()
             tm = await loop.run_in_executor(None, TokenizerManager, self.args)
             await tm.start()
-            tm.on_request_done = self.metrics.observe_request
+            tm.on_request_done = self._request_done
             self.tm, self.serving = tm, OpenAIServing(tm, self.args.model_name)
             self.transcriptions = TranscriptionServing(self.serving)
-            print(f"Tessera is ready: serving {self.args.model_name!r} at "
-                  f"http://{self.args.host}:{self.args.port}/v1", flush=True)
-        except Exception as e:
+            log_startup_summary(self.args, tm)
+        except BaseException as e:
+            if tm is not None:  # a half-started manager: its scheduler processes must not outlive us
+                tm.shutdown()
+                await tm.close()
+            if not isinstance(e, Exception):
+                raise
             self.load_error = str(e).removeprefix("model failed to load: ")
-            logger.error("model failed to load: %s", self.load_error)
+            logger.debug("model failed to load", exc_info=True)
             if self.server is not None:  # nothing to serve: stop, and let `tessera serve` exit non-zero
                 self.server.should_exit = True
+
+    async def close(self) -> None:
+        if self.tm is not None:
+            self.tm.shutdown()
+            await self.tm.close()
+
+    async def watch(self) -> None:
+        """While serving: a scheduler that died stops the server (its requests have had their 503s); a
+        SIGTERM starts the drain, which ends what is still running after DRAIN_TIMEOUT_S with a clean error."""
+        tm, server = self.tm, self.server
+        assert tm is not None and server is not None
+        while not server.should_exit:
+            if not tm.ready:
+                logger.error("the scheduler process exited; stopping the server")
+                self.scheduler_died = True
+                await asyncio.sleep(0.5)  # the failed requests' 503s go out first
+                server.should_exit = True
+                return
+            await asyncio.sleep(WATCH_INTERVAL_S)
+        self.draining = True
+        in_flight = len(tm.states)
+        if in_flight:
+            logger.info("shutting down: draining %d in-flight request(s) for up to %.0f s", in_flight,
+                        DRAIN_TIMEOUT_S)
+        deadline = time.monotonic() + DRAIN_TIMEOUT_S
+        while tm.states and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        if tm.states:
+            logger.warning("shutting down: ending %d request(s) that did not finish in time", len(tm.states))
+            tm.fail_all("the server is shutting down")
+
+
+def log_startup_summary(args: ServerArgs, tm: TokenizerManager) -> None:
+    """What the server settled on, once, at info level (the figures come from the loaded worker)."""
+    w = tm.worker_info
+    if w is None:
+        return
+    params = w.num_parameters * w.tp_size
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
+    kv_bytes = w.max_total_tokens * w.kv_bytes_per_token * args.dp_size
+    replicas = f" x {args.dp_size} replicas" if args.dp_size > 1 else ""
+    logger.info("model %s (%s): %s parameters, dtype %s, device %s, attention %s, tp %d",
+                args.model_name, tm.info.architecture, size, w.dtype, w.device, w.attention_backend, w.tp_size)
+    logger.info("KV pool: %d tokens (%.1f MiB, %d B/token)%s; context length %d; max running requests %d; "
+                "chunked prefill %d tokens; page size %d; radix cache %s; CUDA graphs: not used",
+                w.max_total_tokens, kv_bytes / 2**20, w.kv_bytes_per_token, replicas, w.context_length,
+                args.max_running_requests, args.chunked_prefill_size, args.page_size,
+                "off" if args.disable_radix_cache else "on")
 
 
 def create_app(args: ServerArgs) -> FastAPI:
@@ -65,25 +127,20 @@ def create_app(args: ServerArgs) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        load_task = asyncio.create_task(state.load())
+        # launch_server loads the model before the socket opens; an app served another way loads it here,
+        # in the background (/health answers 503 until it is ready).
+        load_task = asyncio.create_task(state.load()) if state.tm is None and state.load_error is None else None
         yield
-        load_task.cancel()
-        if state.tm is not None:
-            state.tm.shutdown()
-            await state.tm.close()
+        if load_task is not None:
+            load_task.cancel()
+        await state.close()
 
     app = FastAPI(title="Tessera", lifespan=lifespan)
     app.state.tessera = state
 
-    @app.middleware("http")
-    async def auth_and_count(request: Request, call_next):
-        if args.api_key and request.url.path not in OPEN_PATHS:
-            if request.headers.get("authorization", "") != f"Bearer {args.api_key}":
-                return error_response("invalid API key", 401)
-        response = await call_next(request)
-        if request.url.path.startswith(("/v1/", "/generate")):
-            state.metrics.requests.labels(args.model_name, request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(ServerMiddleware, api_key=args.api_key,
+                       count=lambda path, status: state.metrics.requests.labels(args.model_name, path,
+                                                                                str(status)).inc())
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -107,17 +164,25 @@ def create_app(args: ServerArgs) -> FastAPI:
             raise APIError("body: expected a JSON object")
         return body
 
+    def not_ready_reason() -> str:
+        if state.load_error:
+            return "the model failed to load (see the server log)"
+        if state.draining:
+            return "the server is shutting down"
+        if state.tm is not None and state.tm.worker_info is not None and not state.tm.ready:
+            return "the scheduler process has exited"
+        return "the model is still loading"
+
     def serving() -> OpenAIServing:
         if not state.ready:
-            msg = f"model failed to load: {state.load_error}" if state.load_error else "the model is still loading"
-            raise APIError(msg, status=503)
+            raise APIError(not_ready_reason(), status=503)
         return state.serving
 
     @app.get("/health")
     async def health():
         if state.ready:
             return {"status": "ok"}
-        return error_response(f"not ready: {state.load_error or 'loading'}", 503)
+        return error_response(f"not ready: {not_ready_reason()}", 503)
 
     @app.get("/v1/models")
     async def models():
@@ -184,16 +249,51 @@ def launch_server(args: ServerArgs) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
     ModelConfig.load(args.model_path)  # an unsupported architecture is a one-line error now, not a 503 later
+    return asyncio.run(_serve(args))
+
+
+async def _serve(args: ServerArgs) -> int:
+    """Loads the model, then opens the socket: "listening" is said only once requests can be served."""
     app = create_app(args)
-    print(f"Tessera: loading {args.model_path}; listening on http://{args.host}:{args.port}", flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            timeout_keep_alive=5, access_log=False)
-    server = uvicorn.Server(config)
     state: ServerState = app.state.tessera
-    state.server = server
-    # uvicorn handles SIGINT/SIGTERM: it stops accepting, finishes the lifespan (which shuts the
-    # scheduler down) and returns; the scheduler also exits by itself if this process dies.
-    server.run()
+    logger.info("loading %s (%s)", args.model_name, args.model_path)
+    loop = asyncio.get_running_loop()
+    load = asyncio.create_task(state.load())
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a signal during loading stops it (uvicorn's come later)
+        loop.add_signal_handler(sig, load.cancel)
+    try:
+        await load
+    except asyncio.CancelledError:
+        logger.info("interrupted while loading the model")
+        return 130
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
     if state.load_error is not None:
         raise ValueError(f"model failed to load: {state.load_error}")  # the CLI prints it as one line, exit 2
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            timeout_keep_alive=5, access_log=False,  # our middleware writes the access log
+                            timeout_graceful_shutdown=DRAIN_TIMEOUT_S + 5)
+    server = uvicorn.Server(config)
+    state.server = server
+
+    async def announce() -> None:
+        while not server.started and not server.should_exit:
+            await asyncio.sleep(0.05)
+        if server.started:
+            print(f"Tessera is ready: serving {args.model_name!r}; listening on http://{args.host}:{args.port}"
+                  f" (OpenAI API at /v1)", flush=True)
+
+    tasks = [asyncio.create_task(announce()), asyncio.create_task(state.watch())]
+    try:
+        # uvicorn handles SIGINT/SIGTERM: it stops accepting, waits for the in-flight requests (which
+        # state.watch drains), runs the lifespan's shutdown (which stops the scheduler) and returns.
+        await server.serve()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await state.close()
+    if state.scheduler_died:
+        raise RuntimeError("the scheduler process exited; the server stopped")
     return 0
+

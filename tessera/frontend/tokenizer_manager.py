@@ -35,6 +35,20 @@ from tessera.worker.forward_input import WorkerInfo
 
 logger = logging.getLogger("tessera")
 STARTUP_TIMEOUT_S = 300
+RECV_POLL_MS = 200  # how often an idle receive loop looks at the scheduler processes (a death is seen this fast)
+
+
+class EngineUnavailable(RuntimeError):
+    """No scheduler can serve the request (still loading, or its process died): HTTP 503, message public."""
+
+    status = 503
+    public = True
+
+
+class RequestFailed(RuntimeError):
+    """The scheduler failed this request (a model-step error); the details stay in the server log: HTTP 500."""
+
+    status = 500
 
 
 @dataclass
@@ -71,6 +85,11 @@ class TokenizerManager:
         self.args = args
         self.info = ModelInfo.load(args)
         self.tokenizer = self.info.tokenizer
+        # transformers warns "sequence length is longer than the specified maximum" for over-long prompts,
+        # which _tokenize refuses with a 400 of its own: mark the warning as given.
+        warned = getattr(self.tokenizer, "deprecation_warnings", None)
+        if isinstance(warned, dict):
+            warned["sequence-length-is-longer-than-the-specified-maximum"] = True
         self.mm_processor = self.info.make_mm_processor()
         self.executor = ThreadPoolExecutor(max_workers=args.mm_preprocess_workers, thread_name_prefix="tessera-pre")
         self.states: dict[str, ReqState] = {}
@@ -196,7 +215,12 @@ class TokenizerManager:
         for rid in rids:
             state = self.states.get(rid)
             if state is not None:
-                state.queue.put_nowait(io.ReqOutput(rid, [], {"type": "error", "message": message}))
+                state.queue.put_nowait(io.ReqOutput(rid, [], {"type": "error", "message": message,
+                                                              "unavailable": True}))
+
+    def fail_all(self, message: str) -> None:
+        """Ends every request in flight with `message` (HTTP 503); the scheduler is told to drop them."""
+        self._fail(list(self.states), message)
 
     def _check_replicas(self) -> None:
         """A replica whose scheduler died fails its requests and gets no more; the rest keep serving."""
@@ -212,7 +236,7 @@ class TokenizerManager:
 
     async def _recv_loop(self) -> None:
         while True:
-            if not await self.recv_sock.poll(1000):
+            if not await self.recv_sock.poll(RECV_POLL_MS):
                 self._check_replicas()
                 if not self.ready:  # every replica died: nobody will answer the pending requests
                     self._fail(list(self.states), "the scheduler process exited")
@@ -300,7 +324,7 @@ class TokenizerManager:
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:
         """Yields output dicts: one final dict, or a stream of cumulative dicts if req.stream."""
         if not self.ready:
-            raise RuntimeError("engine is not ready")
+            raise EngineUnavailable("the engine is not ready")
         loop = asyncio.get_running_loop()
         tokenized = await loop.run_in_executor(self.executor, self._tokenize, req)
         sp = req.sampling_params
@@ -310,7 +334,7 @@ class TokenizerManager:
         mm = tokenized.mm_inputs
         self._check_replicas()  # never dispatch to a replica that has died since the last look
         if not self.ready:
-            raise RuntimeError("every scheduler process has exited")
+            raise EngineUnavailable("the scheduler process has exited; the server is shutting down")
         replica = self.dispatcher.choose(
             req.rid, mm.pad_input_ids(tokenized.input_ids) if mm else tokenized.input_ids,
             [item.hash for item in mm.items] if mm else [])
@@ -330,7 +354,9 @@ class TokenizerManager:
                 finished = out.finished_reason is not None
                 if finished and out.finished_reason["type"] == "error":
                     state.finished = True
-                    raise RuntimeError(out.finished_reason["message"])
+                    if out.finished_reason.get("unavailable"):
+                        raise EngineUnavailable(out.finished_reason["message"])
+                    raise RequestFailed(out.finished_reason["message"])
                 delta = state.detok.add(out.new_token_ids, finished=finished)
                 if finished:
                     state.finished = True

@@ -10,6 +10,7 @@ otherwise WeightLoadError lists what is missing and what is unexpected.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -83,8 +84,16 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
 
 
 def iter_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) one tensor at a time, so peak host memory stays near one tensor."""
-    for file in checkpoint_files(model_path):
+    """Yields (name, tensor) one tensor at a time, so peak host memory stays near one tensor.
+
+    A progress bar over the shards goes to stderr when tessera logs at info level (the server does; tests
+    and library use, which configure no logging, stay quiet)."""
+    files = checkpoint_files(model_path)
+    if logging.getLogger("tessera").isEnabledFor(logging.INFO):
+        from tqdm import tqdm
+
+        files = tqdm(files, desc="Loading safetensors shards", unit="shard", dynamic_ncols=True)
+    for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

@@ -18,6 +18,7 @@ from tessera.scheduler.cpu_threads import AdaptiveThreads, available_cores
 from tessera.scheduler.req import Req
 from tessera.distributed.tp_launch import TPGroupHandle
 from tessera.scheduler.step_input import build_forward_input
+from tessera.scheduler.summary import PeriodicSummary
 
 logger = logging.getLogger("tessera.scheduler")
 
@@ -67,6 +68,8 @@ class Scheduler:
         self.num_forward_steps = 0
         self.num_steps_all_cores = 0
         self.num_prefill_tokens_computed = 0
+        self.num_output_tokens = 0
+        self.summary = PeriodicSummary(dp_rank=dp_rank)
 
     # ---- messages -----------------------------------------------------------------------
     def handle(self, msg) -> None:
@@ -179,6 +182,7 @@ class Scheduler:
                     self.policy.kv.cache_prefill(s.req)
         outputs = []
         sampled = [s.req for s in batch.reqs if s.samples]
+        self.num_output_tokens += len(sampled)
         for i, (req, token) in enumerate(zip(sampled, result.next_token_ids)):
             req.output_ids.append(token)
             if req.return_logprob:
@@ -217,6 +221,7 @@ class Scheduler:
                 self.handle(io.recv(self.recv_sock))
                 events = dict(poller.poll(0))
             self.step()
+            self.summary.tick(self.stats, self.num_output_tokens, busy)
 
 
 def run_scheduler_process(args: ServerArgs, recv_endpoint: str, send_endpoint: str, ready_endpoint: str,

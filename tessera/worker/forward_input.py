@@ -95,3 +95,4 @@ class WorkerInfo:
     attention_backend: str
     decode_kv_mirror: bool
     tp_size: int = 1
+    num_parameters: int = 0  # of this rank's model (its shard under tensor parallelism)

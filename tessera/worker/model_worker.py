@@ -83,7 +83,8 @@ class ModelWorker:
                                max_total_tokens=size, kv_bytes_per_token=bytes_per_token,
                                context_length=self.context_length, vocab_size=self.config.vocab_size,
                                attention_backend=args.attention_backend, decode_kv_mirror=self.use_decode_mirror,
-                               tp_size=self.tp.size)
+                               tp_size=self.tp.size,
+                               num_parameters=sum(p.numel() for p in self.model.parameters()))
 
     # ---- cache control ---------------------------------------------------------------------------
     def flush_cache(self) -> None:

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import json
+import re
+import sys
+from pathlib import Path
+
 from fastapi.responses import JSONResponse
+
+# Where the server's own code and libraries live: never named in a response (paths are logged, not sent).
+_PRIVATE_ROOTS = sorted({str(Path(__file__).resolve().parents[3]), sys.prefix, sys.base_prefix}, key=len,
+                        reverse=True)
+_TRACEBACK = re.compile(r"\s*Traceback \(most recent call last\):.*", re.S)
 
 
 class APIError(Exception):
@@ -13,10 +23,27 @@ class APIError(Exception):
                               422: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
 
 
+def public_message(message: str) -> str:
+    """The message with any traceback cut off and the server's install paths hidden."""
+    message = _TRACEBACK.sub("", message)
+    for root in _PRIVATE_ROOTS:
+        if root and root != "/":
+            message = message.replace(root, "<server>")
+    return message
+
+
+def _error_dict(message: str, status: int, param: str | None, type_: str | None) -> dict:
+    err = APIError(public_message(message), status, param, type_)
+    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": status}}
+
+
 def error_response(message: str, status: int = 400, param: str | None = None, type_: str | None = None) -> JSONResponse:
-    err = APIError(message, status, param, type_)
-    return JSONResponse({"error": {"message": err.message, "type": err.type, "param": err.param, "code": status}},
-                        status_code=status)
+    return JSONResponse(_error_dict(message, status, param, type_), status_code=status)
+
+
+def error_body(message: str, status: int = 400, param: str | None = None) -> bytes:
+    """The same error as JSON bytes, for the ASGI middleware."""
+    return json.dumps(_error_dict(message, status, param, None)).encode()
 
 
 _KNOWN_PARAMS = {"prompt", "input_ids", "messages", "model", "image_data", "video_data", "audio_data", "media",

@@ -1,0 +1,139 @@
+"""The one middleware in front of every route: request id, API key, request counter, access-log line, and
+the last word on unexpected exceptions (a 500 naming the request id; the traceback stays in the server log).
+
+Pure ASGI on purpose: Starlette's BaseHTTPMiddleware runs the route in a separate task and hides the
+client's disconnect from it, so a request whose client went away would keep its KV pages.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+from tessera.entrypoints.openai.errors import error_body
+
+logger = logging.getLogger("tessera.access")
+OPEN_PATHS = ("/health", "/metrics")  # as SGLang: probes and Prometheus scrape without the API key
+QUIET_PATHS = ("/health", "/metrics")  # probed every few seconds: their access lines only at debug level
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+@dataclass
+class RequestRecord:
+    """What one HTTP request did, filled in by the engine as its generations finish (n > 1 adds up)."""
+
+    request_id: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    generations: int = 0
+
+    def observe(self, meta: dict) -> None:
+        if self.generations == 0:  # the n choices of one request share the prompt
+            self.prompt_tokens, self.cached_tokens = meta["prompt_tokens"], meta["cached_tokens"]
+        self.output_tokens += meta["completion_tokens"]
+        if meta.get("ttft") is not None and (self.ttft is None or meta["ttft"] < self.ttft):
+            self.ttft = meta["ttft"]
+        self.generations += 1
+
+
+CURRENT_REQUEST: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar("tessera_request",
+                                                                                      default=None)
+
+
+def observe_generation(meta: dict) -> None:
+    """Called by the engine when a generation finishes; credits the HTTP request it belongs to, if any."""
+    record = CURRENT_REQUEST.get()
+    if record is not None:
+        record.observe(meta)
+
+
+def request_id_of(scope: dict) -> str | None:
+    return (scope.get("state") or {}).get("request_id")
+
+
+class ServerMiddleware:
+    def __init__(self, app, *, api_key: str | None, count=None):
+        self.app, self.api_key = app, api_key
+        self.count = count  # callable(path, status) for the Prometheus request counter, or None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        given = headers.get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _CLIENT_ID.fullmatch(given) else uuid.uuid4().hex[:16]
+        scope.setdefault("state", {})["request_id"] = rid
+        record = RequestRecord(rid)
+        token = CURRENT_REQUEST.set(record)
+        path, method = scope.get("path", ""), scope.get("method", "")
+        start = time.monotonic()
+        status = 0
+        done = disconnected = False
+
+        async def send_wrapper(message) -> None:
+            nonlocal status, done
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = dict(message, headers=[*message.get("headers", []), (b"x-request-id", rid.encode())])
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                done = True
+            await send(message)
+
+        async def receive_wrapper():
+            nonlocal disconnected
+            message = await receive()
+            if message["type"] == "http.disconnect" and not done:
+                disconnected = True
+            return message
+
+        try:
+            if self.api_key and not path.startswith(OPEN_PATHS) and method != "OPTIONS":
+                auth = headers.get(b"authorization", b"").decode("latin-1")
+                if auth != f"Bearer {self.api_key}":
+                    await _send_json(send_wrapper, error_body("invalid API key", 401), 401)
+                    return
+            try:
+                await self.app(scope, receive_wrapper, send_wrapper)
+            except Exception as e:  # noqa: BLE001 - the last word on anything a route did not turn into a 4xx
+                exc_status = getattr(e, "status", None)
+                if isinstance(exc_status, int) and 400 <= exc_status < 600 and getattr(e, "public", False):
+                    message, code = str(e), exc_status
+                    logger.warning("request %s failed: %s", rid, e)
+                else:
+                    message, code = f"internal server error (request id {rid}; details in the server log)", 500
+                    logger.exception("request %s: unhandled error", rid)
+                if status == 0:
+                    await _send_json(send_wrapper, error_body(message, code), code)
+                # else: the response has begun; closing it here is the only honest signal left
+        finally:
+            CURRENT_REQUEST.reset(token)
+            if self.count is not None and path.startswith(("/v1/", "/generate")):
+                self.count(path, status or 500)
+            _log_access(method, path, status, record, time.monotonic() - start, disconnected and not done)
+
+
+async def _send_json(send, body: bytes, status: int) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _log_access(method: str, path: str, status: int, r: RequestRecord, latency: float, disconnected: bool) -> None:
+    level = logging.DEBUG if path.startswith(QUIET_PATHS) else logging.INFO
+    if not logger.isEnabledFor(level):
+        return
+    tokens = ""
+    if r.generations:
+        ttft = f"{r.ttft * 1000:.0f}ms" if r.ttft is not None else "-"
+        tokens = (f" prompt_tokens={r.prompt_tokens} cached_tokens={r.cached_tokens} "
+                  f"output_tokens={r.output_tokens} ttft={ttft}")
+    end = " client_disconnected" if disconnected else ""
+    logger.log(level, "%s %s %s%s latency=%.0fms request_id=%s%s", method, path, status or "-", tokens,
+               latency * 1000, r.request_id, end)
