@@ -311,14 +311,20 @@ class TokenizerManager:
                 raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
         if not input_ids:
             raise ValueError("prompt: empty prompt (no tokens)")
+        config = self.info.config
+        if config.family.encoder_decoder and (mm_inputs is None or len(mm_inputs.items) != 1):
+            raise ValueError(f"audio_data: {config.architecture} decodes one audio clip per request; give exactly "
+                             "one")
         if req.auto_max_new_tokens:
             sp.max_new_tokens = max(0, min(self.context_length, self.max_total_tokens) - len(input_ids))
         if len(input_ids) >= self.context_length:
             raise ValueError(f"prompt: {len(input_ids)} tokens does not fit the context length {self.context_length}")
-        if len(input_ids) + sp.max_new_tokens > self.max_total_tokens:
+        cross = config.cross_attention_len  # an encoder-decoder request's cross-attention K/V share the pool
+        if len(input_ids) + sp.max_new_tokens + cross > self.max_total_tokens:
+            held = f" + cross-attention K/V ({cross})" if cross else ""
             raise ValueError(
-                f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({sp.max_new_tokens}) exceeds the KV "
-                f"pool ({self.max_total_tokens} tokens)")
+                f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({sp.max_new_tokens}){held} exceeds "
+                f"the KV pool ({self.max_total_tokens} tokens)")
         return io.TokenizedGenerateReq(req.rid, input_ids, sp, mm_inputs, req.stream, req.return_logprob)
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:

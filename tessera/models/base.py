@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from tessera.cache.kv_pool import TokenToKVPool
     from tessera.layers.attention import BaseAttentionBackend
     from tessera.runner.forward_batch import ForwardBatch
+    from tessera.worker.forward_input import SamplingRow
 
 # An encoder: items of one modality -> one embedding [num_tokens, hidden] per item, in order.
 Encoder = Callable[[list[MultimodalDataItem]], list[torch.Tensor]]
@@ -72,7 +73,8 @@ def mrope_positions(seg: StepSegment) -> torch.Tensor:
     return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
 
 
-_POSITIONS = {"rope": rope_positions, "mrope": mrope_positions}
+# Learned absolute positions (Whisper) index their table with the token index, as 1-D RoPE does.
+_POSITIONS = {"rope": rope_positions, "mrope": mrope_positions, "learned": rope_positions}
 
 
 class TesseraModel(nn.Module):
@@ -133,3 +135,14 @@ class TesseraModel(nn.Module):
     @abstractmethod
     def forward(self, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
         """Logits [len(fb.logits_indices), vocab]; writes every layer's K/V of the new tokens into pool."""
+
+    def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The family's own decoding rules on the step's [B, V] logits (after penalties, before sampling), one
+        row per SamplingRow. Default: none (Whisper suppresses tokens and pairs timestamps)."""
+        return logits
+
+    def fill_cross_kv(self, encoder_outputs: list[torch.Tensor], slots: list[torch.Tensor],
+                      pool: TokenToKVPool) -> None:
+        """Encoder-decoder families: writes each request's cross-attention K/V (from its encoder output) at
+        its slots, for every layer."""
+        raise NotImplementedError(f"{type(self).__name__} is not an encoder-decoder model")

@@ -8,7 +8,7 @@ sub-configs). Family-specific quirks stay in the family's model file.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +68,10 @@ class ModelConfig:
     video_token_id: int | None
     audio_token_id: int | None
     hf_config: Any  # the transformers config, for encoders and processors
+    # Encoder-decoder models: K/V entries of a request's cross-attention (its encoder output length); 0 otherwise.
+    cross_attention_len: int = 0
+    # generation_config.json as a dict ({} when absent): decoding rules some families read (Whisper's).
+    generation_config: dict = field(default_factory=dict)
 
     @property
     def positions(self) -> str:
@@ -81,7 +85,9 @@ class ModelConfig:
     def load(cls, model_path: str | Path) -> ModelConfig:
         from transformers import AutoConfig
 
-        return cls.from_hf(AutoConfig.from_pretrained(str(model_path)))
+        config = cls.from_hf(AutoConfig.from_pretrained(str(model_path)))
+        gen = Path(model_path) / "generation_config.json"
+        return replace(config, generation_config=json.loads(gen.read_text())) if gen.exists() else config
 
     @classmethod
     def from_hf(cls, hf_config: Any) -> ModelConfig:
@@ -91,6 +97,8 @@ class ModelConfig:
         for an inconsistent config (heads not divisible by KV heads, M-RoPE sections that do not fit).
         """
         family = family_for_config(hf_config)
+        if family.encoder_decoder:
+            return cls._encoder_decoder(hf_config, family)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         num_heads = int(text.num_attention_heads)
         num_kv_heads = int(getattr(text, "num_key_value_heads", None) or num_heads)
@@ -130,6 +138,27 @@ class ModelConfig:
             video_token_id=_token_id(hf_config, "video_token_id", "video_token_index"),
             audio_token_id=_token_id(hf_config, "audio_token_id", "audio_token_index"),
             hf_config=hf_config,
+        )
+
+    @classmethod
+    def _encoder_decoder(cls, hf_config: Any, family: Family) -> ModelConfig:
+        """An encoder-decoder config (Whisper's names, shared by BART-style models): the language-model fields
+        describe the DECODER (its `num_attention_heads` / `num_hidden_layers` aliases point at the encoder)."""
+        heads = int(hf_config.decoder_attention_heads)
+        dim = int(hf_config.d_model)
+        if dim % heads:
+            raise ValueError(f"d_model={dim} is not a multiple of decoder_attention_heads={heads}")
+        return cls(
+            architecture=family.architecture, model_type=str(hf_config.model_type), family=family,
+            vocab_size=int(hf_config.vocab_size), hidden_size=dim, intermediate_size=int(hf_config.decoder_ffn_dim),
+            num_layers=int(hf_config.decoder_layers), num_heads=heads, num_kv_heads=heads, head_dim=dim // heads,
+            hidden_act=str(getattr(hf_config, "activation_function", "gelu")), rms_norm_eps=0.0,
+            rope_type="none", rope_theta=0.0, mrope_section=None, sliding_windows=(None,) * int(hf_config.decoder_layers),
+            final_logit_softcap=None, tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", True)),
+            max_position_embeddings=int(hf_config.max_target_positions),
+            dtype=_dtype_name(getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)),
+            image_token_id=None, video_token_id=None, audio_token_id=None, hf_config=hf_config,
+            cross_attention_len=int(hf_config.max_source_positions),
         )
 
 

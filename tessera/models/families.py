@@ -24,7 +24,7 @@ class Family:
     model: str  # "module:Class" of our model (a tessera.models.base.TesseraModel)
     processor: str | None  # "module:Class" of the BaseMultimodalProcessor; None for text-only models
     modalities: frozenset[Modality]
-    positions: str  # "rope" (1-D) | "mrope" (Qwen2-VL's 3-row multimodal RoPE)
+    positions: str  # "rope" (1-D) | "mrope" (Qwen2-VL's 3-row multimodal RoPE) | "learned" (absolute table)
     model_types: tuple[str, ...] = ()  # config.model_type values, for configs saved without `architectures`
     # Attention inside each media item's token span is bidirectional (Gemma-3 images): the backend gets
     # custom masks and the scheduler never splits such a span across prefill chunks.
@@ -35,6 +35,10 @@ class Family:
     # One architecture name can front several families (LLaVA with a CLIP or a Pixtral tower): a row with
     # vision_model_type serves only configs whose vision_config.model_type equals it.
     vision_model_type: str | None = None
+    # The decoder cross-attends to each request's encoder output (Whisper): the scheduler gives every request
+    # ModelConfig.cross_attention_len KV slots for it, and the prefix cache is off (the decoder's K/V depend
+    # on the audio, which the token ids do not show).
+    encoder_decoder: bool = False
     notes: str = ""  # what the README's support table says is not supported
 
     @property
@@ -102,6 +106,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            model_types=("llama4",), backend_needs=frozenset({"custom_mask"}),
            notes="tensor parallelism (MoE layers); rope_type dynamic; chunked attention runs as per-request "
                  "masks (no decode K/V mirror)"),
+    Family("WhisperForConditionalGeneration", "tessera.models.whisper:WhisperForConditionalGeneration",
+           "tessera.multimodal.processors.whisper:WhisperAudioProcessor", frozenset({AUDIO}), "learned",
+           model_types=("whisper",), encoder_decoder=True,
+           notes="tensor parallelism; prefix caching (off: decoder K/V depend on the audio); word timestamps; "
+                 "beam search and temperature fallback"),
     Family("Llama4ForCausalLM", "tessera.models.llama4:Llama4ForCausalLM", None, frozenset(), "rope",
            model_types=("llama4_text",), backend_needs=frozenset({"custom_mask"}),
            notes="tensor parallelism (MoE layers); rope_type dynamic"),
@@ -158,7 +167,7 @@ def support_table() -> str:
     for f in sorted(FAMILIES.values(), key=lambda f: f.name):
         arch = f"`{f.architecture}`" + (f" ({f.vision_model_type} vision)" if f.vision_model_type else "")
         modalities = ", ".join(sorted(m.value for m in f.modalities)) or "text"
-        positions = {"rope": "RoPE", "mrope": "M-RoPE"}.get(f.positions, f.positions)
+        positions = {"rope": "RoPE", "mrope": "M-RoPE", "learned": "learned"}.get(f.positions, f.positions)
         lines.append(f"| {arch} | {modalities} | {positions} | {f.notes} |")
     return "\n".join(lines)
 

@@ -39,6 +39,8 @@ class ForwardBatch:
     host_seq_lens: list[int] | None = None
     host_extend_lens: list[int] | None = None
     host_req_pool_indices: list[int] | None = None
+    # Encoder-decoder models: each request's cross-attention K/V slots in the pool [B, cross_attention_len].
+    cross_slots: torch.Tensor | None = None
     extend_start_loc: torch.Tensor = field(init=False)
     prefix_lens: torch.Tensor = field(init=False)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -184,15 +184,21 @@ class Sampler:
         self._seed = seed
         self._generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
-        return self.sample(logits, info)
+    def __call__(self, logits: torch.Tensor, info: SamplingBatchInfo,
+                 logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
+        return self.sample(logits, info, logits_processor)
 
-    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, info: SamplingBatchInfo,
+               logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
+        """logits_processor: the model's own rules (TesseraModel.process_logits), applied after the penalties,
+        as HF applies a model's processors after its generic ones; logprobs are reported after it."""
         assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
         assert logits.shape == (info.batch_size, info.vocab_size), (
             f"logits {tuple(logits.shape)} do not match the batch info ({info.batch_size}, {info.vocab_size})"
         )
         logits = apply_penalties(logits.float(), info)
+        if logits_processor is not None:
+            logits = logits_processor(logits)
 
         if info.is_all_greedy:
             next_token_ids = logits.argmax(dim=-1)

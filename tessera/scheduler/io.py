@@ -59,6 +59,7 @@ class SchedulerStats:
     encoder_cache_hits: int
     encoder_cache_misses: int
     encoder_cache_bytes: int
+    cross_kv_used_tokens: int  # encoder-decoder models: pool slots held by cross-attention K/V (in kv_used_tokens)
     num_forward_steps: int
     num_prefill_tokens_computed: int
     num_retractions: int

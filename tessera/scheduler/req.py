@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from tessera.multimodal.items import MultimodalInputs
 from tessera.sampling_params import SamplingParams
 
@@ -36,6 +38,10 @@ class Req:
     _padded_prompt: list[int] | None = None
     # Token ranges that must be computed in one step (media attended bidirectionally); [] for most families.
     atomic_spans: list[tuple[int, int]] = field(default_factory=list)
+    # Encoder-decoder models: the pool slots of this request's cross-attention K/V while it is admitted, and
+    # whether a step has been sent that fills them (from its encoder output).
+    cross_slots: torch.Tensor | None = None
+    cross_filled: bool = False
 
     @property
     def fill_ids(self) -> list[int]:

@@ -13,7 +13,12 @@ from tessera.models.config import ModelConfig
 from tessera.multimodal.items import MultimodalDataItem
 from tessera.scheduler.batch import ScheduledBatch
 from tessera.scheduler.policy import KVManager
-from tessera.worker.forward_input import ForwardInput, MMPlacement, SamplingRow
+from tessera.worker.forward_input import (
+    CrossFill,
+    ForwardInput,
+    MMPlacement,
+    SamplingRow,
+)
 
 
 def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], config: ModelConfig,
@@ -54,8 +59,14 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         if s.samples:
             logits_rows.append(flat - 1)
             sp = req.sampling_params
-            sampling.append(SamplingRow(sp, req.output_ids, req.origin_input_ids if sp.repetition_penalty != 1 else []))
+            # Encoder-decoder rules (Whisper's) read the decoder prompt; it is a few tokens.
+            wants_prompt = sp.repetition_penalty != 1 or config.family.encoder_decoder
+            sampling.append(SamplingRow(sp, req.output_ids, req.origin_input_ids if wants_prompt else []))
+    cross_fills = [CrossFill(i, s.req.mm_inputs.items[0], s.req.cross_slots)  # type: ignore[union-attr]
+                   for i, s in enumerate(batch.reqs) if s.req.cross_slots is not None and not s.req.cross_filled]
     writes, released = kv.take_pending()
+    for fill in cross_fills:
+        batch.reqs[fill.req].req.cross_filled = True
     return ForwardInput(
         rids=[s.req.rid for s in batch.reqs],
         input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -67,5 +78,5 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         extend_lens=[s.end - s.start for s in batch.reqs],
         slot_writes=writes, logits_rows=logits_rows, sampling=sampling,
         mm_items=items, mm_placements=placements, bidirectional_spans=layout.bidirectional_spans,
-        prompt_done=prompt_done, released=released,
+        prompt_done=prompt_done, released=released, cross_fills=cross_fills,
     )

@@ -38,12 +38,22 @@ class MMPlacement:
 
 
 @dataclass
+class CrossFill:
+    """Encoder-decoder models: request `req` of the step gets its cross-attention K/V (from `item`'s encoder
+    output) written at `slots` before the step, and keeps them until it is released."""
+
+    req: int
+    item: MultimodalDataItem
+    slots: torch.Tensor  # [cross_attention_len] int64, host
+
+
+@dataclass
 class SamplingRow:
     """Sampling inputs of one request that produces a token this step."""
 
     params: SamplingParams
     output_ids: list[int]  # generated so far (penalties, min_new_tokens, the per-step seed)
-    prompt_ids: list[int]  # the prompt, only when repetition_penalty needs it; [] otherwise
+    prompt_ids: list[int]  # the prompt, when repetition_penalty or the model's logits rules need it; [] otherwise
 
 
 @dataclass
@@ -67,6 +77,8 @@ class ForwardInput:
     prompt_done: list[str] = field(default_factory=list)
     # Requests that left (finished, aborted, retracted) since the last step: drop their state first.
     released: list[str] = field(default_factory=list)
+    # Encoder-decoder models: cross-attention K/V to fill before the step (requests just admitted).
+    cross_fills: list[CrossFill] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -20,7 +20,7 @@ from tessera.distributed.parallel_state import min_over_ranks, tp_group
 from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError
 from tessera.models.registry import load_model, resolve_device
-from tessera.multimodal.items import Modality
+from tessera.multimodal.items import Modality, MultimodalDataItem
 from tessera.runner.forward_batch import ForwardBatch
 from tessera.runner.sampler import Sampler, SamplingBatchInfo
 from tessera.worker.forward_input import ForwardInput, StepOutput, WorkerInfo
@@ -79,6 +79,9 @@ class ModelWorker:
         # The mirror measured faster on CPU (gathers are the bottleneck there); elsewhere it is off.
         self.use_decode_mirror = not args.disable_decode_kv_mirror and self.device.type == "cpu"
         self._held: dict[str, dict[int, torch.Tensor]] = {}  # rid -> item hash -> embedding
+        # Encoder-decoder models: rid -> its cross-attention K/V slots (device), from fill to release.
+        self.encoder_decoder = self.config.family.encoder_decoder
+        self._cross_slots: dict[str, torch.Tensor] = {}
         self.info = WorkerInfo(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                                max_total_tokens=size, kv_bytes_per_token=bytes_per_token,
                                context_length=self.context_length, vocab_size=self.config.vocab_size,
@@ -151,6 +154,36 @@ class ModelWorker:
                     out[i] = emb
         return out
 
+    def _fill_cross(self, fi: ForwardInput) -> torch.Tensor | None:
+        """Writes the cross-attention K/V of newly admitted requests (their encoder outputs: from the encoder
+        cache, or one encoder call for all misses) and returns every request's cross slots [B, L]."""
+        if not self.encoder_decoder:
+            return None
+        if fi.cross_fills:
+            outputs: dict[int, torch.Tensor] = {}
+            misses: dict[int, MultimodalDataItem] = {}
+            for fill in fi.cross_fills:
+                item = fill.item
+                cached = item.precomputed_embedding if item.precomputed_embedding is not None else \
+                    self.encoder_cache.get(item.hash)
+                if cached is None:
+                    misses.setdefault(item.hash, item)
+                else:
+                    outputs[item.hash] = cached
+            if misses:
+                encoder = self.encoders[Modality.AUDIO]
+                for item, out in zip(misses.values(), encoder(list(misses.values()))):
+                    if out.shape[0] != self.config.cross_attention_len:
+                        raise EmbeddingCountError(f"audio: encoder output has {out.shape[0]} rows, the decoder "
+                                                  f"cross-attends to {self.config.cross_attention_len}")
+                    self.encoder_cache.put(item.hash, out)
+                    outputs[item.hash] = out
+            slots = [fill.slots.to(self.device) for fill in fi.cross_fills]
+            self.model.fill_cross_kv([outputs[f.item.hash] for f in fi.cross_fills], slots, self.kv_pool)
+            for fill, s in zip(fi.cross_fills, slots):
+                self._cross_slots[fi.rids[fill.req]] = s
+        return torch.stack([self._cross_slots[rid] for rid in fi.rids])
+
     def _custom_masks(self, fi: ForwardInput) -> list[torch.Tensor | None] | None:
         if fi.bidirectional_spans is None:
             return None
@@ -181,9 +214,11 @@ class ModelWorker:
     def execute(self, fi: ForwardInput) -> StepOutput:
         for rid in fi.released:
             self._held.pop(rid, None)
+            self._cross_slots.pop(rid, None)
         dev = self.device
         self._apply_slot_writes(fi)
         mm_rows, mm_embeds = self._mm_embeds(fi)
+        cross_slots = self._fill_cross(fi)
 
         def ints(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=dev)
@@ -195,6 +230,7 @@ class ModelWorker:
             mm_embed_rows=mm_rows, mm_embeds=mm_embeds, custom_masks=self._custom_masks(fi),
             req_generations=fi.req_generations if self.use_decode_mirror else None,
             host_seq_lens=fi.seq_lens, host_extend_lens=fi.extend_lens, host_req_pool_indices=fi.req_pool_indices,
+            cross_slots=cross_slots,
         )
         for rid in fi.prompt_done:  # embeddings are only needed until the prompt's KV exists
             self._held.pop(rid, None)
@@ -204,7 +240,7 @@ class ModelWorker:
         rows = fi.sampling
         info = SamplingBatchInfo.build([r.params for r in rows], logits.shape[-1], [r.output_ids for r in rows],
                                        [r.prompt_ids for r in rows], eos_token_ids=self.eos_token_ids, device=dev)
-        out = self.sampler(logits.float(), info)
+        out = self.sampler(logits.float(), info, lambda scores: self.model.process_logits(scores, rows))
         next_ids = out.next_token_ids.tolist()  # the step's one host sync
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top = None

@@ -21,7 +21,7 @@ def test_every_family_row_resolves(name: str) -> None:
     family = FAMILIES[name]
     arch = family.architecture
     assert issubclass(family.model_class(), TesseraModel)
-    assert family.positions in ("rope", "mrope")
+    assert family.positions in ("rope", "mrope", "learned")
     if family.modalities:
         assert family.processor_class() is not None
         assert processors.get_processor_class(arch) is not None

@@ -29,7 +29,7 @@ from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 __all__ = ["QwenAudioProcessor"]
 
 # Feature-extractor settings that shape the features (hashed with the content, see feature_kwargs).
-_EXTRACTOR_FIELDS = ("feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft", "n_samples",
+EXTRACTOR_FIELDS = ("feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft", "n_samples",
                      "nb_max_frames", "padding_value", "dither")
 
 
@@ -77,7 +77,7 @@ class QwenAudioProcessor(BaseMultimodalProcessor):
     def feature_kwargs(self, modality: Modality) -> dict[str, Any]:
         kwargs = super().feature_kwargs(modality)
         extractor = self.hf_processor.feature_extractor
-        for name in _EXTRACTOR_FIELDS:
+        for name in EXTRACTOR_FIELDS:
             kwargs.setdefault(name, getattr(extractor, name, None))
         return kwargs
 
