@@ -16,7 +16,7 @@ from tessera.layers.attention import BaseAttentionBackend
 from tessera.layers.decoder import STACKED_PARAMS
 from tessera.models.base import Encoder
 from tessera.models.config import ModelConfig
-from tessera.models.hf_towers import build_transformers_tower
+from tessera.models.hf_towers import build_transformers_tower, patch_embed_as_matmul
 from tessera.models.qwen2 import Qwen2ForCausalLM
 from tessera.models.weights import WeightMapping
 from tessera.multimodal.items import Modality, MultimodalDataItem
@@ -35,6 +35,8 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         self.spatial_merge_size: int = int(vision_config.spatial_merge_size)
         self.visual: torch.nn.Module | None = (
             None if language_model_only else build_transformers_tower(self.vision_tower, vision_config))
+        if self.visual is not None:
+            patch_embed_as_matmul(self.visual)
 
     @classmethod
     def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
