@@ -116,7 +116,13 @@ class ServerArgs:
     # subdomains. None: any public host.
     allowed_media_domains: tuple[str, ...] | None = None
     max_image_pixels: int | None = None  # refuse larger images before decoding (None: the loader's default)
-    mm_preprocess_workers: int = 4
+    # Images go to the worker as uint8 pixels and are resized/normalised/patchified there, right before the
+    # vision encoder (on its device), when that is smaller than the processed features; this turns it off.
+    disable_deferred_mm_preprocessing: bool = False
+    # Processes that load and preprocess media (decode, eager resize) off the frontend's GIL; requests are
+    # routed by their media so each process's preprocessing cache sees its repeats. 0: a thread pool in the
+    # frontend process.
+    mm_preprocess_workers: int = 0
     # Frontend
     stream_interval: int = 1
     disable_tqdm: bool = False
@@ -140,7 +146,7 @@ class ServerArgs:
             if key not in ("image", "video", "audio") or not isinstance(val, int) or val < 0:
                 raise ValueError(f"limit_mm_data_per_request: bad entry {key!r}: {val!r}")
         positive = ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens", "page_size",
-                    "stream_interval", "mm_preprocess_workers")
+                    "stream_interval")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
@@ -167,6 +173,8 @@ class ServerArgs:
         if self.load_balance_method not in ("round_robin", "shortest_queue", "cache_aware"):
             raise ValueError(f"load_balance_method: expected round_robin, shortest_queue or cache_aware, "
                              f"got {self.load_balance_method!r}")
+        if not isinstance(self.mm_preprocess_workers, int) or self.mm_preprocess_workers < 0:
+            raise ValueError(f"mm_preprocess_workers: must be >= 0, got {self.mm_preprocess_workers!r}")
         if self.mm_cache_size_mb < 0:
             raise ValueError(f"mm_cache_size_mb: must be >= 0, got {self.mm_cache_size_mb}")
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):

@@ -39,6 +39,11 @@ class Metrics:
                                     per_replica, registry=r)
         self.replica_kv_usage = Gauge("tessera_replica_kv_cache_usage", "Fraction of KV slots held by requests, "
                                       "per data-parallel replica", per_replica, registry=r)
+        self.mm_transport_bytes = Gauge("tessera_mm_transport_bytes", "Media payload bytes sent from the frontend "
+                                        "to the scheduler", ["model_name", "modality"], registry=r)
+        self.mm_items = Gauge("tessera_mm_items", "Media items received by the scheduler, by how they were "
+                              "preprocessed (deferred: raw pixels, preprocessed by the encoder's worker)",
+                              ["model_name", "preprocessing"], registry=r)
         self.preprocess_hit_rate = Gauge("tessera_preprocess_cache_hit_rate",
                                          "Media items served from the preprocessing cache / items", labels, registry=r)
 
@@ -74,4 +79,8 @@ class Metrics:
             self.encoder_hit_rate.labels(m).set(stats.encoder_cache_hits / max(1, lookups))
             self.encoder_hits.labels(m).set(stats.encoder_cache_hits)
             self.encoder_misses.labels(m).set(stats.encoder_cache_misses)
+            for modality, n in stats.mm_transport_bytes.items():
+                self.mm_transport_bytes.labels(m, modality).set(n)
+            self.mm_items.labels(m, "deferred").set(stats.mm_deferred_items)
+            self.mm_items.labels(m, "eager").set(stats.mm_eager_items)
         return generate_latest(self.registry)

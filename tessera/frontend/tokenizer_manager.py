@@ -35,6 +35,7 @@ from tessera.worker.forward_input import WorkerInfo
 
 logger = logging.getLogger("tessera")
 STARTUP_TIMEOUT_S = 300
+PREPROCESS_THREADS = 4  # tokenization + media preprocessing threads of the frontend process
 RECV_POLL_MS = 200  # how often an idle receive loop looks at the scheduler processes (a death is seen this fast)
 
 
@@ -91,7 +92,7 @@ class TokenizerManager:
         if isinstance(warned, dict):
             warned["sequence-length-is-longer-than-the-specified-maximum"] = True
         self.mm_processor = self.info.make_mm_processor()
-        self.executor = ThreadPoolExecutor(max_workers=args.mm_preprocess_workers, thread_name_prefix="tessera-pre")
+        self.executor = ThreadPoolExecutor(max_workers=PREPROCESS_THREADS, thread_name_prefix="tessera-pre")
         self.states: dict[str, ReqState] = {}
         self._ipc_dir = tempfile.mkdtemp(prefix="tessera-ipc-")
         # One scheduler process per data-parallel replica (--dp-size); requests go where the dispatcher says.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -26,6 +27,20 @@ class Modality(str, enum.Enum):
 
 
 @dataclass
+class DeferredImage:
+    """An image whose expensive preprocessing (resize, rescale, normalise, patchify) is left to the worker
+    that runs the vision encoder: the decoded pixels, and the processing config the frontend would have used.
+
+    The frontend already counted the item's placeholder tokens and filled its model_specific_data from the
+    image size (the same rules as the HF image processor); the owner runs the same processor on `pixels`
+    just before encoding (see tessera.multimodal.deferred), so the features equal the eager path's.
+    """
+
+    pixels: torch.Tensor  # uint8 [C, H, W], RGB, as decoded (before any resize)
+    config: dict[str, Any]  # mm_process_config["image"] of the frontend's processor (JSON-able)
+
+
+@dataclass
 class MultimodalDataItem:
     """One image, video or audio clip of a request."""
 
@@ -38,6 +53,9 @@ class MultimodalDataItem:
     precomputed_embedding: torch.Tensor | None = None
     # Model-specific tensors, e.g. {"image_grid_thw": tensor([[t, h, w]])}, {"feature_attention_mask": ...}.
     model_specific_data: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Set instead of `feature` while an image's preprocessing is deferred to the encoder's worker; the hash is
+    # that of the eager item (same content, same kwargs), so both paths share prefix and encoder cache entries.
+    deferred: DeferredImage | None = None
 
     @property
     def pad_value(self) -> int:
@@ -46,6 +64,14 @@ class MultimodalDataItem:
     @property
     def num_tokens(self) -> int:
         return sum(e - s for s, e in self.offsets)
+
+    @property
+    def transport_bytes(self) -> int:
+        """Bytes of tensor payload this item carries from the frontend to the scheduler."""
+        tensors = [self.feature, self.precomputed_embedding, *self.model_specific_data.values()]
+        if self.deferred is not None:
+            tensors.append(self.deferred.pixels)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass

@@ -65,13 +65,29 @@ class SchedulerStats:
     num_retractions: int
     num_steps_all_cores: int = 0  # CPU: model steps that ran with every core's thread (adaptive threads)
     dp_rank: int = 0  # the data-parallel replica these counters are of
+    # Media payload received from the frontend: tensor bytes per modality ("image", "video", "audio"), and how
+    # many items came as deferred raw pixels vs eager features / embeddings.
+    mm_transport_bytes: dict[str, int] = field(default_factory=dict)
+    mm_deferred_items: int = 0
+    mm_eager_items: int = 0
 
     @classmethod
     def sum(cls, parts: list[SchedulerStats]) -> SchedulerStats:
         """The counters of several replicas added up (dp_rank -1: a total)."""
         names = [f.name for f in dataclasses.fields(cls) if f.name != "dp_rank"]
-        return cls(**{n: sum(getattr(p, n) for p in parts) for n in names}, dp_rank=-1 if len(parts) > 1 else
+        return cls(**{n: _add([getattr(p, n) for p in parts]) for n in names}, dp_rank=-1 if len(parts) > 1 else
                    (parts[0].dp_rank if parts else 0))
+
+
+def _add(values: list) -> Any:
+    """Sum of counters; dicts of counters add key by key."""
+    if values and isinstance(values[0], dict):
+        out: dict = {}
+        for v in values:
+            for k, x in v.items():
+                out[k] = out.get(k, 0) + x
+        return out
+    return sum(values)
 
 
 @dataclass

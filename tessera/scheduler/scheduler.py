@@ -13,10 +13,11 @@ import traceback
 import zmq
 
 from tessera.config import ServerArgs
+from tessera.distributed.tp_launch import TPGroupHandle
+from tessera.multimodal.items import Modality
 from tessera.scheduler import io
 from tessera.scheduler.cpu_threads import AdaptiveThreads, available_cores
 from tessera.scheduler.req import Req
-from tessera.distributed.tp_launch import TPGroupHandle
 from tessera.scheduler.step_input import build_forward_input
 from tessera.scheduler.summary import PeriodicSummary
 
@@ -72,12 +73,17 @@ class Scheduler:
         self.num_prefill_tokens_computed = 0
         self.num_output_tokens = 0
         self.summary = PeriodicSummary(dp_rank=dp_rank)
+        self.mm_transport_bytes = {m.value: 0 for m in Modality}
+        self.mm_items = {"deferred": 0, "eager": 0}
 
     # ---- messages -----------------------------------------------------------------------
     def handle(self, msg) -> None:
         if isinstance(msg, io.TokenizedGenerateReq):
             sp = msg.sampling_params
             req = Req(msg.rid, msg.input_ids, sp, msg.mm_inputs, msg.stream, msg.return_logprob)
+            for item in msg.mm_inputs.items if msg.mm_inputs is not None else ():
+                self.mm_transport_bytes[item.modality.value] += item.transport_bytes
+                self.mm_items["deferred" if item.deferred is not None else "eager"] += 1
             if self.config.family.bidirectional_mm_spans and msg.mm_inputs is not None:
                 req.atomic_spans = msg.mm_inputs.spans()
             req.stop_token_ids = set(sp.stop_token_ids or [])
@@ -118,7 +124,8 @@ class Scheduler:
             encoder_cache_bytes=used, cross_kv_used_tokens=kv.cross_tokens, num_forward_steps=self.num_forward_steps,
             num_prefill_tokens_computed=self.num_prefill_tokens_computed,
             num_retractions=self.policy.num_retractions, num_steps_all_cores=self.num_steps_all_cores,
-            dp_rank=self.dp_rank,
+            dp_rank=self.dp_rank, mm_transport_bytes=dict(self.mm_transport_bytes),
+            mm_deferred_items=self.mm_items["deferred"], mm_eager_items=self.mm_items["eager"],
         )
 
     # ---- stepping -------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from tessera.distributed.parallel_state import min_over_ranks, tp_group
 from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError
 from tessera.models.registry import load_model, resolve_device
+from tessera.multimodal.deferred import materializer_for
 from tessera.multimodal.items import Modality, MultimodalDataItem
 from tessera.runner.forward_batch import ForwardBatch
 from tessera.runner.sampler import Sampler, SamplingBatchInfo
@@ -74,6 +75,10 @@ class ModelWorker:
                                         dtype=torch.int64, device=self.device)
         self.encoder_cache = EncoderCache(args.mm_cache_size_mb * 1024 * 1024, args.keep_mm_feature_on_device)
         self.encoders = self.model.encoders()
+        # Images the frontend sent as raw pixels are preprocessed here, by whichever rank encodes them.
+        self.materialize = None if args.language_model_only else materializer_for(
+            args.tokenizer_path or args.model_path, self.config.hf_config, self.config.family.processor_class(),
+            self.device)
         self.sampler = Sampler(seed=args.random_seed)
         self.eos_token_ids = eos_token_ids
         # The mirror measured faster on CPU (gathers are the bottleneck there); elsewhere it is off.
@@ -141,6 +146,8 @@ class ModelWorker:
             if encoder is None:
                 raise ValueError(f"{modality.value}: this model has no {modality.value} encoder")
             items = [fi.mm_items[i] for i in indices]
+            if self.materialize is not None:
+                encoder = lambda its, enc=encoder: enc(self.materialize(its))  # noqa: E731
             if self.args.mm_enable_dp_encoder and self.tp.size > 1:  # each rank encodes a share, then all_gather
                 embeds = dp_sharded_encode(encoder, items, [it.num_tokens for it in items], self.dtype, self.device)
             else:

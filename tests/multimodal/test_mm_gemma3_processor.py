@@ -148,3 +148,14 @@ def test_refusals(make, hf_processor):
     with pytest.raises(ValueError, match="precomputed"):
         proc.process(prompt=prompt(hf_processor, 1), image_data=[{"format": "precomputed_embedding",
                                                                   "feature": torch.zeros(5, SPEC.hidden)}])
+
+
+def test_deferred_images_match_eager(make, hf_processor):
+    """One square crop per image without pan-and-scan; with it, images stay eager (crop counts vary)."""
+    from tests.multimodal.deferred_testing import assert_deferred_matches_eager
+
+    assert_deferred_matches_eager(make, prompt(hf_processor, 1), [(10, 12), (40, 25), (300, 200)],
+                                  expect_eager=[(300, 200)])
+    pan = {"image": {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8}}
+    assert_deferred_matches_eager(make, prompt(hf_processor, 1), [(60, 20)], process_config=pan,
+                                  expect_eager=[(60, 20)])

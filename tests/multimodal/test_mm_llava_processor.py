@@ -228,3 +228,14 @@ def test_refusals(llava, llava_next, make):
         nproc.process(prompt=chat(llava_next, 1), image_data=[{
             "format": "processor_output", "pixel_values": torch.zeros(1, 2, 3, 28, 28),
             "image_sizes": torch.tensor([[50, 50]])}])  # a 50x50 image has 5 tiles
+
+
+def test_deferred_images_match_eager(llava, llava_next, make):
+    """LLaVA: one crop whatever the size (large images take the fallback: one crop is smaller than their
+    pixels); NeXT: the anyres tile count and token count from the size."""
+    from tests.multimodal.deferred_testing import assert_deferred_matches_eager
+
+    assert_deferred_matches_eager(lambda **kw: make(llava, **kw), chat(llava, 1), [(20, 30), (50, 40), (300, 200)],
+                                  expect_eager=[(300, 200)])
+    assert_deferred_matches_eager(lambda **kw: make(llava_next, **kw), chat(llava_next, 1),
+                                  [(20, 30), (90, 20), (64, 96), (200, 150)], expect_eager=[(200, 150)])

@@ -144,3 +144,12 @@ def test_text_only_and_refusals(ckpt, make_processor):
     with pytest.raises(ValueError, match="multiples of the patch size"):
         proc.process(prompt=chat(hf_processor, ["image", "?"]), image_data=[
             {"format": "processor_output", "pixel_values": torch.zeros(1, 3, 20, 20), "image_sizes": [[20, 20]]}])
+
+
+def test_deferred_images_match_eager(ckpt, make_processor):
+    """The capped, patch-aligned size from the image's size, for images under and over the longest edge."""
+    from tests.multimodal.deferred_testing import assert_deferred_matches_eager
+
+    prompt = chat(ckpt[0], ["image", "What is this?"])
+    assert_deferred_matches_eager(make_processor, prompt, [(7, 9), (33, 17), (100, 31), (250, 400)],
+                                  expect_eager=[(250, 400)])

@@ -194,3 +194,10 @@ def test_text_only_and_contiguous_video_refused(hf_pair, make):
     with pytest.raises(ValueError, match="2 placeholder runs of 4 tokens"):
         proc.process(input_ids=ids, video_data=[{"format": "processor_output", "video_grid_thw": grid,
                                                  "pixel_values_videos": torch.zeros(32, 1536)}])
+
+
+def test_deferred_images_match_eager(hf_pair, make):
+    from tests.multimodal.deferred_testing import assert_deferred_matches_eager
+
+    prompt = chat(hf_pair, ["image", "Describe."])
+    assert_deferred_matches_eager(make, prompt, [(32, 32), (33, 95), (300, 200), (700, 90)])

@@ -256,3 +256,16 @@ def test_preprocessed_tensors_the_model_cannot_take_are_refused(skeleton, make_p
     ok = proc.process(prompt=one, image_data=[{"format": "processor_output", "pixel_values": torch.zeros(16, 1176),
                                                "image_grid_thw": grid}])
     assert ok.mm_inputs.items[0].num_tokens == 4
+
+
+def test_deferred_images_match_eager_across_sizes(skeleton, make_processor):
+    """smart_resize's grid from the size alone, for tiny, odd, extreme and large images, with the demo's
+    224x224-ish default (large images fall back to eager: their pixels outweigh the features) and with
+    max_pixels raised (large images stay deferred)."""
+    from tests.multimodal.deferred_testing import assert_deferred_matches_eager
+
+    prompt = chat_prompt(skeleton, ["image", "Describe."])
+    small = [(28, 28), (29, 57), (300, 200), (1000, 37), (37, 1000)]
+    assert_deferred_matches_eager(make_processor, prompt, small + [(1024, 768)], expect_eager=[(1024, 768)])
+    assert_deferred_matches_eager(make_processor, prompt, [(641, 479), (1536, 1024), (900, 1300)],
+                                  process_config={"image": {"max_pixels": 1572864, "min_pixels": 3136}})

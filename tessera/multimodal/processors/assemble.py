@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from tessera.multimodal.items import DeferredImage, Modality, MultimodalDataItem, MultimodalInputs
 from tessera.multimodal.special_tokens import (
     MultimodalSpecialTokens,
     check_placeholder_counts,
@@ -33,6 +33,7 @@ class ItemFeatures:
     feature: torch.Tensor | None = None
     precomputed_embedding: torch.Tensor | None = None
     model_specific_data: dict[str, torch.Tensor] = field(default_factory=dict)
+    deferred: DeferredImage | None = None  # instead of `feature`: preprocessing left to the encoder's worker
 
 
 @dataclass
@@ -104,6 +105,7 @@ def build_items(input_ids: list[int], features: Sequence[ItemFeatures], hashes: 
         items.append(MultimodalDataItem(
             modality=f.modality, hash=h, offsets=runs(mine), feature=f.feature,
             precomputed_embedding=f.precomputed_embedding, model_specific_data=f.model_specific_data,
+            deferred=f.deferred,
         ))
     for token_id, n in taken.items():
         if n != len(positions[token_id]):

@@ -15,6 +15,11 @@ Contracts every subclass keeps:
   cache (raw items only), so a repeated item skips the HF processor; the output (ids,
   offsets, features) is the same with or without a cache hit.
 - Thread-safe: one instance serves the frontend's worker pool concurrently.
+- Deferred preprocessing (`defer_images=True`; the server turns it on): a raw image whose family can tell its
+  placeholder count and model_specific_data from its size alone (`plan_image`) is sent as uint8
+  pixels + config (`DeferredImage`) when that is no larger than the processed features; the worker
+  that encodes it runs `materialize_images` (the same HF processor call) just before encoding.
+  Its hash is the eager item's, so prefix and encoder caches are shared by both paths.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+from tessera.multimodal.deferred import ImagePlan, defer_image
 from tessera.multimodal.hashing import hash_item
 from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
 from tessera.multimodal.media import (
@@ -67,7 +73,8 @@ class BaseMultimodalProcessor(abc.ABC):
 
     def __init__(self, hf_processor: Any, hf_config: Any, mm_process_config: Mapping[str, Any] | None = None,
                  limits: MediaLimits | None = None, limit_mm_per_request: Mapping[str, int] | None = None, *,
-                 language_model_only: bool = False, io_workers: int = 8, cache_size_bytes: int = 0) -> None:
+                 language_model_only: bool = False, io_workers: int = 8, cache_size_bytes: int = 0,
+                 defer_images: bool = False) -> None:
         self.hf_processor = hf_processor
         self.hf_config = hf_config
         self.limits = limits if limits is not None else MediaLimits()
@@ -81,6 +88,9 @@ class BaseMultimodalProcessor(abc.ABC):
         self._io_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._io_pool_lock = threading.Lock()  # worker threads create the pool lazily
         self.preprocess_cache = PreprocessCache(cache_size_bytes)
+        self.defer_images = defer_images
+        # Where the image processor runs when materialising deferred images (the worker sets its device).
+        self.image_device: str | None = None
 
     # ------------------------------------------------------------ subclass hooks
 
@@ -122,6 +132,23 @@ class BaseMultimodalProcessor(abc.ABC):
 
     def finalize(self, input_ids: list[int], mm_inputs: MultimodalInputs) -> None:
         """Model-specific additions to the output (positions, ...); default none."""
+
+    def plan_image(self, height: int, width: int) -> ImagePlan | None:
+        """The cheap half of deferred preprocessing: what the image processor will make of a height x width
+        image (placeholder count, model_specific_data, bytes of its features), computed by the HF processor's
+        own resize rules without touching pixels. None keeps the image eager: the default, and the answer
+        whenever the configured kwargs are ones the plan does not model."""
+        return None
+
+    def image_call_kwargs(self) -> dict[str, Any]:
+        """Kwargs added to every image-processor call that must not change the features or their hash."""
+        return {"device": self.image_device} if self.image_device else {}
+
+    def materialize_images(self, pixels: Sequence[Any]) -> list[ItemFeatures]:
+        """The expensive half: the features of deferred images (uint8 [C, H, W] tensors), by the same HF
+        processor call and split as the eager path's cache misses."""
+        loaded = LoadedMultimodalData(InputFormat.RAW, images=list(pixels))
+        return self.split_hf_output(self.call_hf_processor(None, loaded), loaded)
 
     # ------------------------------------------------------------ configuration
 
@@ -268,7 +295,7 @@ class BaseMultimodalProcessor(abc.ABC):
             kwargs["text"] = [prompt]
         if loaded.images:
             kwargs["images"] = loaded.images
-            kwargs["images_kwargs"] = self.hf_kwargs(Modality.IMAGE)
+            kwargs["images_kwargs"] = {**self.hf_kwargs(Modality.IMAGE), **self.image_call_kwargs()}
         if loaded.videos:
             kwargs["videos"] = [clip.frames for clip in loaded.videos]
             kwargs["videos_kwargs"] = {**self.hf_kwargs(Modality.VIDEO), **self.video_call_kwargs(loaded.videos)}
@@ -361,7 +388,11 @@ class BaseMultimodalProcessor(abc.ABC):
         whose run the HF processor would tokenize as N copies of itself.
         """
         hashes = self._raw_hashes(loaded)
-        found = [self.preprocess_cache.get(h) for h in hashes]
+        # Deferred images first: they are the cheapest to send and never reach the HF processor here.
+        found: list[ItemFeatures | None] = [self._defer(image) for image in loaded.images] if self.defer_images \
+            else [None] * len(loaded.images)
+        found += [None] * (len(hashes) - len(found))
+        found = [f if f is not None else self.preprocess_cache.get(h) for f, h in zip(found, hashes)]
         missing = [i for i, f in enumerate(found) if f is None]
         ids: list[int] | None = None
         if missing:
@@ -381,6 +412,13 @@ class BaseMultimodalProcessor(abc.ABC):
         features = [f for f in found if f is not None]
         assert len(features) == len(hashes)
         return ids, features, hashes
+
+    def _defer(self, image: Any) -> ItemFeatures | None:
+        """A deferred image's features (pixels + plan), or None to process it eagerly."""
+        plan = self.plan_image(image.height, image.width)
+        if plan is None:
+            return None
+        return defer_image(image, plan, dict(self.mm_process_config.get(Modality.IMAGE, {})))
 
     def preprocess_cache_stats(self) -> PreprocessCacheStats:
         return self.preprocess_cache.stats()

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend
 from tessera.multimodal.items import Modality, MultimodalDataItem
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.assemble import build_items
@@ -85,6 +86,22 @@ class Gemma3Processor(BaseMultimodalProcessor):
             out += [self.replacement(c), piece]
         return "".join(out)
 
+    def _image_kwargs(self) -> dict[str, Any]:
+        # Gemma3Processor's own image defaults (pan-and-scan off, its crop sizes) win over the image
+        # processor's saved settings, as in HF's kwargs merge; the request's kwargs win over both.
+        return {**dict(getattr(type(self.hf_processor), "images_kwargs", {})), **self.hf_kwargs(Modality.IMAGE)}
+
+    def plan_image(self, height: int, width: int) -> ImagePlan | None:
+        """Without pan-and-scan every image is one square crop. With it, the crop count depends on the image in
+        ways the plan does not model, so such images stay eager."""
+        ip = self.hf_processor.image_processor
+        kwargs = self._image_kwargs()
+        if kwargs.get("do_pan_and_scan", getattr(ip, "do_pan_and_scan", False)) or is_pil_backend(ip) \
+                or set(self.hf_kwargs(Modality.IMAGE)) - SHAPE_NEUTRAL_KWARGS - {"do_pan_and_scan"}:
+            return None
+        c, h, w = self.pixel_shape
+        return ImagePlan(self.image_seq_length, {"num_crops": torch.tensor([0])}, c * h * w * 4)
+
     def call_hf_processor(self, prompt: str | None, loaded: LoadedMultimodalData) -> Mapping[str, Any]:
         """HF's Gemma3Processor in two parts, as it runs them: its image processor (whose `num_crops` the full
         processor drops), then the tokenizer over the prompt with each image's text in place."""
@@ -92,11 +109,8 @@ class Gemma3Processor(BaseMultimodalProcessor):
         crops: list[int] = []
         if loaded.images:
             image_processor = self.hf_processor.image_processor
-            # Gemma3Processor's own image defaults (pan-and-scan off, its crop sizes) win over the image
-            # processor's saved settings, as in HF's kwargs merge; the request's kwargs win over both.
-            defaults = dict(getattr(type(self.hf_processor), "images_kwargs", {}))
-            out.update(image_processor(loaded.images, return_tensors="pt",
-                                       **{**defaults, **self.hf_kwargs(Modality.IMAGE)}))
+            out.update(image_processor(loaded.images, return_tensors="pt", **self._image_kwargs(),
+                                       **self.image_call_kwargs()))
             crops = self._crops(out, None, "image processor output")
         if prompt is not None:
             out["input_ids"] = torch.tensor([self.tokenize(self.expand_prompt(prompt, crops))])

@@ -60,7 +60,8 @@ class ImageProcessorCall:
 
     def call_hf_processor(self, prompt: str | None, loaded: Any) -> Mapping[str, Any]:
         """All images in one image-processor call, and the prompt's unexpanded ids."""
-        out = dict(self.hf_processor.image_processor(loaded.images, **self.image_processor_kwargs()))
+        out = dict(self.hf_processor.image_processor(loaded.images, **self.image_processor_kwargs(),
+                                                     **self.image_call_kwargs()))  # type: ignore[attr-defined]
         if prompt is not None:
             out["input_ids"] = torch.tensor([self.tokenize(prompt)])  # type: ignore[attr-defined]
         return out

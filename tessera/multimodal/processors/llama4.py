@@ -129,7 +129,7 @@ class Llama4Processor(ImageProcessorCall, BaseMultimodalProcessor):
             start += f.num_tokens
             items.append(MultimodalDataItem(modality=f.modality, hash=h, offsets=runs(mine), feature=f.feature,
                                             precomputed_embedding=f.precomputed_embedding,
-                                            model_specific_data=f.model_specific_data))
+                                            model_specific_data=f.model_specific_data, deferred=f.deferred))
         return items
 
     def _grid(self, f: ItemFeatures) -> tuple[int, int]:

@@ -25,6 +25,7 @@ import torch
 
 from tessera.models.llava import LlavaImageGeometry
 from tessera.models.llava_next import IMAGE_SIZES_KEY
+from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend
 from tessera.multimodal.items import Modality
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.base import (
@@ -95,6 +96,19 @@ class LlavaProcessor(BaseMultimodalProcessor):
             kwargs.setdefault(name, getattr(image_processor, name, None))
         return kwargs
 
+    # ------------------------------------------------------------ deferred images
+
+    def _plannable(self) -> bool:
+        return not is_pil_backend(self.hf_processor.image_processor) and \
+            not set(self.hf_kwargs(Modality.IMAGE)) - SHAPE_NEUTRAL_KWARGS
+
+    def plan_image(self, height: int, width: int) -> ImagePlan | None:
+        """One crop of the tower's input size, whatever the image's size."""
+        if not self._plannable():
+            return None
+        c, s, _ = self._crop_shape()
+        return ImagePlan(self.geometry.tokens_per_tile, {}, c * s * s * 4)
+
     # ------------------------------------------------------------ splitting
 
     def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
@@ -160,6 +174,17 @@ class LlavaNextProcessor(LlavaProcessor):
         theirs = getattr(hf_processor.image_processor, "image_grid_pinpoints", None)
         if theirs is not None and [list(p) for p in theirs] != ours:
             raise ValueError(f"image processor image_grid_pinpoints {theirs} != config.image_grid_pinpoints {ours}")
+
+    def plan_image(self, height: int, width: int) -> ImagePlan | None:
+        """The anyres tiles (base + grid) and token count of the model's geometry, which the constructor checked
+        against the image processor's pinpoints; image_sizes is the original size, as HF reports it."""
+        if not self._plannable():
+            return None
+        c, s, _ = self._crop_shape()
+        size = (height, width)
+        return ImagePlan(self.geometry.num_image_tokens(size),
+                         {IMAGE_SIZES_KEY: torch.tensor([size], dtype=torch.long)},
+                         self.geometry.num_tiles(size) * c * s * s * 4)
 
     def _sizes(self, data: Mapping[str, Any], count: int, what: str) -> list[tuple[int, int]]:
         if data.get(IMAGE_SIZES_KEY) is None:

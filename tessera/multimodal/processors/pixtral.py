@@ -18,8 +18,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
+from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend
 from tessera.multimodal.items import Modality
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.base import (
@@ -132,6 +134,25 @@ class PixtralProcessor(ImageProcessorCall, BaseMultimodalProcessor):
                                     model_specific_data={SIZES_KEY: torch.tensor([[h, w]])}))
         return out
 
+    def plan_image(self, height: int, width: int) -> ImagePlan | None:
+        """The image processor's own resize rule (longest edge capped, sides rounded up to whole patches),
+        evaluated on a zero-stride stand-in of the image's shape."""
+        from transformers.models.pixtral.image_processing_pixtral import get_resize_output_image_size
+
+        ip = self.hf_processor.image_processor
+        kw = self.image_processor_kwargs()
+        size, patch = kw.get("size") or ip.size, kw.get("patch_size") or ip.patch_size
+        longest = _field(size, "longest_edge")
+        ph, pw = (patch, patch) if isinstance(patch, int) else (_field(patch, "height"), _field(patch, "width"))
+        if is_pil_backend(ip) or not longest or not ph or not pw or not kw.get("do_resize", True) \
+                or kw.get("do_center_crop") or set(self.hf_kwargs(Modality.IMAGE)) - SHAPE_NEUTRAL_KWARGS - {"size"}:
+            return None
+        stand_in = np.broadcast_to(np.uint8(0), (self.num_channels, height, width))
+        h, w = get_resize_output_image_size(stand_in, size=(longest, longest), patch_size=(ph, pw),
+                                            input_data_format="channels_first")
+        return ImagePlan((h // self.patch_size) * (w // self.patch_size), {SIZES_KEY: torch.tensor([[h, w]])},
+                         self.num_channels * h * w * 4)
+
     def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
         return self._split_pixels(hf_output, "the image processor's output", len(loaded.images))
 
@@ -162,3 +183,8 @@ class PixtralProcessor(ImageProcessorCall, BaseMultimodalProcessor):
         return [ItemFeatures(Modality.IMAGE, n, precomputed_embedding=c,
                              model_specific_data={SIZES_KEY: torch.tensor([[h, w]])})
                 for c, n, (h, w) in zip(chunks, tokens, sizes)]
+
+
+def _field(value: Any, name: str) -> Any:
+    """A key of a size dict or an attribute of transformers' SizeDict."""
+    return value.get(name) if isinstance(value, Mapping) else getattr(value, name, None)

@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend
 from tessera.multimodal.items import Modality, MultimodalInputs
 from tessera.multimodal.media import VideoClip
 from tessera.multimodal.mrope import VisionSpan, compute_mrope_positions
@@ -104,6 +105,28 @@ class QwenVLProcessor(BaseMultimodalProcessor):
         for name in ("patch_size", "temporal_patch_size", "merge_size", "image_mean", "image_std"):
             kwargs.setdefault(name, getattr(sub, name, None))
         return kwargs
+
+    # ------------------------------------------------------------ deferred images
+
+    def plan_image(self, height: int, width: int) -> ImagePlan | None:
+        """The grid HF's Qwen2VLImageProcessor makes: its `smart_resize` to multiples of patch * merge within
+        [shortest_edge, longest_edge] pixels, then one row of patch_dim values per patch."""
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor, smart_resize
+
+        ip = self.hf_processor.image_processor
+        kwargs = self.hf_kwargs(Modality.IMAGE)
+        if not isinstance(ip, Qwen2VLImageProcessor) or is_pil_backend(ip) or not getattr(ip, "do_resize", True) \
+                or set(kwargs) - {"size"} - SHAPE_NEUTRAL_KWARGS:
+            return None
+        patch, merge = int(ip.patch_size), int(ip.merge_size)
+        try:
+            h, w = smart_resize(height, width, factor=patch * merge, min_pixels=kwargs["size"]["shortest_edge"],
+                                max_pixels=kwargs["size"]["longest_edge"])
+        except ValueError:  # extreme aspect ratios: the eager path raises the processor's own error
+            return None
+        grid = torch.tensor([[1, h // patch, w // patch]], dtype=torch.long)
+        rows = (h // patch) * (w // patch)
+        return ImagePlan(rows // merge**2, {"image_grid_thw": grid}, rows * self.patch_dim * 4)
 
     # ------------------------------------------------------------ splitting
 
