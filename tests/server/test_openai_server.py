@@ -248,7 +248,7 @@ def test_health_stays_responsive_during_heavy_preprocessing(server):
 def test_metrics_exposes_serving_figures(server, client):
     content = [image_part(data_uri(Image.open(EXAMPLE_IMAGE))), text_part("How many shapes are there?")]
     ask(client, content)
-    ask(client, content)  # a repeat: prefix, encoder and preprocessing caches all hit
+    ask(client, content)  # a repeat: prefix and encoder caches hit
     text = httpx.get(f"{server.base_url}/metrics", timeout=30).text
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -257,12 +257,15 @@ def test_metrics_exposes_serving_figures(server, client):
             values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     assert values["tessera_requests_total"] >= 2
     assert values["tessera_prefix_cache_hit_rate"] > 0
-    assert values["tessera_preprocess_cache_hit_rate"] > 0
+    # The example image goes to the worker as pixels (deferred), past the frontend's preprocessing cache.
+    deferred = [line for line in text.splitlines() if line.startswith("tessera_mm_items{") and "deferred" in line]
+    assert deferred and float(deferred[0].rsplit(" ", 1)[1]) >= 2
+    assert values["tessera_mm_transport_bytes"] > 0
     assert values["tessera_time_to_first_token_seconds_count"] >= 2
     for name in ("tessera_requests_total", "tessera_time_to_first_token_seconds", "tessera_inter_token_latency_seconds",
                  "tessera_num_running_reqs", "tessera_num_queue_reqs", "tessera_kv_cache_usage",
                  "tessera_prefix_cache_hit_rate", "tessera_encoder_cache_hit_rate",
-                 "tessera_preprocess_cache_hit_rate"):
+                 "tessera_preprocess_cache_hit_rate", "tessera_mm_transport_bytes", "tessera_mm_items"):
         assert name in text
 
 
