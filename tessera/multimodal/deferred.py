@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from tessera.multimodal.processors.base import BaseMultimodalProcessor
 
 __all__ = ["ImagePlan", "DeferredMaterializer", "defer_image", "to_chw_uint8", "is_pil_backend",
-           "SHAPE_NEUTRAL_KWARGS"]
+           "SHAPE_NEUTRAL_KWARGS", "size_field"]
 
 # Image-processor kwargs that change pixel values but never the processed shape: a plan may ignore them.
 SHAPE_NEUTRAL_KWARGS = frozenset({"image_mean", "image_std", "do_normalize", "do_rescale", "rescale_factor",
@@ -65,6 +65,11 @@ def defer_image(image: Any, plan: ImagePlan, config: dict[str, Any]) -> ItemFeat
         return None
     return ItemFeatures(Modality.IMAGE, plan.num_tokens, model_specific_data=dict(plan.model_specific_data),
                         deferred=DeferredImage(to_chw_uint8(image), config))
+
+
+def size_field(value: Any, name: str) -> Any:
+    """A key of a size dict, or an attribute of transformers' SizeDict (None when absent)."""
+    return value.get(name) if isinstance(value, Mapping) else getattr(value, name, None)
 
 
 def is_pil_backend(image_processor: Any) -> bool:

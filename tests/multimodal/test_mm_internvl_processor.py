@@ -136,3 +136,13 @@ def test_text_only_and_refusals(ckpt, make_processor):
         proc.process(prompt=chat(hf_processor, ["image", "?"]), image_data=[
             {"format": "processor_output", "pixel_values": torch.zeros(2, 3, 32, 32), "num_patches": [2]}])
     assert Modality.IMAGE in proc.supported_modalities
+
+
+def test_deferred_images_match_eager(ckpt, make_processor):
+    """The tile grid from the image size alone (the HF processor's own canvas rules), for square, wide and tall
+    images; images larger than their tiles take the fallback."""
+    from tests.multimodal.deferred_testing import assert_deferred_matches_eager
+
+    prompt = chat(ckpt[0], ["image", "What is this?"])
+    sizes = [(10, 10), (40, 13), (13, 40), (50, 50), (90, 30), (600, 400)]
+    assert_deferred_matches_eager(make_processor, prompt, sizes, expect_eager=[(600, 400)])

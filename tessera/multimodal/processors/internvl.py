@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend, size_field
 from tessera.multimodal.items import Modality
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.base import (
@@ -81,6 +82,30 @@ class InternVLProcessor(ImageProcessorCall, BaseMultimodalProcessor):
         for t in input_ids:
             out.extend([self.start_image_id, *[t] * next(counts), self.end_image_id] if t == context else [t])
         return out
+
+    # ------------------------------------------------------------ deferred images
+
+    def plan_image(self, height: int, width: int) -> ImagePlan | None:
+        """GotOcr2's tiling: the grid of `size` tiles whose aspect ratio best fits the image (its own
+        get_optimal_tiled_canvas, between min_patches and max_patches), plus a thumbnail when it has more
+        than one tile; one tile without crop_to_patches."""
+        from transformers.models.got_ocr2.image_processing_got_ocr2 import get_optimal_tiled_canvas
+
+        ip = self.hf_processor.image_processor
+        kw = self.image_processor_kwargs()
+        if is_pil_backend(ip) or set(self.hf_kwargs(Modality.IMAGE)) - SHAPE_NEUTRAL_KWARGS \
+                - {"crop_to_patches", "min_patches", "max_patches"}:
+            return None
+        setting = lambda name: kw[name] if kw.get(name) is not None else getattr(ip, name)  # noqa: E731
+        tiles = 1
+        if setting("crop_to_patches"):
+            size = setting("size")
+            cols, rows = get_optimal_tiled_canvas((height, width), (size_field(size, "height"),
+                                                  size_field(size, "width")),
+                                                  setting("min_patches"), setting("max_patches"))
+            tiles += cols * rows if cols * rows > 1 else 0
+        c, h, w = self.tile_shape
+        return ImagePlan(tiles * self.image_seq_length, {}, tiles * c * h * w * 4)
 
     # ------------------------------------------------------------ splitting
 

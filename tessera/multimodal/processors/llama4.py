@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend, size_field
 from tessera.multimodal.items import Modality, MultimodalDataItem
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.assemble import runs
@@ -139,6 +140,29 @@ class Llama4Processor(ImageProcessorCall, BaseMultimodalProcessor):
     def num_tiles(self, grid: tuple[int, int]) -> int:
         rows, cols = grid
         return rows * cols + (1 if rows * cols > 1 else 0)
+
+    # ------------------------------------------------------------ deferred images
+
+    def plan_image(self, height: int, width: int) -> ImagePlan | None:
+        """Llama4ImageProcessor's canvas: its own find_supported_resolutions / get_best_fit give the tile grid;
+        features are float32 tiles (the processor's bfloat16, widened)."""
+        from transformers.models.llama4.image_processing_llama4 import find_supported_resolutions, get_best_fit
+        from transformers.image_utils import SizeDict
+
+        ip = self.hf_processor.image_processor
+        kw = self.image_processor_kwargs()
+        if is_pil_backend(ip) or set(self.hf_kwargs(Modality.IMAGE)) - SHAPE_NEUTRAL_KWARGS \
+                - {"max_patches", "resize_to_max_canvas"}:
+            return None
+        setting = lambda name: kw[name] if kw.get(name) is not None else getattr(ip, name)  # noqa: E731
+        size = setting("size")
+        tile = SizeDict(height=size_field(size, "height"), width=size_field(size, "width"))
+        possible = torch.tensor(find_supported_resolutions(max_num_chunks=setting("max_patches"), patch_size=tile))
+        target = get_best_fit((height, width), possible, resize_to_max_canvas=setting("resize_to_max_canvas"))
+        grid = (int(target[0]) // tile.height, int(target[1]) // tile.width)
+        c, h, w = self.tile_shape
+        n = self.num_tiles(grid)
+        return ImagePlan(n * self.tokens_per_tile, {RATIO_KEY: torch.tensor(list(grid))}, n * c * h * w * 4)
 
     # ------------------------------------------------------------ splitting
 

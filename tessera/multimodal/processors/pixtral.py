@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend
+from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend, size_field
 from tessera.multimodal.items import Modality
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.base import (
@@ -142,8 +142,8 @@ class PixtralProcessor(ImageProcessorCall, BaseMultimodalProcessor):
         ip = self.hf_processor.image_processor
         kw = self.image_processor_kwargs()
         size, patch = kw.get("size") or ip.size, kw.get("patch_size") or ip.patch_size
-        longest = _field(size, "longest_edge")
-        ph, pw = (patch, patch) if isinstance(patch, int) else (_field(patch, "height"), _field(patch, "width"))
+        longest = size_field(size, "longest_edge")
+        ph, pw = (patch, patch) if isinstance(patch, int) else (size_field(patch, "height"), size_field(patch, "width"))
         if is_pil_backend(ip) or not longest or not ph or not pw or not kw.get("do_resize", True) \
                 or kw.get("do_center_crop") or set(self.hf_kwargs(Modality.IMAGE)) - SHAPE_NEUTRAL_KWARGS - {"size"}:
             return None
@@ -183,8 +183,3 @@ class PixtralProcessor(ImageProcessorCall, BaseMultimodalProcessor):
         return [ItemFeatures(Modality.IMAGE, n, precomputed_embedding=c,
                              model_specific_data={SIZES_KEY: torch.tensor([[h, w]])})
                 for c, n, (h, w) in zip(chunks, tokens, sizes)]
-
-
-def _field(value: Any, name: str) -> Any:
-    """A key of a size dict or an attribute of transformers' SizeDict."""
-    return value.get(name) if isinstance(value, Mapping) else getattr(value, name, None)
