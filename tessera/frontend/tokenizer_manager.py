@@ -93,6 +93,11 @@ class TokenizerManager:
             warned["sequence-length-is-longer-than-the-specified-maximum"] = True
         self.mm_processor = self.info.make_mm_processor()
         self.executor = ThreadPoolExecutor(max_workers=PREPROCESS_THREADS, thread_name_prefix="tessera-pre")
+        self.preprocess_pool = None  # --mm-preprocess-workers: media preprocessing in worker processes
+        if args.mm_preprocess_workers and self.mm_processor is not None:
+            from tessera.frontend.preprocess_pool import PreprocessPool
+
+            self.preprocess_pool = PreprocessPool(args, args.mm_preprocess_workers)
         self.states: dict[str, ReqState] = {}
         self._ipc_dir = tempfile.mkdtemp(prefix="tessera-ipc-")
         # One scheduler process per data-parallel replica (--dp-size); requests go where the dispatcher says.
@@ -158,6 +163,8 @@ class TokenizerManager:
         self.max_total_tokens = min(w.max_total_tokens for w in self.worker_infos)
         self.context_length = self.worker_info.context_length
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        if self.preprocess_pool is not None:  # its processes loaded the processor while the model loaded
+            await asyncio.get_running_loop().run_in_executor(None, self.preprocess_pool.wait_ready, STARTUP_TIMEOUT_S)
         self.ready = True
 
     async def close(self) -> None:
@@ -200,6 +207,8 @@ class TokenizerManager:
                 proc.kill()
                 proc.wait()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.preprocess_pool is not None:
+            self.preprocess_pool.shutdown()
         try:
             for name in os.listdir(self._ipc_dir):
                 os.unlink(os.path.join(self._ipc_dir, name))
@@ -277,28 +286,35 @@ class TokenizerManager:
         """A snapshot of the frontend counters; safe from any thread (the cache locks)."""
         if self.mm_processor is None:
             return FrontendStats()
-        c = self.mm_processor.preprocess_cache_stats()
+        pool = self.preprocess_pool
+        c = pool.cache_stats() if pool is not None else self.mm_processor.preprocess_cache_stats()
         return FrontendStats(c.hits, c.misses, c.used_bytes, c.num_entries)
 
     async def flush_cache(self) -> None:
         """Drops the preprocessing cache here and asks the scheduler to drop its caches."""
         if self.mm_processor is not None:
             self.mm_processor.preprocess_cache.clear()
+        if self.preprocess_pool is not None:
+            await self.preprocess_pool.clear_caches()
         await self._send_all(io.FlushCacheReq())
 
     # ---- requests ---------------------------------------------------------------------------
-    def _tokenize(self, req: GenerateRequest) -> io.TokenizedGenerateReq:
-        """Runs in the worker pool: chat-free tokenization, media loading and preprocessing."""
+    def _needs_media_processing(self, req: GenerateRequest) -> bool:
+        return req.has_media or (self.mm_processor is not None and req.text is not None
+                                 and self.mm_processor.has_placeholders(req.text))
+
+    def _tokenize(self, req: GenerateRequest, processed=None) -> io.TokenizedGenerateReq:
+        """Runs in the worker pool: chat-free tokenization, media loading and preprocessing (unless a
+        preprocessing process already made `processed`, the ProcessorOutput)."""
         sp = req.sampling_params
         if req.return_logprob:
             sp.logprobs = True
         sp.verify(self.info.vocab_size)
         mm_inputs = None
-        if req.has_media or (self.mm_processor is not None and req.text is not None
-                             and self.mm_processor.has_placeholders(req.text)):
+        if self._needs_media_processing(req):
             if self.mm_processor is None:
                 raise ValueError(self.info.no_media_reason())
-            out = self.mm_processor.process(
+            out = processed if processed is not None else self.mm_processor.process(
                 prompt=req.text, input_ids=req.input_ids,
                 image_data=req.image_data, video_data=req.video_data, audio_data=req.audio_data,
             )
@@ -333,7 +349,13 @@ class TokenizerManager:
         if not self.ready:
             raise EngineUnavailable("the engine is not ready")
         loop = asyncio.get_running_loop()
-        tokenized = await loop.run_in_executor(self.executor, self._tokenize, req)
+        processed = None
+        if self.preprocess_pool is not None and self.mm_processor is not None and self._needs_media_processing(req):
+            req.sampling_params.verify(self.info.vocab_size)  # bad parameters fail before media is loaded
+            processed = await self.preprocess_pool.process(
+                prompt=req.text, input_ids=req.input_ids,
+                image_data=req.image_data, video_data=req.video_data, audio_data=req.audio_data)
+        tokenized = await loop.run_in_executor(self.executor, self._tokenize, req, processed)
         sp = req.sampling_params
         state = ReqState(req, len(tokenized.input_ids), IncrementalDetokenizer(
             self.tokenizer, sp.skip_special_tokens, sp.stop, sp.spaces_between_special_tokens))

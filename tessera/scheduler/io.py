@@ -147,6 +147,17 @@ def decode(frames: list) -> Any:
     return pickle.loads(frames[0], buffers=frames[1:])
 
 
+def dumps(obj: Any) -> bytes:
+    """`encode` as one in-band blob, for channels that carry a single bytes object (process pools)."""
+    f = io.BytesIO()
+    _Pickler(f, protocol=5).dump(obj)
+    return f.getvalue()
+
+
+def loads(blob: bytes) -> Any:
+    return pickle.loads(blob)
+
+
 def send(sock: zmq.Socket, obj: Any, flags: int = 0) -> None:
     sock.send_multipart(encode(obj), flags=flags, copy=False)
 
