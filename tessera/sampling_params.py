@@ -19,6 +19,8 @@ SAMPLING_EPS = 1e-6
 MAX_TOP_LOGPROBS_NUM = 20
 # OpenAI's documented range for frequency_penalty and presence_penalty.
 MAX_ABS_ADDITIVE_PENALTY = 2.0
+# OpenAI's documented range of a logit_bias value.
+MAX_ABS_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -40,6 +42,10 @@ class SamplingParams:
       seed: makes this request's samples reproducible, independent of what it is batched with.
       logprobs: return the sampled token's logprob for every output token.
       top_logprobs_num: also return this many most likely (id, logprob) pairs per output token.
+      logit_bias: {token id: bias} added to those logits before sampling (OpenAI semantics, |bias| <= 100;
+        -100 effectively bans a token, +100 effectively forces it).
+      no_stop_trim: keep a matched stop string at the end of the output text (SGLang's name; vLLM's
+        include_stop_str_in_output).
     """
 
     max_new_tokens: int = 128
@@ -60,6 +66,8 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs_num: int = 0
     min_new_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    no_stop_trim: bool = False
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -92,6 +100,8 @@ class SamplingParams:
             self.stop_token_ids = []
         elif isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids)
+        if isinstance(self.logit_bias, dict):  # JSON object keys are strings: "50256" -> 50256
+            self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}
         return self
 
     def verify(self, vocab_size: int | None = None) -> None:
@@ -101,7 +111,7 @@ class SamplingParams:
             _check_int(name, getattr(self, name))
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             _check_real(name, getattr(self, name))
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "logprobs"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "logprobs", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:
@@ -132,6 +142,21 @@ class SamplingParams:
         if not 0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS_NUM:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS_NUM}], got {self.top_logprobs_num}")
         self._verify_stop(vocab_size)
+        self._verify_logit_bias(vocab_size)
+
+    def _verify_logit_bias(self, vocab_size: int | None) -> None:
+        if self.logit_bias is None:
+            return
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must be a map of token id to bias, got {self.logit_bias!r}")
+        for token_id, bias in self.logit_bias.items():
+            if not isinstance(token_id, Integral) or isinstance(token_id, bool) or token_id < 0 or (
+                    vocab_size is not None and token_id >= vocab_size):
+                bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
+                raise ValueError(f"logit_bias keys must be token ids in {bound}, got {token_id!r}")
+            _check_real("logit_bias", bias)
+            if abs(bias) > MAX_ABS_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
 
     def _verify_stop(self, vocab_size: int | None) -> None:
         stop = self.stop
@@ -160,6 +185,12 @@ class SamplingParams:
         """True when decoding is argmax (temperature ~ 0). top_k == 1 is equivalent in effect but
         goes through the sampling path."""
         return self.temperature < SAMPLING_EPS
+
+
+def _int_key(key: object) -> object:
+    if isinstance(key, str) and key.strip().lstrip("-").isdigit():
+        return int(key)
+    return key
 
 
 def _check_int(name: str, value: object) -> None:

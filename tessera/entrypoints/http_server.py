@@ -17,8 +17,10 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tessera.config import ServerArgs
+from tessera.entrypoints import native_generate
 from tessera.entrypoints.metrics import Metrics
 from tessera.entrypoints.middleware import ServerMiddleware, observe_generation
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
@@ -29,6 +31,7 @@ from tessera.frontend.tokenizer_manager import TokenizerManager
 logger = logging.getLogger("tessera.server")
 WATCH_INTERVAL_S = 0.1
 DRAIN_TIMEOUT_S = 20.0  # SIGTERM: in-flight requests get this long to finish; uvicorn waits 5 s more
+FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 
 
 class ServerState:
@@ -142,6 +145,11 @@ def create_app(args: ServerArgs) -> FastAPI:
                        count=lambda path, status: state.metrics.requests.labels(args.model_name, path,
                                                                                 str(status)).inc())
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):  # unknown routes: OpenAI's shape too
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        return error_response(message, exc.status_code, headers=getattr(exc, "headers", None))
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
         return error_response(exc.message, exc.status, exc.param, exc.type)
@@ -156,6 +164,10 @@ def create_app(args: ServerArgs) -> FastAPI:
         return error_response(f"invalid request: {exc.errors()}", 400)
 
     async def body_of(request: Request) -> dict:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype in FORM_TYPES:
+            raise APIError(f"Content-Type: {ctype} is not accepted here; send the JSON body as application/json",
+                           status=400, param="Content-Type")
         try:
             body = json.loads(await request.body() or b"{}")
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -184,12 +196,22 @@ def create_app(args: ServerArgs) -> FastAPI:
             return {"status": "ok"}
         return error_response(f"not ready: {not_ready_reason()}", 503)
 
+    def model_card() -> dict:
+        # root: the model as the user named it (a served name's base), as vLLM reports it; not the resolved path
+        return {"id": args.model_name, "object": "model", "created": int(state.started), "owned_by": "tessera",
+                "root": args.model_name, "parent": None, "max_model_len": serving().tm.context_length}
+
     @app.get("/v1/models")
     async def models():
-        srv = serving()
-        return {"object": "list", "data": [{"id": args.model_name, "object": "model", "created": int(state.started),
-                                            "owned_by": "tessera", "root": args.model_path,
-                                            "max_model_len": srv.tm.context_length}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        card = model_card()
+        if model_id != card["id"]:
+            raise APIError(f"model: the model {model_id!r} does not exist; this server serves {card['id']!r}",
+                           status=404, param="model")
+        return card
 
     @app.get("/model_info")
     async def model_info():
@@ -218,7 +240,7 @@ def create_app(args: ServerArgs) -> FastAPI:
         tm = serving().tm
         return {**tm.server_info(), "stats": vars(await tm.get_stats())}
 
-    @app.post("/flush_cache")
+    @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's clients use both
     async def flush_cache():
         await serving().tm.flush_cache()
         return {"status": "ok"}
@@ -239,7 +261,7 @@ def create_app(args: ServerArgs) -> FastAPI:
 
     @app.post("/generate")
     async def generate(request: Request):
-        return await serving().generate(request, await body_of(request))
+        return await native_generate.generate(serving(), request, await body_of(request))
 
     return app
 

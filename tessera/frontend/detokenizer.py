@@ -10,8 +10,9 @@ REPLACEMENT_CHAR = "\ufffd"
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, skip_special_tokens: bool = True, stop: list[str] | None = None,
-                 spaces_between_special_tokens: bool = True):
+                 spaces_between_special_tokens: bool = True, keep_stop: bool = False):
         self.tokenizer = tokenizer
+        self.keep_stop = keep_stop  # a matched stop string stays in the text (SGLang's no_stop_trim)
         self.skip_special_tokens = skip_special_tokens
         self.stop = [s for s in (stop or []) if s]
         self.ids: list[int] = []
@@ -41,11 +42,13 @@ class IncrementalDetokenizer:
         return self._release(finished)
 
     def _release(self, finished: bool) -> str:
-        end = len(self.text)
+        end, match = len(self.text), None
         for s in self.stop:
             pos = self.text.find(s, max(0, self.sent - len(s) + 1))
             if pos != -1 and pos < end:
-                end, self.stopped = pos, True
+                end, match, self.stopped = pos, s, True
+        if match is not None and self.keep_stop:
+            end += len(match)
         if self.stopped:
             self.text = self.text[:end]
         elif not finished and self.stop:

@@ -109,11 +109,11 @@ class PreprocessPool:
         return int.from_bytes(digest, "little") % len(self._workers)
 
     async def process(self, *, prompt: str | None, input_ids: list[int] | None, image_data: Any = None,
-                      video_data: Any = None, audio_data: Any = None) -> Any:
+                      video_data: Any = None, audio_data: Any = None, video_kwargs: Any = None) -> Any:
         """The processor's `process(...)` on a worker; its exceptions (ValueError, MediaError) propagate."""
         i = self.worker_for(route_digest(image_data, video_data, audio_data))
         kwargs = dict(prompt=prompt, input_ids=input_ids, image_data=image_data, video_data=video_data,
-                      audio_data=audio_data)
+                      audio_data=audio_data, video_kwargs=video_kwargs)
         blob, stats = await asyncio.wrap_future(self._workers[i].submit(_process, kwargs))
         self._stats[i] = stats
         return io.loads(blob)

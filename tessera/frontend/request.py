@@ -21,6 +21,10 @@ class GenerateRequest:
     return_logprob: bool = False
     # OpenAI semantics when max_tokens is omitted: as many as the context leaves room for.
     auto_max_new_tokens: bool = False
+    # vLLM's cache_salt: only requests with the same salt share prefix-cache entries.
+    cache_salt: str | None = None
+    # This request's video frame sampling (num_frames, fps, max_frames), over the server's --mm-process-config.
+    video_kwargs: dict[str, Any] | None = None
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self) -> None:

@@ -317,6 +317,7 @@ class TokenizerManager:
             out = processed if processed is not None else self.mm_processor.process(
                 prompt=req.text, input_ids=req.input_ids,
                 image_data=req.image_data, video_data=req.video_data, audio_data=req.audio_data,
+                video_kwargs=req.video_kwargs,
             )
             input_ids, mm_inputs = out.input_ids, out.mm_inputs
         elif req.text is not None:
@@ -336,29 +337,47 @@ class TokenizerManager:
             sp.max_new_tokens = max(0, min(self.context_length, self.max_total_tokens) - len(input_ids))
         if len(input_ids) >= self.context_length:
             raise ValueError(f"prompt: {len(input_ids)} tokens does not fit the context length {self.context_length}")
+        if len(input_ids) + sp.max_new_tokens > self.context_length:  # OpenAI and vLLM refuse; never cap silently
+            raise ValueError(
+                f"max_new_tokens: the context length is {self.context_length} tokens; the prompt has "
+                f"{len(input_ids)} and {sp.max_new_tokens} more were asked for (at most "
+                f"{self.context_length - len(input_ids)} fit)")
         cross = config.cross_attention_len  # an encoder-decoder request's cross-attention K/V share the pool
         if len(input_ids) + sp.max_new_tokens + cross > self.max_total_tokens:
             held = f" + cross-attention K/V ({cross})" if cross else ""
             raise ValueError(
                 f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({sp.max_new_tokens}){held} exceeds "
                 f"the KV pool ({self.max_total_tokens} tokens)")
-        return io.TokenizedGenerateReq(req.rid, input_ids, sp, mm_inputs, req.stream, req.return_logprob)
+        return io.TokenizedGenerateReq(req.rid, input_ids, sp, mm_inputs, req.stream, req.return_logprob,
+                                       cache_salt=req.cache_salt)
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[dict]:
-        """Yields output dicts: one final dict, or a stream of cumulative dicts if req.stream."""
+    async def tokenize(self, req: GenerateRequest) -> io.TokenizedGenerateReq:
+        """Validates and preprocesses req (media loaded, prompt tokenized) without sending it anywhere.
+
+        The HTTP server calls this before a streamed response starts, so every input error is a 4xx
+        rather than a stream that breaks after its first byte; `generate(req, tokenized)` then runs it.
+        """
         if not self.ready:
             raise EngineUnavailable("the engine is not ready")
-        loop = asyncio.get_running_loop()
         processed = None
         if self.preprocess_pool is not None and self.mm_processor is not None and self._needs_media_processing(req):
             req.sampling_params.verify(self.info.vocab_size)  # bad parameters fail before media is loaded
             processed = await self.preprocess_pool.process(
                 prompt=req.text, input_ids=req.input_ids,
-                image_data=req.image_data, video_data=req.video_data, audio_data=req.audio_data)
-        tokenized = await loop.run_in_executor(self.executor, self._tokenize, req, processed)
+                image_data=req.image_data, video_data=req.video_data, audio_data=req.audio_data,
+                video_kwargs=req.video_kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self.executor, self._tokenize, req, processed)
+
+    async def generate(self, req: GenerateRequest,
+                       tokenized: io.TokenizedGenerateReq | None = None) -> AsyncIterator[dict]:
+        """Yields output dicts: one final dict, or a stream of cumulative dicts if req.stream.
+
+        tokenized: the result of `tokenize(req)` when the caller validated the request already."""
+        if tokenized is None:
+            tokenized = await self.tokenize(req)
         sp = req.sampling_params
         state = ReqState(req, len(tokenized.input_ids), IncrementalDetokenizer(
-            self.tokenizer, sp.skip_special_tokens, sp.stop, sp.spaces_between_special_tokens))
+            self.tokenizer, sp.skip_special_tokens, sp.stop, sp.spaces_between_special_tokens, sp.no_stop_trim))
         self.states[req.rid] = state
         mm = tokenized.mm_inputs
         self._check_replicas()  # never dispatch to a replica that has died since the last look
@@ -378,8 +397,8 @@ class TokenizerManager:
                 state.output_ids.extend(out.new_token_ids)
                 if out.new_logprobs:
                     state.logprobs.extend(out.new_logprobs)
-                if out.new_top_logprobs:
-                    state.top_logprobs.extend(out.new_top_logprobs)
+                if out.new_top_logprobs:  # SGLang's order in outputs: (logprob, token id), as output_token_logprobs
+                    state.top_logprobs.extend([[(lp, tid) for tid, lp in top] for top in out.new_top_logprobs])
                 finished = out.finished_reason is not None
                 if finished and out.finished_reason["type"] == "error":
                     state.finished = True

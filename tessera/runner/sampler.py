@@ -4,7 +4,7 @@ One step, all on [B, V] float32 tensors with no per-row Python loop (seeded rows
   1. penalties on the raw logits, in vLLM's order: repetition (HF/CTRL: a positive logit of a token
      seen in prompt+output is divided by the penalty, a negative one multiplied), then
      frequency/presence (OpenAI: logit -= freq * count + presence * (count > 0), over generated
-     tokens only), then the min_new_tokens ban (-inf on EOS and stop ids).
+     tokens only), then logit_bias (added as given), then the min_new_tokens ban (-inf on EOS and stop ids).
   2. logprobs = log_softmax(penalised logits).
   3. greedy rows: argmax of the penalised logits (exactly; temperature and filters never touch them).
   4. other rows: softmax(logits / temperature); top-k, top-p and min-p become one per-row probability
@@ -58,6 +58,8 @@ class SamplingBatchInfo:
     seen_token_mask: torch.Tensor | None  # [B, V] bool
     # EOS and stop ids of rows that have not yet reached min_new_tokens.
     banned_token_mask: torch.Tensor | None  # [B, V] bool
+    # logit_bias of each row (0 elsewhere); None when no row of the batch has one.
+    logit_bias: torch.Tensor | None  # [B, V] float32
     # (row, generator seed) for every non-greedy row whose request has a seed.
     seeded_rows: list[tuple[int, int]]
     top_logprobs_nums: list[int]  # [B]; 0 = none for that row
@@ -129,6 +131,14 @@ class SamplingBatchInfo:
             banned_token_mask = torch.zeros(batch_size, vocab_size, dtype=torch.bool, device=device)
             banned_token_mask[_flatten_rows(dict(ban_rows), vocab_size, device)] = True
 
+        logit_bias = None
+        bias_rows = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        if bias_rows:
+            logit_bias = torch.zeros(batch_size, vocab_size, dtype=torch.float32, device=device)
+            for i, bias in bias_rows:
+                ids = torch.tensor(list(bias), dtype=torch.int64, device=device)
+                logit_bias[i, ids] = floats([float(v) for v in bias.values()])
+
         return cls(
             vocab_size=vocab_size,
             temperatures=floats([1.0 if g else p.temperature for p, g in zip(params, is_greedy)]).view(-1, 1),
@@ -142,6 +152,7 @@ class SamplingBatchInfo:
             output_token_counts=output_token_counts,
             seen_token_mask=seen_token_mask,
             banned_token_mask=banned_token_mask,
+            logit_bias=logit_bias,
             seeded_rows=[
                 (i, mix_seed(p.seed, num_generated[i]))
                 for i, p in enumerate(params)
@@ -244,7 +255,7 @@ class Sampler:
 
 def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Return the penalised logits (a new tensor whenever any penalty applies; `logits` is never
-    written). Order: repetition, frequency/presence, min_new_tokens ban."""
+    written). Order: repetition, frequency/presence, logit_bias, min_new_tokens ban."""
     if info.seen_token_mask is not None:
         penalty = info.repetition_penalties.unsqueeze(1)
         penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
@@ -256,6 +267,8 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
             - info.frequency_penalties.unsqueeze(1) * counts
             - info.presence_penalties.unsqueeze(1) * (counts > 0).to(logits.dtype)
         )
+    if info.logit_bias is not None:
+        logits = logits + info.logit_bias
     if info.banned_token_mask is not None:
         logits = logits.masked_fill(info.banned_token_mask, float("-inf"))
     return logits

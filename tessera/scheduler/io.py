@@ -30,6 +30,8 @@ class TokenizedGenerateReq:
     mm_inputs: MultimodalInputs | None = None
     stream: bool = False
     return_logprob: bool = False
+    # Requests with different salts never share prefix-cache entries (vLLM's cache_salt).
+    cache_salt: str | None = None
 
 
 @dataclass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 
@@ -9,6 +10,13 @@ import torch
 
 from tessera.multimodal.items import MultimodalInputs
 from tessera.sampling_params import SamplingParams
+
+
+def salted_key(salt: str, first: int) -> int:
+    """The first cache-key token of a salted request: a negative int (never a token id or a media pad
+    value), so the whole radix path of a salt is its own. Stable across processes (blake2b, not hash())."""
+    digest = hashlib.blake2b(f"{salt}\0{first}".encode(), digest_size=8).digest()
+    return -1 - (int.from_bytes(digest, "little") >> 1)
 
 
 @dataclass(eq=False)
@@ -19,6 +27,7 @@ class Req:
     mm_inputs: MultimodalInputs | None
     stream: bool = False
     return_logprob: bool = False
+    cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_ids: list[int] = field(default_factory=list)
@@ -77,4 +86,6 @@ class Req:
         if self._padded_prompt is None:
             ids = self.origin_input_ids
             self._padded_prompt = self.mm_inputs.pad_input_ids(ids) if self.mm_inputs else list(ids)
+            if self.cache_salt is not None and self._padded_prompt:
+                self._padded_prompt[0] = salted_key(self.cache_salt, self._padded_prompt[0])
         return self._padded_prompt + self.output_ids

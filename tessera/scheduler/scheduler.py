@@ -80,7 +80,8 @@ class Scheduler:
     def handle(self, msg) -> None:
         if isinstance(msg, io.TokenizedGenerateReq):
             sp = msg.sampling_params
-            req = Req(msg.rid, msg.input_ids, sp, msg.mm_inputs, msg.stream, msg.return_logprob)
+            req = Req(msg.rid, msg.input_ids, sp, msg.mm_inputs, msg.stream, msg.return_logprob,
+                      cache_salt=msg.cache_salt)
             for item in msg.mm_inputs.items if msg.mm_inputs is not None else ():
                 self.mm_transport_bytes[item.modality.value] += item.transport_bytes
                 self.mm_items["deferred" if item.deferred is not None else "eager"] += 1

@@ -86,8 +86,9 @@ def test_logprobs(engine):
     lps = out["meta_info"]["output_token_logprobs"]
     assert [t for _, t in lps] == out["output_ids"]
     for (lp, tok), top in zip(lps, out["meta_info"]["output_top_logprobs"]):
-        assert top[0][0] == tok and top[0][1] == pytest.approx(lp)  # greedy token is the top-1
-        assert [v for _, v in top] == sorted([v for _, v in top], reverse=True)
+        # SGLang's order, as in output_token_logprobs: (logprob, token id); the greedy token is the top-1
+        assert top[0][1] == tok and top[0][0] == pytest.approx(lp)
+        assert [v for v, _ in top] == sorted([v for v, _ in top], reverse=True)
 
 
 @pytest.mark.parametrize("kwargs,needle", [

@@ -28,19 +28,13 @@ def data_uri(img: Image.Image) -> str:
 
 
 @pytest.fixture(scope="module")
-def media_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("media")
-    (d / "scene.png").write_bytes(EXAMPLE_IMAGE.read_bytes())
-    (d / "moving.mp4").write_bytes(EXAMPLE_VIDEO.read_bytes())
-    return d
+def media_dir(vl_media_dir):
+    return vl_media_dir
 
 
 @pytest.fixture(scope="module")
-def server(media_dir):
-    srv = ServerProcess("--model-path", "demo-vl", "--allowed-local-media-path", str(media_dir),
-                        "--allow-private-media-urls", "--max-total-tokens", "16384")
-    yield srv
-    srv.stop()
+def server(vl_server):  # shared with test_api_conformance (one demo-vl per session)
+    return vl_server
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +172,7 @@ def test_completions_and_native_generate(server, client):
      400, "outside the allowed"),
     ({"messages": [{"role": "user", "content": [{"type": "fancy"}]}]}, 400, "unsupported"),
     ({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**7}, 400, "max_new_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10**7}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "hi " * 5000}]}, 400, "context"),
     ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
 ])

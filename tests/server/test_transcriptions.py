@@ -154,6 +154,7 @@ def test_stream_of_a_long_clip_over_raw_http(audio_server, long_wav):
     (None, {"response_format": "docx"}, "response_format: 'docx' is not one of"),
     (None, {"temperature": "hot"}, "temperature: expected a number"),
     (None, {"language": "english please"}, "language: expected an ISO-639-1 code"),
+    (None, {"language": "xx"}, "language: expected an ISO-639-1 code"),  # well formed, but no such language
     (None, {"stream": "true", "response_format": "srt"}, "stream: streaming is supported with"),
     (None, {"timestamp_granularities[]": "word"}, "timestamp_granularities: only 'segment'"),
     (None, {"speaker": "me"}, "speaker: unknown field"),

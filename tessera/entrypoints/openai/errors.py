@@ -19,8 +19,8 @@ class APIError(Exception):
     def __init__(self, message: str, status: int = 400, param: str | None = None, type_: str | None = None):
         super().__init__(message)
         self.message, self.status, self.param = message, status, param
-        self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                              422: "invalid_request_error", 503: "service_unavailable"}.get(status, "server_error")
+        self.type = type_ or {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}.get(
+            status, "invalid_request_error" if 400 <= status < 500 else "server_error")
 
 
 def public_message(message: str) -> str:
@@ -37,8 +37,9 @@ def _error_dict(message: str, status: int, param: str | None, type_: str | None)
     return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": status}}
 
 
-def error_response(message: str, status: int = 400, param: str | None = None, type_: str | None = None) -> JSONResponse:
-    return JSONResponse(_error_dict(message, status, param, type_), status_code=status)
+def error_response(message: str, status: int = 400, param: str | None = None, type_: str | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(_error_dict(message, status, param, type_), status_code=status, headers=headers)
 
 
 def error_body(message: str, status: int = 400, param: str | None = None) -> bytes:
@@ -50,7 +51,8 @@ _KNOWN_PARAMS = {"prompt", "input_ids", "messages", "model", "image_data", "vide
                  "max_new_tokens", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "seed",
                  "stop_token_ids", "frequency_penalty", "presence_penalty", "repetition_penalty", "logprobs",
                  "top_logprobs", "top_logprobs_num", "min_new_tokens", "sampling_params", "image", "video",
-                 "audio"}
+                 "audio", "logit_bias", "no_stop_trim", "ignore_eos", "skip_special_tokens", "min_tokens",
+                 "max_completion_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
 
 
 def param_of(message: str) -> str | None:

@@ -44,6 +44,13 @@ _IGNORED_FIELDS = ("include[]", "chunking_strategy")
 _LANGUAGE_RE = re.compile(r"^[A-Za-z]{2,3}(-[A-Za-z0-9]{2,8})?$")
 
 
+def _known_language(code: str) -> bool:
+    """OpenAI's transcription languages are Whisper's; transformers ships that table."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    return code.split("-")[0].lower() in LANGUAGES
+
+
 @dataclass(frozen=True)
 class TranscriptionRequest:
     """The multipart form, validated."""
@@ -115,8 +122,9 @@ async def parse_transcription_form(request: Request, max_bytes: int) -> Transcri
         raise APIError(f"response_format: {response_format!r} is not one of {', '.join(RESPONSE_FORMATS)}",
                        param="response_format")
     language = _form_str(form, "language") or None
-    if language is not None and not _LANGUAGE_RE.match(language):
-        raise APIError(f"language: expected an ISO-639-1 code such as 'en', got {language!r}", param="language")
+    if language is not None and (not _LANGUAGE_RE.match(language) or not _known_language(language)):
+        raise APIError(f"language: expected an ISO-639-1 code of a language speech models know, such as 'en', "
+                       f"got {language!r}", param="language")
     for granularity in form.getlist("timestamp_granularities[]"):
         if granularity != "segment":
             raise APIError(f"timestamp_granularities: only 'segment' is supported, got {granularity!r}",

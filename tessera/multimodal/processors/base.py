@@ -228,11 +228,11 @@ class BaseMultimodalProcessor(abc.ABC):
             if limit is not None and n > limit:
                 raise ValueError(f"too many {modality.value} items: {n} given, at most {limit} per request")
 
-    def _load_one(self, modality: Modality, src: Any) -> Any:
+    def _load_one(self, modality: Modality, src: Any, video_kwargs: Mapping[str, Any] | None = None) -> Any:
         if modality is Modality.IMAGE:
             return load_image(src, limits=self.limits)
-        if modality is Modality.VIDEO:
-            return load_video(src, limits=self.limits, **self.video_sampling_kwargs())
+        if modality is Modality.VIDEO:  # a request's own num_frames/fps/max_frames win over the server's
+            return load_video(src, limits=self.limits, **{**self.video_sampling_kwargs(), **(video_kwargs or {})})
         return load_audio(src, limits=self.limits, sampling_rate=self.audio_sampling_rate)
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -270,11 +270,12 @@ class BaseMultimodalProcessor(abc.ABC):
         return loaded
 
     def load_mm_data_sync(self, image_data: Any = None, video_data: Any = None,
-                          audio_data: Any = None) -> LoadedMultimodalData:
+                          audio_data: Any = None, video_kwargs: Mapping[str, Any] | None = None,
+                          ) -> LoadedMultimodalData:
         """`load_mm_data` for worker threads without an event loop. Must not be called from
-        the media pool itself (it waits on that pool)."""
+        the media pool itself (it waits on that pool). video_kwargs: this request's frame sampling."""
         loaded, jobs = self._start_loading(image_data, video_data, audio_data)
-        results = list(self._pool().map(lambda job: self._load_one(*job), jobs))
+        results = list(self._pool().map(lambda job: self._load_one(*job, video_kwargs), jobs))
         self._store(loaded, jobs, results)
         return loaded
 
@@ -343,9 +344,10 @@ class BaseMultimodalProcessor(abc.ABC):
         return ProcessorOutput(input_ids=ids, mm_inputs=mm_inputs)
 
     def process(self, prompt: str | None = None, input_ids: list[int] | None = None, image_data: Any = None,
-                video_data: Any = None, audio_data: Any = None) -> ProcessorOutput:
+                video_data: Any = None, audio_data: Any = None,
+                video_kwargs: Mapping[str, Any] | None = None) -> ProcessorOutput:
         """Load and process synchronously (for frontend worker threads)."""
-        loaded = self.load_mm_data_sync(image_data, video_data, audio_data)
+        loaded = self.load_mm_data_sync(image_data, video_data, audio_data, video_kwargs)
         return self.process_and_combine_mm_data(prompt, input_ids, loaded)
 
     async def process_async(self, prompt: str | None = None, input_ids: list[int] | None = None,

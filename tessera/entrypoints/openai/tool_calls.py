@@ -1,0 +1,189 @@
+"""Tool calling for chat templates in the Hermes/Qwen format: tools go to the template, the model
+answers `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and the parser turns that into
+OpenAI `tool_calls` (whole, or as streamed deltas).
+
+tool_choice: "none" renders no tools (the model cannot call one); "auto" lets the model choose;
+"required" and a named function start the assistant turn with the opening of a call (and, when
+named, the function's name), so the answer is a call. Templates without tool support, or whose
+call format is not this one, get a 400 naming `tools`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.entrypoints.openai.errors import APIError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def template_supports_tools(template: Any) -> bool:
+    """True for a chat template that renders `tools` and uses the <tool_call> format."""
+    if isinstance(template, dict):  # named templates: the one that renders tools
+        template = template.get("tool_use") or template.get("default")
+    return isinstance(template, str) and "tools" in template and OPEN in template
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    tools: list[dict]  # OpenAI tool objects, for the template
+    choice: str  # "auto" | "required" | "named"
+    name: str | None = None  # the forced function (choice == "named")
+    parallel: bool = True
+
+    @property
+    def forced_prefix(self) -> str:
+        """Text that opens the assistant turn (it is part of the prompt, and of the parsed answer)."""
+        if self.choice == "named":
+            return f'{OPEN}\n{{"name": {json.dumps(self.name)}, "arguments": '
+        if self.choice == "required":
+            return f'{OPEN}\n{{"name": "'
+        return ""
+
+
+def plan_tools(body: dict, template: Any) -> ToolPlan | None:
+    """The request's tools and tool_choice, validated; None when no tool may be called."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none", "auto"):
+            raise APIError("tool_choice: requires tools", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise APIError("tools: must be a non-empty list", param="tools")
+    names = []
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise APIError(f"tools[{i}]: must be {{\"type\": \"function\", \"function\": {{...}}}}", param="tools")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise APIError(f"tools[{i}].function.name: must be a non-empty string", param="tools")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise APIError(f"tools[{i}].function.parameters: must be a JSON schema object", param="tools")
+        names.append(fn["name"])
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise APIError("parallel_tool_calls: must be a boolean", param="parallel_tool_calls")
+    if choice is None:
+        choice = "auto"
+    name = None
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError("tool_choice: must be none, auto, required or {\"type\": \"function\", "
+                           "\"function\": {\"name\": ...}}", param="tool_choice")
+        if fn["name"] not in names:
+            raise APIError(f"tool_choice: function {fn['name']!r} is not among the tools", param="tool_choice")
+        choice, name = "named", fn["name"]
+    elif choice not in ("none", "auto", "required"):
+        raise APIError(f"tool_choice: unknown value {choice!r} (none, auto, required or a named function)",
+                       param="tool_choice")
+    if choice == "none":
+        return None
+    if not template_supports_tools(template):
+        raise APIError("tools: this model's chat template has no tool support in the <tool_call> format "
+                       "(pass --chat-template with one, or send tool_choice \"none\")", param="tools")
+    return ToolPlan([t if "type" in t else {"type": "function", **t} for t in tools], choice, name,
+                    parallel is not False)
+
+
+def _call(payload: str) -> dict | None:
+    """An OpenAI tool call from the JSON inside <tool_call>...</tool_call>; None if it is not one."""
+    try:
+        obj = json.loads(payload)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": obj["name"],
+                         "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+
+
+@dataclass
+class ToolCallParser:
+    """Splits model text into content and tool calls, incrementally.
+
+    `feed(delta)` returns (content delta, calls completed by it); `finish()` flushes the rest: a call
+    left open at the end (EOS right after its JSON) is parsed if it is valid, else returned as content.
+    Content that could be the start of "<tool_call>" is held back until it cannot be.
+    """
+
+    buffer: str = ""
+    in_call: bool = False
+    calls: list[dict] = field(default_factory=list)
+
+    def feed(self, delta: str) -> tuple[str, list[dict]]:
+        self.buffer += delta
+        content, done = "", []
+        while True:
+            if self.in_call:
+                end = self.buffer.find(CLOSE)
+                if end < 0:
+                    break
+                payload, self.buffer, self.in_call = self.buffer[:end], self.buffer[end + len(CLOSE):], False
+                call = _call(payload.strip())
+                if call is None:  # not a call after all: the model's text, as written
+                    content += OPEN + payload + CLOSE
+                else:
+                    done.append(call)
+            else:
+                start = self.buffer.find(OPEN)
+                if start < 0:
+                    keep = next((k for k in range(min(len(OPEN) - 1, len(self.buffer)), 0, -1)
+                                 if self.buffer.endswith(OPEN[:k])), 0)
+                    content += self.buffer[:len(self.buffer) - keep]
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    break
+                content += self.buffer[:start]
+                self.buffer, self.in_call = self.buffer[start + len(OPEN):], True
+        self.calls += done
+        return content, done
+
+    def finish(self) -> tuple[str, list[dict]]:
+        rest, self.buffer = self.buffer, ""
+        if not self.in_call:
+            return rest, []
+        self.in_call = False
+        call = _call(rest.strip())
+        if call is None:
+            return OPEN + rest, []
+        self.calls.append(call)
+        return "", [call]
+
+
+def fallback_call(plan: ToolPlan, generated: str) -> dict:
+    """The named call when the model's arguments are not valid JSON: its text as the arguments (the
+    call was forced, so the answer is a call either way; the client sees what the model wrote)."""
+    args = generated.split(CLOSE, 1)[0].strip()
+    if args.endswith("}"):  # the closing brace of {"name": ..., "arguments": ...}
+        args = args[:-1].rstrip()
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": plan.name, "arguments": args}}
+
+
+def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
+    """(content, tool calls) of a whole answer; text starts with the plan's forced prefix."""
+    parser = ToolCallParser()
+    content, _ = parser.feed(text)
+    tail, _ = parser.finish()
+    calls = parser.calls if plan.parallel else parser.calls[:1]
+    if plan.choice == "named" and not calls:
+        return None, [fallback_call(plan, text[len(plan.forced_prefix):])]
+    content = (content + tail).strip()
+    return (content or None) if calls else content, calls
+
+
+def stream_deltas(calls: list[dict], first_index: int) -> list[dict]:
+    """OpenAI's streamed form of completed calls: a header (id, type, name, empty arguments), then the
+    arguments, each with the call's index among this choice's calls."""
+    out = []
+    for k, call in enumerate(calls):
+        index = first_index + k
+        out.append({"index": index, "id": call["id"], "type": "function",
+                    "function": {"name": call["function"]["name"], "arguments": ""}})
+        out.append({"index": index, "function": {"arguments": call["function"]["arguments"]}})
+    return out
