@@ -19,14 +19,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tessera import __version__ as tessera_version
 from tessera.config import ServerArgs
 from tessera.entrypoints import native_generate
 from tessera.entrypoints.metrics import Metrics
 from tessera.entrypoints.middleware import ServerMiddleware, observe_generation
+from tessera.entrypoints.openai import tokenization
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
 from tessera.entrypoints.openai.serving import OpenAIServing
 from tessera.entrypoints.openai.transcriptions import TranscriptionServing
+from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import TokenizerManager
+from tessera.sampling_params import SamplingParams
 
 logger = logging.getLogger("tessera.server")
 WATCH_INTERVAL_S = 0.1
@@ -213,6 +217,28 @@ def create_app(args: ServerArgs) -> FastAPI:
                            status=404, param="model")
         return card
 
+    @app.get("/version")
+    async def version():
+        return {"version": tessera_version}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        return tokenization.tokenize(serving(), await body_of(request))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        return tokenization.detokenize(serving(), await body_of(request))
+
+    @app.get("/health_generate")
+    async def health_generate():
+        """SGLang's deep health check: one token through the whole pipeline."""
+        srv = serving()
+        req = GenerateRequest(text="ping", sampling_params=SamplingParams(max_new_tokens=1, temperature=0))
+        async for _ in srv.tm.generate(req):
+            pass
+        return {"status": "ok"}
+
+    @app.get("/get_model_info")  # SGLang's older name of /model_info
     @app.get("/model_info")
     async def model_info():
         info = serving().tm.info

@@ -57,3 +57,10 @@ def test_stop_string_is_cut_and_held_back(tok) -> None:
 def test_partial_stop_released_when_not_matched(tok) -> None:
     deltas, _ = _stream(tok, "a STO b", stop=["STOP"])
     assert "".join(deltas) == "a STO b"
+
+
+def test_keep_stop_leaves_the_matched_stop_string(tok) -> None:
+    ids = tok.encode("the answer is red. STOP and more")
+    d = IncrementalDetokenizer(tok, stop=["STOP", "red"], keep_stop=True)
+    text = "".join(d.add([i]) for i in ids)
+    assert text == d.output_text == "the answer is red" and d.stopped  # the earliest match ends it

@@ -294,3 +294,23 @@ def test_sampled_token_always_survives_the_filters(seed: int, top_k: int, top_p:
         # Tokens within float error of the top-p boundary may go either way.
         boundary = {order[j] for j in range(top_k) if abs(float(before[j]) - top_p) <= 1e-5}
         assert int(tokens[row]) in allowed | boundary
+
+
+def test_logit_bias_is_added_before_the_min_tokens_ban() -> None:
+    vocab = 8
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(5))
+    params = [SamplingParams(logit_bias={"2": 3.5, 6: -100}, min_new_tokens=1), SamplingParams()]
+    info = make_info(params, vocab, eos_token_ids=(6,))
+    out = apply_penalties(logits, info)
+    assert out[0, 2] == pytest.approx(float(logits[0, 2]) + 3.5)
+    assert out[0, 6] == float("-inf")  # the ban still wins over any bias
+    assert torch.equal(out[1], logits[1])  # rows without a bias are untouched
+    forced = make_info([SamplingParams(temperature=0, logit_bias={4: 100})], vocab)
+    assert Sampler()(logits[:1], forced).next_token_ids.tolist() == [4]
+
+
+@pytest.mark.parametrize("bias,needle", [({10: 1.0}, "logit_bias keys"), ({1: 101}, "logit_bias values"),
+                                         ({"x": 1.0}, "logit_bias keys"), ([1], "logit_bias must be a map")])
+def test_logit_bias_is_verified(bias, needle) -> None:
+    with pytest.raises(ValueError, match=needle):
+        SamplingParams(logit_bias=bias).normalize().verify(8)

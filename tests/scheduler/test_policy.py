@@ -168,3 +168,20 @@ def test_disabled_cache_never_defers() -> None:
     reqs = [make_req(f"r{i}", list(range(1, 41)) + [100 + i], 2) for i in range(3)]
     steps = run_to_completion(policy, reqs)
     assert len(steps[0]) == 3
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_cache_salt_isolates_prefix_entries(page_size: int) -> None:
+    policy = make_policy(pool_tokens=512, page_size=page_size, chunk=64)
+    shared = list(range(1, 41))
+
+    def cached(rid: str, salt: str | None) -> int:
+        req = Req(rid, shared + [50 + len(rid)], SamplingParams(max_new_tokens=2), None, cache_salt=salt)
+        run_to_completion(policy, [req])
+        return req.cached_len
+
+    assert cached("a", "alice") == 0
+    assert cached("bb", None) == 0  # unsalted requests never see a salted entry
+    assert cached("ccc", "bob") == 0
+    assert cached("dddd", "alice") == cached("eeeee", None) == cached("ffffff", "bob") == 40
+    assert_no_leak(policy)

@@ -357,3 +357,28 @@ def test_templates_without_tool_support_refuse_tools():
     assert e.value.param == "tools" and e.value.status == 400
     assert plan_tools({"tools": TOOLS, "tool_choice": "none"}, stock) is None
     assert plan_tools({"tools": TOOLS}, TOOL_TEMPLATE.read_text()).choice == "auto"
+
+
+def test_sglang_and_vllm_utility_routes(base):
+    tokens = httpx.post(f"{base}/tokenize", json={"prompt": "Hello world"}, timeout=30).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] > 0
+    back = httpx.post(f"{base}/detokenize", json={"tokens": tokens["tokens"]}, timeout=30).json()
+    assert back["prompt"] == "Hello world"
+    chat_tokens = httpx.post(f"{base}/tokenize", json={"messages": USER}, timeout=30).json()
+    usage = httpx.post(f"{base}/v1/chat/completions", json={"messages": USER, "max_tokens": 1}, timeout=30).json()
+    assert chat_tokens["count"] == usage["usage"]["prompt_tokens"]
+    assert_400(httpx.post(f"{base}/detokenize", json={"tokens": [-1]}, timeout=30), "tokens")
+    assert httpx.get(f"{base}/health_generate", timeout=30).json() == {"status": "ok"}
+    assert httpx.get(f"{base}/get_model_info", timeout=30).json()["is_generation"] is True
+    assert httpx.get(f"{base}/version", timeout=30).json()["version"]
+
+
+def test_sglang_response_prefill_needs_only_continue_final_message(client):
+    messages = [{"role": "user", "content": "Give JSON."}, {"role": "assistant", "content": "```json\n"}]
+    prefilled = client.chat.completions.create(model="demo-vl", messages=messages, max_tokens=3, temperature=0,
+                                               extra_body={"continue_final_message": True})
+    explicit = client.chat.completions.create(model="demo-vl", messages=messages, max_tokens=3, temperature=0,
+                                              extra_body={"continue_final_message": True,
+                                                          "add_generation_prompt": False})
+    assert prefilled.choices[0].message.content == explicit.choices[0].message.content
+    assert prefilled.usage.prompt_tokens == explicit.usage.prompt_tokens

@@ -196,8 +196,10 @@ class OpenAIServing:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     # ---- /v1/chat/completions -----------------------------------------------------------------
-    def _chat_prompt(self, messages: list[dict], body: dict, plan: ToolPlan | None) -> str:
-        add_gen, cont = body.get("add_generation_prompt", True), body.get("continue_final_message", False)
+    def chat_prompt(self, messages: list[dict], body: dict, plan: ToolPlan | None) -> str:
+        cont = body.get("continue_final_message", False)
+        # SGLang's clients send only continue_final_message (a prefilled answer): no new turn then.
+        add_gen = body.get("add_generation_prompt", cont is not True)
         for name, value in (("add_generation_prompt", add_gen), ("continue_final_message", cont)):
             if not isinstance(value, bool):
                 raise APIError(f"{name}: must be a boolean", param=name)
@@ -230,7 +232,7 @@ class OpenAIServing:
         opts = stream_options(body)
         messages, images, videos, audios = parse_chat_messages(body.get("messages"))
         plan = plan_tools(body, self.chat_template)
-        prompt = self._chat_prompt(messages, body, plan)
+        prompt = self.chat_prompt(messages, body, plan)
         echo = body.get("echo")
         if echo is not None and not isinstance(echo, bool):
             raise APIError("echo: must be a boolean", param="echo")
