@@ -267,10 +267,10 @@ def test_continuous_usage_stats(client):
     chunks = list(client.chat.completions.create(
         model="demo-vl", messages=USER, max_tokens=4, temperature=0, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
-    content = [c for c in chunks if c.choices and c.usage is not None]
-    assert content, "every chunk after the role chunk carries usage"
-    counts = [c.usage.completion_tokens for c in content]
-    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens == 4
+    assert all(c.usage is not None and c.usage.prompt_tokens > 0 for c in chunks), "every chunk carries usage"
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 4
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
     plain = list(client.chat.completions.create(model="demo-vl", messages=USER, max_tokens=2, stream=True,
                                                 stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 2

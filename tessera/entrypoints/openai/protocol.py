@@ -228,7 +228,9 @@ def parse_chat_messages(messages: Any) -> tuple[list[dict], list[Any], list[Any]
                 audio = part.get("input_audio")
                 if not isinstance(audio, dict) or not isinstance(audio.get("data"), str):
                     raise APIError(f"{where}.input_audio: needs base64 data", param="messages")
-                audios.append(audio["data"])
+                # OpenAI's input_audio is base64 only: as a data URI it is never taken for a path or URL
+                fmt = audio.get("format") if isinstance(audio.get("format"), str) else "wav"
+                audios.append(f"data:audio/{fmt};base64,{audio['data']}")
                 parts.append({"type": "audio"})
             elif kind == "audio_url":
                 audios.append(_media_url(part, "audio_url", where))

@@ -290,8 +290,9 @@ class OpenAIServing:
                 choice["matched_stop"] = matched_stop(meta or {})
             body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
                     "choices": [choice]}
-            if opts.continuous_usage and meta is not None:
-                body["usage"] = usage_of([meta])
+            if opts.continuous_usage:  # every chunk, before the first token too (vLLM's continuous_usage_stats)
+                body["usage"] = usage_of([meta or {"prompt_tokens": len(tokenized[i].input_ids),
+                                                   "completion_tokens": 0}])
             return sse(body)
 
         parsers = {}
@@ -404,8 +405,9 @@ class OpenAIServing:
                 choice["matched_stop"] = matched_stop(meta or {})
             body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
                     "choices": [choice]}
-            if opts.continuous_usage and meta is not None:
-                body["usage"] = usage_of([meta])
+            if opts.continuous_usage:  # every chunk, before the first token too (vLLM's continuous_usage_stats)
+                body["usage"] = usage_of([meta or {"prompt_tokens": len(tokenized[i].input_ids),
+                                                   "completion_tokens": 0}])
             return sse(body)
 
         for i, text in enumerate(echoes):
