@@ -7,10 +7,13 @@ trusts it. Errors are `ValueError`s whose message starts with the offending fiel
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import Any
+
+from tessera.constrained.grammar import CONSTRAINT_FIELDS, grammar_text
 
 # Temperatures below this are treated as greedy (argmax), as in SGLang and vLLM: dividing logits by
 # such a value would overflow float32 anyway.
@@ -46,6 +49,11 @@ class SamplingParams:
         -100 effectively bans a token, +100 effectively forces it).
       no_stop_trim: keep a matched stop string at the end of the output text (SGLang's name; vLLM's
         include_stop_str_in_output).
+      json_schema / regex / ebnf: constrain the output (at most one): a JSON Schema (text; a dict is
+        serialised by normalize()), generated as compact JSON; a full-match regular expression; or a
+        GBNF/Lark grammar. Only tokens that keep the output inside the language are sampled, EOS only
+        once it is complete, and the request finishes when the grammar admits nothing more. The
+        grammar decides the length: min_new_tokens does not hold EOS back on such a request.
     """
 
     max_new_tokens: int = 128
@@ -68,6 +76,9 @@ class SamplingParams:
     min_new_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     no_stop_trim: bool = False
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -102,6 +113,8 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         if isinstance(self.logit_bias, dict):  # JSON object keys are strings: "50256" -> 50256
             self.logit_bias = {_int_key(k): v for k, v in self.logit_bias.items()}
+        if isinstance(self.json_schema, dict):  # the Python API may pass the schema itself
+            self.json_schema = json.dumps(self.json_schema)
         return self
 
     def verify(self, vocab_size: int | None = None) -> None:
@@ -143,6 +156,7 @@ class SamplingParams:
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS_NUM}], got {self.top_logprobs_num}")
         self._verify_stop(vocab_size)
         self._verify_logit_bias(vocab_size)
+        self._verify_constraint()
 
     def _verify_logit_bias(self, vocab_size: int | None) -> None:
         if self.logit_bias is None:
@@ -157,6 +171,26 @@ class SamplingParams:
             _check_real("logit_bias", bias)
             if abs(bias) > MAX_ABS_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token_id}")
+
+    def _verify_constraint(self) -> None:
+        given = [name for name in CONSTRAINT_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: only one of {', '.join(CONSTRAINT_FIELDS)} may be set, got {given}")
+        if given:
+            kind = given[0]
+            source = getattr(self, kind)
+            if not isinstance(source, str) or not source:
+                raise ValueError(f"{kind} must be a non-empty string, got {source!r}")
+            grammar_text(kind, source)  # raises ValueError naming the field; cached by content
+
+    @property
+    def constraint(self) -> tuple[str, str] | None:
+        """(field, source) of the request's output constraint, or None when decoding is free."""
+        for name in CONSTRAINT_FIELDS:
+            source = getattr(self, name)
+            if source is not None:
+                return name, source
+        return None
 
     def _verify_stop(self, vocab_size: int | None) -> None:
         stop = self.stop

@@ -4,7 +4,9 @@ One step, all on [B, V] float32 tensors with no per-row Python loop (seeded rows
   1. penalties on the raw logits, in vLLM's order: repetition (HF/CTRL: a positive logit of a token
      seen in prompt+output is divided by the penalty, a negative one multiplied), then
      frequency/presence (OpenAI: logit -= freq * count + presence * (count > 0), over generated
-     tokens only), then logit_bias (added as given), then the min_new_tokens ban (-inf on EOS and stop ids).
+     tokens only), then logit_bias (added as given), then the min_new_tokens ban (-inf on EOS and stop ids);
+     then the model's own rules (if any), then the grammar mask of constrained rows (-inf on every token the
+     row's grammar does not allow; one op for the batch).
   2. logprobs = log_softmax(penalised logits).
   3. greedy rows: argmax of the penalised logits (exactly; temperature and filters never touch them).
   4. other rows: softmax(logits / temperature); top-k, top-p and min-p become one per-row probability
@@ -60,6 +62,13 @@ class SamplingBatchInfo:
     banned_token_mask: torch.Tensor | None  # [B, V] bool
     # logit_bias of each row (0 elsewhere); None when no row of the batch has one.
     logit_bias: torch.Tensor | None  # [B, V] float32
+    # Grammar bitmask (tessera/constrained): bit t % 32 of word t // 32 of row i allows token t; unconstrained
+    # rows are all ones. None when no row of the batch is constrained.
+    vocab_mask: torch.Tensor | None  # [B, ceil(V / 32)] int32
+    # JSON rows: the tokens that close a string, array, object (in that order of preference), -1 padded; with
+    # the EOS ids, for close_on_stop_intent. None when no row has them.
+    stop_closers: torch.Tensor | None  # [B, K] int64
+    eos_ids: torch.Tensor | None  # [E] int64
     # (row, generator seed) for every non-greedy row whose request has a seed.
     seeded_rows: list[tuple[int, int]]
     top_logprobs_nums: list[int]  # [B]; 0 = none for that row
@@ -82,6 +91,8 @@ class SamplingBatchInfo:
         prompt_ids: Sequence[Sequence[int]],
         eos_token_ids: Collection[int] = (),
         device: torch.device | str = "cpu",
+        vocab_mask: torch.Tensor | None = None,
+        stop_closers: torch.Tensor | None = None,
     ) -> SamplingBatchInfo:
         """Build the step's state from the B requests' verified SamplingParams.
 
@@ -94,6 +105,9 @@ class SamplingBatchInfo:
         eos_token_ids: the model's EOS ids; banned (with stop_token_ids) while a row is below
             min_new_tokens, unless its ignore_eos is set (then EOS does not finish it anyway).
         device: where the tensors live (the logits' device).
+        vocab_mask: the step's grammar bitmask (host, int32 [B, ceil(V / 32)]) or None. A constrained row
+            gets no min_new_tokens ban: its grammar decides when EOS may come.
+        stop_closers: [B, K] closing-token ids per row (-1 = none), see close_on_stop_intent; needs vocab_mask.
 
         Cost: the [B, V] tensors are rebuilt from the id lists every step for the rows that use
         penalties (O(tokens) host work); an incremental per-request penalizer state is a later step.
@@ -111,7 +125,7 @@ class SamplingBatchInfo:
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
         ban_rows: list[tuple[int, list[int]]] = []
         for i, p in enumerate(params):
-            if num_generated[i] < p.min_new_tokens:
+            if num_generated[i] < p.min_new_tokens and p.constraint is None:
                 stop_ids = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
                 if stop_ids:
                     ban_rows.append((i, sorted(stop_ids)))
@@ -153,6 +167,10 @@ class SamplingBatchInfo:
             seen_token_mask=seen_token_mask,
             banned_token_mask=banned_token_mask,
             logit_bias=logit_bias,
+            vocab_mask=None if vocab_mask is None else vocab_mask.to(device, non_blocking=True),
+            stop_closers=None if stop_closers is None or vocab_mask is None else stop_closers.to(device),
+            eos_ids=torch.tensor(sorted(eos_token_ids), dtype=torch.int64, device=device)
+            if stop_closers is not None and eos_token_ids else None,
             seeded_rows=[
                 (i, mix_seed(p.seed, num_generated[i]))
                 for i, p in enumerate(params)
@@ -210,6 +228,7 @@ class Sampler:
         logits = apply_penalties(logits.float(), info)
         if logits_processor is not None:
             logits = logits_processor(logits)
+        logits = apply_grammar_mask(logits, info)
 
         if info.is_all_greedy:
             next_token_ids = logits.argmax(dim=-1)
@@ -272,6 +291,44 @@ def apply_penalties(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
     if info.banned_token_mask is not None:
         logits = logits.masked_fill(info.banned_token_mask, float("-inf"))
     return logits
+
+
+def apply_grammar_mask(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """-inf on every token a constrained row's grammar does not allow, for the whole batch in one op. Last
+    of all (after the model's own rules too), so nothing re-enables a token the grammar forbids."""
+    if info.vocab_mask is None:
+        return logits
+    allowed = unpack_bitmask(info.vocab_mask, logits.shape[-1])
+    if info.stop_closers is not None and info.eos_ids is not None:
+        allowed = close_on_stop_intent(logits, allowed, info.stop_closers, info.eos_ids)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def close_on_stop_intent(logits: torch.Tensor, allowed: torch.Tensor, closers: torch.Tensor,
+                         eos_ids: torch.Tensor) -> torch.Tensor:
+    """Rows whose model would end here (its most likely token is EOS) while the grammar cannot end yet get
+    the first closer the grammar allows as their only token: a JSON string, then array, then object closes
+    instead of running on. Without this a small model that has said what it knows keeps writing inside an
+    open string or array until max_tokens (seen on demo-vl). Only ever narrows to an allowed token, so the
+    output stays valid; rows without closers (-1) or with EOS allowed are unchanged. No host sync."""
+    wants_stop = torch.isin(logits.argmax(dim=-1), eos_ids)
+    eos_allowed = allowed[:, eos_ids].any(dim=-1)
+    closer_ok = allowed.gather(1, closers.clamp(min=0)) & (closers >= 0)  # [B, K]
+    redirect = wants_stop & ~eos_allowed & closer_ok.any(dim=-1)
+    first = closer_ok.to(torch.int8).argmax(dim=-1, keepdim=True)  # the first allowed closer (argmax takes the first max)
+    only = torch.zeros_like(allowed).scatter_(1, closers.gather(1, first).clamp(min=0), True)
+    return torch.where(redirect.unsqueeze(1), only, allowed)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, W] int32 token bitmask -> [B, vocab_size] bool, True where the token is allowed. Tokens past
+    32 * W are not allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    if allowed.shape[1] >= vocab_size:
+        return allowed[:, :vocab_size]
+    pad = torch.zeros(allowed.shape[0], vocab_size - allowed.shape[1], dtype=torch.bool, device=bitmask.device)
+    return torch.cat([allowed, pad], dim=1)
 
 
 def filter_threshold(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

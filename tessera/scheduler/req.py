@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tessera.constrained.matcher import GrammarMatcher
 from tessera.multimodal.items import MultimodalInputs
 from tessera.sampling_params import SamplingParams
 
@@ -51,6 +52,9 @@ class Req:
     # whether a step has been sent that fills them (from its encoder output).
     cross_slots: torch.Tensor | None = None
     cross_filled: bool = False
+    # The output constraint's matcher (tessera/constrained), advanced with every output token; it has
+    # consumed exactly output_ids, so it stays valid across retraction. None when decoding is free.
+    grammar: GrammarMatcher | None = None
 
     @property
     def fill_ids(self) -> list[int]:

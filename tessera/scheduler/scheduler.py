@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from concurrent.futures import Future
 
 import zmq
 
 from tessera.config import ServerArgs
+from tessera.constrained.matcher import GrammarCompiler
 from tessera.distributed.tp_launch import TPGroupHandle
 from tessera.multimodal.items import Modality
 from tessera.scheduler import io
@@ -68,6 +70,9 @@ class Scheduler:
         self.threads: AdaptiveThreads | None = None
         if args.adaptive_threads and self.worker.device.type == "cpu":
             self.threads = AdaptiveThreads(available_cores())
+        # Constrained requests whose grammar is compiling (off the loop): they join the policy when it is ready.
+        self.grammars = GrammarCompiler(self.tokenizer, info.vocab_size, self.eos_ids)
+        self.grammar_waiting: dict[str, tuple[Req, Future]] = {}
         self.num_forward_steps = 0
         self.num_steps_all_cores = 0
         self.num_prefill_tokens_computed = 0
@@ -94,11 +99,19 @@ class Scheduler:
                 self._emit([self._output(req, finished={"type": "length", "length": 0})])
                 return
             self.reqs[req.rid] = req
-            self.policy.add(req)
+            if sp.constraint is not None:
+                self.grammar_waiting[req.rid] = (req, self.grammars.submit(*sp.constraint))
+                self._admit_compiled()
+            else:
+                self.policy.add(req)
         elif isinstance(msg, io.AbortReq):
             req = self.reqs.pop(msg.rid, None)
             if req is not None:
-                self.policy.remove(req)
+                waiting = self.grammar_waiting.pop(msg.rid, None)
+                if waiting is not None:
+                    waiting[1].cancel()
+                else:
+                    self.policy.remove(req)
                 req.finished_reason = {"type": "abort", "message": "aborted by client"}
                 self._emit([self._output(req, req.finished_reason)])
         elif isinstance(msg, io.FlushCacheReq):
@@ -112,12 +125,28 @@ class Scheduler:
         else:
             raise TypeError(f"unexpected message {type(msg).__name__}")
 
+    def _admit_compiled(self) -> None:
+        """Constrained requests whose matcher is ready join the policy's queue; a grammar that failed to
+        build fails its request (the frontend checked it, so this is a tokenizer-specific problem)."""
+        for rid, (req, fut) in list(self.grammar_waiting.items()):
+            if not fut.done():
+                continue
+            del self.grammar_waiting[rid]
+            try:
+                req.grammar = fut.result()
+            except Exception as e:
+                self.reqs.pop(rid, None)
+                req.finished_reason = {"type": "error", "message": f"{type(e).__name__}: {e}"}
+                self._emit([self._output(req, req.finished_reason)])
+                continue
+            self.policy.add(req)
+
     def stats(self) -> io.SchedulerStats:
         kv = self.policy.kv
         total = kv.allocator.num_pages * kv.allocator.page_size
         hits, misses, used = self.worker.cache_stats()
         return io.SchedulerStats(
-            num_running=len(self.policy.running), num_waiting=len(self.policy.waiting),
+            num_running=len(self.policy.running), num_waiting=len(self.policy.waiting) + len(self.grammar_waiting),
             kv_used_tokens=total - kv.allocator.num_free_tokens - self.tree.evictable_size(),
             kv_total_tokens=total, radix_cache_tokens=self.tree.total_size(),
             prefix_hit_tokens=kv.prefix_hit_tokens, prefix_total_tokens=kv.prefix_total_tokens,
@@ -149,8 +178,10 @@ class Scheduler:
 
     def _check_finished(self, req: Req) -> dict | None:
         sp, tok = req.sampling_params, req.output_ids[-1]
-        if tok in req.stop_token_ids and len(req.output_ids) > sp.min_new_tokens:
+        if tok in req.stop_token_ids and (len(req.output_ids) > sp.min_new_tokens or req.grammar is not None):
             return {"type": "stop", "matched": tok}
+        if req.grammar is not None and req.grammar.is_terminated:  # the grammar admits nothing more
+            return {"type": "stop", "matched": None}
         if len(req.output_ids) >= sp.max_new_tokens:
             return {"type": "length", "length": len(req.output_ids)}
         if req.seq_len >= self.context_length:
@@ -195,6 +226,15 @@ class Scheduler:
         self.num_output_tokens += len(sampled)
         for i, (req, token) in enumerate(zip(sampled, result.next_token_ids)):
             req.output_ids.append(token)
+            if req.grammar is not None and not req.grammar.accept(token):
+                # Cannot happen while the sampler applies the mask; fail loudly rather than emit invalid output.
+                finished = {"type": "error", "message": f"constrained decoding: token {token} rejected by the "
+                                                        f"grammar ({req.grammar.error})"}
+                req.finished_reason = finished
+                self.policy.finish(req)
+                self.reqs.pop(req.rid, None)
+                outputs.append(self._output(req, finished))
+                continue
             if req.return_logprob:
                 req.logprobs.append(result.logprobs[i])
                 if result.top_logprobs is not None:
@@ -226,10 +266,13 @@ class Scheduler:
         poller.register(self.recv_sock, zmq.POLLIN)
         while True:
             busy = bool(self.policy.running or self.policy.waiting)
-            events = dict(poller.poll(0 if busy else 1000))
+            # While only grammars are compiling, wake up often to admit them (the compile thread has no socket).
+            events = dict(poller.poll(0 if busy else 2 if self.grammar_waiting else 1000))
             while events:
                 self.handle(io.recv(self.recv_sock))
                 events = dict(poller.poll(0))
+            if self.grammar_waiting:
+                self._admit_compiled()
             self.step()
             self.summary.tick(self.stats, self.num_output_tokens, busy)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from tessera.constrained.matcher import fill_bitmask, stop_closers
 from tessera.models.base import StepSegment, TesseraModel
 from tessera.models.config import ModelConfig
 from tessera.multimodal.items import MultimodalDataItem
@@ -35,6 +36,7 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
     item_index: dict[int, int] = {}  # id(item) -> index in items
     placements: list[MMPlacement] = []
     prompt_done: list[str] = []
+    grammars = []  # per SamplingRow: the request's GrammarMatcher or None
     flat = 0
     for i, s in enumerate(batch.reqs):
         req = s.req
@@ -62,6 +64,7 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
             # Encoder-decoder rules (Whisper's) read the decoder prompt; it is a few tokens.
             wants_prompt = sp.repetition_penalty != 1 or config.family.encoder_decoder
             sampling.append(SamplingRow(sp, req.output_ids, req.origin_input_ids if wants_prompt else []))
+            grammars.append(req.grammar)
     cross_fills = [CrossFill(i, s.req.mm_inputs.items[0], s.req.cross_slots)  # type: ignore[union-attr]
                    for i, s in enumerate(batch.reqs) if s.req.cross_slots is not None and not s.req.cross_filled]
     writes, released = kv.take_pending()
@@ -78,5 +81,6 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         extend_lens=[s.end - s.start for s in batch.reqs],
         slot_writes=writes, logits_rows=logits_rows, sampling=sampling,
         mm_items=items, mm_placements=placements, bidirectional_spans=layout.bidirectional_spans,
-        prompt_done=prompt_done, released=released, cross_fills=cross_fills,
+        prompt_done=prompt_done, released=released, cross_fills=cross_fills, vocab_mask=fill_bitmask(grammars),
+        stop_closers=stop_closers(grammars),
     )

@@ -79,6 +79,10 @@ class ForwardInput:
     released: list[str] = field(default_factory=list)
     # Encoder-decoder models: cross-attention K/V to fill before the step (requests just admitted).
     cross_fills: list[CrossFill] = field(default_factory=list)
+    # Grammar bitmask, one row per SamplingRow (tessera/constrained): None when no row is constrained.
+    vocab_mask: torch.Tensor | None = None  # [len(sampling), ceil(V / 32)] int32, host
+    # JSON rows' closing tokens (sampler.close_on_stop_intent), -1 padded; None when no row has any.
+    stop_closers: torch.Tensor | None = None  # [len(sampling), K] int64, host
 
     @property
     def num_tokens(self) -> int:

@@ -246,7 +246,8 @@ class ModelWorker:
             return StepOutput([])
         rows = fi.sampling
         info = SamplingBatchInfo.build([r.params for r in rows], logits.shape[-1], [r.output_ids for r in rows],
-                                       [r.prompt_ids for r in rows], eos_token_ids=self.eos_token_ids, device=dev)
+                                       [r.prompt_ids for r in rows], eos_token_ids=self.eos_token_ids, device=dev,
+                                       vocab_mask=fi.vocab_mask, stop_closers=fi.stop_closers)
         out = self.sampler(logits.float(), info, lambda scores: self.model.process_logits(scores, rows))
         next_ids = out.next_token_ids.tolist()  # the step's one host sync
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None

@@ -191,8 +191,10 @@ def test_matched_stop_is_reported(client):
 @pytest.mark.parametrize("path,body,param", [
     ("chat", {"n": 0}, "n"),
     ("chat", {"max_tokens": -1}, "max_tokens"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
-    ("chat", {"regex": "[a-z]+"}, "regex"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ("chat", {"regex": "[a-z"}, "regex"),
+    ("chat", {"guided_json": {"type": "object"}}, "guided_json"),
     ("chat", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ("chat", {"use_beam_search": True}, "use_beam_search"),
     ("chat", {"frobnicate": 1}, "frobnicate"),

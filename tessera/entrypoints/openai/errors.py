@@ -52,7 +52,8 @@ _KNOWN_PARAMS = {"prompt", "input_ids", "messages", "model", "image_data", "vide
                  "stop_token_ids", "frequency_penalty", "presence_penalty", "repetition_penalty", "logprobs",
                  "top_logprobs", "top_logprobs_num", "min_new_tokens", "sampling_params", "image", "video",
                  "audio", "logit_bias", "no_stop_trim", "ignore_eos", "skip_special_tokens", "min_tokens",
-                 "max_completion_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
+                 "max_completion_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
+                 "response_format", "regex", "ebnf", "json_schema"}
 
 
 def param_of(message: str) -> str | None:

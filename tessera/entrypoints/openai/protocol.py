@@ -12,6 +12,7 @@ from numbers import Integral, Real
 from typing import Any
 
 from tessera.entrypoints.openai.errors import APIError, param_of
+from tessera.entrypoints.openai.response_format import constraint_from_openai
 from tessera.sampling_params import SamplingParams
 
 # OpenAI name -> SamplingParams name; vLLM/SGLang extras pass through under their own names.
@@ -28,18 +29,18 @@ INT64 = (-(1 << 63), (1 << 63) - 1)
 # Fields both endpoints accept. `user` is OpenAI's end-user id for abuse monitoring: it never
 # changes an answer, so accepting it without effect is what OpenAI does too.
 _COMMON = {"model", "stream", "stream_options", "user", "logit_bias", "cache_salt", "logprobs", "echo",
-           "response_format", *(_OPENAI_TO_SP), *(_EXTRAS)}
+           "response_format", "regex", "ebnf", "json_schema", *(_OPENAI_TO_SP), *(_EXTRAS)}
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                          "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
                          "media_io_kwargs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "suffix", "best_of"}
 
 # Known fields that are refused: (the value that is accepted as a no-op, why the rest is refused).
-_STRUCTURED = "structured output (response_format json_object/json_schema, regex, ebnf) is not supported yet"
+_STRUCTURED = "vLLM's guided_* fields are not supported; use response_format, regex, ebnf or json_schema"
 _REFUSED: dict[str, tuple[Any, str]] = {
-    "regex": (None, _STRUCTURED), "ebnf": (None, _STRUCTURED), "json_schema": (None, _STRUCTURED),
     "guided_json": (None, _STRUCTURED), "guided_regex": (None, _STRUCTURED), "guided_choice": (None, _STRUCTURED),
-    "guided_grammar": (None, _STRUCTURED), "structural_tag": (None, _STRUCTURED),
+    "guided_grammar": (None, _STRUCTURED),
+    "structural_tag": (None, "structural tags are not supported; use response_format, regex, ebnf or json_schema"),
     "prompt_logprobs": (None, "prompt (input) logprobs are not computed by Tessera"),
     "use_beam_search": (False, "beam search is not supported"),
     "functions": (None, "the legacy functions API is not supported; use tools"),
@@ -56,12 +57,6 @@ def check_fields(body: dict, accepted: set[str]) -> None:
                 raise APIError(f"{name}: {why}", param=name)
         elif name not in accepted:
             raise APIError(f"{name}: unknown parameter", param=name)
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
-            raise APIError("response_format: must be an object with a type", param="response_format")
-        if fmt["type"] != "text":
-            raise APIError(f"response_format: {_STRUCTURED}", param="response_format")
     if body.get("best_of") not in (None, 1) and body.get("best_of") != body.get("n", 1):
         raise APIError("best_of: only best_of == n is supported (every sample is returned)", param="best_of")
     if body.get("suffix"):
@@ -150,6 +145,7 @@ def sampling_params_from_openai(body: dict, default_max_tokens: int, vocab_size:
     if isinstance(seed, Integral) and not isinstance(seed, bool) and not INT64[0] <= seed <= INT64[1]:
         raise APIError(f"seed: must fit in a signed 64-bit integer, got {seed}", param="seed")
     kw["logit_bias"] = logit_bias_of(body.get("logit_bias"))
+    kw.update(constraint_from_openai(body))  # response_format / regex / ebnf / json_schema
     logprobs = body.get("logprobs")
     if chat:
         if logprobs is not None and not isinstance(logprobs, bool):
