@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 from tessera.bench.report import LocalServer
 
@@ -23,6 +24,19 @@ class ServerProcess(LocalServer):
         model_path = args_list.pop(i + 1)
         args_list.pop(i)
         super().__init__(model_path, *args_list, startup_timeout_s=startup_timeout)
+
+
+def wait_until_idle(base_url: str, timeout: float = 30.0) -> dict:
+    """The scheduler's stats once nothing runs, waits or holds KV (or the last ones seen at the timeout)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = httpx.get(f"{base_url}/get_server_info", timeout=30).json()["stats"]
+        idle = stats["num_running"] == 0 and stats["num_waiting"] == 0 and stats["kv_used_tokens"] == 0
+        if idle or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
 
 
 def children_of(pid: int) -> list[int]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 
 import httpx
@@ -23,6 +22,7 @@ from tessera.entrypoints.openai.tool_calls import (
 )
 from tessera.frontend.tokenizer_manager import EngineUnavailable
 from tests.server.conftest import EXAMPLE_VIDEO, TOOL_TEMPLATE
+from tests.server.server_process import wait_until_idle
 
 USER = [{"role": "user", "content": "hi"}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -100,12 +100,7 @@ def test_non_streaming_disconnect_aborts_and_frees_kv(base):
     before = stats(base)["num_forward_steps"]
     with pytest.raises(httpx.TimeoutException):  # no max_tokens: the whole context (~4000 steps) unless aborted
         httpx.post(f"{base}/v1/chat/completions", json={"messages": USER, "ignore_eos": True}, timeout=1.0)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        s = stats(base)
-        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_used_tokens"] == 0:
-            break
-        time.sleep(0.2)
+    s = wait_until_idle(base)
     assert s["num_running"] == 0 and s["kv_used_tokens"] == 0, s
     assert s["num_forward_steps"] - before < 2000, "the abandoned request ran on"
 

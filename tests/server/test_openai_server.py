@@ -15,7 +15,12 @@ from PIL import Image
 
 from tessera.config import ASSETS_DIR
 from tessera.demo import scenes
-from tests.server.server_process import ServerProcess, children_of, free_port
+from tests.server.server_process import (
+    ServerProcess,
+    children_of,
+    free_port,
+    wait_until_idle,
+)
 
 EXAMPLE_IMAGE = ASSETS_DIR / "examples" / "scene.png"
 EXAMPLE_VIDEO = ASSETS_DIR / "examples" / "moving.mp4"
@@ -207,12 +212,7 @@ def test_disconnect_mid_stream_frees_kv(server):
         for i, _ in enumerate(r.iter_lines()):
             if i > 6:
                 break
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        s = _stats(server)
-        if s["num_running"] == 0 and s["num_waiting"] == 0 and s["kv_used_tokens"] == 0:
-            break
-        time.sleep(0.3)
+    s = wait_until_idle(server.base_url)
     assert s["num_running"] == 0 and s["kv_used_tokens"] == 0, s
 
 

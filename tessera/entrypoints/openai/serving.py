@@ -12,7 +12,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -93,6 +94,35 @@ def event_stream(gen: AsyncIterator[str]) -> StreamingResponse:
             yield sse("[DONE]")
 
     return StreamingResponse(guarded(), media_type="text/event-stream")
+
+
+@dataclass
+class ChunkWriter:
+    """SSE chunks of one streamed response (chat.completion.chunk or text_completion)."""
+
+    rid: str
+    created: int
+    model: str
+    object: str
+    opts: StreamOptions
+    prompt_lens: list[int]  # each choice's prompt tokens, for usage before its first token
+
+    def __call__(self, i: int, choice: dict, finish: str | None = None, logprobs=None, meta: dict | None = None) -> str:
+        choice = {"index": i, **choice, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["matched_stop"] = matched_stop(meta or {})
+        body = {"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
+                "choices": [choice]}
+        if self.opts.continuous_usage:  # every chunk, before the first token too (vLLM's continuous_usage_stats)
+            body["usage"] = usage_of([meta or {"prompt_tokens": self.prompt_lens[i], "completion_tokens": 0}])
+        return sse(body)
+
+    def end(self, metas: dict[int, dict], prompts: int = 1) -> Iterator[str]:
+        """The usage chunk (when asked for) and [DONE]."""
+        if self.opts.include_usage:
+            yield sse({"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
+                       "choices": [], "usage": usage_of([metas[i] for i in sorted(metas)], prompts)})
+        yield sse("[DONE]")
 
 
 class OpenAIServing:
@@ -284,16 +314,11 @@ class OpenAIServing:
 
     async def _chat_stream(self, reqs, tokenized, rid: str, created: int, opts: StreamOptions,
                            plan: ToolPlan | None, echo_text: str) -> AsyncIterator[str]:
+        writer = ChunkWriter(rid, created, self.model_name, "chat.completion.chunk", opts,
+                             [len(t.input_ids) for t in tokenized])
+
         def chunk(i: int, delta: dict, finish: str | None = None, logprobs=None, meta: dict | None = None) -> str:
-            choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            if finish is not None:
-                choice["matched_stop"] = matched_stop(meta or {})
-            body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                    "choices": [choice]}
-            if opts.continuous_usage:  # every chunk, before the first token too (vLLM's continuous_usage_stats)
-                body["usage"] = usage_of([meta or {"prompt_tokens": len(tokenized[i].input_ids),
-                                                   "completion_tokens": 0}])
-            return sse(body)
+            return writer(i, {"delta": delta}, finish, logprobs, meta)
 
         parsers = {}
         for i in range(len(reqs)):
@@ -338,10 +363,8 @@ class OpenAIServing:
                 if finish == "stop" and num_calls.get(i) and plan is not None and plan.choice != "named":
                     finish = "tool_calls"
                 yield chunk(i, {}, finish, None, meta)
-        if opts.include_usage:
-            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": self.model_name,
-                       "choices": [], "usage": usage_of([metas[i] for i in sorted(metas)])})
-        yield sse("[DONE]")
+        for tail in writer.end(metas):
+            yield tail
 
     # ---- /v1/completions ----------------------------------------------------------------------
     async def completions(self, request: Request, body: dict):
@@ -399,16 +422,11 @@ class OpenAIServing:
 
     async def _completion_stream(self, reqs, tokenized, rid: str, created: int, opts: StreamOptions,
                                  echoes: list[str], num_prompts: int) -> AsyncIterator[str]:
+        writer = ChunkWriter(rid, created, self.model_name, "text_completion", opts,
+                             [len(t.input_ids) for t in tokenized])
+
         def chunk(i: int, text: str, finish: str | None = None, logprobs=None, meta: dict | None = None) -> str:
-            choice = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            if finish is not None:
-                choice["matched_stop"] = matched_stop(meta or {})
-            body = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                    "choices": [choice]}
-            if opts.continuous_usage:  # every chunk, before the first token too (vLLM's continuous_usage_stats)
-                body["usage"] = usage_of([meta or {"prompt_tokens": len(tokenized[i].input_ids),
-                                                   "completion_tokens": 0}])
-            return sse(body)
+            return writer(i, {"text": text}, finish, logprobs, meta)
 
         for i, text in enumerate(echoes):
             if text:
@@ -428,10 +446,8 @@ class OpenAIServing:
                 yield chunk(i, out["delta"], finish, lp, meta)
             if finish is not None:
                 metas[i] = meta
-        if opts.include_usage:
-            yield sse({"id": rid, "object": "text_completion", "created": created, "model": self.model_name,
-                       "choices": [], "usage": usage_of([metas[i] for i in sorted(metas)], num_prompts)})
-        yield sse("[DONE]")
+        for tail in writer.end(metas, num_prompts):
+            yield tail
 
 
 def prompts_of(prompt) -> list[dict]:
