@@ -269,3 +269,19 @@ def test_deferred_images_match_eager_across_sizes(skeleton, make_processor):
     assert_deferred_matches_eager(make_processor, prompt, small + [(1024, 768)], expect_eager=[(1024, 768)])
     assert_deferred_matches_eager(make_processor, prompt, [(641, 479), (1536, 1024), (900, 1300)],
                                   process_config={"image": {"max_pixels": 1572864, "min_pixels": 3136}})
+
+
+def test_deferred_and_eager_images_in_one_prompt(skeleton, make_processor):
+    """A small image (deferred) and a large one (eager fallback) in one prompt: HF's ids and positions, the
+    eager item through the HF processor alone."""
+    from tests.multimodal.deferred_testing import noise_image
+
+    prompt = chat_prompt(skeleton, ["image", "and", "image", "Compare."])
+    images = [noise_image(90, 60, seed=1), noise_image(1024, 768, seed=2)]
+    mixed = make_processor(defer_images=True).process(prompt=prompt, image_data=images)
+    eager = make_processor().process(prompt=prompt, image_data=images)
+    assert [it.deferred is not None for it in mixed.mm_inputs.items] == [True, False]
+    assert mixed.input_ids == eager.input_ids
+    assert torch.equal(mixed.mm_inputs.mrope_positions, eager.mm_inputs.mrope_positions)
+    assert [it.hash for it in mixed.mm_inputs.items] == [it.hash for it in eager.mm_inputs.items]
+    assert torch.equal(mixed.mm_inputs.items[1].feature, eager.mm_inputs.items[1].feature)
