@@ -205,6 +205,7 @@ def test_matched_stop_is_reported(client):
     ("chat", {"logit_bias": {"5": 500}}, "logit_bias"),
     ("chat", {"tool_choice": "required"}, "tool_choice"),
     ("chat", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ("chat", {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ("chat", {"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
     ("chat", {"media_io_kwargs": {"video": {"num_frames": 0}}}, "media_io_kwargs"),
     ("chat", {"cache_salt": ""}, "cache_salt"),
@@ -310,6 +311,25 @@ def test_named_tool_choice_returns_that_call_streamed_or_not(client):
             name += delta.function.name or "" if delta.function else ""
             args += delta.function.arguments or "" if delta.function else ""
     assert name == "get_weather" and args == calls[0].function.arguments and len(ids) == 1
+    if reply.choices[0].finish_reason == "stop":  # constrained to the function's parameters
+        assert "city" in json.loads(args)
+
+
+def test_required_tool_choice_is_a_valid_call_of_one_of_the_tools(client):
+    tools = TOOLS + [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}]
+    for n in range(2):
+        reply = client.chat.completions.create(model="demo-vl", messages=[{"role": "user", "content": "Time?"}],
+                                               tools=tools, tool_choice="required", max_tokens=40, seed=n,
+                                               temperature=1.0)
+        choice = reply.choices[0]
+        if choice.finish_reason == "length":  # a free string may run to max_tokens; the shape is all we judge
+            continue
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+        call = choice.message.tool_calls[0].function
+        args = json.loads(call.arguments)  # constrained: always valid JSON of that function's parameters
+        assert call.name in ("get_weather", "get_time")
+        assert ("city" in args) if call.name == "get_weather" else args["zone"] in ("UTC", "CET")
 
 
 def test_tool_choice_auto_none_and_a_tool_round_trip(client):

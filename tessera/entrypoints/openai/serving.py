@@ -33,7 +33,7 @@ from tessera.entrypoints.openai.protocol import (
 from tessera.entrypoints.openai.tool_calls import (
     ToolCallParser,
     ToolPlan,
-    fallback_call,
+    forced_calls,
     parse_tool_calls,
     plan_tools,
     stream_deltas,
@@ -273,6 +273,16 @@ class OpenAIServing:
             echo_text = last["content"] if isinstance(last["content"], str) else "".join(
                 p.get("text", "") for p in last["content"])
         sp = sampling_params_from_openai(body, default_max_tokens=1 << 20, vocab_size=self.tm.info.vocab_size)
+        if plan is not None and plan.call_schema() is not None:
+            if sp.json_schema or sp.regex or sp.ebnf:
+                raise APIError("tool_choice: a required or named tool call cannot be combined with response_format, "
+                               "regex, ebnf or json_schema", param="tool_choice")
+            sp.json_schema = plan.call_schema()
+            try:
+                sp.verify(self.tm.info.vocab_size)
+            except ValueError as e:  # a tool's parameters are not a schema the grammar compiler takes
+                raise APIError(f"tools: a function's parameters are not a usable JSON schema ({e})",
+                               param="tools") from None
         base = dict(text=prompt, image_data=images or None, video_data=videos or None, audio_data=audios or None,
                     return_logprob=bool(sp.logprobs), stream=opts.stream, cache_salt=cache_salt_of(body),
                     auto_max_new_tokens=body.get("max_tokens") is None and body.get("max_completion_tokens") is None)
@@ -344,10 +354,9 @@ class OpenAIServing:
                 content, calls = parsers[i].feed(content)
                 if finish is not None:
                     tail, more = parsers[i].finish()
-                    content, calls = content + tail, calls + more
-                    if plan.choice == "named" and not parsers[i].calls:
-                        calls = [fallback_call(plan, out["text"])]
-                        parsers[i].calls.append(calls[0])
+                    forced = forced_calls(plan, parsers[i], out["text"])
+                    # a forced call cut short: its text is the call's, not content
+                    content, calls = (content, forced) if forced else (content + tail, calls + more)
                     if not plan.parallel:
                         calls = calls[:max(0, 1 - num_calls.get(i, 0))]
             delta: dict = {}

@@ -3,14 +3,16 @@ answers `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and the pars
 OpenAI `tool_calls` (whole, or as streamed deltas).
 
 tool_choice: "none" renders no tools (the model cannot call one); "auto" lets the model choose;
-"required" and a named function start the assistant turn with the opening of a call (and, when
-named, the function's name), so the answer is a call. Templates without tool support, or whose
-call format is not this one, get a 400 naming `tools`.
+"required" and a named function start the assistant turn with "<tool_call>" and constrain what follows
+(constrained decoding, a JSON schema) to {"name": one of the tools (or the named one), "arguments": that
+function's parameters}, so the answer is a valid call. Templates without tool support, or whose call
+format is not this one, get a 400 naming `tools`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,11 +39,20 @@ class ToolPlan:
     @property
     def forced_prefix(self) -> str:
         """Text that opens the assistant turn (it is part of the prompt, and of the parsed answer)."""
-        if self.choice == "named":
-            return f'{OPEN}\n{{"name": {json.dumps(self.name)}, "arguments": '
-        if self.choice == "required":
-            return f'{OPEN}\n{{"name": "'
-        return ""
+        return f"{OPEN}\n" if self.choice in ("required", "named") else ""
+
+    def call_schema(self) -> str | None:
+        """The JSON schema the answer must follow after forced_prefix (None for "auto")."""
+        if self.choice == "auto":
+            return None
+        options = []
+        for tool in self.tools:
+            fn = tool["function"]
+            if self.choice == "named" and fn["name"] != self.name:
+                continue
+            options.append({"type": "object", "required": ["name", "arguments"], "properties": {
+                "name": {"const": fn["name"]}, "arguments": fn.get("parameters") or {"type": "object"}}})
+        return json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
 
 
 def plan_tools(body: dict, template: Any) -> ToolPlan | None:
@@ -155,14 +166,29 @@ class ToolCallParser:
         return "", [call]
 
 
-def fallback_call(plan: ToolPlan, generated: str) -> dict:
-    """The named call when the model's arguments are not valid JSON: its text as the arguments (the
-    call was forced, so the answer is a call either way; the client sees what the model wrote)."""
-    args = generated.split(CLOSE, 1)[0].strip()
-    if args.endswith("}"):  # the closing brace of {"name": ..., "arguments": ...}
-        args = args[:-1].rstrip()
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": plan.name, "arguments": args}}
+def fallback_call(plan: ToolPlan, generated: str) -> dict | None:
+    """A forced call (required/named) that max_tokens cut short: the function's name (the named one, or the
+    one the model had written) and, as arguments, what the model wrote of them. The answer is a call either
+    way; finish_reason "length" tells the client it is incomplete. None when not even the name was written."""
+    text = generated.split(CLOSE, 1)[0]
+    name = plan.name
+    if name is None:
+        found = re.search(r'"name"\s*:\s*"([^"]+)"', text)
+        name = found.group(1) if found else None
+    if name is None:
+        return None
+    args = text.split('"arguments":', 1)[1].strip() if '"arguments":' in text else ""
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+
+
+def forced_calls(plan: ToolPlan, parser: ToolCallParser, generated: str) -> list[dict]:
+    """After parser.finish(): the forced call when the answer did not parse as one (see fallback_call)."""
+    if plan.choice == "auto" or parser.calls:
+        return []
+    call = fallback_call(plan, generated)
+    if call is not None:
+        parser.calls.append(call)
+    return [call] if call is not None else []
 
 
 def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
@@ -171,8 +197,9 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]
     content, _ = parser.feed(text)
     tail, _ = parser.finish()
     calls = parser.calls if plan.parallel else parser.calls[:1]
-    if plan.choice == "named" and not calls:
-        return None, [fallback_call(plan, text[len(plan.forced_prefix):])]
+    forced = forced_calls(plan, parser, text[len(plan.forced_prefix):])
+    if forced:
+        return None, forced
     content = (content + tail).strip()
     return (content or None) if calls else content, calls
 
