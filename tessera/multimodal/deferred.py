@@ -56,7 +56,7 @@ def to_chw_uint8(image: Any) -> torch.Tensor:
     """A decoded PIL image as uint8 [3, H, W] (RGB), the layout the HF fast image processors work in."""
     if image.mode != "RGB":
         image = image.convert("RGB")
-    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
+    return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()  # np.array: one writable copy
 
 
 def defer_image(image: Any, plan: ImagePlan, config: dict[str, Any]) -> ItemFeatures | None:

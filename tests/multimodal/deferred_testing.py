@@ -30,7 +30,10 @@ def assert_deferred_matches_eager(make: Callable[..., Any], prompt: str, sizes: 
 
     def processor_for(image_config: dict) -> Any:
         made_configs.append(image_config)
-        return make(mm_process_config={"image": image_config} if image_config else {})
+        proc = make(mm_process_config={"image": image_config} if image_config else {})
+        # What the materialiser does on a GPU, with the CPU: the HF processor must take the `device` kwarg.
+        proc.image_device = "cpu"
+        return proc
 
     materialize = DeferredMaterializer(processor_for)
     for width, height in sizes:
