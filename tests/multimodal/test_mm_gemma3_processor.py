@@ -151,11 +151,12 @@ def test_refusals(make, hf_processor):
 
 
 def test_deferred_images_match_eager(make, hf_processor):
-    """One square crop per image without pan-and-scan; with it, images stay eager (crop counts vary)."""
+    """One square crop per image; with pan-and-scan, the crop count of wide, tall and square images."""
     from tests.multimodal.deferred_testing import assert_deferred_matches_eager
 
     assert_deferred_matches_eager(make, prompt(hf_processor, 1), [(10, 12), (40, 25), (300, 200)],
                                   expect_eager=[(300, 200)])
-    pan = {"image": {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8}}
-    assert_deferred_matches_eager(make, prompt(hf_processor, 1), [(60, 20)], process_config=pan,
-                                  expect_eager=[(60, 20)])
+    pan = {"image": {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 8,
+                     "pan_and_scan_min_ratio_to_activate": 1.2}}
+    assert_deferred_matches_eager(make, prompt(hf_processor, 1), [(60, 20), (20, 70), (30, 30), (33, 9)],
+                                  process_config=pan)

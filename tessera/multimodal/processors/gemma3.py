@@ -37,6 +37,10 @@ from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 __all__ = ["Gemma3Processor"]
 
+# The pan-and-scan settings, in the order of Gemma3ImageProcessor.pan_and_scan_batched's arguments after the flag.
+_PAN_AND_SCAN = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
+                 "pan_and_scan_min_ratio_to_activate")
+
 
 class Gemma3Processor(BaseMultimodalProcessor):
     """Gemma3ForConditionalGeneration."""
@@ -92,15 +96,21 @@ class Gemma3Processor(BaseMultimodalProcessor):
         return {**dict(getattr(type(self.hf_processor), "images_kwargs", {})), **self.hf_kwargs(Modality.IMAGE)}
 
     def plan_image(self, height: int, width: int) -> ImagePlan | None:
-        """Without pan-and-scan every image is one square crop. With it, the crop count depends on the image in
-        ways the plan does not model, so such images stay eager."""
+        """One square crop, plus with pan-and-scan the crops the image processor's own `pan_and_scan_batched`
+        cuts from a zero-stride stand-in of the image's shape (it only slices, so the count is exact)."""
         ip = self.hf_processor.image_processor
         kwargs = self._image_kwargs()
-        if kwargs.get("do_pan_and_scan", getattr(ip, "do_pan_and_scan", False)) or is_pil_backend(ip) \
-                or set(self.hf_kwargs(Modality.IMAGE)) - SHAPE_NEUTRAL_KWARGS - {"do_pan_and_scan"}:
+        if is_pil_backend(ip) or not hasattr(ip, "pan_and_scan_batched") \
+                or set(self.hf_kwargs(Modality.IMAGE)) - SHAPE_NEUTRAL_KWARGS - set(_PAN_AND_SCAN):
             return None
+        setting = lambda name: kwargs[name] if kwargs.get(name) is not None else getattr(ip, name, None)  # noqa: E731
         c, h, w = self.pixel_shape
-        return ImagePlan(self.image_seq_length, {"num_crops": torch.tensor([0])}, c * h * w * 4)
+        crops = 0
+        if setting("do_pan_and_scan"):
+            stand_in = torch.zeros((), dtype=torch.uint8).expand(1, c, height, width)
+            crops = len(ip.pan_and_scan_batched(stand_in, *(setting(name) for name in _PAN_AND_SCAN[1:])))
+        return ImagePlan((1 + crops) * self.image_seq_length, {"num_crops": torch.tensor([crops])},
+                         (1 + crops) * c * h * w * 4)
 
     def call_hf_processor(self, prompt: str | None, loaded: LoadedMultimodalData) -> Mapping[str, Any]:
         """HF's Gemma3Processor in two parts, as it runs them: its image processor (whose `num_crops` the full
