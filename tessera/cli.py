@@ -9,6 +9,7 @@ import traceback
 from tessera.config import ASSETS_DIR, ServerArgs
 
 EXAMPLE_IMAGE = ASSETS_DIR / "examples" / "scene.png"
+EXAMPLE_SPEECH = ASSETS_DIR / "examples" / "speech.wav"
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
@@ -17,21 +18,26 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     args = ServerArgs.from_cli_args(ns)
     kwargs = {k: v for k, v in vars(args).items() if k != "model_path"}
     kwargs["allowed_local_media_path"] = kwargs.get("allowed_local_media_path") or "/"
-    images = ns.image or ([] if ns.no_image or ns.video else [str(EXAMPLE_IMAGE)])
-    videos = ns.video or []
-    content: list[dict] = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
-    content.append({"type": "text", "text": ns.prompt})
+    images, videos, audios = ns.image or [], ns.video or [], ns.audio or []
     with Engine(args.model_path, show_progress=False, **kwargs) as engine:
         info = engine.tokenizer_manager.info
-        if (images or videos) and not info.has_image_understanding:
-            images, videos = [], []
-            content = [{"type": "text", "text": ns.prompt}]
+        if not (images or videos or audios or ns.no_image):  # the bundled example the model understands
+            if info.has_image_understanding:
+                images = [str(EXAMPLE_IMAGE)]
+            elif info.has_audio_understanding:
+                audios = [str(EXAMPLE_SPEECH)]
+        prompt_text = ns.prompt or ("Transcribe the audio." if audios and not images else "Describe the image.")
+        content: list[dict] = ([{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
+                               + [{"type": "audio"} for _ in audios])
+        content.append({"type": "text", "text": prompt_text})
         prompt = engine.apply_chat_template([{"role": "user", "content": content}])
         sp = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
-        if images:
-            print(f"image: {', '.join(images)}", file=sys.stderr)
-        print(f"user: {ns.prompt}", file=sys.stderr)
-        out = engine.generate(prompt, sp, image_data=images or None, video_data=videos or None)
+        for name, items in (("image", images), ("video", videos), ("audio", audios)):
+            if items:
+                print(f"{name}: {', '.join(items)}", file=sys.stderr)
+        print(f"user: {prompt_text}", file=sys.stderr)
+        out = engine.generate(prompt, sp, image_data=images or None, video_data=videos or None,
+                              audio_data=audios or None)
         print(out["text"])
     return 0
 
@@ -56,17 +62,23 @@ def _cmd_bench(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tessera", description="Tessera: multimodal LLM serving engine")
     sub = p.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                           description="Serve a model over an OpenAI-compatible HTTP API (and SGLang's /generate).")
     ServerArgs.add_cli_args(serve)
     serve.set_defaults(func=_cmd_serve)
-    gen = sub.add_parser("generate", help="answer one prompt (about an image, by default the bundled example)")
+    gen = sub.add_parser("generate", help="answer one prompt about an image, a video or audio (by default the "
+                                          "bundled example the model understands)")
+    one = gen.add_argument_group("Generate: the prompt and its media")
+    one.add_argument("--prompt", default=None, help="the question (default: 'Describe the image.', or "
+                                                    "'Transcribe the audio.' for audio)")
+    one.add_argument("--image", action="append", help="image path or URL (repeatable)")
+    one.add_argument("--video", action="append", help="video path or URL (repeatable)")
+    one.add_argument("--audio", action="append", help="audio path or URL (repeatable; demo-asr: up to ~6 s "
+                                                      "of speech each)")
+    one.add_argument("--no-image", action="store_true", help="text only: no bundled example")
+    one.add_argument("--max-new-tokens", type=int, default=64, help="(default: 64)")
+    one.add_argument("--temperature", type=float, default=0.0, help="(default: 0.0, greedy)")
     ServerArgs.add_cli_args(gen)
-    gen.add_argument("--prompt", default="Describe the image.")
-    gen.add_argument("--image", action="append", help="image path or URL (repeatable)")
-    gen.add_argument("--video", action="append", help="video path or URL (repeatable)")
-    gen.add_argument("--no-image", action="store_true", help="text only")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
     gen.set_defaults(func=_cmd_generate)
     # prefix_chars="+": no option is this parser's own, so `tessera bench --help` reaches tessera.bench.cli intact
     # (REMAINDER would not take a first argument that looks like an option).

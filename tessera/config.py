@@ -16,6 +16,9 @@ from typing import Any
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
 BUNDLED_MODELS = ("demo-vl", "demo-asr")
+# Media items one request may carry when --limit-mm-data-per-request does not say (vLLM has such a default
+# too): a message with 50 images is refused up front instead of tying up the preprocessing pool.
+DEFAULT_MM_ITEMS_PER_REQUEST = {"image": 16, "video": 4, "audio": 8}
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -187,6 +190,11 @@ class ServerArgs:
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
 
     @property
+    def mm_items_per_request(self) -> dict[str, int]:
+        """The per-request item limits in force: --limit-mm-data-per-request over the defaults."""
+        return {**DEFAULT_MM_ITEMS_PER_REQUEST, **self.limit_mm_data_per_request}
+
+    @property
     def scheduler_threads(self) -> int:
         return self.cpu_threads or max(1, (os.cpu_count() or 1) - 1)
 
@@ -210,19 +218,34 @@ class ServerArgs:
     # ---- command line -------------------------------------------------------------------
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Every field as a flag, in the groups of `tessera serve --help`. Boolean flags take SGLang's bare form
+        (`--enable-metrics`), an explicit value (`--enable-metrics false`, `=0`, `=no`) or `--no-...`."""
+        from tessera.server_flags import FLAGS, GROUPS, parse_bool
+
+        groups = {key: parser.add_argument_group(title) for key, title in GROUPS.items()}
         for f in dataclasses.fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")
             default = f.default if f.default is not dataclasses.MISSING else None
-            if f.type in ("bool",):
-                parser.add_argument(flag, action="store_true", default=default)
-            elif f.type in ("int", "int | None"):
-                parser.add_argument(flag, type=int, default=default)
-            elif f.type in ("float", "float | None"):
-                parser.add_argument(flag, type=float, default=default)
-            elif f.type in ("dict",):
-                parser.add_argument(flag, type=str, default=None, help="JSON object")
+            group_key, text = FLAGS.get(f.name, ("server", ""))
+            group = groups[group_key]
+            if f.type in ("dict",) or default in (None, "") or "default:" in text:
+                help_text = text
             else:
-                parser.add_argument(flag, type=str, default=default)
+                shown = str(default).lower() if isinstance(default, bool) else default
+                help_text = f"{text} (default: {shown})"
+            help_text = help_text.replace("%", "%%")
+            if f.type in ("bool",):
+                group.add_argument(flag, type=parse_bool, nargs="?", const=True, default=default,
+                                   metavar="BOOL", help=help_text)
+                group.add_argument("--no-" + flag[2:], dest=f.name, action="store_false", help=argparse.SUPPRESS)
+            elif f.type in ("int", "int | None"):
+                group.add_argument(flag, type=int, default=default, metavar="N", help=help_text)
+            elif f.type in ("float", "float | None"):
+                group.add_argument(flag, type=float, default=default, metavar="X", help=help_text)
+            elif f.type in ("dict",):
+                group.add_argument(flag, type=str, default=None, metavar="JSON", help=help_text)
+            else:
+                group.add_argument(flag, type=str, default=default, help=help_text)
 
     @classmethod
     def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:

@@ -89,3 +89,50 @@ def test_any_error_is_one_line_unless_debug(monkeypatch, capsys) -> None:
         assert ("Traceback" in err) is traceback_shown
         if not traceback_shown:
             assert len(err.strip().splitlines()) == 1
+
+
+def test_serve_help_groups_every_flag_with_a_description() -> None:
+    import dataclasses
+
+    from tessera.cli import build_parser
+    from tessera.config import ServerArgs
+    from tessera.server_flags import FLAGS, GROUPS
+
+    missing = [f.name for f in dataclasses.fields(ServerArgs) if f.name not in FLAGS]
+    assert not missing, f"add these ServerArgs fields to tessera/server_flags.py FLAGS: {missing}"
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    titles = [g.title for g in serve._action_groups]
+    for title in GROUPS.values():
+        assert title in titles
+    for action in serve._actions:
+        if action.help is argparse_suppress() or action.dest == "help":
+            continue
+        assert action.help, action.dest
+        if action.default not in (None, "") and not isinstance(action.default, dict):
+            assert "default:" in action.help, action.dest
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ([], True), (["--enable-metrics"], True), (["--enable-metrics", "false"], False),
+    (["--enable-metrics=0"], False), (["--enable-metrics", "off"], False), (["--no-enable-metrics"], False),
+    (["--enable-metrics", "YES"], True),
+])
+def test_boolean_flags_take_the_forms_people_type(argv, expected) -> None:
+    from tessera.cli import build_parser
+
+    ns = build_parser().parse_args(["serve", *argv, "--disable-radix-cache"])
+    assert ns.enable_metrics is expected and ns.disable_radix_cache is True
+
+
+def test_a_bad_boolean_is_a_usage_error(capsys) -> None:
+    from tessera.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["serve", "--enable-metrics", "maybe"])
+    assert info.value.code == 2 and "invalid boolean value" in capsys.readouterr().err

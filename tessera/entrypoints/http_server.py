@@ -251,6 +251,8 @@ def create_app(args: ServerArgs) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
+        if not args.enable_metrics:
+            return error_response("metrics are disabled; start the server with --enable-metrics", 404)
         stats = None
         if state.ready:
             try:

@@ -76,7 +76,7 @@ class ModelInfo:
         cls = self.config.family.processor_class()
         assert cls is not None  # hf_processor is only loaded for families with a processor
         return cls(self.hf_processor, self.hf_config, self.args.mm_process_config, limits,
-                   self.args.limit_mm_data_per_request, language_model_only=self.args.language_model_only,
+                   self.args.mm_items_per_request, language_model_only=self.args.language_model_only,
                    cache_size_bytes=self.args.mm_cache_size_mb * 1024 * 1024,
                    defer_images=not self.args.disable_deferred_mm_preprocessing)
 

@@ -226,7 +226,8 @@ class BaseMultimodalProcessor(abc.ABC):
         for modality, n in counts.items():
             limit = self.limit_mm_per_request.get(modality)
             if limit is not None and n > limit:
-                raise ValueError(f"too many {modality.value} items: {n} given, at most {limit} per request")
+                raise ValueError(f"too many {modality.value} items: {n} given, at most {limit} per request "
+                                 f"(--limit-mm-data-per-request)")
 
     def _load_one(self, modality: Modality, src: Any, video_kwargs: Mapping[str, Any] | None = None) -> Any:
         if modality is Modality.IMAGE:

@@ -1,0 +1,90 @@
+"""`tessera serve --help`: the group and the one-line description of every ServerArgs field.
+
+Kept next to ServerArgs (config.py) but apart from it, so the dataclass stays readable; a test checks that
+every field has an entry here, so a new flag cannot arrive without its help text.
+"""
+
+from __future__ import annotations
+
+GROUPS = {
+    "model": "Model: what to serve",
+    "runtime": "Runtime: devices, precision, parallelism",
+    "scheduling": "Scheduling and memory: batching, KV cache",
+    "multimodal": "Multimodal: media loading, limits and safety",
+    "server": "Server: HTTP, security, logging, metrics",
+}
+
+FLAGS: dict[str, tuple[str, str]] = {
+    # model
+    "model_path": ("model", "local Hugging Face checkpoint directory, or a bundled model: demo-vl, demo-asr "
+                            "(never downloads)"),
+    "tokenizer_path": ("model", "tokenizer/processor directory, if not the model's"),
+    "served_model_name": ("model", "model name the API reports and accepts (default: the directory's name)"),
+    "chat_template": ("model", "Jinja chat template (a file or the template text) replacing the checkpoint's"),
+    "context_length": ("model", "longest prompt + output in tokens (default: the model's max_position_embeddings)"),
+    "language_model_only": ("model", "skip the vision/audio encoders: text only, less memory"),
+    # runtime
+    "dtype": ("runtime", "weights and KV dtype: auto (the checkpoint's), float32, bfloat16, float16"),
+    "device": ("runtime", "auto, cpu, cuda or cuda:N (auto picks CUDA when present)"),
+    "attention_backend": ("runtime", "attention kernels: torch_native or triton"),
+    "tp_size": ("runtime", "tensor-parallel ranks (GPUs) per replica"),
+    "dp_size": ("runtime", "data-parallel replicas (each a scheduler + model) behind one frontend"),
+    "load_balance_method": ("runtime", "how requests pick a replica: round_robin, shortest_queue, cache_aware"),
+    "mm_enable_dp_encoder": ("runtime", "under tensor parallelism, share each step's images out over the ranks"),
+    "base_gpu_id": ("runtime", "first GPU this server uses"),
+    "nnodes": ("runtime", "machines the tensor-parallel ranks are spread over"),
+    "node_rank": ("runtime", "this machine's rank among --nnodes (0 runs the HTTP server)"),
+    "dist_init_addr": ("runtime", "host:port of node 0's rendezvous (several nodes)"),
+    "random_seed": ("runtime", "seed of the sampler and model init"),
+    "cpu_threads": ("runtime", "intra-op threads of the model on CPU (default: adaptive)"),
+    "disable_decode_kv_mirror": ("runtime", "decode reads K/V from the paged pool instead of a contiguous copy"),
+    # scheduling
+    "max_running_requests": ("scheduling", "requests decoded together at most"),
+    "chunked_prefill_size": ("scheduling", "prompt tokens prefilled per step at most (long prompts in chunks)"),
+    "max_prefill_tokens": ("scheduling", "prompt tokens admitted per step at most"),
+    "page_size": ("scheduling", "KV cache page size in tokens"),
+    "max_total_tokens": ("scheduling", "KV pool size in tokens (default: CUDA: what --mem-fraction-static "
+                                       "leaves after the weights; CPU: 65536)"),
+    "mem_fraction_static": ("scheduling", "share of GPU memory for weights + KV pool"),
+    "disable_radix_cache": ("scheduling", "no prefix reuse across requests"),
+    "schedule_policy": ("scheduling", "queue order: fcfs or lpm (longest cached prefix first)"),
+    "stream_interval": ("scheduling", "tokens per streamed chunk"),
+    # multimodal
+    "mm_cache_size_mb": ("multimodal", "encoder-output and preprocessing cache size in MiB"),
+    "keep_mm_feature_on_device": ("multimodal", "keep preprocessed media features on the GPU"),
+    "mm_process_config": ("multimodal", 'JSON per-modality processor settings, e.g. \'{"image": {"max_pixels": '
+                                        '200704}}\''),
+    "limit_mm_data_per_request": ("multimodal", 'JSON items per request per modality, e.g. \'{"image": 4}\' '
+                                                '(default: image 16, video 4, audio 8)'),
+    "allowed_local_media_path": ("multimodal", "directory whose files requests may name as media (default: no "
+                                               "local files)"),
+    "allow_private_media_urls": ("multimodal", "let media URLs reach loopback/private addresses (link-local and "
+                                               "cloud metadata stay refused)"),
+    "allowed_media_domains": ("multimodal", "comma-separated host names media URLs may use (*.example.com for "
+                                            "subdomains; default: any public host)"),
+    "max_image_pixels": ("multimodal", "refuse larger images before decoding (default: 67M pixels)"),
+    "mm_preprocess_workers": ("multimodal", "threads that load and preprocess media"),
+    # server
+    "host": ("server", "address to listen on"),
+    "port": ("server", "port to listen on"),
+    "api_key": ("server", "require 'Authorization: Bearer KEY' (not on /health and /metrics, as SGLang)"),
+    "log_level": ("server", "debug, info, warning, error (debug also prints tracebacks of CLI errors)"),
+    "enable_metrics": ("server", "serve Prometheus metrics at /metrics (false: /metrics answers 404)"),
+    "disable_tqdm": ("server", "no progress bars"),
+}
+
+_TRUE = {"true", "1", "yes", "y", "on"}
+_FALSE = {"false", "0", "no", "n", "off"}
+
+
+def parse_bool(text: str) -> bool:
+    """The forms people type after a boolean flag: true/false, 1/0, yes/no, on/off (any case)."""
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"expected true or false, got {text!r}")
+
+
+parse_bool.__name__ = "boolean"  # argparse names the type in its error: "invalid boolean value: 'maybe'"
