@@ -63,7 +63,10 @@ FLAGS: dict[str, tuple[str, str]] = {
     "allowed_media_domains": ("multimodal", "comma-separated host names media URLs may use (*.example.com for "
                                             "subdomains; default: any public host)"),
     "max_image_pixels": ("multimodal", "refuse larger images before decoding (default: 67M pixels)"),
-    "mm_preprocess_workers": ("multimodal", "threads that load and preprocess media"),
+    "mm_preprocess_workers": ("multimodal", "processes that load and preprocess media (0: a thread pool in the "
+                                            "frontend)"),
+    "disable_deferred_mm_preprocessing": ("multimodal", "preprocess images fully in the frontend instead of "
+                                                        "resizing/normalising them on the worker"),
     # server
     "host": ("server", "address to listen on"),
     "port": ("server", "port to listen on"),
