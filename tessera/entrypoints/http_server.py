@@ -26,7 +26,7 @@ from tessera.entrypoints.metrics import Metrics
 from tessera.entrypoints.middleware import ServerMiddleware, observe_generation
 from tessera.entrypoints.openai import tokenization
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
-from tessera.entrypoints.openai.serving import OpenAIServing
+from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
 from tessera.entrypoints.openai.transcriptions import TranscriptionServing
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import TokenizerManager
@@ -153,6 +153,10 @@ def create_app(args: ServerArgs) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):  # unknown routes: OpenAI's shape too
         message = f"{request.method} {request.url.path}: {exc.detail}"
         return error_response(message, exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _client_gone(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)  # nginx's "client closed request": only the access log sees it
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):

@@ -47,6 +47,10 @@ logger = logging.getLogger("tessera.server")
 DISCONNECT_POLL_S = 0.5
 
 
+class ClientDisconnected(Exception):
+    """The client of a non-streaming request went away; its generations were aborted (nobody to answer)."""
+
+
 def finish_reason(meta: dict) -> str | None:
     fr = meta.get("finish_reason")
     if fr is None:
@@ -171,7 +175,11 @@ class OpenAIServing:
                 return task.result()
             if await request.is_disconnected():
                 task.cancel()  # each generate()'s finally sends AbortReq, freeing the KV
-                raise asyncio.CancelledError
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+                raise ClientDisconnected(request.url.path)
 
     async def _collect_all(self, request: Request, reqs: list[GenerateRequest]) -> list[dict]:
         """prepare + collect_all, for the transcription endpoints."""
