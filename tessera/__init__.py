@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["Engine", "SamplingParams", "ServerArgs", "__version__"]
+# The program API (tessera.lang), importable from the top as in SGLang: tessera.function, tessera.gen, ...
+_LANG = ("function", "gen", "select", "user", "assistant", "system", "image", "video", "audio", "fork", "run_batch",
+         "RuntimeEndpoint", "set_default_backend")
+__all__ = ["Engine", "SamplingParams", "ServerArgs", "__version__", *_LANG]
 
 
 def __getattr__(name: str):
@@ -20,4 +23,8 @@ def __getattr__(name: str):
         from tessera.config import ServerArgs
 
         return ServerArgs
+    if name in _LANG:
+        import tessera.lang
+
+        return getattr(tessera.lang, name)
     raise AttributeError(name)

@@ -57,7 +57,7 @@ class Engine:
     # ---- request building ---------------------------------------------------------------------
     @staticmethod
     def _build_requests(prompt, sampling_params, input_ids, image_data, video_data, audio_data,
-                        return_logprob, stream) -> tuple[list[GenerateRequest], bool]:
+                        return_logprob, stream, video_kwargs=None) -> tuple[list[GenerateRequest], bool]:
         is_batch = isinstance(prompt, list) or (
             isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
         if not is_batch:
@@ -81,7 +81,7 @@ class Engine:
             params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp or {})
             params.normalize()
             base = dict(text=text, input_ids=ids, image_data=img, video_data=vid, audio_data=aud,
-                        return_logprob=return_logprob, stream=stream)
+                        return_logprob=return_logprob, stream=stream, video_kwargs=video_kwargs)
             if params.n == 1:
                 reqs.append(GenerateRequest(sampling_params=params, **base))
             else:  # n samples: independent requests sharing the prompt (and so its KV)
@@ -119,13 +119,14 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, image_data: Any = None,
                  video_data: Any = None, audio_data: Any = None, return_logprob: bool = False,
-                 stream: bool = False) -> dict | list[dict] | Iterator[dict]:
+                 stream: bool = False, video_kwargs: dict | None = None) -> dict | list[dict] | Iterator[dict]:
         """Generates for one prompt (returns a dict) or a batch (returns a list of dicts).
 
         With stream=True (single prompt only) returns an iterator of cumulative output dicts.
+        video_kwargs: how videos are sampled, e.g. {"num_frames": 8} (as the server's media_io_kwargs.video).
         """
         reqs, is_batch = self._build_requests(prompt, sampling_params, input_ids, image_data, video_data,
-                                              audio_data, return_logprob, stream)
+                                              audio_data, return_logprob, stream, video_kwargs)
         if stream:
             if len(reqs) != 1:
                 raise ValueError("stream: streaming takes a single prompt with n=1")

@@ -7,13 +7,14 @@ One step, all on [B, V] float32 tensors with no per-row Python loop (seeded rows
      tokens only), then logit_bias (added as given), then the min_new_tokens ban (-inf on EOS and stop ids);
      then the model's own rules (if any), then the grammar mask of constrained rows (-inf on every token the
      row's grammar does not allow; one op for the batch).
-  2. logprobs = log_softmax(penalised logits).
-  3. greedy rows: argmax of the penalised logits (exactly; temperature and filters never touch them).
+  2. logprobs = log_softmax(penalised logits), before the grammar mask.
+  3. greedy rows: argmax of the penalised (and masked) logits (exactly; temperature and filters never touch them).
   4. other rows: softmax(logits / temperature); top-k, top-p and min-p become one per-row probability
      threshold found by sorting; then an exponential race, argmax(p / E) with E ~ Exp(1), which
      draws a token with probability proportional to p (the Gumbel-max trick, without the logs).
 
-Reported logprobs are those of step 2: after penalties, BEFORE temperature, top-k, top-p and min-p.
+Reported logprobs are those of step 2: after penalties, BEFORE temperature, top-k, top-p, min-p and the
+grammar mask.
 That is what the model (with the request's penalties) predicts, so logprobs do not change when a
 client changes its sampling knobs, and a sampled token never reports a truncation artefact. Peers
 differ here (vLLM's default reports raw logprobs, before penalties; SGLang's default reports the
@@ -220,7 +221,9 @@ class Sampler:
     def sample(self, logits: torch.Tensor, info: SamplingBatchInfo,
                logits_processor: Callable[[torch.Tensor], torch.Tensor] | None = None) -> SamplerOutput:
         """logits_processor: the model's own rules (TesseraModel.process_logits), applied after the penalties,
-        as HF applies a model's processors after its generic ones; logprobs are reported after it."""
+        as HF applies a model's processors after its generic ones; logprobs are reported after it, but before
+        the grammar mask: they are what the model predicts, so scoring a forced continuation (tessera.lang's
+        select) reads real probabilities rather than the mask's 0s."""
         assert logits.dim() == 2, f"logits must be [B, V], got {tuple(logits.shape)}"
         assert logits.shape == (info.batch_size, info.vocab_size), (
             f"logits {tuple(logits.shape)} do not match the batch info ({info.batch_size}, {info.vocab_size})"
@@ -228,6 +231,7 @@ class Sampler:
         logits = apply_penalties(logits.float(), info)
         if logits_processor is not None:
             logits = logits_processor(logits)
+        scored = logits
         logits = apply_grammar_mask(logits, info)
 
         if info.is_all_greedy:
@@ -239,7 +243,7 @@ class Sampler:
 
         output = SamplerOutput(next_token_ids=next_token_ids)
         if info.return_logprob:
-            logprobs = torch.log_softmax(logits, dim=-1)
+            logprobs = torch.log_softmax(scored, dim=-1)
             output.logprobs = logprobs.gather(1, next_token_ids.unsqueeze(1)).squeeze(1)
             num_top = max(info.top_logprobs_nums)
             if num_top > 0:

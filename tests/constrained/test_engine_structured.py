@@ -10,8 +10,8 @@ import pytest
 from tessera.config import ASSETS_DIR
 from tests.constrained.scene_schema import ANSWER_REGEX, SCENE_SCHEMA, validate_scene
 
-# Long enough (20+ tokens each) that 16 at once outgrow the fixture's 384-token KV pool.
-LONG_REGEX = r"(red|green|blue)( (red|green|blue|circle|square)){20}"
+# Long enough (40+ tokens each) that 16 at once outgrow the fixture's 384-token KV pool.
+LONG_REGEX = r"(red|green|blue)( (red|green|blue|circle|square)){40}"
 IMAGE = str(ASSETS_DIR / "examples" / "scene.png")
 
 
@@ -26,7 +26,7 @@ def test_schema_regex_and_ebnf_in_engine_sampling_params(demo_vl_engine):
     before = eng.get_stats()
     outs = eng.generate([prompt] * 16, [
         {"json_schema": SCENE_SCHEMA, "temperature": 1.0, "seed": i, "max_new_tokens": 64} for i in range(8)
-    ] + [{"regex": LONG_REGEX, "temperature": 1.0, "seed": i, "max_new_tokens": 64} for i in range(8)],
+    ] + [{"regex": LONG_REGEX, "temperature": 1.0, "seed": i, "max_new_tokens": 160} for i in range(8)],
         image_data=[IMAGE] * 16)
     stats = eng.get_stats()
     assert outs[0]["meta_info"]["prompt_tokens"] > 48  # the image prompt was prefilled in several chunks

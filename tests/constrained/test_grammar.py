@@ -122,6 +122,9 @@ def test_unconstrained_rows_are_untouched_and_compiled_grammars_are_reused(compi
     out = Sampler()(logits, info)
     assert out.next_token_ids[0] == logits[0].argmax() and out.next_token_ids[2] == logits[2].argmax()
     assert allowed[1, out.next_token_ids[1]]
+    # Logprobs are the model's, taken before the mask (tessera.lang's select scores forced choices with them).
+    expected = torch.log_softmax(logits, dim=-1).gather(1, out.next_token_ids.unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(out.logprobs, expected)
     assert fill_bitmask([None, None]) is None
     failed = comp.submit("regex", "a(b")
     with pytest.raises(ValueError, match="^regex"):

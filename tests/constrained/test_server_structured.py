@@ -106,3 +106,15 @@ def test_invalid_constraints_are_400_naming_the_field(server, client, extra, par
     ok = client.chat.completions.create(model="demo-vl", messages=scene_messages(), extra_body={"regex": "(yes|no)"},
                                         temperature=0, max_tokens=4)
     assert ok.choices[0].message.content in ("yes", "no")
+
+
+def test_lang_examples_run_against_the_server(server):
+    """tessera.RuntimeEndpoint: the same programs over HTTP (media sent as data URIs, prefilled answers as
+    continue_final_message), with the results the Engine gives."""
+    from examples import lang_fork_and_batch, lang_multi_turn, lang_structured
+
+    turns = lang_multi_turn.main(server.base_url)
+    assert turns["description"] == "a red circle, a blue square and a green triangle"
+    assert turns["circle_color"] == "red" and turns["cached_tokens_last_turn"] > 100
+    validate_scene(lang_structured.main(server.base_url)["scene"])
+    assert lang_fork_and_batch.main(server.base_url)["batch"][1] == "a green circle moving up"
