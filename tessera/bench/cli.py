@@ -167,12 +167,65 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_soak(sub) -> None:
+    p = sub.add_parser("soak", help="reliability under load: chat requests, a share of them hostile; checks 4xx "
+                                    "shapes, no 5xx, idle /metrics after the drain",
+                       description="Sends --num-requests chat requests (scene questions about rendered images) at "
+                                   "--concurrency, --hostile-fraction of them hostile (corrupt/truncated media, "
+                                   "pixel bombs, bad schemes, private and metadata URLs, paths outside the "
+                                   "allowed directory, 50 images, huge prompts), and checks every answer. "
+                                   "Exit 1 if any check fails (see tessera/bench/soak.py).")
+    p.add_argument("--base-url", default=None, help="a running server; without it one is started (--model-path)")
+    p.add_argument("--model-path", default="demo-vl", help="model of the server started when --base-url is not given")
+    p.add_argument("--num-requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--hostile-fraction", type=float, default=0.05)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--distinct-prompts", type=int, default=200,
+                   help="different scene questions (each run alone first, for the answers to compare with)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout in seconds")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=_cmd_soak)
+
+
+def _cmd_soak(ns: argparse.Namespace) -> int:
+    import contextlib
+    import dataclasses
+    import tempfile
+
+    from tessera.bench.soak import SoakConfig, format_result, run_soak
+
+    if not 0 <= ns.hostile_fraction <= 1 or ns.num_requests < 1 or ns.concurrency < 1:
+        raise ValueError("soak: --num-requests and --concurrency must be positive, --hostile-fraction in [0, 1]")
+    with contextlib.ExitStack() as stack:
+        base_url = ns.base_url
+        if base_url is None:
+            from tessera.bench.report import LocalServer
+
+            media_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="tessera-soak-"))
+            server = stack.enter_context(LocalServer(ns.model_path, "--allowed-local-media-path", media_dir))
+            base_url = server.base_url
+        cfg = SoakConfig(base_url=base_url, num_requests=ns.num_requests, concurrency=ns.concurrency,
+                         hostile_fraction=ns.hostile_fraction, max_tokens=ns.max_tokens, seed=ns.seed,
+                         distinct_prompts=ns.distinct_prompts,
+                         timeout_s=ns.timeout, api_key=ns.api_key)
+        result = run_soak(cfg)
+    print(format_result(result))
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump(dataclasses.asdict(result), f, indent=2)
+    return 0 if result.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tessera bench", description="Tessera benchmarks")
     sub = p.add_subparsers(dest="bench", required=True)
     _add_serving(sub)
     _add_offline(sub)
     _add_profile(sub)
+    _add_soak(sub)
     return p
 
 

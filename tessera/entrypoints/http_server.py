@@ -265,7 +265,8 @@ def create_app(args: ServerArgs) -> FastAPI:
                 stats = None
         frontend = state.tm.frontend_stats() if state.ready else None
         replicas = state.tm.replica_stats if stats is not None and state.tm is not None else ()
-        return Response(state.metrics.render(stats, frontend, replicas), media_type="text/plain; version=0.0.4")
+        in_frontend = len(state.tm.states) if state.tm is not None else None
+        return Response(state.metrics.render(stats, frontend, replicas, in_frontend), media_type="text/plain; version=0.0.4")
 
     @app.get("/get_server_info")
     async def server_info():

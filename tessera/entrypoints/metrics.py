@@ -32,6 +32,18 @@ class Metrics:
                                       registry=r)
         self.encoder_hits = Gauge("tessera_encoder_cache_hits", "Encoder-cache hits", labels, registry=r)
         self.encoder_misses = Gauge("tessera_encoder_cache_misses", "Encoder-cache misses", labels, registry=r)
+        # Leak checks: after a drain these return to their idle values (0 for the first two; the caches hold
+        # what they cached, within their configured sizes).
+        self.frontend_reqs = Gauge("tessera_num_frontend_reqs", "Requests the frontend is tracking (sent to the "
+                                   "scheduler, not yet finished)", labels, registry=r)
+        self.kv_used_tokens = Gauge("tessera_kv_used_tokens", "KV slots held by requests (not the prefix cache)",
+                                    labels, registry=r)
+        self.radix_cache_tokens = Gauge("tessera_radix_cache_tokens", "Tokens held by the prefix cache", labels,
+                                        registry=r)
+        self.encoder_cache_bytes = Gauge("tessera_encoder_cache_bytes", "Bytes held by the encoder-output cache",
+                                         labels, registry=r)
+        self.preprocess_cache_bytes = Gauge("tessera_preprocess_cache_bytes", "Bytes held by the preprocessing "
+                                            "cache", labels, registry=r)
         per_replica = ["model_name", "dp_rank"]
         self.replica_running = Gauge("tessera_replica_num_running_reqs", "Requests running, per data-parallel "
                                      "replica", per_replica, registry=r)
@@ -60,8 +72,10 @@ class Metrics:
             if b > a:
                 self.itl.labels(m).observe(b - a)
 
-    def render(self, stats, frontend=None, replicas=()) -> bytes:
+    def render(self, stats, frontend=None, replicas=(), frontend_requests: int | None = None) -> bytes:
         m = self.model_name
+        if frontend_requests is not None:
+            self.frontend_reqs.labels(m).set(frontend_requests)
         for rs in replicas:
             dp = str(rs.dp_rank)
             self.replica_running.labels(m, dp).set(rs.num_running)
@@ -70,10 +84,14 @@ class Metrics:
         if frontend is not None:
             items = frontend.preprocess_cache_hits + frontend.preprocess_cache_misses
             self.preprocess_hit_rate.labels(m).set(frontend.preprocess_cache_hits / max(1, items))
+            self.preprocess_cache_bytes.labels(m).set(frontend.preprocess_cache_bytes)
         if stats is not None:
             self.running.labels(m).set(stats.num_running)
             self.queued.labels(m).set(stats.num_waiting)
             self.kv_usage.labels(m).set(stats.kv_used_tokens / max(1, stats.kv_total_tokens))
+            self.kv_used_tokens.labels(m).set(stats.kv_used_tokens)
+            self.radix_cache_tokens.labels(m).set(stats.radix_cache_tokens)
+            self.encoder_cache_bytes.labels(m).set(stats.encoder_cache_bytes)
             self.prefix_hit_rate.labels(m).set(stats.prefix_hit_tokens / max(1, stats.prefix_total_tokens))
             lookups = stats.encoder_cache_hits + stats.encoder_cache_misses
             self.encoder_hit_rate.labels(m).set(stats.encoder_cache_hits / max(1, lookups))

@@ -378,7 +378,6 @@ class TokenizerManager:
         sp = req.sampling_params
         state = ReqState(req, len(tokenized.input_ids), IncrementalDetokenizer(
             self.tokenizer, sp.skip_special_tokens, sp.stop, sp.spaces_between_special_tokens, sp.no_stop_trim))
-        self.states[req.rid] = state
         mm = tokenized.mm_inputs
         self._check_replicas()  # never dispatch to a replica that has died since the last look
         if not self.ready:
@@ -386,6 +385,7 @@ class TokenizerManager:
         replica = self.dispatcher.choose(
             req.rid, mm.pad_input_ids(tokenized.input_ids) if mm else tokenized.input_ids,
             [item.hash for item in mm.items] if mm else [])
+        self.states[req.rid] = state  # only now: the finally below is what removes it
         try:
             await io.send_async(self.send_socks[replica], tokenized)
             while True:
