@@ -190,7 +190,7 @@ def test_matched_stop_is_reported(client):
     ("chat", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
      "response_format"),
     ("chat", {"regex": "[a-z"}, "regex"),
-    ("chat", {"guided_json": {"type": "object"}}, "guided_json"),
+    ("chat", {"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
     ("chat", {"prompt_logprobs": 1}, "prompt_logprobs"),
     ("chat", {"use_beam_search": True}, "use_beam_search"),
     ("chat", {"frobnicate": 1}, "frobnicate"),
@@ -400,3 +400,21 @@ def test_sglang_response_prefill_needs_only_continue_final_message(client):
                                                           "add_generation_prompt": False})
     assert prefilled.choices[0].message.content == explicit.choices[0].message.content
     assert prefilled.usage.prompt_tokens == explicit.usage.prompt_tokens
+
+
+def test_vllm_guided_fields_map_to_constraints(client, base):
+    def ask(**extra):
+        return client.chat.completions.create(model="demo-vl", messages=USER, max_tokens=12, temperature=0,
+                                              extra_body=extra).choices[0].message.content
+
+    assert ask(guided_choice=["red circle", "blue square"]) in ("red circle", "blue square")
+    assert ask(structured_outputs={"choice": ["yes", "no"]}) in ("yes", "no")
+    assert ask(guided_regex="[0-9]{3}").isdigit()
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    reply = client.chat.completions.create(model="demo-vl", messages=USER, max_tokens=20, temperature=0,
+                                           extra_body={"guided_json": schema})
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content)["n"], int)
+    assert_400(chat(base, guided_choice=["a"], guided_regex="b"), "guided_regex")
+    assert_400(chat(base, guided_decoding_backend="xgrammar"), "guided_decoding_backend")
+    assert_400(chat(base, guided_regex="(", max_tokens=2), "regex")

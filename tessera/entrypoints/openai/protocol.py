@@ -25,21 +25,27 @@ _EXTRAS = {"top_k": "top_k", "min_p": "min_p", "repetition_penalty": "repetition
            "min_tokens": "min_new_tokens", "no_stop_trim": "no_stop_trim",
            "include_stop_str_in_output": "no_stop_trim"}
 INT64 = (-(1 << 63), (1 << 63) - 1)
+# vLLM's constraint fields (guided_* and the newer structured_outputs keys) -> SGLang's, which we implement.
+_VLLM_CONSTRAINTS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf",
+                     "guided_choice": "regex"}
+_STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "grammar": "guided_grammar",
+                       "choice": "guided_choice"}
+_REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 
 # Fields both endpoints accept. `user` is OpenAI's end-user id for abuse monitoring: it never
 # changes an answer, so accepting it without effect is what OpenAI does too.
 _COMMON = {"model", "stream", "stream_options", "user", "logit_bias", "cache_salt", "logprobs", "echo",
-           "response_format", "regex", "ebnf", "json_schema", *(_OPENAI_TO_SP), *(_EXTRAS)}
+           "response_format", "regex", "ebnf", "json_schema", "structured_outputs", *(_VLLM_CONSTRAINTS),
+           *(_OPENAI_TO_SP), *(_EXTRAS)}
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                          "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
                          "media_io_kwargs"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "suffix", "best_of"}
 
 # Known fields that are refused: (the value that is accepted as a no-op, why the rest is refused).
-_STRUCTURED = "vLLM's guided_* fields are not supported; use response_format, regex, ebnf or json_schema"
 _REFUSED: dict[str, tuple[Any, str]] = {
-    "guided_json": (None, _STRUCTURED), "guided_regex": (None, _STRUCTURED), "guided_choice": (None, _STRUCTURED),
-    "guided_grammar": (None, _STRUCTURED),
+    "guided_decoding_backend": (None, "the constrained-decoding backend is fixed (llguidance)"),
+    "guided_whitespace_pattern": (None, "JSON output is compact; a whitespace pattern is not supported"),
     "structural_tag": (None, "structural tags are not supported; use response_format, regex, ebnf or json_schema"),
     "prompt_logprobs": (None, "prompt (input) logprobs are not computed by Tessera"),
     "use_beam_search": (False, "beam search is not supported"),
@@ -145,7 +151,7 @@ def sampling_params_from_openai(body: dict, default_max_tokens: int, vocab_size:
     if isinstance(seed, Integral) and not isinstance(seed, bool) and not INT64[0] <= seed <= INT64[1]:
         raise APIError(f"seed: must fit in a signed 64-bit integer, got {seed}", param="seed")
     kw["logit_bias"] = logit_bias_of(body.get("logit_bias"))
-    kw.update(constraint_from_openai(body))  # response_format / regex / ebnf / json_schema
+    kw.update(constraint_from_openai(sglang_constraints(body)))  # response_format / regex / ebnf / json_schema
     logprobs = body.get("logprobs")
     if chat:
         if logprobs is not None and not isinstance(logprobs, bool):
@@ -166,6 +172,31 @@ def sampling_params_from_openai(body: dict, default_max_tokens: int, vocab_size:
     except (TypeError, ValueError) as e:
         raise renamed_error(e, names) from None
     return sp
+
+
+def sglang_constraints(body: dict) -> dict:
+    """The body with vLLM's constraint fields (guided_json/regex/grammar/choice, structured_outputs) under
+    SGLang's names; guided_choice becomes a regex that matches exactly one of the choices."""
+    vllm = {k: body[k] for k in _VLLM_CONSTRAINTS if body.get(k) is not None}
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict) or set(outputs) - set(_STRUCTURED_OUTPUTS):
+            raise APIError(f"structured_outputs: an object with one of {sorted(_STRUCTURED_OUTPUTS)}",
+                           param="structured_outputs")
+        vllm.update({_STRUCTURED_OUTPUTS[k]: v for k, v in outputs.items() if v is not None})
+    if not vllm:
+        return body
+    if len(vllm) > 1:
+        raise APIError(f"{sorted(vllm)[1]}: only one output constraint per request", param=sorted(vllm)[1])
+    (name, value), = vllm.items()
+    if name == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise APIError("guided_choice: must be a non-empty list of non-empty strings", param="guided_choice")
+        value = "|".join("".join("\\" + ch if ch in _REGEX_META else ch for ch in c) for c in value)
+    target = _VLLM_CONSTRAINTS[name]
+    if body.get(target) is not None:
+        raise APIError(f"{name}: give either {name} or {target}, not both", param=name)
+    return {**body, target: value}
 
 
 def _media_url(part: dict, key: str, where: str) -> str:
