@@ -35,7 +35,7 @@ def bitmask_width(vocab_size: int) -> int:
 
 class GrammarMatcher:
     """One request's position in its grammar. closers: the tokens that close a JSON string, array and
-    object, for a JSON grammar (the sampler's close_on_stop_intent); () for others."""
+    object (and ','), for a JSON grammar (the sampler's close_on_stop_intent); () for others."""
 
     def __init__(self, matcher, vocab_size: int, closers: tuple[int, ...] = ()):
         self._m = matcher
@@ -74,8 +74,9 @@ class GrammarCompiler:
         self._templates: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()  # the template cache is touched by the compile thread and the loop
         self._pool: ThreadPoolExecutor | None = None
-        # Single-token '"', ']' and '}' (the order close_on_stop_intent prefers them in), where the vocabulary has them.
-        ids = [hf_tokenizer.encode(ch, add_special_tokens=False) for ch in '"]}']
+        # Single-token '"', ']', '}' and ',' (the order close_on_stop_intent prefers them in: close a string, then
+        # an array, then an object; ',' last, to leave a value, e.g. a number, for the next required key).
+        ids = [hf_tokenizer.encode(ch, add_special_tokens=False) for ch in '"]},']
         self.json_closers = tuple(i[0] for i in ids if len(i) == 1 and 0 <= i[0] < vocab_size)
 
     def _tokenizer(self):

@@ -66,7 +66,7 @@ class SamplingBatchInfo:
     # Grammar bitmask (tessera/constrained): bit t % 32 of word t // 32 of row i allows token t; unconstrained
     # rows are all ones. None when no row of the batch is constrained.
     vocab_mask: torch.Tensor | None  # [B, ceil(V / 32)] int32
-    # JSON rows: the tokens that close a string, array, object (in that order of preference), -1 padded; with
+    # JSON rows: the tokens that close a string, array, object, then ',' (in that order of preference), -1 padded; with
     # the EOS ids, for close_on_stop_intent. None when no row has them.
     stop_closers: torch.Tensor | None  # [B, K] int64
     eos_ids: torch.Tensor | None  # [E] int64
@@ -312,7 +312,7 @@ def close_on_stop_intent(logits: torch.Tensor, allowed: torch.Tensor, closers: t
                          eos_ids: torch.Tensor) -> torch.Tensor:
     """Rows whose model would end here (its most likely token is EOS) while the grammar cannot end yet get
     the first closer the grammar allows as their only token: a JSON string, then array, then object closes
-    instead of running on. Without this a small model that has said what it knows keeps writing inside an
+    (or a value ends with ',') instead of running on. Without this a small model that has said what it knows keeps writing inside an
     open string or array until max_tokens (seen on demo-vl). Only ever narrows to an allowed token, so the
     output stays valid; rows without closers (-1) or with EOS allowed are unchanged. No host sync."""
     wants_stop = torch.isin(logits.argmax(dim=-1), eos_ids)

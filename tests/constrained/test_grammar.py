@@ -173,3 +173,21 @@ def test_random_walk_is_reproducible_for_any_seed(compiler):
     seed = random.Random(7).randrange(1000)
     assert _random_walk(compiler, "regex", ANSWER_REGEX, 2, seed) == _random_walk(compiler, "regex", ANSWER_REGEX, 2,
                                                                                     seed)
+
+
+def test_a_json_row_that_wants_eos_closes_instead_and_others_are_unchanged():
+    from tessera.runner.sampler import close_on_stop_intent
+
+    vocab, eos, quote, bracket, letter = 8, 2, 3, 4, 5
+    logits = torch.zeros(3, vocab)
+    logits[:, eos] = 5.0  # every row's model wants to stop
+    logits[:, letter] = 1.0
+    allowed = torch.zeros(3, vocab, dtype=torch.bool)
+    allowed[:, [quote, bracket, letter]] = True  # inside a string: EOS not allowed
+    allowed[1, eos] = True  # row 1's grammar could end here
+    closers = torch.tensor([[quote, bracket], [quote, bracket], [-1, -1]])  # row 2 is not JSON
+    out = close_on_stop_intent(logits, allowed, closers, torch.tensor([eos]))
+    assert out[0].nonzero().flatten().tolist() == [quote]  # closes the string first
+    assert torch.equal(out[1], allowed[1]) and torch.equal(out[2], allowed[2])
+    logits[0, eos] = 0.0  # a row whose model does not want to stop keeps its choices
+    assert torch.equal(close_on_stop_intent(logits, allowed, closers, torch.tensor([eos]))[0], allowed[0])
