@@ -8,7 +8,7 @@ rank 0 samples, so under tensor parallelism the other ranks ignore the (small) m
 
 Building a matcher compiles its grammar's lexer (milliseconds for a schema, more for a large one), so it
 runs on a thread (`GrammarCompiler.submit`) and the request waits outside the batch until it is ready; the
-compiled matcher is kept as a template per grammar text and copied for each later request (microseconds).
+compiled matcher is kept as a template per (kind, source) and copied for each later request (microseconds).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer = None
-        self._templates: OrderedDict[str, object] = OrderedDict()
+        self._templates: OrderedDict[tuple[str, str], object] = OrderedDict()  # (kind, source) -> compiled matcher
         self._lock = threading.Lock()  # the template cache is touched by the compile thread and the loop
         self._pool: ThreadPoolExecutor | None = None
         # Single-token '"', ']', '}' and ',' (the order close_on_stop_intent prefers them in: close a string, then
@@ -92,20 +92,20 @@ class GrammarCompiler:
         return GrammarMatcher(template.deep_copy(), self.vocab_size,
                               self.json_closers if kind == "json_schema" else ())
 
-    def _cached(self, kind: str, grammar: str) -> GrammarMatcher | None:
+    def _cached(self, kind: str, source: str) -> GrammarMatcher | None:
         with self._lock:
-            template = self._templates.get(grammar)
+            template = self._templates.get((kind, source))
             if template is None:
                 return None
-            self._templates.move_to_end(grammar)
+            self._templates.move_to_end((kind, source))
         return self._matcher(kind, template)
 
     def build(self, kind: str, source: str) -> GrammarMatcher:
         """A fresh matcher for the constraint; raises ValueError naming the field if it cannot be built."""
-        grammar = grammar_text(kind, source)
-        cached = self._cached(kind, grammar)
+        cached = self._cached(kind, source)
         if cached is not None:
             return cached
+        grammar = grammar_text(kind, source)
         from llguidance import LLMatcher
 
         try:
@@ -116,20 +116,16 @@ class GrammarCompiler:
         if template.is_error():
             raise ValueError(f"{kind}: {template.get_error().strip().splitlines()[0]}")
         with self._lock:
-            self._templates[grammar] = template
+            self._templates[(kind, source)] = template
             while len(self._templates) > TEMPLATE_CACHE_SIZE:
                 self._templates.popitem(last=False)
         return self._matcher(kind, template)
 
     def submit(self, kind: str, source: str) -> Future:
-        """A future GrammarMatcher. A cached grammar is resolved at once; a new one compiles on the
-        compile thread, so the step loop never waits for it."""
+        """A future GrammarMatcher. A cached constraint is resolved at once; a new one is translated and
+        compiled on the compile thread, so the step loop never waits for it."""
         fut: Future = Future()
-        try:
-            cached = self._cached(kind, grammar_text(kind, source))
-        except ValueError as e:
-            fut.set_exception(e)
-            return fut
+        cached = self._cached(kind, source)
         if cached is not None:
             fut.set_result(cached)
             return fut

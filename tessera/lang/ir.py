@@ -86,16 +86,23 @@ def _parts(expr: Expr) -> tuple[Expr, ...]:
 
 # ---- the public constructors -----------------------------------------------------------------------------------
 _GEN_ALIASES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens"}
+# gen(dtype=...) as in SGLang: the answer is constrained to a literal of that type.
+_DTYPE_REGEX = {int: r"[-+]?[0-9]+", float: r"[-+]?[0-9]+(\.[0-9]+)?", bool: r"(True|False)"}
 
 
 def gen(name: str | None = None, max_tokens: int | None = None, *, stop: str | list[str] | None = None,
         temperature: float | None = None, choices: list[str] | None = None, regex: str | None = None,
-        json_schema: str | dict | None = None, ebnf: str | None = None, **params: Any) -> Expr:
+        json_schema: str | dict | None = None, ebnf: str | None = None, dtype: type | None = None,
+        **params: Any) -> Expr:
     """Generate here and store the text under `name`. Other keyword arguments are SamplingParams fields
     (top_p, top_k, min_p, seed, frequency_penalty, ...; max_tokens/min_tokens as OpenAI spells them).
-    `choices` makes it a select()."""
+    `choices` makes it a select(); `dtype` (int, float or bool) constrains the answer to such a literal."""
     if choices is not None:
         return select(name, choices, temperature=temperature or 0.0)
+    if dtype is not None and dtype is not str:
+        if dtype not in _DTYPE_REGEX or regex is not None:
+            raise ValueError(f"gen: dtype must be int, float, bool or str (and not with regex), got {dtype!r}")
+        regex = _DTYPE_REGEX[dtype]
     given = dict(max_tokens=max_tokens, stop=stop, temperature=temperature, regex=regex, json_schema=json_schema,
                  ebnf=ebnf, **params)
     return Gen(name, {_GEN_ALIASES.get(k, k): v for k, v in given.items() if v is not None})

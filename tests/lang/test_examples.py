@@ -59,6 +59,18 @@ def test_forks_share_the_state_so_far_and_diverge(demo_vl_engine):
     assert a[2]["content"] == "Again." and b[2]["content"] == "Once more." and len(a) == len(b) == 4
 
 
+def test_gen_dtype_constrains_the_answer(demo_vl_engine):
+    @tessera.function
+    def count(s):
+        s += tessera.user(tessera.image(lang_multi_turn.IMAGE) + "How many shapes are there?")
+        s += tessera.assistant(tessera.gen("n", max_tokens=6, temperature=0, dtype=int))
+
+    value = count.run(backend=demo_vl_engine)["n"]
+    assert int(value) == int(value.strip()), value  # an integer literal, though the model answers in words
+    with pytest.raises(ValueError, match="dtype"):
+        tessera.gen("x", dtype=list)
+
+
 def test_program_errors_surface_when_results_are_read(demo_vl_engine):
     @tessera.function
     def bad_schema(s):
