@@ -12,6 +12,7 @@ import base64
 import io
 import json
 import mimetypes
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,9 @@ class Completion:
 class Backend(Protocol):
     def complete(self, messages: list[Message], params: list[dict], logprobs: bool = False) -> list[Completion]:
         """One completion per entry of `params` (SamplingParams fields), all continuing `messages`."""
+
+    def stream(self, messages: list[Message], params: dict) -> Iterator[str | Completion]:
+        """One completion continuing `messages`: its text deltas as they come, then the Completion."""
 
 
 def _split_prefill(messages: list[Message]) -> tuple[list[Message], str | None]:
@@ -87,15 +91,24 @@ class EngineBackend:
                                     image_data=[media["image"] or None] * n, video_data=[media["video"] or None] * n,
                                     audio_data=[media["audio"] or None] * n, return_logprob=logprobs,
                                     video_kwargs=video_kwargs)
-        result = []
-        for out in outs:
-            meta = out["meta_info"]
-            finish = meta.get("finish_reason") or {}
-            result.append(Completion(out["text"], finish.get("type"),
-                                     [lp for lp, *_ in meta.get("output_token_logprobs", [])],
-                                     meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0),
-                                     meta.get("completion_tokens", 0)))
-        return result
+        return [_completion(out) for out in outs]
+
+    def stream(self, messages: list[Message], params: dict) -> Iterator[str | Completion]:
+        text, media, video_kwargs = self.prompt(messages)
+        out = None
+        for out in self.engine.generate(text, dict(params), image_data=media["image"] or None,
+                                        video_data=media["video"] or None, audio_data=media["audio"] or None,
+                                        stream=True, video_kwargs=video_kwargs):
+            if out["delta"]:
+                yield out["delta"]
+        yield _completion(out)
+
+
+def _completion(out: dict) -> Completion:
+    meta = out["meta_info"]
+    finish = meta.get("finish_reason") or {}
+    return Completion(out["text"], finish.get("type"), [lp for lp, *_ in meta.get("output_token_logprobs", [])],
+                      meta.get("prompt_tokens", 0), meta.get("cached_tokens", 0), meta.get("completion_tokens", 0))
 
 
 class RuntimeEndpoint:
@@ -152,6 +165,30 @@ class RuntimeEndpoint:
     def complete(self, messages: list[Message], params: list[dict], logprobs: bool = False) -> list[Completion]:
         bodies = [self._body(messages, p, logprobs) for p in params]
         return list(self._pool.map(self._post, bodies))
+
+    def stream(self, messages: list[Message], params: dict) -> Iterator[str | Completion]:
+        body = {**self._body(messages, params, False), "stream": True, "stream_options": {"include_usage": True}}
+        text, finish, usage = [], None, {}
+        with self._client.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                r.read()
+                raise (ValueError if r.status_code < 500 else RuntimeError)(r.text[:500])
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(chunk["error"].get("message", "stream error"))
+                usage = chunk.get("usage") or usage
+                for choice in chunk.get("choices") or []:
+                    delta = (choice.get("delta") or {}).get("content")
+                    if delta:
+                        text.append(delta)
+                        yield delta
+                    finish = choice.get("finish_reason") or finish
+        yield Completion("".join(text), finish, [], usage.get("prompt_tokens", 0),
+                         (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0),
+                         usage.get("completion_tokens", 0))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -53,9 +54,23 @@ class Program:
         self.func(state, *args, **kwargs)
         return state
 
-    def run(self, *args: Any, backend: Any = None, **kwargs: Any) -> ProgramState:
-        """Runs the program to its end and returns its state (results by name: state["name"])."""
-        return self._start(_resolve(backend), args, kwargs).sync()
+    def run(self, *args: Any, backend: Any = None, stream: bool = False, **kwargs: Any) -> ProgramState:
+        """Runs the program to its end and returns its state (results by name: state["name"]). With
+        stream=True it returns at once; read the text as it comes with state.text_iter()."""
+        if not stream:
+            return self._start(_resolve(backend), args, kwargs).sync()
+        state = ProgramState(_resolve(backend), stream=True)
+
+        def body() -> None:
+            try:
+                self.func(state, *args, **kwargs)
+            except BaseException as e:  # raised to the reader (text_iter, state["name"])
+                state.close(error=e)
+            else:
+                state.close()
+
+        threading.Thread(target=body, name="tessera-lang-program", daemon=True).start()
+        return state
 
     def run_batch(self, batch_kwargs: Sequence[dict], *, backend: Any = None, num_threads: int = 16) -> list[ProgramState]:
         """Runs the program once per dict of arguments, concurrently (up to num_threads programs build their

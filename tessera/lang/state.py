@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Iterator
 from typing import Any
 
 from tessera.lang.backend import Backend, Completion, Message, grammar_for_choices
@@ -17,8 +18,13 @@ from tessera.lang.ir import Concat, Expr, Gen, Media, Role, Select, Text, as_exp
 
 class ProgramState:
     def __init__(self, backend: Backend, messages: list[Message] | None = None,
-                 variables: dict[str, Any] | None = None):
+                 variables: dict[str, Any] | None = None, stream: bool = False):
         self.backend = backend
+        # Streaming (run(stream=True)): gen text arrives as deltas, read with text_iter(); the program's
+        # function has returned once `_closed` is set, so the iterator knows when nothing more can come.
+        self._stream = stream
+        self._chunks: deque[tuple[str | None, str]] = deque()  # (variable name, text) in output order
+        self._closed = not stream
         self._messages: list[Message] = messages or []
         self._variables: dict[str, Any] = variables or {}
         self._meta: dict[str, dict] = {}
@@ -51,6 +57,36 @@ class ProgramState:
             except BaseException as e:  # raised to whoever reads the state next
                 self._error = e
 
+    def close(self, error: BaseException | None = None) -> None:
+        """The program will append nothing more (text_iter ends once everything queued has run)."""
+        with self._cond:
+            self._closed = True
+            self._error = self._error or error
+            self._cond.notify_all()
+
+    def text_iter(self, var_name: str | None = None) -> Iterator[str]:
+        """The text the program adds, as it comes (gen deltas included); only a gen's when var_name is given.
+        Needs run(stream=True)."""
+        if not self._stream:
+            raise ValueError("text_iter: run the program with stream=True")
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._chunks or (self._closed and not self._running) or
+                                    self._error is not None)
+                if self._error is not None:
+                    raise self._error
+                if not self._chunks:
+                    return
+                name, text = self._chunks.popleft()
+            if var_name is None or name == var_name:
+                yield text
+
+    def _emit(self, name: str | None, text: str) -> None:
+        if self._stream and text:
+            with self._cond:
+                self._chunks.append((name, text))
+                self._cond.notify_all()
+
     def sync(self) -> ProgramState:
         """Waits until everything appended so far has run; re-raises the first error of the program."""
         with self._cond:
@@ -72,6 +108,7 @@ class ProgramState:
                 self._run(expr.content, expr.role)
         elif isinstance(expr, Text):
             self._current(role, "text").parts.append(expr.text)
+            self._emit(None, expr.text)
         elif isinstance(expr, Media):
             self._current(role, expr.modality).parts.append(expr)
         elif isinstance(expr, Gen):
@@ -94,16 +131,25 @@ class ProgramState:
             self._messages.append(Message("assistant", []))
         return self._messages[-1]
 
-    def _record(self, name: str | None, value: str, target: Message, meta: dict) -> None:
+    def _record(self, name: str | None, value: str, target: Message, meta: dict, streamed: bool = False) -> None:
         target.parts.append(value)
+        if not streamed:
+            self._emit(name, value)
         if name is not None:
             self._variables[name] = value
             self._meta[name] = meta
 
     def _gen(self, expr: Gen, role: str | None) -> None:
         target = self._reply_target(role, "gen")
-        (out,) = self.backend.complete(self._messages, [expr.params])
-        self._record(expr.name, out.text, target, _meta(out))
+        if not self._stream:
+            (out,) = self.backend.complete(self._messages, [expr.params])
+            self._record(expr.name, out.text, target, _meta(out))
+            return
+        for item in self.backend.stream(self._messages, expr.params):
+            if isinstance(item, str):
+                self._emit(expr.name, item)
+            else:
+                self._record(expr.name, item.text, target, _meta(item), streamed=True)
 
     def _select(self, expr: Select, role: str | None) -> None:
         target = self._reply_target(role, "select")

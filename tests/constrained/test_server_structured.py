@@ -118,3 +118,17 @@ def test_lang_examples_run_against_the_server(server):
     assert turns["circle_color"] == "red" and turns["cached_tokens_last_turn"] > 100
     validate_scene(lang_structured.main(server.base_url)["scene"])
     assert lang_fork_and_batch.main(server.base_url)["batch"][1] == "a green circle moving up"
+
+
+def test_lang_streams_over_http(server):
+    import tessera
+
+    @tessera.function
+    def describe(s):
+        s += tessera.user(tessera.image(IMAGE_URI) + "Describe the image.")
+        s += tessera.assistant(tessera.gen("d", max_tokens=32, temperature=0, regex=ANSWER_REGEX))
+
+    state = describe.run(backend=tessera.RuntimeEndpoint(server.base_url), stream=True)
+    pieces = list(state.text_iter("d"))
+    assert len(pieces) > 1 and "".join(pieces) == state["d"]
+    assert re.fullmatch(ANSWER_REGEX, state["d"]) and state.get_meta_info("d")["finish_reason"] == "stop"

@@ -92,3 +92,17 @@ def test_program_errors_surface_when_results_are_read(demo_vl_engine):
         tessera.lang.program._default_backend = None
         gen_in_user.run()
     json.dumps(tessera.lang.__all__)  # the public names are plain strings
+
+
+def test_streamed_program_text_arrives_in_pieces_and_adds_up(demo_vl_engine):
+    @tessera.function
+    def describe(s):
+        s += tessera.user(tessera.image(lang_multi_turn.IMAGE) + "Describe the image.")
+        s += tessera.assistant(tessera.gen("d", max_tokens=32, temperature=0))
+
+    state = describe.run(backend=demo_vl_engine, stream=True)
+    pieces = list(state.text_iter("d"))
+    assert len(pieces) > 1 and "".join(pieces) == state["d"] == SCENE
+    assert state.get_meta_info("d")["finish_reason"] == "stop"
+    everything = "".join(describe.run(backend=demo_vl_engine, stream=True).text_iter())
+    assert everything == "Describe the image." + SCENE
