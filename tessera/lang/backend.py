@@ -12,6 +12,7 @@ import base64
 import io
 import json
 import mimetypes
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -86,11 +87,13 @@ class EngineBackend:
 
     def complete(self, messages: list[Message], params: list[dict], logprobs: bool = False) -> list[Completion]:
         text, media, video_kwargs = self.prompt(messages)
-        n = len(params)
-        outs = self.engine.generate([text] * n, [dict(p) for p in params],
-                                    image_data=[media["image"] or None] * n, video_data=[media["video"] or None] * n,
-                                    audio_data=[media["audio"] or None] * n, return_logprob=logprobs,
-                                    video_kwargs=video_kwargs)
+
+        def one(p: dict) -> dict:  # one call per completion (no progress bar); concurrent, so they batch
+            return self.engine.generate(text, dict(p), image_data=media["image"] or None,
+                                        video_data=media["video"] or None, audio_data=media["audio"] or None,
+                                        return_logprob=logprobs, video_kwargs=video_kwargs)
+
+        outs = [one(params[0])] if len(params) == 1 else _in_threads(one, params)
         return [_completion(out) for out in outs]
 
     def stream(self, messages: list[Message], params: dict) -> Iterator[str | Completion]:
@@ -224,12 +227,40 @@ def _data_uri(src: Any) -> str:
     raise TypeError(f"media: expected a path, URL, data URI or PIL image, got {type(src).__name__}")
 
 
+def _in_threads(fn, items: list) -> list:
+    """fn over items on short-lived threads (joined here, so nothing outlives the call), results in order."""
+    results: list = [None] * len(items)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fn(items[i])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(items))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+_endpoints: dict[str, RuntimeEndpoint] = {}  # one per URL: runs share its connections and threads
+_endpoints_lock = threading.Lock()
+
+
 def as_backend(backend: Any) -> Backend:
     """An Engine, a server URL, or a backend object."""
-    if isinstance(backend, str):
-        return RuntimeEndpoint(backend)
     if hasattr(backend, "complete"):
         return backend
+    if isinstance(backend, str):
+        with _endpoints_lock:
+            if backend not in _endpoints:
+                _endpoints[backend] = RuntimeEndpoint(backend)
+            return _endpoints[backend]
     if hasattr(backend, "generate") and hasattr(backend, "apply_chat_template"):
         return EngineBackend(backend)
     raise TypeError(f"backend: expected a tessera.Engine, a server URL or a RuntimeEndpoint, got {type(backend)!r}")
