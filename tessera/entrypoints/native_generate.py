@@ -61,7 +61,8 @@ async def generate(serving: OpenAIServing, request: Request, body: dict):
     if body.get("logprob_start_len") not in (None, -1):
         raise APIError("logprob_start_len: prompt (input) logprobs are not computed; use -1", param="logprob_start_len")
     modalities = body.get("modalities")
-    if modalities is not None and (not isinstance(modalities, list) or set(modalities) - MODALITIES):
+    if modalities is not None and (not isinstance(modalities, list)
+                                   or not all(isinstance(m, str) and m in MODALITIES for m in modalities)):
         raise APIError(f"modalities: a list of {sorted(MODALITIES)}", param="modalities")
     prompts, batch = _batch(body)
     n = len(prompts)
