@@ -286,6 +286,12 @@ def test_media_io_kwargs_num_frames_changes_the_video(client, vl_media_dir):
     assert prompt_tokens(8) > prompt_tokens(2)
 
 
+def test_custom_roles_reach_the_template(client):
+    messages = [{"role": "my-custom-role", "content": "Name a shape."}, {"role": "user", "content": "Go on."}]
+    reply = client.chat.completions.create(model="demo-vl", messages=messages, max_tokens=2)
+    assert reply.usage.prompt_tokens > 10
+
+
 def test_continue_final_message_and_chat_echo(client):
     messages = [{"role": "user", "content": "Name a shape."}, {"role": "assistant", "content": "The shape is"}]
     reply = client.chat.completions.create(model="demo-vl", messages=messages, max_tokens=2, temperature=0,

@@ -223,8 +223,10 @@ def parse_chat_messages(messages: Any) -> tuple[list[dict], list[Any], list[Any]
         if not isinstance(msg, dict) or "role" not in msg:
             raise APIError(f"messages[{i}]: each message needs a role", param="messages")
         role = msg["role"]
-        if role not in ("system", "user", "assistant", "tool", "developer"):
-            raise APIError(f"messages[{i}].role: unknown role {role!r}", param="messages")
+        # Other roles go to the chat template as written (vLLM's custom roles); a template that rejects one
+        # is a 400 from the template.
+        if not isinstance(role, str) or not role.strip():
+            raise APIError(f"messages[{i}].role: must be a non-empty string", param="messages")
         role = "system" if role == "developer" else role
         extra = _tool_fields(msg, i)
         content = msg.get("content")
