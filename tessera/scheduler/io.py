@@ -70,6 +70,7 @@ class SchedulerStats:
     # Media payload received from the frontend: tensor bytes per modality ("image", "video", "audio"), and how
     # many items came as deferred raw pixels vs eager features / embeddings.
     mm_transport_bytes: dict[str, int] = field(default_factory=dict)
+    mm_transport_bytes_total: int = 0  # the sum over modalities
     mm_deferred_items: int = 0
     mm_eager_items: int = 0
 

@@ -155,6 +155,7 @@ class Scheduler:
             num_prefill_tokens_computed=self.num_prefill_tokens_computed,
             num_retractions=self.policy.num_retractions, num_steps_all_cores=self.num_steps_all_cores,
             dp_rank=self.dp_rank, mm_transport_bytes=dict(self.mm_transport_bytes),
+            mm_transport_bytes_total=sum(self.mm_transport_bytes.values()),
             mm_deferred_items=self.mm_items["deferred"], mm_eager_items=self.mm_items["eager"],
         )
 

@@ -29,6 +29,7 @@ def _run(engine, prompt, images, defer: bool):
     out = engine.generate(prompt, SP, image_data=images)
     after = engine.get_stats()
     sent = after.mm_transport_bytes["image"] - before.mm_transport_bytes["image"]
+    assert after.mm_transport_bytes_total - before.mm_transport_bytes_total == sent  # images only here
     return out, sent, (after.mm_deferred_items - before.mm_deferred_items, after.mm_eager_items - before.mm_eager_items)
 
 
