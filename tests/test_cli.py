@@ -136,3 +136,15 @@ def test_a_bad_boolean_is_a_usage_error(capsys) -> None:
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["serve", "--enable-metrics", "maybe"])
     assert info.value.code == 2 and "invalid boolean value" in capsys.readouterr().err
+
+
+def test_serve_on_a_port_in_use_is_one_line_before_loading() -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        out = run_cli("serve", "--port", str(s.getsockname()[1]), timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines()[-1].startswith("error: port: cannot listen on 127.0.0.1:")
+    assert "Traceback" not in out.stderr and "loading" not in out.stderr

@@ -307,8 +307,27 @@ def launch_server(args: ServerArgs) -> int:
     return asyncio.run(_serve(args))
 
 
+def check_port_free(host: str, port: int) -> None:
+    """A one-line error now if the address cannot be listened on (in use, not this machine's)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"host: cannot listen on {host!r}: {e.strerror}") from None
+    family, type_, proto, _, sockaddr = infos[0]
+    with socket.socket(family, type_, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: TIME_WAIT is no conflict
+        try:
+            sock.bind(sockaddr)
+        except OSError as e:
+            raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror}); pick another with "
+                             f"--port") from None
+
+
 async def _serve(args: ServerArgs) -> int:
     """Loads the model, then opens the socket: "listening" is said only once requests can be served."""
+    check_port_free(args.host, args.port)  # before minutes of loading, not after
     app = create_app(args)
     state: ServerState = app.state.tessera
     logger.info("loading %s (%s)", args.model_name, args.model_path)

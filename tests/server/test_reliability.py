@@ -71,6 +71,7 @@ def test_startup_and_access_log_lines(server):
                  "latency="):
         assert part in line, line
     assert "Traceback" not in out
+    assert "sequence length is longer" not in out  # the soak's huge prompts are refused without the HF warning
 
 
 @pytest.mark.slow
