@@ -139,7 +139,9 @@ class ServerArgs:
         set_("limit_mm_data_per_request", _json_dict("limit_mm_data_per_request", self.limit_mm_data_per_request))
         domains = self.allowed_media_domains
         if isinstance(domains, str):
-            domains = domains.split(",")
+            domains = [domains]
+        if domains is not None:
+            domains = [d for entry in domains for d in str(entry).split(",")]
         if domains is not None:
             set_("allowed_media_domains", tuple(d.strip().lower() for d in domains if d.strip()))
         for key in self.mm_process_config:
@@ -244,6 +246,8 @@ class ServerArgs:
                 group.add_argument(flag, type=float, default=default, metavar="X", help=help_text)
             elif f.type in ("dict",):
                 group.add_argument(flag, type=str, default=None, metavar="JSON", help=help_text)
+            elif f.type.startswith("tuple"):  # vLLM's form (`--allowed-media-domains a.com b.org`) or a,b
+                group.add_argument(flag, nargs="+", default=default, metavar="NAME", help=help_text)
             else:
                 group.add_argument(flag, type=str, default=default, help=help_text)
 

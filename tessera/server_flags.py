@@ -60,7 +60,7 @@ FLAGS: dict[str, tuple[str, str]] = {
                                                "local files)"),
     "allow_private_media_urls": ("multimodal", "let media URLs reach loopback/private addresses (link-local and "
                                                "cloud metadata stay refused)"),
-    "allowed_media_domains": ("multimodal", "comma-separated host names media URLs may use (*.example.com for "
+    "allowed_media_domains": ("multimodal", "host names media URLs may use, space- or comma-separated (*.example.com for "
                                             "subdomains; default: any public host)"),
     "max_image_pixels": ("multimodal", "refuse larger images before decoding (default: 67M pixels)"),
     "mm_preprocess_workers": ("multimodal", "processes that load and preprocess media (0: a thread pool in the "

@@ -148,3 +148,13 @@ def test_serve_on_a_port_in_use_is_one_line_before_loading() -> None:
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("error: port: cannot listen on 127.0.0.1:")
     assert "Traceback" not in out.stderr and "loading" not in out.stderr
+
+
+@pytest.mark.parametrize("argv", [["--allowed-media-domains", "a.com", "*.b.org"],
+                                  ["--allowed-media-domains", "a.com,*.b.org"]])
+def test_allowed_media_domains_in_both_forms(argv) -> None:
+    from tessera.cli import build_parser
+    from tessera.config import ServerArgs
+
+    args = ServerArgs.from_cli_args(build_parser().parse_args(["serve", *argv]))
+    assert args.allowed_media_domains == ("a.com", "*.b.org")

@@ -17,11 +17,9 @@ from tests.server.server_process import ServerProcess, children_of
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = ServerProcess("--model-path", "demo-vl", "--allowed-local-media-path",
-                        str(tmp_path_factory.mktemp("allowed")))
-    yield srv
-    srv.stop()
+def server(vl_server):
+    """The session's demo-vl server (its private-URL permission turns those hostile requests into 422s)."""
+    return vl_server
 
 
 def gauges(server) -> dict[str, float]:
