@@ -34,7 +34,7 @@ from tessera.sampling_params import SamplingParams
 
 logger = logging.getLogger("tessera.server")
 WATCH_INTERVAL_S = 0.1
-DRAIN_TIMEOUT_S = 20.0  # SIGTERM: in-flight requests get this long to finish; uvicorn waits 5 s more
+DRAIN_TIMEOUT_S = 15.0  # SIGTERM: in-flight requests get this long to finish; uvicorn waits 5 s more (exit < 30 s)
 FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 
 
