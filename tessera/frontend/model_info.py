@@ -33,6 +33,12 @@ class ModelInfo:
             tokenizer = processor.tokenizer
         else:
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
+        # transformers warns "sequence length is longer than the specified maximum" for over-long prompts,
+        # which the frontend refuses with a 400 of its own: mark the warning as given (in every process that
+        # tokenizes, the preprocessing workers too).
+        warned = getattr(tokenizer, "deprecation_warnings", None)
+        if isinstance(warned, dict):
+            warned["sequence-length-is-longer-than-the-specified-maximum"] = True
         if args.chat_template:
             tokenizer.chat_template = _read_template(args.chat_template)
             if processor is not None:

@@ -86,11 +86,6 @@ class TokenizerManager:
         self.args = args
         self.info = ModelInfo.load(args)
         self.tokenizer = self.info.tokenizer
-        # transformers warns "sequence length is longer than the specified maximum" for over-long prompts,
-        # which _tokenize refuses with a 400 of its own: mark the warning as given.
-        warned = getattr(self.tokenizer, "deprecation_warnings", None)
-        if isinstance(warned, dict):
-            warned["sequence-length-is-longer-than-the-specified-maximum"] = True
         self.mm_processor = self.info.make_mm_processor()
         self.executor = ThreadPoolExecutor(max_workers=PREPROCESS_THREADS, thread_name_prefix="tessera-pre")
         self.preprocess_pool = None  # --mm-preprocess-workers: media preprocessing in worker processes
