@@ -73,7 +73,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     "api_key": ("server", "require 'Authorization: Bearer KEY' (not on /health and /metrics, as SGLang)"),
     "log_level": ("server", "debug, info, warning, error (debug also prints tracebacks of CLI errors)"),
     "enable_metrics": ("server", "serve Prometheus metrics at /metrics (false: /metrics answers 404)"),
-    "disable_tqdm": ("server", "no progress bars"),
+    "disable_tqdm": ("server", "no progress bars (weight loading; Engine.generate batches)"),
 }
 
 _TRUE = {"true", "1", "yes", "y", "on"}

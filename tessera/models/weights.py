@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -87,9 +88,9 @@ def iter_checkpoint(model_path: str | Path) -> Iterator[tuple[str, torch.Tensor]
     """Yields (name, tensor) one tensor at a time, so peak host memory stays near one tensor.
 
     A progress bar over the shards goes to stderr when tessera logs at info level (the server does; tests
-    and library use, which configure no logging, stay quiet)."""
+    and library use, which configure no logging, stay quiet; so does TQDM_DISABLE=1, set by --disable-tqdm)."""
     files = checkpoint_files(model_path)
-    if logging.getLogger("tessera").isEnabledFor(logging.INFO):
+    if logging.getLogger("tessera").isEnabledFor(logging.INFO) and not os.environ.get("TQDM_DISABLE"):
         from tqdm import tqdm
 
         files = tqdm(files, desc="Loading safetensors shards", unit="shard", dynamic_ncols=True)

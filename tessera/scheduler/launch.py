@@ -35,6 +35,8 @@ def main() -> None:
     to_sched, from_sched, ready = sys.argv[1:4]
     dp_rank = int(sys.argv[4]) if len(sys.argv) > 4 else 0
     args = ServerArgs(**json.loads(sys.stdin.read()))
+    if args.disable_tqdm:  # the weight-loading progress bar (models/weights.py)
+        os.environ["TQDM_DISABLE"] = "1"
     exit_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when we stop
