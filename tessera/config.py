@@ -119,6 +119,9 @@ class ServerArgs:
     # subdomains. None: any public host.
     allowed_media_domains: tuple[str, ...] | None = None
     max_image_pixels: int | None = None  # refuse larger images before decoding (None: the loader's default)
+    # Largest HTTP request body read (inline base64 media included); larger ones are a 413 before they are
+    # buffered, so one client cannot fill the frontend's memory.
+    max_request_body_mb: int = 1024
     # Images go to the worker as uint8 pixels and are resized/normalised/patchified there, right before the
     # vision encoder (on its device), when that is smaller than the processed features; this turns it off.
     disable_deferred_mm_preprocessing: bool = False
@@ -150,7 +153,7 @@ class ServerArgs:
         for key, val in self.limit_mm_data_per_request.items():
             if key not in ("image", "video", "audio") or not isinstance(val, int) or val < 0:
                 raise ValueError(f"limit_mm_data_per_request: bad entry {key!r}: {val!r}")
-        positive = ("max_running_requests", "chunked_prefill_size", "max_prefill_tokens", "page_size",
+        positive = ("max_request_body_mb", "max_running_requests", "chunked_prefill_size", "max_prefill_tokens", "page_size",
                     "stream_interval")
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:

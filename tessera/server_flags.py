@@ -70,6 +70,7 @@ FLAGS: dict[str, tuple[str, str]] = {
     # server
     "host": ("server", "address to listen on"),
     "port": ("server", "port to listen on"),
+    "max_request_body_mb": ("server", "largest request body in MiB (inline media included); larger: HTTP 413"),
     "api_key": ("server", "require 'Authorization: Bearer KEY' (not on /health and /metrics, as SGLang)"),
     "log_level": ("server", "debug, info, warning, error (debug also prints tracebacks of CLI errors)"),
     "enable_metrics": ("server", "serve Prometheus metrics at /metrics (false: /metrics answers 404)"),

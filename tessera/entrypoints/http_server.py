@@ -145,7 +145,7 @@ def create_app(args: ServerArgs) -> FastAPI:
     app = FastAPI(title="Tessera", lifespan=lifespan)
     app.state.tessera = state
 
-    app.add_middleware(ServerMiddleware, api_key=args.api_key,
+    app.add_middleware(ServerMiddleware, api_key=args.api_key, max_body_bytes=args.max_request_body_mb << 20,
                        count=lambda path, status: state.metrics.requests.labels(args.model_name, path,
                                                                                 str(status)).inc())
 

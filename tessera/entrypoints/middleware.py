@@ -57,9 +57,14 @@ def request_id_of(scope: dict) -> str | None:
     return (scope.get("state") or {}).get("request_id")
 
 
+class BodyTooLarge(Exception):
+    status = 413
+    public = True
+
+
 class ServerMiddleware:
-    def __init__(self, app, *, api_key: str | None, count=None):
-        self.app, self.api_key = app, api_key
+    def __init__(self, app, *, api_key: str | None, count=None, max_body_bytes: int | None = None):
+        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
         self.count = count  # callable(path, status) for the Prometheus request counter, or None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -86,11 +91,18 @@ class ServerMiddleware:
                 done = True
             await send(message)
 
+        received = 0
+        too_large = f"body: larger than --max-request-body-mb ({(self.max_body or 0) >> 20} MiB)"
+
         async def receive_wrapper():
-            nonlocal disconnected
+            nonlocal disconnected, received
             message = await receive()
             if message["type"] == "http.disconnect" and not done:
                 disconnected = True
+            elif message["type"] == "http.request" and self.max_body is not None:
+                received += len(message.get("body", b""))
+                if received > self.max_body:  # a chunked body that declared no length
+                    raise BodyTooLarge(too_large)
             return message
 
         try:
@@ -99,6 +111,10 @@ class ServerMiddleware:
                 if auth != f"Bearer {self.api_key}":
                     await _send_json(send_wrapper, error_body("invalid API key", 401), 401)
                     return
+            declared = headers.get(b"content-length", b"")
+            if self.max_body is not None and declared.isdigit() and int(declared) > self.max_body:
+                await _send_json(send_wrapper, error_body(too_large, 413), 413)
+                return
             try:
                 await self.app(scope, receive_wrapper, send_wrapper)
             except Exception as e:  # noqa: BLE001 - the last word on anything a route did not turn into a 4xx

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 
 from tessera.entrypoints.middleware import ServerMiddleware, observe_generation
@@ -15,10 +15,15 @@ from tessera.frontend.tokenizer_manager import EngineUnavailable
 HERE = __file__
 
 
-def make_app(api_key: str | None = None) -> tuple[FastAPI, list]:
+def make_app(api_key: str | None = None, max_body_bytes: int | None = None) -> tuple[FastAPI, list]:
     app = FastAPI()
     counted: list = []
-    app.add_middleware(ServerMiddleware, api_key=api_key, count=lambda path, status: counted.append((path, status)))
+    app.add_middleware(ServerMiddleware, api_key=api_key, count=lambda path, status: counted.append((path, status)),
+                       max_body_bytes=max_body_bytes)
+
+    @app.post("/v1/echo")
+    async def echo(request: Request):
+        return {"size": len(await request.body())}
 
     @app.get("/v1/boom")
     async def boom():
@@ -94,3 +99,13 @@ def test_public_message_cuts_tracebacks_and_server_paths():
     root = tessera.__file__.rsplit("/tessera/", 1)[0]
     msg = public_message(f"bad thing in {root}/tessera/x.py\nTraceback (most recent call last):\n  File ...")
     assert "Traceback" not in msg and root not in msg and msg.startswith("bad thing in <server>")
+
+
+def test_bodies_over_the_limit_are_413_before_they_are_buffered():
+    app, _ = make_app(max_body_bytes=100)
+    with TestClient(app, raise_server_exceptions=False) as c:
+        assert c.post("/v1/echo", content=b"x" * 100).json() == {"size": 100}
+        r = c.post("/v1/echo", content=b"x" * 101)
+        assert r.status_code == 413 and "--max-request-body-mb" in r.json()["error"]["message"]
+        chunked = c.post("/v1/echo", content=iter([b"x" * 60, b"x" * 60]))  # no Content-Length
+        assert chunked.status_code == 413 and chunked.json()["error"]["code"] == 413
