@@ -28,6 +28,7 @@ from tessera.entrypoints.openai import tokenization
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
 from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
 from tessera.entrypoints.openai.transcriptions import TranscriptionServing
+from tessera.entrypoints.playground import add_playground_routes
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import TokenizerManager
 from tessera.sampling_params import SamplingParams
@@ -197,6 +198,8 @@ def create_app(args: ServerArgs) -> FastAPI:
         if not state.ready:
             raise APIError(not_ready_reason(), status=503)
         return state.serving
+
+    add_playground_routes(app, api_key_required=bool(args.api_key))
 
     @app.get("/health")
     async def health():

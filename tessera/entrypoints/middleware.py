@@ -15,6 +15,7 @@ import uuid
 from dataclasses import dataclass
 
 from tessera.entrypoints.openai.errors import error_body
+from tessera.entrypoints.playground import is_public
 
 logger = logging.getLogger("tessera.access")
 OPEN_PATHS = ("/health", "/metrics")  # as SGLang: probes and Prometheus scrape without the API key
@@ -106,7 +107,7 @@ class ServerMiddleware:
             return message
 
         try:
-            if self.api_key and not path.startswith(OPEN_PATHS) and method != "OPTIONS":
+            if self.api_key and not (path.startswith(OPEN_PATHS) or is_public(path)) and method != "OPTIONS":
                 auth = headers.get(b"authorization", b"").decode("latin-1")
                 if auth != f"Bearer {self.api_key}":
                     await _send_json(send_wrapper, error_body("invalid API key", 401), 401)
