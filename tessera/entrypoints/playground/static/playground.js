@@ -134,6 +134,8 @@ async function streamChat(body, onDelta, signal) {
     headers: { "Content-Type": "application/json", ...authHeaders() },
     body: JSON.stringify(body),
     signal,
+  }).catch((err) => {
+    throw err.name === "AbortError" ? err : new Error(`cannot reach the server (${err.message})`);
   });
   if (!response.ok) throw new Error(await errorMessage(response));
   const result = { finishReason: null, usage: null };
@@ -155,7 +157,10 @@ async function* serverSentEvents(stream) {
   let buffer = "";
   try {
     for (;;) {
-      const { value, done } = await reader.read();
+      const { value, done } = await reader.read().catch((err) => {
+        if (err.name === "AbortError") throw err;
+        throw new Error(`the connection broke off before the answer was complete (${err.message})`);
+      });
       if (done) return;
       buffer += value;
       let end;
