@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -123,15 +124,25 @@ def test_chat_with_an_image_in_headless_chromium(browser) -> None:
         errors = [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
         assert errors == []
 
-        # A request the server refuses: its message is shown, and the question comes back to the composer.
-        max_tokens = browser.find_element(By.ID, "max-tokens")
-        max_tokens.clear()
-        max_tokens.send_keys("-5")
+        # A schema the server refuses: its message is shown and the question comes back to the composer;
+        # with a valid schema the same question gets an answer that parses.
+        schema_box = browser.find_element(By.ID, "json-schema")
+        schema_box.send_keys('{"type": "nonsense"}')
         browser.find_element(By.ID, "prompt").send_keys("How many shapes are there?\n")
         wait.until(lambda d: d.find_element(By.ID, "error").is_displayed())
-        assert browser.find_element(By.ID, "error-text").text == "max_tokens must be >= 0, got -5"
+        assert browser.find_element(By.ID, "error-text").text == "response_format: Invalid type: nonsense"
         assert browser.find_element(By.ID, "prompt").get_attribute("value") == "How many shapes are there?"
         assert len(browser.find_elements(By.CSS_SELECTOR, ".message")) == 2
+        schema_box.clear()
+        schema_box.send_keys(json.dumps({"type": "object", "properties": {"count": {"type": "integer"}},
+                                         "required": ["count"]}))
+        browser.find_element(By.ID, "send").click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".message.assistant[data-done]")) == 2)
+        assert not browser.find_element(By.ID, "error").is_displayed()
+        second = browser.find_elements(By.CSS_SELECTOR, ".message.assistant")[1]
+        assert isinstance(json.loads(second.find_element(By.CLASS_NAME, "text").text)["count"], int)
+        # The conversation so far, image included, came from the prefix cache.
+        assert re.search(r"· [1-9]\d* of \d+ prompt tokens cached", second.find_element(By.CLASS_NAME, "stats").text)
 
         browser.find_element(By.ID, "clear").click()
         assert browser.find_elements(By.CSS_SELECTOR, ".message") == []
