@@ -86,7 +86,13 @@ class ServerArgs:
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous
     random_seed: int = 0
     context_length: int | None = None
-    attention_backend: str = "torch_native"
+    # auto: triton on CUDA (paged kernels, CUDA graphs for decode), torch_native elsewhere.
+    attention_backend: str = "auto"
+    # Decode steps replay CUDA graphs captured per batch-size bucket up to cuda_graph_max_bs (None: up to
+    # max_running_requests, at most 160); larger batches, prefill chunks and steps with media run eagerly.
+    # Only on CUDA with a backend that supports it (triton) and one TP rank.
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int | None = None
     # Decode reads each request's K/V from a contiguous copy kept across steps (appending one token per
     # step) instead of gathering it from the pool's pages every step; it costs up to the pool's size again.
     disable_decode_kv_mirror: bool = False
@@ -164,6 +170,9 @@ class ServerArgs:
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static: must be in (0, 1), got {self.mem_fraction_static!r}")
         _check_device(self.device)
+        if self.cuda_graph_max_bs is not None and (not isinstance(self.cuda_graph_max_bs, int)
+                                                   or self.cuda_graph_max_bs < 1):
+            raise ValueError(f"cuda_graph_max_bs: must be a positive integer, got {self.cuda_graph_max_bs!r}")
         if self.cpu_threads is not None and (not isinstance(self.cpu_threads, int) or self.cpu_threads < 1):
             raise ValueError(f"cpu_threads: must be a positive integer, got {self.cpu_threads!r}")
         for name in ("tp_size", "dp_size"):

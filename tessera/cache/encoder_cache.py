@@ -14,7 +14,9 @@ import torch
 class EncoderCache:
     def __init__(self, capacity_bytes: int, keep_on_device: bool = False):
         self.capacity_bytes = capacity_bytes
-        # Features normally go to the host to spare device memory; keep_on_device saves the copy.
+        # Features normally go to the host to spare device memory (--keep-mm-feature-on-device keeps them
+        # where the encoder left them, saving two copies per hit); host copies of CUDA tensors are pinned, so
+        # the copy back to the device on a hit is asynchronous.
         self.keep_on_device = keep_on_device
         self._entries: OrderedDict[int, torch.Tensor] = OrderedDict()
         self.used_bytes = 0
@@ -34,8 +36,8 @@ class EncoderCache:
         size = value.numel() * value.element_size()
         if size > self.capacity_bytes or key in self._entries:
             return
-        if not self.keep_on_device:
-            value = value.to("cpu")
+        if not self.keep_on_device and value.device.type != "cpu":
+            value = _to_host(value)
         while self.used_bytes + size > self.capacity_bytes:
             _, old = self._entries.popitem(last=False)
             self.used_bytes -= old.numel() * old.element_size()
@@ -51,3 +53,9 @@ class EncoderCache:
 
     def __contains__(self, key: int) -> bool:
         return key in self._entries
+
+
+def _to_host(value: torch.Tensor) -> torch.Tensor:
+    if isinstance(value, torch.Tensor) and value.is_cuda:
+        return torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value)
+    return value.to("cpu")

@@ -177,14 +177,14 @@ class TokenizerManager:
 
     def server_info(self) -> dict:
         """SGLang's /get_server_info shape: the server arguments at the top level, with the settings they
-        resolved to in the worker (device, dtype, KV pool size, context length) in place of "auto"/None;
+        resolved to in the worker (device, dtype, KV pool size, context length, attention backend) in place of "auto"/None;
         the arguments as given under "server_args" and the worker's settings under "effective"."""
         given = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
         effective = dict(dataclasses.asdict(self.worker_info) if self.worker_info else {},
                          architecture=self.info.architecture,
                          modalities=sorted(m.value for m in self.info.modalities))
-        resolved = {k: effective[k] for k in ("device", "dtype", "max_total_tokens", "context_length")
-                    if k in effective}
+        resolved = {k: effective[k] for k in ("device", "dtype", "max_total_tokens", "context_length",
+                                              "attention_backend") if k in effective}
         replicas = [dict(dataclasses.asdict(w), dp_rank=i, alive=self.dispatcher.alive[i],
                          in_flight=self.dispatcher.in_flight[i]) for i, w in enumerate(self.worker_infos)]
         return {**given, **resolved, "max_total_num_tokens": effective.get("max_total_tokens"),

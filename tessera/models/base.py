@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from torch import nn
@@ -82,6 +82,10 @@ class TesseraModel(nn.Module):
     ones override `encoders`; a family with another position scheme overrides prepare_step."""
 
     config: ModelConfig
+    # A decode step (one token per request, no media) runs on the device alone, planned from device tensors:
+    # no host reads, no shapes that depend on values. The worker captures such steps in CUDA graphs
+    # (worker/cuda_graph.py); a model opts in once its forward holds to that.
+    cuda_graph_decode: ClassVar[bool] = False
 
     @classmethod
     def build(cls, config: ModelConfig, attn_backend: BaseAttentionBackend,

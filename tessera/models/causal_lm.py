@@ -30,6 +30,7 @@ class CausalLM(TesseraModel):
     # The `model.*` stack: (config, options, backend) -> module with embed_tokens and forward(x, positions, fb,
     # pool) -> final hidden states. A family with its own block layout (Gemma-3) names its own.
     decoder_model_class: ClassVar[type[torch.nn.Module]] = DecoderModel
+    cuda_graph_decode: ClassVar[bool] = True  # the shared decoder blocks (and Gemma-3's) hold to it
 
     def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
                  language_model_only: bool = False):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tessera.layers.attention import get_attention_backend
+from tessera.layers.attention import get_attention_backend, resolve_attention_backend
 from tessera.models.base import TesseraModel
 from tessera.models.config import ModelConfig
 from tessera.models.families import get_family, supported_architectures
@@ -84,6 +84,7 @@ def load_model(
     cls = config.family.model_class()
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config, dev)
+    attention_backend = resolve_attention_backend(attention_backend, dev)
     backend = get_attention_backend(attention_backend)
     # Per-layer sliding windows are a config fact too (Qwen2/Mistral may set them without their family needing it).
     needs = config.family.backend_needs | ({"sliding_window"} if any(config.sliding_windows) else set())

@@ -41,6 +41,10 @@ class ForwardBatch:
     host_req_pool_indices: list[int] | None = None
     # Encoder-decoder models: each request's cross-attention K/V slots in the pool [B, cross_attention_len].
     cross_slots: torch.Tensor | None = None
+    # Every request adds one token and attends causally (no custom masks, no media). Set by the CUDA-graph
+    # runner, whose batches carry no host copies (a captured graph replays with other values): a backend that
+    # supports graphs plans such a batch from its device tensors alone.
+    decode_only: bool = False
     extend_start_loc: torch.Tensor = field(init=False)
     prefix_lens: torch.Tensor = field(init=False)
 

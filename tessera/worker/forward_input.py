@@ -112,3 +112,4 @@ class WorkerInfo:
     decode_kv_mirror: bool
     tp_size: int = 1
     num_parameters: int = 0  # of this rank's model (its shard under tensor parallelism)
+    cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch-size buckets replayed as CUDA graphs; () = off

@@ -17,6 +17,7 @@ from tessera.cache.kv_pool import TokenToKVPool
 from tessera.config import ServerArgs
 from tessera.distributed.encoder_dp import dp_sharded_encode
 from tessera.distributed.parallel_state import min_over_ranks, tp_group
+from tessera.layers.attention import get_attention_backend, resolve_attention_backend
 from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError
 from tessera.models.registry import load_model, resolve_device
@@ -24,7 +25,14 @@ from tessera.multimodal.deferred import materializer_for
 from tessera.multimodal.items import Modality, MultimodalDataItem
 from tessera.runner.forward_batch import ForwardBatch
 from tessera.runner.sampler import Sampler, SamplingBatchInfo
+from tessera.worker.cuda_graph import (
+    DEFAULT_MAX_BS,
+    DecodeGraphRunner,
+    DecodeInputs,
+    capture_batch_sizes,
+)
 from tessera.worker.forward_input import ForwardInput, StepOutput, WorkerInfo
+from tessera.worker.input_stager import InputStager
 from tessera.worker.masks import span_mask
 
 logger = logging.getLogger("tessera.worker")
@@ -59,9 +67,10 @@ class ModelWorker:
         self.device = resolve_device(args.device)
         if self.device.type == "cuda" and (self.tp.size > 1 or args.base_gpu_id):
             self.device = torch.device("cuda", args.base_gpu_id + self.tp.rank)  # one GPU per rank
+        backend_name = resolve_attention_backend(args.attention_backend, self.device)
         self.model, self.config = load_model(args.model_path, dtype=args.dtype, device=self.device,
                                              language_model_only=args.language_model_only,
-                                             attention_backend=args.attention_backend, config=config)
+                                             attention_backend=backend_name, config=config)
         self.dtype = next(self.model.parameters()).dtype
         self.context_length = args.context_length or self.config.max_position_embeddings
         layout = self.model.kv_layout
@@ -70,9 +79,13 @@ class ModelWorker:
         size = min_over_ranks(kv_pool_tokens(args, bytes_per_token, mem_info), self.device)  # ranks must agree
         self.kv_pool = TokenToKVPool(size, layout.num_layers, layout.num_kv_heads, layout.head_dim,
                                      dtype=self.dtype, device=self.device)
-        # The worker's copy of the slot table, kept equal to the scheduler's by ForwardInput.slot_writes.
-        self.req_to_token = torch.zeros((args.max_running_requests + 1, self.context_length + 8),
+        # The worker's copy of the slot table, kept equal to the scheduler's by ForwardInput.slot_writes. The
+        # scheduler uses rows 0..max_running_requests; the last row is never a request's: it stays all slot 0
+        # (the dummy), for the padding rows of CUDA-graph batches.
+        self.req_to_token = torch.zeros((args.max_running_requests + 2, self.context_length + 8),
                                         dtype=torch.int64, device=self.device)
+        self.pad_row = args.max_running_requests + 1
+        self.stager = InputStager(self.device)
         self.encoder_cache = EncoderCache(args.mm_cache_size_mb * 1024 * 1024, args.keep_mm_feature_on_device)
         self.encoders = self.model.encoders()
         # Images the frontend sent as raw pixels are preprocessed here, by whichever rank encodes them.
@@ -87,12 +100,48 @@ class ModelWorker:
         # Encoder-decoder models: rid -> its cross-attention K/V slots (device), from fill to release.
         self.encoder_decoder = self.config.family.encoder_decoder
         self._cross_slots: dict[str, torch.Tensor] = {}
+        self.graph_runner = self._capture_decode_graphs(backend_name)
         self.info = WorkerInfo(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                                max_total_tokens=size, kv_bytes_per_token=bytes_per_token,
                                context_length=self.context_length, vocab_size=self.config.vocab_size,
-                               attention_backend=args.attention_backend, decode_kv_mirror=self.use_decode_mirror,
+                               attention_backend=backend_name, decode_kv_mirror=self.use_decode_mirror,
                                tp_size=self.tp.size,
-                               num_parameters=sum(p.numel() for p in self.model.parameters()))
+                               num_parameters=sum(p.numel() for p in self.model.parameters()),
+                               cuda_graph_batch_sizes=tuple(self.graph_runner.sizes) if self.graph_runner else ())
+
+    # ---- CUDA graphs -------------------------------------------------------------------------------
+    def decode_graph_runner(self, max_bs: int) -> DecodeGraphRunner:
+        """A runner of padded decode steps over this worker's model, pool and slot table (not captured)."""
+        return DecodeGraphRunner(self.model, self.kv_pool, self.req_to_token, capture_batch_sizes(max_bs),
+                                 self.pad_row, self.config.positions == "mrope")
+
+    def _capture_decode_graphs(self, backend_name: str) -> DecodeGraphRunner | None:
+        """The decode graphs (see worker/cuda_graph.py), or None where they do not apply or capture failed:
+        every step then runs eagerly."""
+        args = self.args
+        why_not = None
+        if args.disable_cuda_graph:
+            return None
+        if self.device.type != "cuda":
+            return None  # graphs are a CUDA feature; quietly off elsewhere
+        if "cuda_graph" not in get_attention_backend(backend_name).features:
+            why_not = f"attention backend {backend_name} plans on the host"
+        elif not type(self.model).cuda_graph_decode or self.encoder_decoder:
+            why_not = f"{type(self.model).__name__} has host-side work in its decode step"
+        elif self.tp.size > 1:
+            why_not = "tensor parallelism (collectives are not captured)"
+        if why_not:
+            logger.info("CUDA graphs off: %s", why_not)
+            return None
+        runner = self.decode_graph_runner(min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, args.max_running_requests))
+        try:
+            runner.capture()
+        except Exception as e:  # a model whose decode cannot be captured still serves, eagerly
+            logger.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
+            torch.cuda.synchronize(self.device)
+            return None
+        logger.info("CUDA graphs captured for decode batch sizes %s", runner.sizes)
+        return runner
 
     # ---- cache control ---------------------------------------------------------------------------
     def flush_cache(self) -> None:
@@ -130,9 +179,10 @@ class ModelWorker:
             emb = found[p.item]
             self._held.setdefault(fi.rids[p.req], {})[fi.mm_items[p.item].hash] = emb
             rows.append(torch.arange(p.row, p.row + p.hi - p.lo))
-            # Slices move one by one: cached entries live on the host (unless --keep-mm-feature-on-device)
-            # while fresh encoder outputs are on the device, and torch.cat refuses such a mix.
-            embeds.append(emb[p.lo:p.hi].to(self.device))
+            # Slices move one by one: cached entries live on the host (pinned on CUDA; unless
+            # --keep-mm-feature-on-device) while fresh encoder outputs are on the device, and torch.cat
+            # refuses such a mix.
+            embeds.append(emb[p.lo:p.hi].to(self.device, non_blocking=True))
         return torch.cat(rows).to(self.device), torch.cat(embeds)
 
     def _encode(self, fi: ForwardInput, missing: dict[int, list[int]]) -> dict[int, torch.Tensor]:
@@ -198,17 +248,25 @@ class ModelWorker:
                  for spans, seq, ext in zip(fi.bidirectional_spans, fi.seq_lens, fi.extend_lens)]
         return masks if any(m is not None for m in masks) else None
 
-    def _apply_slot_writes(self, fi: ForwardInput) -> None:
-        """One host-to-device copy for all the step's slot writes, then device-side copies in order (a row
-        freed and reused between two steps gets its writes in the order they happened)."""
+    @staticmethod
+    def _slot_write_parts(fi: ForwardInput) -> list[torch.Tensor]:
+        """The step's slot writes as host tensors (values, rows, columns), staged with the other inputs."""
         writes = fi.slot_writes
         if not writes:
+            return []
+        values = torch.cat([w.slots for w in writes])
+        rows = torch.cat([torch.full((w.slots.shape[0],), w.row, dtype=torch.int64) for w in writes])
+        cols = torch.cat([torch.arange(w.start, w.start + w.slots.shape[0]) for w in writes])
+        return [values, rows, cols]
+
+    def _apply_slot_writes(self, fi: ForwardInput, staged: list[torch.Tensor]) -> None:
+        """Device-side copies of the staged writes, in order (a row freed and reused between two steps gets
+        its writes in the order they happened)."""
+        if not staged:
             return
-        values = torch.cat([w.slots for w in writes]).to(self.device, non_blocking=True)
-        if len({w.row for w in writes}) == len(writes):  # no row written twice: one scatter does it all
-            rows = torch.cat([torch.full((w.slots.shape[0],), w.row, dtype=torch.int64) for w in writes])
-            cols = torch.cat([torch.arange(w.start, w.start + w.slots.shape[0]) for w in writes])
-            self.req_to_token.index_put_((rows.to(self.device), cols.to(self.device)), values)
+        values, rows, cols = staged
+        if len({w.row for w in fi.slot_writes}) == len(fi.slot_writes):  # no row written twice: one scatter
+            self.req_to_token.index_put_((rows, cols), values)
             return
         offset = 0
         for w in fi.slot_writes:
@@ -216,38 +274,57 @@ class ModelWorker:
             self.req_to_token[w.row, w.start:w.start + n] = values[offset:offset + n]
             offset += n
 
+    def _graph_bucket(self, fi: ForwardInput, masks: list[torch.Tensor | None] | None) -> int | None:
+        """The CUDA-graph bucket of a pure decode step (one token per request, each sampled, no media, no
+        custom mask); None when the step runs eagerly."""
+        if self.graph_runner is None or fi.mm_placements or masks is not None or fi.cross_fills:
+            return None
+        if fi.num_tokens != len(fi.seq_lens) or fi.logits_rows != list(range(fi.num_tokens)):
+            return None
+        return self.graph_runner.bucket_for(fi.num_tokens, fi.positions)
+
     # ---- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, fi: ForwardInput) -> StepOutput:
+    def forward(self, fi: ForwardInput) -> torch.Tensor:
+        """The step's model forward: its logits [len(fi.logits_rows), vocab]."""
         for rid in fi.released:
             self._held.pop(rid, None)
             self._cross_slots.pop(rid, None)
-        dev = self.device
-        self._apply_slot_writes(fi)
+        writes = self._slot_write_parts(fi)
+        (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, extend_lens, logits_rows,
+         *staged_writes) = self.stager.to_device(
+            [fi.input_ids, fi.positions, fi.out_cache_loc, fi.req_pool_indices, fi.seq_lens, fi.extend_lens,
+             fi.logits_rows, *writes])
+        self._apply_slot_writes(fi, staged_writes)
+        masks = self._custom_masks(fi)
         mm_rows, mm_embeds = self._mm_embeds(fi)
         cross_slots = self._fill_cross(fi)
-
-        def ints(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=dev)
-
+        for rid in fi.prompt_done:  # embeddings are only needed until the prompt's KV exists
+            self._held.pop(rid, None)
+        bucket = self._graph_bucket(fi, masks)
+        if bucket is not None and self.graph_runner is not None:
+            return self.graph_runner.forward(
+                DecodeInputs(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens), bucket)
         fb = ForwardBatch(
-            input_ids=fi.input_ids.to(dev), positions=fi.positions.to(dev), out_cache_loc=fi.out_cache_loc.to(dev),
-            req_pool_indices=ints(fi.req_pool_indices), seq_lens=ints(fi.seq_lens), extend_lens=ints(fi.extend_lens),
-            req_to_token=self.req_to_token, logits_indices=ints(fi.logits_rows),
-            mm_embed_rows=mm_rows, mm_embeds=mm_embeds, custom_masks=self._custom_masks(fi),
+            input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
+            req_pool_indices=req_pool_indices, seq_lens=seq_lens, extend_lens=extend_lens,
+            req_to_token=self.req_to_token, logits_indices=logits_rows,
+            mm_embed_rows=mm_rows, mm_embeds=mm_embeds, custom_masks=masks,
             req_generations=fi.req_generations if self.use_decode_mirror else None,
             host_seq_lens=fi.seq_lens, host_extend_lens=fi.extend_lens, host_req_pool_indices=fi.req_pool_indices,
             cross_slots=cross_slots,
         )
-        for rid in fi.prompt_done:  # embeddings are only needed until the prompt's KV exists
-            self._held.pop(rid, None)
-        logits = self.model(fb, self.kv_pool)
+        return self.model(fb, self.kv_pool)
+
+    @torch.inference_mode()
+    def execute(self, fi: ForwardInput) -> StepOutput:
+        logits = self.forward(fi)
         if not fi.sampling or self.tp.rank != 0:  # only rank 0 samples
             return StepOutput([])
         rows = fi.sampling
         info = SamplingBatchInfo.build([r.params for r in rows], logits.shape[-1], [r.output_ids for r in rows],
-                                       [r.prompt_ids for r in rows], eos_token_ids=self.eos_token_ids, device=dev,
-                                       vocab_mask=fi.vocab_mask, stop_closers=fi.stop_closers)
+                                       [r.prompt_ids for r in rows], eos_token_ids=self.eos_token_ids,
+                                       device=self.device, vocab_mask=fi.vocab_mask, stop_closers=fi.stop_closers)
         out = self.sampler(logits.float(), info, lambda scores: self.model.process_logits(scores, rows))
         next_ids = out.next_token_ids.tolist()  # the step's one host sync
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None

@@ -65,6 +65,7 @@ def test_real_device(keep):
     assert stored.device.type == ("cuda" if keep else "cpu")
     assert torch.equal(stored.cpu(), emb.cpu())
     assert (stored is emb) == keep
+    assert keep or stored.is_pinned()  # the copy back on a hit can be asynchronous
 
 
 def test_lru_bytes_and_counters():

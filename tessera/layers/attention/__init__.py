@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
+
+import torch
 
 from tessera.layers.attention.base import BaseAttentionBackend
 
@@ -18,6 +21,17 @@ def available_attention_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def resolve_attention_backend(name: str, device: torch.device | str) -> str:
+    """`auto`: triton on CUDA when triton is installed (its kernels read the paged pool directly and its decode
+    plan can be captured in a CUDA graph), torch_native elsewhere (CPU: the Triton kernels would only run in
+    the interpreter). Any other name is returned as it is."""
+    if name != "auto":
+        return name
+    if torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "torch_native"
+
+
 def get_attention_backend(name: str) -> BaseAttentionBackend:
     """A fresh backend instance (backends hold per-step state, so each model gets its own)."""
     if name not in _BACKENDS:
@@ -27,4 +41,5 @@ def get_attention_backend(name: str) -> BaseAttentionBackend:
     return cls()
 
 
-__all__ = ["BaseAttentionBackend", "available_attention_backends", "get_attention_backend"]
+__all__ = ["BaseAttentionBackend", "available_attention_backends", "get_attention_backend",
+           "resolve_attention_backend"]

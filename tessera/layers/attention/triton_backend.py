@@ -4,6 +4,10 @@ Per step (init_forward_metadata, shared by all layers): the per-request rows, le
 int32 device tensors, and the custom masks flattened into one buffer with per-request offsets. Per layer:
 the new K/V go into the pool, then one kernel launch: decode when every request adds one token without a
 custom mask, extend otherwise (decode requests are extends of length 1 there).
+
+A decode-only batch (ForwardBatch.decode_only, the CUDA-graph runner's) is planned from its device tensors
+alone: the decode kernel reads each request's length and row on the device, so one captured launch serves
+any lengths (feature "cuda_graph").
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class _Meta:
 
 
 class TritonAttentionBackend(BaseAttentionBackend):
+    features = BaseAttentionBackend.features | {"cuda_graph"}
+
     def __init__(self) -> None:
         self._meta: _Meta | None = None
 
@@ -43,8 +49,11 @@ class TritonAttentionBackend(BaseAttentionBackend):
 
     @staticmethod
     def _build(fb: ForwardBatch) -> _Meta:
-        ext, seq, starts, rows = fb.host_plan()
         device = fb.req_to_token.device
+        if fb.decode_only:  # no host values and no host-to-device copy: capturable in a CUDA graph
+            none = torch.empty(0, dtype=torch.int32, device=device)
+            return _Meta(fb, fb.req_pool_indices, fb.seq_lens, none, none, none, none, 1, True)
+        ext, seq, starts, rows = fb.host_plan()
         masks = fb.custom_masks or [None] * len(seq)
         parts, indptr, offset = [], [], 0
         for m in masks:

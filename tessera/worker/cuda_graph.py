@@ -1,0 +1,174 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed with the batch padded to its bucket.
+
+A decode step (every request adds one token, no media, no custom masks) launches hundreds of small kernels
+whose launch cost, not the GPU, bounds small batches. Capturing the whole model forward once per bucket and
+replaying it turns those launches into one. A graph replays fixed addresses and shapes, so:
+
+- the step's inputs are copied into static buffers (DecodeBuffers) sized for the largest bucket; a batch of
+  bs requests runs the graph of the smallest bucket >= bs, its rows bs..bucket-1 padded: token 0 at position
+  0, KV written to the pool's dummy slot 0, attending over one key through a slot-table row that is never a
+  request's (the pad row, all slot 0), so padding never touches a real request's KV;
+- the attention backend plans the batch from device tensors alone (ForwardBatch.decode_only; backends that
+  can do so list "cuda_graph" in their features), and the ForwardBatch itself is built inside the capture,
+  so its derived tensors are recomputed on every replay;
+- logits land in the graph's own output buffer; the first bs rows are the step's.
+
+The sampler runs outside the graph, on those rows. Its work depends on per-request settings that change from
+step to step (greedy or not, top-k/p, penalties, seeds, logprobs; later grammar masks), which a graph would
+have to cover with one variant per combination or with worst-case work on every row; outside, a greedy batch
+costs one argmax. Batches larger than the largest bucket, prefill and mixed steps, and steps with media run
+eagerly, as does everything off CUDA.
+
+`DecodeGraphRunner(capture=False)` runs the exact padded forward that a graph captures, eagerly: that is how
+the padding is tested on a CPU (tests/worker/test_cuda_graph.py) and the fallback when capture fails.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tessera.cache.kv_pool import TokenToKVPool
+from tessera.models.base import TesseraModel
+from tessera.runner.forward_batch import ForwardBatch
+
+logger = logging.getLogger("tessera.worker")
+
+DEFAULT_MAX_BS = 160  # SGLang's default on large GPUs; batches beyond it are rare and launch-cost bound less
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    """The buckets: 1, 2, 4, 8, then every multiple of 8 up to max_bs, and max_bs itself. Padding wastes at
+    most 7 rows (a decode step's cost grows slowly with the batch); each bucket costs a capture at startup
+    and a little graph memory."""
+    if max_bs < 1:
+        raise ValueError(f"cuda_graph_max_bs: must be a positive integer, got {max_bs}")
+    sizes = [s for s in (1, 2, 4) if s < max_bs] + list(range(8, max_bs + 1, 8))
+    if not sizes or sizes[-1] != max_bs:
+        sizes.append(max_bs)
+    return sorted(set(sizes))
+
+
+def pick_bucket(batch_size: int, sizes: list[int]) -> int | None:
+    """The smallest bucket that holds batch_size requests; None when it exceeds the largest (run eagerly)."""
+    i = bisect.bisect_left(sizes, batch_size)
+    return sizes[i] if i < len(sizes) and batch_size > 0 else None
+
+
+@dataclass
+class DecodeInputs:
+    """One decode step's device inputs, bs = number of requests (= tokens)."""
+
+    input_ids: torch.Tensor  # [bs] int64
+    positions: torch.Tensor  # [bs] or [3, bs] int64
+    out_cache_loc: torch.Tensor  # [bs] int64
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+class DecodeBuffers:
+    """Static input tensors for max_bs requests; a bucket's graph reads their first `bucket` rows."""
+
+    def __init__(self, max_bs: int, mrope: bool, pad_row: int, device: torch.device):
+        self.max_bs, self.pad_row = max_bs, pad_row
+
+        def longs(*shape: int, fill: int = 0) -> torch.Tensor:
+            return torch.full(shape, fill, dtype=torch.int64, device=device)
+
+        self.input_ids = longs(max_bs)
+        self.positions = longs(3, max_bs) if mrope else longs(max_bs)
+        self.out_cache_loc = longs(max_bs)  # padding: the dummy slot 0
+        self.req_pool_indices = longs(max_bs, fill=pad_row)
+        self.seq_lens = longs(max_bs, fill=1)  # padding: one key, slot 0
+        self.extend_lens = longs(max_bs, fill=1)
+        self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=device)
+
+    def load(self, inputs: DecodeInputs, bucket: int) -> None:
+        """Copies the step into rows [0, bs) and resets rows [bs, bucket) to padding (a previous, larger
+        step left its values there)."""
+        bs = inputs.batch_size
+        assert bs <= bucket <= self.max_bs, (bs, bucket, self.max_bs)
+        self.input_ids[:bs].copy_(inputs.input_ids)
+        self.positions[..., :bs].copy_(inputs.positions)
+        self.out_cache_loc[:bs].copy_(inputs.out_cache_loc)
+        self.req_pool_indices[:bs].copy_(inputs.req_pool_indices)
+        self.seq_lens[:bs].copy_(inputs.seq_lens)
+        if bs < bucket:
+            self.input_ids[bs:bucket].zero_()
+            self.positions[..., bs:bucket].zero_()
+            self.out_cache_loc[bs:bucket].zero_()
+            self.req_pool_indices[bs:bucket].fill_(self.pad_row)
+            self.seq_lens[bs:bucket].fill_(1)
+
+    def batch(self, bucket: int, req_to_token: torch.Tensor) -> ForwardBatch:
+        """The ForwardBatch over the first `bucket` rows (views: a graph captured over it reads the buffers)."""
+        return ForwardBatch(
+            input_ids=self.input_ids[:bucket], positions=self.positions[..., :bucket],
+            out_cache_loc=self.out_cache_loc[:bucket], req_pool_indices=self.req_pool_indices[:bucket],
+            seq_lens=self.seq_lens[:bucket], extend_lens=self.extend_lens[:bucket], req_to_token=req_to_token,
+            logits_indices=self.logits_indices[:bucket], decode_only=True)
+
+
+class DecodeGraphRunner:
+    """Runs decode steps of up to max(sizes) requests padded to a bucket: replaying that bucket's CUDA graph
+    once `capture()` succeeded, else the same padded forward eagerly."""
+
+    def __init__(self, model: TesseraModel, pool: TokenToKVPool, req_to_token: torch.Tensor, sizes: list[int],
+                 pad_row: int, mrope: bool):
+        assert not req_to_token[pad_row].any(), "the padding row of the slot table must hold only slot 0"
+        self.model, self.pool, self.req_to_token = model, pool, req_to_token
+        self.sizes = sizes
+        self.mrope = mrope
+        self.buffers = DecodeBuffers(sizes[-1], mrope, pad_row, req_to_token.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # bucket -> the graph's logits [bucket, vocab]
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.graphs)
+
+    def bucket_for(self, batch_size: int, positions: torch.Tensor) -> int | None:
+        """The bucket for a decode step, or None when it must run eagerly (too large, or positions of another
+        shape than the buffers')."""
+        if positions.dim() != (2 if self.mrope else 1):
+            return None
+        return pick_bucket(batch_size, self.sizes)
+
+    @torch.inference_mode()
+    def forward(self, inputs: DecodeInputs, bucket: int) -> torch.Tensor:
+        """Logits [bs, vocab] of the step (a view of the graph's output buffer when replayed: valid until
+        the next step)."""
+        self.buffers.load(inputs, bucket)
+        graph = self.graphs.get(bucket)
+        if graph is None:
+            logits = self.model(self.buffers.batch(bucket, self.req_to_token), self.pool)
+        else:
+            graph.replay()
+            logits = self.outputs[bucket]
+        return logits[:inputs.batch_size]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every bucket, largest first (the smaller ones reuse its memory pool). Each is run eagerly
+        twice before its capture: Triton compiles and cuBLAS picks its kernels outside the graph. The buffers
+        hold padding throughout, so these runs only write the dummy KV slot."""
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for bucket in reversed(self.sizes):
+                for _ in range(2):
+                    self.model(self.buffers.batch(bucket, self.req_to_token), self.pool)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self.outputs[bucket] = self.model(self.buffers.batch(bucket, self.req_to_token), self.pool)
+                self.graphs[bucket] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
