@@ -295,6 +295,12 @@ def create_app(args: ServerArgs) -> FastAPI:
         assert state.transcriptions is not None  # set together with state.serving
         return await state.transcriptions.create(request)
 
+    @app.post("/v1/audio/translations")
+    async def translations(request: Request):
+        serving()
+        assert state.transcriptions is not None
+        return await state.transcriptions.create(request, task="translate")
+
     @app.post("/generate")
     async def generate(request: Request):
         return await native_generate.generate(serving(), request, await body_of(request))

@@ -26,6 +26,8 @@ class Metrics:
         self.running = Gauge("tessera_num_running_reqs", "Requests running in the scheduler", labels, registry=r)
         self.queued = Gauge("tessera_num_queue_reqs", "Requests waiting in the scheduler", labels, registry=r)
         self.kv_usage = Gauge("tessera_kv_cache_usage", "Fraction of KV slots held by requests", labels, registry=r)
+        self.cross_kv_used = Gauge("tessera_cross_attention_kv_used_tokens", "KV slots held by encoder-decoder "
+                                   "requests' cross-attention K/V (part of tessera_kv_used_tokens)", labels, registry=r)
         self.prefix_hit_rate = Gauge("tessera_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
                                      labels, registry=r)
         self.encoder_hit_rate = Gauge("tessera_encoder_cache_hit_rate", "Encoder-cache hits / lookups", labels,
@@ -92,6 +94,7 @@ class Metrics:
             self.kv_used_tokens.labels(m).set(stats.kv_used_tokens)
             self.radix_cache_tokens.labels(m).set(stats.radix_cache_tokens)
             self.encoder_cache_bytes.labels(m).set(stats.encoder_cache_bytes)
+            self.cross_kv_used.labels(m).set(stats.cross_kv_used_tokens)
             self.prefix_hit_rate.labels(m).set(stats.prefix_hit_tokens / max(1, stats.prefix_total_tokens))
             lookups = stats.encoder_cache_hits + stats.encoder_cache_misses
             self.encoder_hit_rate.labels(m).set(stats.encoder_cache_hits / max(1, lookups))

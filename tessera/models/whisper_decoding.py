@@ -174,11 +174,13 @@ class WhisperTokens:
 
 @dataclass(frozen=True)
 class TimedSegment:
-    """A stretch of output between timestamp tokens: [start, end) in seconds of the window, its text tokens."""
+    """A stretch of output between timestamp tokens: [start, end) in seconds of the window, its text tokens,
+    and the range of output positions it covers (timestamps included), for per-token data such as logprobs."""
 
     start: float
     end: float
     tokens: list[int]
+    span: tuple[int, int]
 
 
 def timed_segments(tokens: WhisperTokens, output_ids: Sequence[int], window_s: float) -> list[TimedSegment]:
@@ -187,22 +189,26 @@ def timed_segments(tokens: WhisperTokens, output_ids: Sequence[int], window_s: f
     `<|a|> text <|b|>` is a segment [a, b). Text after the last closed pair (the model stopped mid-segment or
     at eot after a single timestamp) becomes a last segment that ends at its last timestamp, or at the
     window's end. Output without timestamps is one segment over the whole window."""
-    ids = [t for t in output_ids if t != tokens.eot]
     segments: list[TimedSegment] = []
     start: float | None = None
+    first = 0
     text: list[int] = []
-    for t in ids:
+    for i, t in enumerate(output_ids):
+        if t == tokens.eot:
+            break
         if tokens.is_timestamp(t):
             sec = tokens.timestamp_seconds(t)
             if start is None:
-                start = sec
+                start, first = sec, i
             else:
-                segments.append(TimedSegment(start, max(sec, start), text))
+                segments.append(TimedSegment(start, max(sec, start), text, (first, i + 1)))
                 start, text = None, []
         else:
             if start is None:  # text without an opening timestamp starts where the last segment ended
-                start = segments[-1].end if segments else 0.0
+                start, first = (segments[-1].end if segments else 0.0), i
             text.append(t)
     if text:
-        segments.append(TimedSegment(start or 0.0, max(window_s, start or 0.0), text))
+        start = start or 0.0
+        end = len(output_ids) if tokens.eot not in output_ids else output_ids.index(tokens.eot)
+        segments.append(TimedSegment(start, max(window_s, start), text, (first, end)))
     return segments

@@ -24,6 +24,7 @@ def tiny_whisper(tmp_path_factory):
     return build_tiny_whisper_checkpoint(tmp_path_factory.mktemp("tiny-whisper-engine"))
 
 
+@pytest.mark.slow  # HF references and an Engine: ~20 s
 def test_engine_matches_hf_generate(tiny_whisper):
     from transformers import AutoProcessor, WhisperForConditionalGeneration
 

@@ -148,7 +148,8 @@ def test_timed_segments(whisper):
     tokens = WhisperTokens.from_generation_config(config.generation_config, config.hf_config)
     b = tokens.timestamp_begin
     out = [b, 10, 11, b + 50, b + 50, 12, b + 120, tokens.eot]
-    assert timed_segments(tokens, out, 8.0) == [TimedSegment(0.0, 1.0, [10, 11]), TimedSegment(1.0, 2.4, [12])]
+    assert timed_segments(tokens, out, 8.0) == [TimedSegment(0.0, 1.0, [10, 11], (0, 4)),
+                                                TimedSegment(1.0, 2.4, [12], (4, 7))]
     # unfinished last segment runs to the window's end; no timestamps at all: one segment
-    assert timed_segments(tokens, [b + 5, 10, 11], 8.0) == [TimedSegment(0.1, 8.0, [10, 11])]
-    assert timed_segments(tokens, [10, 11, tokens.eot], 8.0) == [TimedSegment(0.0, 8.0, [10, 11])]
+    assert timed_segments(tokens, [b + 5, 10, 11], 8.0) == [TimedSegment(0.1, 8.0, [10, 11], (0, 3))]
+    assert timed_segments(tokens, [10, 11, tokens.eot], 8.0) == [TimedSegment(0.0, 8.0, [10, 11], (0, 2))]

@@ -1,5 +1,8 @@
 """POST /v1/audio/transcriptions: OpenAI's speech-to-text endpoint over an audio chat model (Qwen2-Audio).
 
+A Whisper checkpoint is served by whisper_transcriptions.py (also /v1/audio/translations): the form, the audio
+decoding, the windows and the response formats here are shared.
+
 The model is prompted through the checkpoint's chat template with the audio followed by
 `Transcribe the audio.` (a `prompt` form field becomes the system message). Audio longer than the audio
 encoder's window (the feature extractor's chunk, Whisper's 30 s) is cut at quiet points with a small overlap
@@ -7,7 +10,8 @@ encoder's window (the feature extractor's chunk, Whisper's 30 s) is cut at quiet
 transcripts joined with a space, in order. Each window is one segment of verbose_json / srt / vtt.
 Streaming sends OpenAI's `transcript.text.delta` events window after window, then `transcript.text.done`.
 
-Not done: word timestamps, language detection (`language` is checked and echoed, not used), translation.
+Not done for Qwen2-Audio: word timestamps, language detection (`language` is checked and echoed, not used),
+translation (a Whisper checkpoint does both).
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class TranscriptionRequest:
     response_format: str
     temperature: float
     stream: bool
+    timestamp_granularities: tuple[str, ...] = ()
 
 
 @dataclass
@@ -125,7 +130,8 @@ async def parse_transcription_form(request: Request, max_bytes: int) -> Transcri
     if language is not None and (not _LANGUAGE_RE.match(language) or not _known_language(language)):
         raise APIError(f"language: expected an ISO-639-1 code of a language speech models know, such as 'en', "
                        f"got {language!r}", param="language")
-    for granularity in form.getlist("timestamp_granularities[]"):
+    granularities = tuple(form.getlist("timestamp_granularities[]"))
+    for granularity in granularities:
         if granularity != "segment":
             raise APIError(f"timestamp_granularities: only 'segment' is supported, got {granularity!r}",
                            param="timestamp_granularities")
@@ -141,7 +147,7 @@ async def parse_transcription_form(request: Request, max_bytes: int) -> Transcri
         raise APIError(f"stream: streaming is supported with response_format json or text, not {response_format!r}",
                        param="stream")
     return TranscriptionRequest(data, model, language, _form_str(form, "prompt") or None, response_format,
-                                temperature, stream)
+                                temperature, stream, granularities)
 
 
 # ---- response formats ------------------------------------------------------------------------------
@@ -176,7 +182,7 @@ def format_vtt(segments: list[dict]) -> str:
                                   for s, text in cues if text)
 
 
-def _compression_ratio(text: str) -> float:
+def compression_ratio(text: str) -> float:
     """Whisper's repetition signal: raw length / zlib-compressed length (1.0 for empty text)."""
     raw = text.encode("utf-8")
     return len(raw) / len(zlib.compress(raw)) if raw else 1.0
@@ -188,13 +194,29 @@ def _segment(i: int, r: WindowResult, rate: int, temperature: float) -> dict:
             "start": round(start, 3), "end": round(end, 3), "text": r.text, "tokens": r.output_ids,
             "temperature": temperature,
             "avg_logprob": float(np.mean(r.logprobs)) if r.logprobs else 0.0,
-            "compression_ratio": _compression_ratio(r.text),
+            "compression_ratio": compression_ratio(r.text),
             # Qwen2-Audio has no no-speech head (Whisper's <|nospeech|> probability): not estimated.
             "no_speech_prob": 0.0}
 
 
 def join_transcripts(texts: list[str]) -> str:
     return " ".join(t.strip() for t in texts if t.strip())
+
+
+def render(response_format: str, text: str, segments: list[dict], duration: float, language: str,
+           task: str) -> Response:
+    """The response in OpenAI's format: json, text, srt, vtt, or verbose_json (segments, language, task)."""
+    usage = {"type": "duration", "seconds": math.ceil(duration)}
+    if response_format == "json":
+        return JSONResponse({"text": text, "usage": usage})
+    if response_format == "text":
+        return PlainTextResponse(text + "\n")
+    if response_format == "srt":
+        return PlainTextResponse(format_srt(segments), media_type="application/x-subrip")
+    if response_format == "vtt":
+        return PlainTextResponse(format_vtt(segments), media_type="text/vtt")
+    return JSONResponse({"task": task, "language": language, "duration": round(duration, 3), "text": text,
+                         "segments": segments, "usage": usage})
 
 
 # ---- serving ---------------------------------------------------------------------------------------
@@ -248,14 +270,25 @@ class TranscriptionServing:
                                        return_logprob=True, stream=req.stream))
         return out
 
-    async def create(self, request: Request) -> Response:
+    async def create(self, request: Request, task: str = "transcribe") -> Response:
+        """task: "transcribe" (/v1/audio/transcriptions) or "translate" (/v1/audio/translations, Whisper only)."""
+        from tessera.entrypoints.openai.whisper_transcriptions import WhisperTranscriber
+
         limits = self.tm.mm_processor.limits if self.tm.mm_processor is not None else None
         max_bytes = limits.max_audio_bytes if limits is not None else 64 << 20
         req = await parse_transcription_form(request, max_bytes)
         self._check_audio_model(req.model)
+        whisper = WhisperTranscriber.of(self)
+        if whisper is not None:
+            plan = whisper.plan(req, task)  # refuses a bad language, task or prompt before any decoding
+        elif task != "transcribe":
+            raise APIError(f"model: {self.tm.info.architecture} has no translate task; /v1/audio/translations needs "
+                           "a Whisper checkpoint", param="model")
         samples, rate = await self._decode(req.audio)
         chunk_s = float(getattr(self.tm.mm_processor, "chunk_seconds", 30.0))
         windows = split_audio(samples, rate, chunk_s)
+        if whisper is not None:
+            return await whisper.respond(request, req, plan, samples, rate, windows)
         reqs = self._requests(req, samples, rate, windows)
         duration = len(samples) / rate
         if req.stream:
@@ -269,18 +302,8 @@ class TranscriptionServing:
 
     def _render(self, req: TranscriptionRequest, results: list[WindowResult], rate: int, duration: float) -> Response:
         text = join_transcripts([r.text for r in results])
-        usage = {"type": "duration", "seconds": math.ceil(duration)}
-        if req.response_format == "json":
-            return JSONResponse({"text": text, "usage": usage})
-        if req.response_format == "text":
-            return PlainTextResponse(text + "\n")
         segments = [_segment(i, r, rate, req.temperature) for i, r in enumerate(results)]
-        if req.response_format == "srt":
-            return PlainTextResponse(format_srt(segments), media_type="application/x-subrip")
-        if req.response_format == "vtt":
-            return PlainTextResponse(format_vtt(segments), media_type="text/vtt")
-        return JSONResponse({"task": "transcribe", "language": req.language or "unknown",
-                             "duration": round(duration, 3), "text": text, "segments": segments, "usage": usage})
+        return render(req.response_format, text, segments, duration, req.language or "unknown", "transcribe")
 
     async def _stream(self, reqs: list[GenerateRequest]) -> AsyncIterator[str]:
         """All windows decode concurrently; their deltas are sent in window order (a later window's text
