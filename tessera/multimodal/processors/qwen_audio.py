@@ -24,33 +24,20 @@ from tessera.multimodal.processors.base import (
     ItemFeatures,
     LoadedMultimodalData,
 )
+from tessera.multimodal.processors.whisper_features import WhisperFeatures
 from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 __all__ = ["QwenAudioProcessor"]
 
-# Feature-extractor settings that shape the features (hashed with the content, see feature_kwargs).
-EXTRACTOR_FIELDS = ("feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft", "n_samples",
-                     "nb_max_frames", "padding_value", "dither")
-
-
-class QwenAudioProcessor(BaseMultimodalProcessor):
+class QwenAudioProcessor(WhisperFeatures, BaseMultimodalProcessor):
     """Qwen2AudioForConditionalGeneration."""
 
     supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.AUDIO})
 
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
-        extractor = hf_processor.feature_extractor
-        # What the encoder accepts, checked on caller-supplied tensors here: a mismatch found in the
-        # scheduler process would fail a whole batch.
-        self.num_mel_bins = int(hf_config.audio_config.num_mel_bins)
-        self.num_frames = 2 * int(hf_config.audio_config.max_source_positions)
+        # What the encoder accepts, also checked on caller-supplied tensors here.
+        self.check_extractor(hf_processor.feature_extractor, hf_config.audio_config)
         self.embed_dim = int(hf_config.get_text_config().hidden_size)
-        if int(extractor.feature_size) != self.num_mel_bins:
-            raise ValueError(f"feature extractor feature_size {extractor.feature_size} != audio_config.num_mel_bins "
-                             f"{self.num_mel_bins}")
-        if int(extractor.nb_max_frames) != self.num_frames:
-            raise ValueError(f"feature extractor pads to {extractor.nb_max_frames} frames; the audio encoder takes "
-                             f"2 * max_source_positions = {self.num_frames}")
         super().__init__(hf_processor, hf_config, *args, **kwargs)
 
     def build_special_tokens(self) -> MultimodalSpecialTokens:
@@ -59,12 +46,6 @@ class QwenAudioProcessor(BaseMultimodalProcessor):
             audio_token_id=getattr(self.hf_config, "audio_token_id", None),
         )
 
-    @property
-    def chunk_seconds(self) -> float:
-        """The longest clip one item holds (longer ones are truncated): the extractor's padded length."""
-        extractor = self.hf_processor.feature_extractor
-        return float(extractor.n_samples) / float(extractor.sampling_rate)
-
     # ------------------------------------------------------------ kwargs
 
     def hf_kwargs(self, modality: Modality) -> dict[str, Any]:
@@ -72,13 +53,6 @@ class QwenAudioProcessor(BaseMultimodalProcessor):
         if modality is Modality.AUDIO:
             # Qwen2AudioProcessor forces these; the text-free path below must match them.
             kwargs.update(padding="max_length", return_attention_mask=True)
-        return kwargs
-
-    def feature_kwargs(self, modality: Modality) -> dict[str, Any]:
-        kwargs = super().feature_kwargs(modality)
-        extractor = self.hf_processor.feature_extractor
-        for name in EXTRACTOR_FIELDS:
-            kwargs.setdefault(name, getattr(extractor, name, None))
         return kwargs
 
     def call_hf_processor(self, prompt: str | None, loaded: LoadedMultimodalData) -> Mapping[str, Any]:

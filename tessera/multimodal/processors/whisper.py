@@ -22,45 +22,24 @@ from tessera.multimodal.processors.base import (
     LoadedMultimodalData,
     ProcessorOutput,
 )
-from tessera.multimodal.processors.qwen_audio import EXTRACTOR_FIELDS
+from tessera.multimodal.processors.whisper_features import WhisperFeatures
 from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 __all__ = ["WhisperAudioProcessor"]
 
 
-class WhisperAudioProcessor(BaseMultimodalProcessor):
+class WhisperAudioProcessor(WhisperFeatures, BaseMultimodalProcessor):
     """WhisperForConditionalGeneration."""
 
     supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.AUDIO})
 
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
-        extractor = hf_processor.feature_extractor
-        self.num_mel_bins = int(hf_config.num_mel_bins)
-        self.num_frames = 2 * int(hf_config.max_source_positions)
+        self.check_extractor(hf_processor.feature_extractor, hf_config)  # Whisper's config is the encoder's too
         self.embed_dim = int(hf_config.d_model)
-        if int(extractor.feature_size) != self.num_mel_bins:
-            raise ValueError(f"feature extractor feature_size {extractor.feature_size} != num_mel_bins "
-                             f"{self.num_mel_bins}")
-        if int(extractor.nb_max_frames) != self.num_frames:
-            raise ValueError(f"feature extractor pads to {extractor.nb_max_frames} frames; the encoder takes "
-                             f"2 * max_source_positions = {self.num_frames}")
         super().__init__(hf_processor, hf_config, *args, **kwargs)
 
     def build_special_tokens(self) -> MultimodalSpecialTokens:
         return MultimodalSpecialTokens()  # no placeholders: the decoder cross-attends to the audio
-
-    @property
-    def chunk_seconds(self) -> float:
-        """The encoder's window: the longest clip one request holds (longer ones are truncated)."""
-        extractor = self.hf_processor.feature_extractor
-        return float(extractor.n_samples) / float(extractor.sampling_rate)
-
-    def feature_kwargs(self, modality: Modality) -> dict[str, Any]:
-        kwargs = super().feature_kwargs(modality)
-        extractor = self.hf_processor.feature_extractor
-        for name in EXTRACTOR_FIELDS:
-            kwargs.setdefault(name, getattr(extractor, name, None))
-        return kwargs
 
     def tokenize(self, prompt: str) -> list[int]:
         """The decoder prompt as written: Whisper's tokenizer would otherwise prepend its own prefix tokens."""
