@@ -307,6 +307,16 @@ def run_offline(cfg: OfflineConfig, log=print) -> dict:
         finally:
             runner.close()
     out["results"] = summarize(per_system, cfg.workloads)
+    if "d" in cfg.workloads:  # what batch-1 decode cannot beat on this machine
+        from tessera.bench.memory_floor import memory_floor
+        from tessera.models.config import ModelConfig
+        from tessera.models.registry import resolve_device, resolve_dtype
+
+        dtype = resolve_dtype(cfg.engine_args.get("dtype", "auto"), ModelConfig.load(model_path),
+                              str(resolve_device(cfg.engine_args.get("device", "auto"))))
+        floor = memory_floor(model_path, dtype)
+        out["results"]["d"]["memory_floor"] = floor
+        out["results"]["d"]["bs1_vs_floor"] = out["results"]["d"]["tessera"]["bs1"] / floor["floor_ms"]
     return out
 
 
@@ -364,4 +374,10 @@ def format_summary(result: dict) -> str:
             if name in r["d"]:
                 per_bs = ", ".join(f"{ms:.2f} ({bs})" for bs, ms in r["d"][name].items())
                 lines.append(f"  d: {name} ms per output token: {per_bs}")
+        floor = r["d"].get("memory_floor")
+        if floor:
+            lines.append(f"  d: batch-1 memory floor {floor['floor_ms']:.2f} ms ({floor['weight_bytes'] / 1e6:.1f} MB of "
+                         f"weights / {floor['read_bandwidth_gb_s']:.1f} GB/s read, copy {floor['copy_bandwidth_gb_s']:.1f} "
+                         f"GB/s); tessera batch 1 is "
+                         f"{r['d']['bs1_vs_floor']:.2f}x the floor")
     return "\n".join(lines)
