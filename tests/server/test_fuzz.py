@@ -11,10 +11,9 @@ import io
 import json
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-pytestmark = pytest.mark.slow
 
 FUZZ = dict(deadline=None, database=None, derandomize=True,
             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
@@ -139,15 +138,20 @@ def check(r) -> None:
         assert "Traceback" not in err["message"]
 
 
+@pytest.mark.slow
 @settings(max_examples=COUNTS["chat"], **FUZZ)
 @given(body=CHAT_BODY | JSON)
+@example(body={"messages": [{"role": "user", "content": "hi"}], "n": 10**9})
 def test_fuzz_chat_completions(client, body):
     SEEN["chat"] += 1
     check(client.post("/v1/chat/completions", content=json.dumps(body, allow_nan=True).encode()))
 
 
+@pytest.mark.slow
 @settings(max_examples=COUNTS["generate"], **FUZZ)
 @given(body=GENERATE_BODY | JSON, raw=st.binary(max_size=40) | st.none())
+@example(body={"text": "", "sampling_params": {"n": 0}}, raw=None)  # was a 500 (no output to return)
+@example(body={"text": "hi", "sampling_params": {"n": 10**9}}, raw=None)  # built 10**9 requests: out of memory
 def test_fuzz_native_generate(client, body, raw):
     SEEN["generate"] += 1
     content = raw if raw is not None and body == {} else json.dumps(body, allow_nan=True).encode()
@@ -166,6 +170,7 @@ def _multipart(fields: list[tuple[str, bytes, bool]], boundary: str) -> bytes:
     return b"".join(out) + f"--{boundary}--\r\n".encode()
 
 
+@pytest.mark.slow
 @settings(max_examples=COUNTS["form"], **FUZZ)
 @given(fields=st.lists(st.tuples(st.sampled_from(FORM_FIELDS) | st.text(max_size=6),
                                  st.binary(max_size=30) | st.sampled_from([WAV, b"en", b"json", b"srt", b"0.5", b"true",
@@ -207,6 +212,7 @@ def test_fuzz_transcription_form(fields, boundary, content_type, garbage):
     asyncio.run(parse())
 
 
+@pytest.mark.slow
 @settings(max_examples=COUNTS["loaders"], **FUZZ)
 @given(data=st.binary(max_size=300) | st.sampled_from([PNG, PNG[:60], WAV, WAV[:50]]).map(bytes)
        | st.tuples(st.sampled_from([PNG, WAV]), st.integers(0, 200), st.binary(min_size=1, max_size=8)).map(
@@ -231,6 +237,20 @@ def test_fuzz_media_loaders(data, which, as_text):
         assert 400 <= e.status < 600 and str(e)
 
 
+@pytest.mark.parametrize("n", [0, -1, 129, 10**9, True, 1.5, "2"])
+def test_n_is_checked_before_it_sizes_anything(n):
+    """Regression (found by the fuzzing below): n is bounded before the requests are fanned out."""
+    from tessera.entrypoints.openai.errors import APIError
+    from tessera.entrypoints.openai.serving import OpenAIServing
+    from tessera.sampling_params import SamplingParams
+
+    serving = object.__new__(OpenAIServing)  # fan_out needs no engine
+    with pytest.raises(APIError, match=r"n: must be an integer in \[1, 128\]"):
+        serving.fan_out({"text": "hi"}, SamplingParams(n=n))
+    assert len(serving.fan_out({"text": "hi"}, SamplingParams(n=128))) == 128
+
+
+@pytest.mark.slow
 def test_fuzz_volume():
     """Runs last in this file: the generated inputs really added up to 10,000 or more."""
     if any(SEEN[k] == 0 for k in SEEN):

@@ -44,6 +44,7 @@ from tessera.sampling_params import SamplingParams
 from tessera.scheduler.io import TokenizedGenerateReq
 
 logger = logging.getLogger("tessera.server")
+MAX_N = 128  # choices per request, as OpenAI's API allows
 DISCONNECT_POLL_S = 0.5
 
 
@@ -144,6 +145,9 @@ class OpenAIServing:
                            status=404, param="model")
 
     def fan_out(self, base: dict, sp: SamplingParams) -> list[GenerateRequest]:
+        # n is checked before it sizes anything: a huge n would otherwise build that many requests first.
+        if isinstance(sp.n, bool) or not isinstance(sp.n, int) or not 1 <= sp.n <= MAX_N:
+            raise APIError(f"n: must be an integer in [1, {MAX_N}], got {sp.n!r}", param="n")
         reqs = []
         for i in range(sp.n):
             seed = None if sp.seed is None else sp.seed + i
