@@ -27,8 +27,6 @@ import os
 import platform
 import random
 import shutil
-import socket
-import subprocess
 import sys
 import time
 import traceback
@@ -270,50 +268,21 @@ def offline_a(path: Path, plan: Plan) -> dict:
     return result["results"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def serving(path: Path, plan: Plan, timeout_s: float) -> dict:
-    import httpx
-
+    from tessera.bench.report import LocalServer
     from tessera.bench.serving import ServingConfig, run_serving
 
-    port = _free_port()
     dtype = "float32" if plan.device == "cpu" else "bfloat16"
-    cmd = [sys.executable, "-m", "tessera", "serve", "--model-path", str(path), "--port", str(port),
-           "--device", plan.device, "--dtype", dtype, "--max-running-requests", str(plan.serving_concurrency)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        start = time.monotonic()
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"tessera serve exited: {proc.stderr.read()[-2000:] if proc.stderr else ''}")
-            try:
-                if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() - start > timeout_s / 2:
-                raise TimeoutError("tessera serve did not become healthy in time")
-            time.sleep(0.5)
-        cfg = ServingConfig(base_url=base, dataset="random-image", num_prompts=plan.serving_prompts,
+    start = time.monotonic()
+    with LocalServer(str(path), "--device", plan.device, "--dtype", dtype, "--max-running-requests",
+                     str(plan.serving_concurrency), startup_timeout_s=timeout_s / 2) as server:
+        cfg = ServingConfig(base_url=server.base_url, dataset="random-image", num_prompts=plan.serving_prompts,
                             max_concurrency=plan.serving_concurrency, image_resolution="448x448",
                             output_len=8 if plan.tiny else 128, disable_tqdm=True,
                             timeout_s=max(timeout_s - (time.monotonic() - start), 10))
         m = run_serving(cfg, quiet=True)["metrics"]
-        return {k: m[k] for k in ("num_completed", "num_failed", "output_throughput", "ttft_ms", "tpot_ms",
-                                  "duration_s", "errors")}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return {k: m[k] for k in ("num_completed", "num_failed", "output_throughput", "ttft_ms", "tpot_ms",
+                              "duration_s", "errors")}
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
