@@ -23,6 +23,8 @@ import torch
 # HF generate's default time per timestamp token (input stride 2 x 10 ms mel hop).
 TIME_PRECISION = 0.02
 TASKS = ("transcribe", "translate")
+# GenerationConfig's max_length when the checkpoint's generation config sets none.
+DEFAULT_MAX_LENGTH = 20
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,8 @@ class WhisperTokens:
     suppress: tuple[int, ...]
     begin_suppress: tuple[int, ...]
     max_initial_timestamp_index: int | None
+    max_length: int | None = None  # generation_config's (HF counts it from the first generated token)
+    max_new_tokens: int | None = None
 
     @property
     def timestamp_begin(self) -> int | None:
@@ -48,12 +52,15 @@ class WhisperTokens:
 
     @classmethod
     def from_generation_config(cls, gen: Mapping[str, Any], hf_config: Any) -> WhisperTokens:
-        """From generation_config.json's fields (the model config's where the generation config lacks them)."""
+        """From generation_config.json as HF loads it: a field it lacks is unset (HF does not fall back to the
+        model config then); without the file ({}), from the model config, as HF builds one from it."""
         def pick(name: str, default: Any = None) -> Any:
-            value = gen.get(name)
-            return value if value is not None else getattr(hf_config, name, default)
+            return gen.get(name) if gen else getattr(hf_config, name, default)
 
-        eot = pick("eos_token_id")
+        def token(name: str) -> Any:  # special ids: the model config's when the generation config lacks them
+            return gen.get(name) if gen.get(name) is not None else getattr(hf_config, name, None)
+
+        eot = token("eos_token_id")
         eot = eot[0] if isinstance(eot, list) else eot
         lang_to_id = {k.strip("<|>"): int(v) for k, v in (gen.get("lang_to_id") or {}).items()}
         prev_sot = gen.get("prev_sot_token_id")
@@ -61,12 +68,25 @@ class WhisperTokens:
         if prev_sot is None and len(suppress) >= 2:  # where HF's long-form code looks for it
             prev_sot = suppress[-2]
         return cls(
-            vocab_size=int(hf_config.vocab_size), sot=int(pick("decoder_start_token_id")), eot=int(eot),
+            vocab_size=int(hf_config.vocab_size), sot=int(token("decoder_start_token_id")), eot=int(eot),
             lang_to_id=lang_to_id, task_to_id={k: int(v) for k, v in (gen.get("task_to_id") or {}).items()},
             no_timestamps=gen.get("no_timestamps_token_id"), prev_sot=prev_sot, suppress=suppress,
             begin_suppress=tuple(int(t) for t in pick("begin_suppress_tokens") or ()),
             max_initial_timestamp_index=gen.get("max_initial_timestamp_index"),
+            max_length=gen.get("max_length"), max_new_tokens=gen.get("max_new_tokens"),
         )
+
+    def output_budget(self, prompt_len: int, max_target_positions: int) -> int:
+        """New tokens HF's generate allows after a decoder prompt of prompt_len tokens (its
+        _set_max_new_tokens_and_length): max_new_tokens when set; else max_length counted from after the first
+        min(max_target_positions // 2 - 1, prompt_len) prompt tokens (20 when unset); never past the decoder's
+        positions."""
+        room = max_target_positions - prompt_len
+        if self.max_new_tokens is not None:
+            return max(0, min(int(self.max_new_tokens), room))
+        initial = min(max_target_positions // 2 - 1, prompt_len)
+        max_length = int(self.max_length) if self.max_length is not None else DEFAULT_MAX_LENGTH
+        return max(0, min(max_length + initial, max_target_positions) - prompt_len)
 
     # ---- prompts ----------------------------------------------------------------------------------------
 

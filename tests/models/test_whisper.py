@@ -153,3 +153,18 @@ def test_timed_segments(whisper):
     # unfinished last segment runs to the window's end; no timestamps at all: one segment
     assert timed_segments(tokens, [b + 5, 10, 11], 8.0) == [TimedSegment(0.1, 8.0, [10, 11], (0, 3))]
     assert timed_segments(tokens, [10, 11, tokens.eot], 8.0) == [TimedSegment(0.0, 8.0, [10, 11], (0, 2))]
+
+
+def test_output_budget_follows_hf_generate(whisper):
+    """HF's generate on a 4-token prompt: 20 new tokens when generation_config has no max_length, max_length
+    new tokens when it has one (counted after the prompt), never past max_target_positions."""
+    _, _, config, _ = whisper
+    tokens = WhisperTokens.from_generation_config(config.generation_config, config.hf_config)
+    unset = WhisperTokens(**{**tokens.__dict__, "max_length": None})
+    assert unset.output_budget(4, 128) == 20 and unset.output_budget(3, 128) == 20
+    assert WhisperTokens(**{**tokens.__dict__, "max_length": 30}).output_budget(4, 128) == 30
+    assert tokens.output_budget(4, 128) == 124  # max_length 128: the decoder's positions bound it
+    assert WhisperTokens(**{**tokens.__dict__, "max_new_tokens": 7}).output_budget(4, 128) == 7
+    # A generation config without suppress lists suppresses nothing (HF does not read the model config then).
+    bare = WhisperTokens.from_generation_config({"decoder_start_token_id": tokens.sot}, config.hf_config)
+    assert bare.suppress == () and bare.begin_suppress == () and bare.eot == tokens.eot

@@ -108,8 +108,8 @@ class WhisperTranscriber:
     def _requests(self, req: TranscriptionRequest, plan: WhisperPlan, language: str | None, samples: np.ndarray,
                   windows: list[AudioWindow]) -> list[GenerateRequest]:
         prompt = self._prompt(plan, language)
-        # HF's bound: the decoder's positions.
-        budget = max(1, self.max_target_positions - len(prompt))
+        # HF generate's bound (generation_config's max_length / max_new_tokens, the decoder's positions).
+        budget = max(1, self.tokens.output_budget(len(prompt), self.max_target_positions))
         out = []
         for w in windows:
             sp = SamplingParams(temperature=req.temperature, max_new_tokens=budget).normalize()
