@@ -26,7 +26,11 @@ FLAGS: dict[str, tuple[str, str]] = {
     # runtime
     "dtype": ("runtime", "weights and KV dtype: auto (the checkpoint's), float32, bfloat16, float16"),
     "device": ("runtime", "auto, cpu, cuda or cuda:N (auto picks CUDA when present)"),
-    "attention_backend": ("runtime", "attention kernels: torch_native or triton"),
+    "attention_backend": ("runtime", "attention kernels: auto (triton on CUDA, else torch_native), torch_native "
+                                     "or triton"),
+    "disable_cuda_graph": ("runtime", "run decode steps eagerly instead of replaying CUDA graphs"),
+    "cuda_graph_max_bs": ("runtime", "largest decode batch captured as a CUDA graph (default: "
+                                     "max_running_requests, at most 160)"),
     "tp_size": ("runtime", "tensor-parallel ranks (GPUs) per replica"),
     "dp_size": ("runtime", "data-parallel replicas (each a scheduler + model) behind one frontend"),
     "load_balance_method": ("runtime", "how requests pick a replica: round_robin, shortest_queue, cache_aware"),
