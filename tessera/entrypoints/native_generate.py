@@ -13,7 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tessera.entrypoints.openai.errors import APIError
-from tessera.entrypoints.openai.serving import OpenAIServing, event_stream, sse
+from tessera.entrypoints.openai.serving import OpenAIServing, check_batch, event_stream, sse
 from tessera.frontend.request import GenerateRequest
 from tessera.sampling_params import SamplingParams
 
@@ -65,6 +65,7 @@ async def generate(serving: OpenAIServing, request: Request, body: dict):
                                    or not all(isinstance(m, str) and m in MODALITIES for m in modalities)):
         raise APIError(f"modalities: a list of {sorted(MODALITIES)}", param="modalities")
     prompts, batch = _batch(body)
+    check_batch(len(prompts), "text" if body.get("text") is not None else "input_ids")
     n = len(prompts)
     columns = {name: _per_prompt(body, name, n, batch) for name in
                ("sampling_params", "image_data", "video_data", "audio_data", "return_logprob", "top_logprobs_num")}

@@ -250,6 +250,14 @@ def test_n_is_checked_before_it_sizes_anything(n):
     assert len(serving.fan_out({"text": "hi"}, SamplingParams(n=128))) == 128
 
 
+def test_batches_are_bounded(client):
+    big = {"text": ["hi"] * 1025, "sampling_params": {"max_new_tokens": 1}}
+    r = client.post("/generate", json=big)
+    assert r.status_code == 400 and "at most 1024 prompts" in r.json()["error"]["message"]
+    r = client.post("/v1/completions", json={"prompt": ["hi"] * 1025, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
 @pytest.mark.slow
 def test_fuzz_volume():
     """Runs last in this file: the generated inputs really added up to 10,000 or more."""

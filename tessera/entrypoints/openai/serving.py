@@ -45,6 +45,12 @@ from tessera.scheduler.io import TokenizedGenerateReq
 
 logger = logging.getLogger("tessera.server")
 MAX_N = 128  # choices per request, as OpenAI's API allows
+MAX_BATCH = 1024  # prompts in one batched request (/v1/completions, /generate): each becomes a request
+
+
+def check_batch(size: int, param: str) -> None:
+    if size > MAX_BATCH:
+        raise APIError(f"{param}: at most {MAX_BATCH} prompts in one request, got {size}", param=param)
 DISCONNECT_POLL_S = 0.5
 
 
@@ -393,6 +399,7 @@ class OpenAIServing:
         self.check_model(body)
         opts = stream_options(body)
         prompts = prompts_of(body.get("prompt"))
+        check_batch(len(prompts), "prompt")
         sp = sampling_params_from_openai(body, default_max_tokens=16, vocab_size=self.tm.info.vocab_size, chat=False)
         echo = body.get("echo")
         if echo is not None and not isinstance(echo, bool):
