@@ -25,6 +25,8 @@ from tessera.entrypoints import native_generate
 from tessera.entrypoints.metrics import Metrics
 from tessera.entrypoints.middleware import ServerMiddleware, observe_generation
 from tessera.entrypoints.openai import tokenization
+from tessera.entrypoints.openai.chat import create_chat_completion
+from tessera.entrypoints.openai.completions import create_completion
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
 from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
 from tessera.entrypoints.openai.transcriptions import TranscriptionServing
@@ -283,11 +285,11 @@ def create_app(args: ServerArgs) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return await serving().chat(request, await body_of(request))
+        return await create_chat_completion(serving(), request, await body_of(request))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await serving().completions(request, await body_of(request))
+        return await create_completion(serving(), request, await body_of(request))
 
     @app.post("/v1/audio/transcriptions")
     async def transcriptions(request: Request):

@@ -13,7 +13,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tessera.entrypoints.openai.errors import APIError
-from tessera.entrypoints.openai.serving import OpenAIServing, check_batch, event_stream, sse
+from tessera.entrypoints.openai.serving import OpenAIServing, check_batch
+from tessera.entrypoints.openai.streaming import event_stream, sse
 from tessera.frontend.request import GenerateRequest
 from tessera.sampling_params import SamplingParams
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tessera.entrypoints.openai.errors import APIError
-from tessera.entrypoints.openai.serving import event_stream
+from tessera.entrypoints.openai.streaming import event_stream
 from tessera.entrypoints.openai.tool_calls import (
     ToolCallParser,
     ToolPlan,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tessera.entrypoints.openai.chat import chat_prompt
 from tessera.entrypoints.openai.errors import APIError
 from tessera.entrypoints.openai.protocol import parse_chat_messages
 from tessera.entrypoints.openai.serving import OpenAIServing
@@ -29,7 +30,7 @@ def tokenize(serving: OpenAIServing, body: dict) -> dict:
         if images or videos or audios:  # their placeholders expand per item only when the media is processed
             raise APIError("messages: /tokenize counts text only; media parts are not expanded here",
                            param="messages")
-        text = serving.chat_prompt(messages, body, None)
+        text = chat_prompt(serving, messages, body, None)
         add_special = _bool(body, "add_special_tokens", False)  # the template already has them
     else:
         text = body["prompt"]

@@ -1,0 +1,221 @@
+"""/v1/chat/completions: the chat template, tool calls, echo and the chat.completion(.chunk) answers.
+
+The prompt is rendered and every choice tokenized (media loaded) before the response starts, so bad input
+is a 4xx naming the field (see serving.prepare); tool-call text is parsed out of the replies here.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from tessera.entrypoints.openai.errors import APIError
+from tessera.entrypoints.openai.protocol import (
+    CHAT_FIELDS,
+    StreamOptions,
+    check_fields,
+    parse_chat_messages,
+    sampling_params_from_openai,
+    stream_options,
+    user_names,
+)
+from tessera.entrypoints.openai.serving import OpenAIServing, cache_salt_of
+from tessera.entrypoints.openai.streaming import (
+    ChunkWriter,
+    event_stream,
+    finish_reason,
+    matched_stop,
+    usage_of,
+)
+from tessera.entrypoints.openai.tool_calls import (
+    ToolCallParser,
+    ToolPlan,
+    forced_calls,
+    parse_tool_calls,
+    plan_tools,
+    stream_deltas,
+)
+
+
+def chat_prompt(serving: OpenAIServing, messages: list[dict], body: dict, plan: ToolPlan | None) -> str:
+    cont = body.get("continue_final_message", False)
+    # SGLang's clients send only continue_final_message (a prefilled answer): no new turn then.
+    add_gen = body.get("add_generation_prompt", cont is not True)
+    for name, value in (("add_generation_prompt", add_gen), ("continue_final_message", cont)):
+        if not isinstance(value, bool):
+            raise APIError(f"{name}: must be a boolean", param=name)
+    if cont and add_gen:
+        raise APIError("continue_final_message: cannot be combined with add_generation_prompt true",
+                       param="continue_final_message")
+    if cont and messages[-1]["role"] != "assistant":
+        raise APIError("continue_final_message: the last message must be the assistant's",
+                       param="continue_final_message")
+    extra = body.get("chat_template_kwargs") or {}
+    if not isinstance(extra, dict):
+        raise APIError("chat_template_kwargs: must be an object", param="chat_template_kwargs")
+    reserved = sorted(set(extra) & {"messages", "conversation", "tools", "add_generation_prompt",
+                                    "continue_final_message", "tokenize", "chat_template"})
+    if reserved:
+        raise APIError(f"chat_template_kwargs: {reserved[0]!r} is set by the request itself",
+                       param="chat_template_kwargs")
+    if plan is not None:
+        extra = {**extra, "tools": plan.tools}
+    try:
+        prompt = serving.tm.info.apply_chat_template(messages, add_generation_prompt=add_gen,
+                                                     continue_final_message=cont, **extra)
+    except Exception as e:  # jinja errors on odd message orders are user input errors
+        raise APIError(f"messages: the chat template rejected the conversation ({e})", param="messages") from None
+    return prompt + (plan.forced_prefix if plan is not None else "")
+
+
+async def create_chat_completion(serving: OpenAIServing, request: Request, body: dict):
+    check_fields(body, CHAT_FIELDS)
+    serving.check_model(body)
+    opts = stream_options(body)
+    messages, images, videos, audios = parse_chat_messages(body.get("messages"))
+    plan = plan_tools(body, serving.chat_template)
+    prompt = chat_prompt(serving, messages, body, plan)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise APIError("echo: must be a boolean", param="echo")
+    # vLLM's chat echo: the reply starts with the last message when that one is the assistant's own.
+    last = messages[-1]
+    echo_text = ""
+    if echo and last["role"] == "assistant":
+        echo_text = last["content"] if isinstance(last["content"], str) else "".join(
+            p.get("text", "") for p in last["content"])
+    sp = sampling_params_from_openai(body, default_max_tokens=1 << 20, vocab_size=serving.tm.info.vocab_size)
+    if plan is not None and plan.call_schema() is not None:
+        if sp.json_schema or sp.regex or sp.ebnf:
+            raise APIError("tool_choice: a required or named tool call cannot be combined with response_format, "
+                           "regex, ebnf or json_schema", param="tool_choice")
+        sp.json_schema = plan.call_schema()
+        try:
+            sp.verify(serving.tm.info.vocab_size)
+        except ValueError as e:  # a tool's parameters are not a schema the grammar compiler takes
+            raise APIError(f"tools: a function's parameters are not a usable JSON schema ({e})",
+                           param="tools") from None
+    base = dict(text=prompt, image_data=images or None, video_data=videos or None, audio_data=audios or None,
+                return_logprob=bool(sp.logprobs), stream=opts.stream, cache_salt=cache_salt_of(body),
+                auto_max_new_tokens=body.get("max_tokens") is None and body.get("max_completion_tokens") is None)
+    base.update(video_kwargs_of(body))
+    reqs = serving.fan_out(base, sp)
+    tokenized = await serving.prepare(reqs, user_names(body, chat=True))
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    if opts.stream:
+        return event_stream(_chat_stream(serving, reqs, tokenized, rid, created, opts, plan, echo_text))
+    outs = await serving.collect_all(request, reqs, tokenized)
+    choices = []
+    for i, out in enumerate(outs):
+        meta = out["meta_info"]
+        message: dict = {"role": "assistant", "content": echo_text + out["text"]}
+        finish = finish_reason(meta)
+        if plan is not None:
+            content, calls = parse_tool_calls(plan.forced_prefix + out["text"], plan)
+            message["content"] = (echo_text + content) if content is not None else (echo_text or None)
+            if calls:
+                message["tool_calls"] = calls
+                if finish == "stop" and plan.choice != "named":
+                    finish = "tool_calls"
+        choices.append({"index": i, "message": message,
+                        "logprobs": _chat_logprobs(serving, out) if sp.logprobs else None,
+                        "finish_reason": finish, "matched_stop": matched_stop(meta)})
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": serving.model_name,
+                         "choices": choices, "usage": usage_of([o["meta_info"] for o in outs])})
+
+
+def _chat_logprobs(serving: OpenAIServing, out: dict, start: int = 0) -> dict:
+    meta = out["meta_info"]
+    pairs = meta.get("output_token_logprobs", [])[start:]
+    tops = meta.get("output_top_logprobs", [])[start:]
+    content = []
+    for k, (lp, tid) in enumerate(pairs):
+        entry = _token_entry(serving, tid, lp)
+        entry["top_logprobs"] = [_token_entry(serving, t, v) for v, t in (tops[k] if k < len(tops) else [])]
+        content.append(entry)
+    return {"content": content}
+
+
+async def _chat_stream(serving: OpenAIServing, reqs, tokenized, rid: str, created: int, opts: StreamOptions,
+                       plan: ToolPlan | None, echo_text: str) -> AsyncIterator[str]:
+    writer = ChunkWriter(rid, created, serving.model_name, "chat.completion.chunk", opts,
+                         [len(t.input_ids) for t in tokenized])
+
+    def chunk(i: int, delta: dict, finish: str | None = None, logprobs=None, meta: dict | None = None) -> str:
+        return writer(i, {"delta": delta}, finish, logprobs, meta)
+
+    parsers = {}
+    for i in range(len(reqs)):
+        yield chunk(i, {"role": "assistant", "content": ""})
+        if echo_text:
+            yield chunk(i, {"content": echo_text})
+        if plan is not None:
+            parsers[i] = ToolCallParser()
+            parsers[i].feed(plan.forced_prefix)
+    metas: dict[int, dict] = {}
+    sent_tokens: dict[int, int] = {}
+    num_calls: dict[int, int] = {}
+    async for i, out in serving.merged_stream(reqs, tokenized):
+        meta = out["meta_info"]
+        lp = None
+        if reqs[i].return_logprob:
+            lp = _chat_logprobs(serving, out, sent_tokens.get(i, 0))
+            sent_tokens[i] = len(meta.get("output_token_logprobs", []))
+            lp = lp if lp["content"] else None
+        finish = finish_reason(meta)
+        content, calls = out["delta"], []
+        if plan is not None:
+            content, calls = parsers[i].feed(content)
+            if finish is not None:
+                tail, more = parsers[i].finish()
+                forced = forced_calls(plan, parsers[i], out["text"])
+                # a forced call cut short: its text is the call's, not content
+                content, calls = (content, forced) if forced else (content + tail, calls + more)
+                if not plan.parallel:
+                    calls = calls[:max(0, 1 - num_calls.get(i, 0))]
+        delta: dict = {}
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = stream_deltas(calls, num_calls.get(i, 0))
+            num_calls[i] = num_calls.get(i, 0) + len(calls)
+        if delta or lp:
+            yield chunk(i, delta, None, lp, meta)
+        if finish is not None:
+            metas[i] = meta
+            if finish == "stop" and num_calls.get(i) and plan is not None and plan.choice != "named":
+                finish = "tool_calls"
+            yield chunk(i, {}, finish, None, meta)
+    for tail in writer.end(metas):
+        yield tail
+
+
+def _token_entry(serving: OpenAIServing, token_id: int, logprob: float) -> dict:
+    text = serving.token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def video_kwargs_of(body: dict) -> dict:
+    """vLLM's per-request media_io_kwargs: {"video": {"num_frames": N}} (also fps, max_frames)."""
+    kw = body.get("media_io_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict) or set(kw) - {"video"}:
+        raise APIError("media_io_kwargs: only {\"video\": {...}} is supported", param="media_io_kwargs")
+    video = kw.get("video") or {}
+    if not isinstance(video, dict):
+        raise APIError("media_io_kwargs.video: must be an object", param="media_io_kwargs")
+    unknown = sorted(set(video) - {"num_frames", "fps", "max_frames"})
+    if unknown:
+        raise APIError(f"media_io_kwargs.video.{unknown[0]}: unknown option (num_frames, fps, max_frames)",
+                       param="media_io_kwargs")
+    for name, value in video.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise APIError(f"media_io_kwargs.video.{name}: must be a positive number", param="media_io_kwargs")
+        if name != "fps" and not isinstance(value, int):
+            raise APIError(f"media_io_kwargs.video.{name}: must be an integer", param="media_io_kwargs")
+    return {"video_kwargs": video} if video else {}

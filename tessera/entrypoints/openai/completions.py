@@ -1,0 +1,135 @@
+"""/v1/completions: prompts (text, token ids or batches of either), echo and legacy logprobs.
+
+Each prompt fans out into n requests; usage counts a prompt once however many samples share it.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from tessera.entrypoints.openai.errors import APIError
+from tessera.entrypoints.openai.protocol import (
+    COMPLETION_FIELDS,
+    StreamOptions,
+    check_fields,
+    sampling_params_from_openai,
+    stream_options,
+    user_names,
+)
+from tessera.entrypoints.openai.serving import OpenAIServing, cache_salt_of, check_batch
+from tessera.entrypoints.openai.streaming import (
+    ChunkWriter,
+    event_stream,
+    finish_reason,
+    matched_stop,
+    usage_of,
+)
+from tessera.frontend.request import GenerateRequest
+
+
+async def create_completion(serving: OpenAIServing, request: Request, body: dict):
+    check_fields(body, COMPLETION_FIELDS)
+    serving.check_model(body)
+    opts = stream_options(body)
+    prompts = prompts_of(body.get("prompt"))
+    check_batch(len(prompts), "prompt")
+    sp = sampling_params_from_openai(body, default_max_tokens=16, vocab_size=serving.tm.info.vocab_size, chat=False)
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise APIError("echo: must be a boolean", param="echo")
+    if echo and sp.logprobs:
+        raise APIError("echo: with logprobs it needs prompt logprobs, which Tessera does not compute",
+                       param="echo")
+    reqs: list[GenerateRequest] = []
+    echoes: list[str] = []
+    for p in prompts:
+        new = serving.fan_out(dict(**p, return_logprob=bool(sp.logprobs), stream=opts.stream,
+                                   cache_salt=cache_salt_of(body)), sp)
+        reqs += new
+        text = p.get("text")
+        if echo and text is None:
+            text = serving.tm.tokenizer.decode(p["input_ids"])
+        echoes += [text if echo else ""] * len(new)
+    tokenized = await serving.prepare(reqs, user_names(body, chat=False))
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    if opts.stream:
+        return event_stream(_completion_stream(serving, reqs, tokenized, rid, created, opts, echoes, len(prompts)))
+    outs = await serving.collect_all(request, reqs, tokenized)
+    choices = []
+    for i, out in enumerate(outs):
+        choices.append({"index": i, "text": echoes[i] + out["text"],
+                        "logprobs": _completion_logprobs(serving, out, 0, len(echoes[i])) if sp.logprobs else None,
+                        "finish_reason": finish_reason(out["meta_info"]),
+                        "matched_stop": matched_stop(out["meta_info"])})
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": serving.model_name,
+                         "choices": choices, "usage": usage_of([o["meta_info"] for o in outs], len(prompts))})
+
+
+def _completion_logprobs(serving: OpenAIServing, out: dict, start: int, offset: int) -> dict:
+    """OpenAI's legacy logprobs for output tokens [start:]: each top_logprobs entry holds the
+    `logprobs` most likely tokens and the sampled one (so logprobs=0 still gives one entry)."""
+    meta = out["meta_info"]
+    pairs = meta.get("output_token_logprobs", [])[start:]
+    tops = meta.get("output_top_logprobs", [])[start:]
+    tokens = [serving.token_text(t) for _, t in pairs]
+    top_logprobs, text_offset = [], []
+    for k, (lp, tid) in enumerate(pairs):
+        entry = {serving.token_text(t): v for v, t in (tops[k] if k < len(tops) else [])}
+        entry.setdefault(tokens[k], lp)
+        top_logprobs.append(entry)
+        text_offset.append(offset)
+        offset += len(tokens[k])
+    return {"tokens": tokens, "token_logprobs": [lp for lp, _ in pairs], "top_logprobs": top_logprobs,
+            "text_offset": text_offset}
+
+
+async def _completion_stream(serving: OpenAIServing, reqs, tokenized, rid: str, created: int,
+                             opts: StreamOptions, echoes: list[str], num_prompts: int) -> AsyncIterator[str]:
+    writer = ChunkWriter(rid, created, serving.model_name, "text_completion", opts,
+                         [len(t.input_ids) for t in tokenized])
+
+    def chunk(i: int, text: str, finish: str | None = None, logprobs=None, meta: dict | None = None) -> str:
+        return writer(i, {"text": text}, finish, logprobs, meta)
+
+    for i, text in enumerate(echoes):
+        if text:
+            yield chunk(i, text)
+    metas: dict[int, dict] = {}
+    sent_tokens: dict[int, int] = {}
+    offsets = {i: len(text) for i, text in enumerate(echoes)}
+    async for i, out in serving.merged_stream(reqs, tokenized):
+        meta = out["meta_info"]
+        finish = finish_reason(meta)
+        lp = None
+        if reqs[i].return_logprob:
+            lp = _completion_logprobs(serving, out, sent_tokens.get(i, 0), offsets[i])
+            sent_tokens[i] = len(meta.get("output_token_logprobs", []))
+            offsets[i] += sum(len(t) for t in lp["tokens"])
+        if out["delta"] or finish or (lp and lp["tokens"]):
+            yield chunk(i, out["delta"], finish, lp, meta)
+        if finish is not None:
+            metas[i] = meta
+    for tail in writer.end(metas, num_prompts):
+        yield tail
+
+
+def prompts_of(prompt) -> list[dict]:
+    """A completions prompt: a string, a list of strings, a list of token ids or a list of such lists."""
+    def is_ids(p) -> bool:
+        return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+
+    if isinstance(prompt, str) and prompt:
+        return [dict(text=prompt)]
+    if is_ids(prompt):
+        return [dict(input_ids=prompt)]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) and p for p in prompt):
+        return [dict(text=p) for p in prompt]
+    if isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
+        return [dict(input_ids=p) for p in prompt]
+    raise APIError("prompt: must be a non-empty string, a list of strings, a list of token ids or a list of "
+                   "token-id lists", param="prompt")
