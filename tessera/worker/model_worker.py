@@ -77,6 +77,8 @@ class ModelWorker:
         bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
         mem_info = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
         size = min_over_ranks(kv_pool_tokens(args, bytes_per_token, mem_info), self.device)  # ranks must agree
+        # The pool holds K/V in the model's dtype (bfloat16 models: half the bytes of float32); the bytes per
+        # token reported below are read from its buffers, so a pool that kept another dtype shows.
         self.kv_pool = TokenToKVPool(size, layout.num_layers, layout.num_kv_heads, layout.head_dim,
                                      dtype=self.dtype, device=self.device)
         # The worker's copy of the slot table, kept equal to the scheduler's by ForwardInput.slot_writes. The
@@ -102,7 +104,7 @@ class ModelWorker:
         self._cross_slots: dict[str, torch.Tensor] = {}
         self.graph_runner = self._capture_decode_graphs(backend_name)
         self.info = WorkerInfo(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-                               max_total_tokens=size, kv_bytes_per_token=bytes_per_token,
+                               max_total_tokens=size, kv_bytes_per_token=self.kv_pool.bytes_per_token,
                                context_length=self.context_length, vocab_size=self.config.vocab_size,
                                attention_backend=backend_name, decode_kv_mirror=self.use_decode_mirror,
                                tp_size=self.tp.size,
