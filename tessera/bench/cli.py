@@ -99,6 +99,8 @@ def _add_offline(sub) -> None:
     p.add_argument("--max-output-len", type=int, default=None, help="cap every output length (quick runs)")
     p.add_argument("--decode-len", type=int, default=64, help="output tokens for workload d")
     p.add_argument("--hf-batch-size", type=int, default=16)
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="both sides' dtype (Tessera's engine, HF's from_pretrained); auto: the checkpoint's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-args", type=_json_obj, default={},
                    help='extra tessera.Engine/ServerArgs fields as JSON, e.g. \'{"max_running_requests": 32}\'')
@@ -122,7 +124,7 @@ def _cmd_offline(ns: argparse.Namespace) -> int:
     cfg = OfflineConfig(model_path=ns.model_path, workloads=parse_workloads(ns.workload),
                         compare_hf=ns.compare == "hf", num_runs=ns.num_runs, seed=ns.seed,
                         num_requests=ns.num_requests, max_output_len=ns.max_output_len, decode_len=ns.decode_len,
-                        hf_batch_size=ns.hf_batch_size, engine_args=ns.engine_args)
+                        hf_batch_size=ns.hf_batch_size, engine_args=ns.engine_args, dtype=ns.dtype)
     result = run_offline(cfg)
     print(format_summary(result))
     if ns.output_json:

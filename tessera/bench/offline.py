@@ -8,11 +8,16 @@ Workloads (see datasets.offline_workload):
      and without caches
   d  one request (and 32 for the record), decode only                   -> ms per output token
 
-Every request is greedy with its output length forced (Tessera: ignore_eos; HF: min_new_tokens =
-max_new_tokens), so both sides produce exactly the same number of tokens. HF runs static batches
+Every request is greedy with its output length forced (Tessera: ignore_eos; HF: eos_token_id=None), so
+both sides produce exactly the same number of tokens and neither stops at, nor bans, EOS. HF runs static batches
 (left padding) in request order: a batch decodes until its longest request is done, which is the
 cost of static batching that continuous batching removes; only the requested tokens are counted.
 Each timed run starts from empty caches; the figure reported is the median over --num-runs.
+
+--dtype sets both sides' dtype (Tessera's engine and HF's from_pretrained). Workload a's timed runs also
+record each request's greedy tokens and chosen-token logprobs on both sides (a float32 log_softmax of the
+logits per step, the same work on each side), and the result reports how far Tessera's outputs agree with
+HF's (see bench/agreement.py): in float32 they should be identical, in bfloat16 rounding splits some.
 """
 
 from __future__ import annotations
@@ -22,11 +27,17 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tessera.bench.datasets import OFFLINE_WORKLOADS, OfflineRequest, long_text, offline_workload
+from tessera.bench.agreement import GreedyOutput, agreement, format_agreement
+from tessera.bench.datasets import (
+    OFFLINE_WORKLOADS,
+    OfflineRequest,
+    long_text,
+    offline_workload,
+)
 
 NOCACHE_ARGS = {"disable_radix_cache": True, "mm_cache_size_mb": 0}
 
@@ -45,6 +56,9 @@ class OfflineConfig:
     num_distinct_images: int = 8  # workload b
     hf_batch_size: int = 16
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # Both sides: Tessera's engine dtype and HF's from_pretrained dtype. auto: engine_args' dtype if it has one,
+    # else the checkpoint's (as the engine resolves it).
+    dtype: str = "auto"
 
     def __post_init__(self) -> None:
         bad = [w for w in self.workloads if w not in OFFLINE_WORKLOADS]
@@ -57,6 +71,18 @@ class OfflineConfig:
             raise ValueError(f"decode_len: must be >= 2 (decode time is T(n) - T(1)), got {self.decode_len}")
         if self.max_output_len is not None and self.max_output_len < 1:
             raise ValueError(f"max_output_len: must be >= 1, got {self.max_output_len}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: expected auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype != "auto" and self.engine_args.get("dtype", self.dtype) != self.dtype:
+            raise ValueError(f"dtype: {self.dtype} disagrees with engine_args' dtype {self.engine_args['dtype']}")
+
+    @property
+    def run_dtype(self) -> str:
+        return self.engine_args.get("dtype", "auto") if self.dtype == "auto" else self.dtype
+
+    @property
+    def tessera_args(self) -> dict[str, Any]:
+        return {**self.engine_args, "dtype": self.run_dtype}
 
 
 @dataclass(frozen=True)
@@ -132,9 +158,13 @@ def decode_workloads(work_a: Workload, cfg: OfflineConfig) -> dict[str, Workload
 
 
 class Runner(Protocol):
-    """One system under test. run() returns wall seconds for the workload, from empty caches."""
+    """One system under test. run() returns wall seconds for the workload, from empty caches; with record,
+    last_outputs then holds each request's greedy tokens and their logprobs."""
 
-    def run(self, work: Workload, output_len: int | None = None, batch_size: int | None = None) -> float: ...
+    last_outputs: list[GreedyOutput]
+
+    def run(self, work: Workload, output_len: int | None = None, batch_size: int | None = None,
+            record: bool = False) -> float: ...
 
     def close(self) -> None: ...
 
@@ -148,11 +178,13 @@ class TesseraRunner:
 
         self.engine = Engine(model_path, show_progress=False, **engine_args)
         self.last_prefill_tokens = 0  # prompt tokens the last run() actually computed (not served from cache)
+        self.last_outputs: list[GreedyOutput] = []
 
     def close(self) -> None:
         self.engine.shutdown()
 
-    def run(self, work: Workload, output_len: int | None = None, batch_size: int | None = None) -> float:
+    def run(self, work: Workload, output_len: int | None = None, batch_size: int | None = None,
+            record: bool = False) -> float:
         """Wall seconds for the whole workload from empty caches. All requests are submitted at
         once; batch_size is HF's knob (the scheduler forms its own batches) and is ignored."""
         self.engine.flush_cache()  # ordered before the requests on the same socket
@@ -161,12 +193,15 @@ class TesseraRunner:
         images = [list(r.images) for r in work.requests]
         before = self.engine.get_stats().num_prefill_tokens_computed  # outside the timing: a scheduler round trip
         t0 = time.perf_counter()
-        outs = self.engine.generate(work.prompts, params, image_data=images)
+        outs = self.engine.generate(work.prompts, params, image_data=images, return_logprob=record)
         seconds = time.perf_counter() - t0
         self.last_prefill_tokens = self.engine.get_stats().num_prefill_tokens_computed - before
         got = [o["meta_info"]["completion_tokens"] for o in outs]
         if got != lens:  # a benchmark that produced other lengths would report a wrong tok/s
             raise RuntimeError(f"tessera produced {sum(got)} tokens, expected {sum(lens)}")
+        if record:
+            self.last_outputs = [
+                GreedyOutput(o["output_ids"], [lp for lp, _ in o["meta_info"]["output_token_logprobs"]]) for o in outs]
         return seconds
 
     def ttft_probe(self, work: Workload, wave: int, output_len: int) -> tuple[float, float | None]:
@@ -188,6 +223,21 @@ class TesseraRunner:
 # ---------------------------------------------------------------- Hugging Face
 
 
+class _ChosenLogprobs:
+    """A logits processor that changes nothing and keeps, per step, each row's float32 log_softmax at its argmax:
+    the logprob of the token greedy search picks (it runs last, so the argmax it sees is generate's choice).
+    [B] floats per step, where output_scores would keep [B, vocab]."""
+
+    def __init__(self) -> None:
+        self.steps: list = []
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        self.steps.append(torch.log_softmax(scores.float(), dim=-1).max(dim=-1).values)
+        return scores
+
+
 class HFRunner:
     """transformers' batched `generate`: left padding, greedy, exactly the requested token counts."""
 
@@ -206,26 +256,46 @@ class HFRunner:
         self.model = Qwen2VLForConditionalGeneration.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
         self.device, self.batch_size = device, batch_size
         self.pad_id = self.processor.tokenizer.pad_token_id or 0
+        self.last_outputs: list[GreedyOutput] = []
 
     def close(self) -> None:
         del self.model
 
-    def _batch(self, prompts: list[str], reqs: list[OfflineRequest], new_tokens: int) -> None:
+    def _batch(self, prompts: list[str], lens: list[int], reqs: list[OfflineRequest],
+               record: bool) -> list[GreedyOutput]:
+        """One static batch, decoded to its longest request's length; lens: each request's own length."""
+        new_tokens = max(lens)
+        from transformers import LogitsProcessorList
+
         images = [img for r in reqs for img in r.images]
         enc = self.processor(text=prompts, images=images or None, padding=True, return_tensors="pt").to(self.device)
+        chosen = _ChosenLogprobs()
+        # eos_token_id=None: the batch neither stops at EOS nor bans it, as Tessera's ignore_eos.
         with self.torch.inference_mode():
-            out = self.model.generate(**enc, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                                      pad_token_id=self.pad_id)
-        if out.shape[1] - enc["input_ids"].shape[1] != new_tokens:
-            raise RuntimeError(f"HF generated {out.shape[1] - enc['input_ids'].shape[1]} tokens, expected {new_tokens}")
+            out = self.model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                                      pad_token_id=self.pad_id,
+                                      logits_processor=LogitsProcessorList([chosen]) if record else None)
+        prompt_len = enc["input_ids"].shape[1]
+        if out.shape[1] - prompt_len != new_tokens:
+            raise RuntimeError(f"HF generated {out.shape[1] - prompt_len} tokens, expected {new_tokens}")
+        if not record:
+            return []
+        ids = out[:, prompt_len:].tolist()
+        lps = self.torch.stack(chosen.steps, dim=1).tolist()  # [B, new_tokens]
+        return [GreedyOutput(ids[j][:n], lps[j][:n]) for j, n in enumerate(lens)]
 
-    def run(self, work: Workload, output_len: int | None = None, batch_size: int | None = None) -> float:
+    def run(self, work: Workload, output_len: int | None = None, batch_size: int | None = None,
+            record: bool = False) -> float:
         bs = batch_size or self.batch_size
+        outputs: list[GreedyOutput] = []
         t0 = time.perf_counter()
         for i in range(0, len(work.requests), bs):
             reqs = work.requests[i : i + bs]
-            self._batch(work.prompts[i : i + bs], reqs, output_len or max(r.output_len for r in reqs))
-        return time.perf_counter() - t0
+            outputs += self._batch(work.prompts[i : i + bs], [output_len or r.output_len for r in reqs], reqs, record)
+        seconds = time.perf_counter() - t0
+        if record:
+            self.last_outputs = outputs
+        return seconds
 
 
 # ---------------------------------------------------------------- driver
@@ -235,10 +305,10 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def _throughput(runner: Runner, work: Workload, num_runs: int) -> dict:
+def _throughput(runner: Runner, work: Workload, num_runs: int, record: bool = False) -> dict:
     secs, prefill = [], []
     for _ in range(num_runs):
-        secs.append(runner.run(work))
+        secs.append(runner.run(work, record=record))
         if isinstance(runner, TesseraRunner):
             prefill.append(runner.last_prefill_tokens)
     out = {"output_tokens": work.output_tokens, "seconds": secs, "tok_s": work.output_tokens / _median(secs)}
@@ -262,6 +332,7 @@ def _decode_ms(runner: Runner, work: Workload, n: int, num_runs: int) -> float:
 
 def _measure(runner: Runner, cfg: OfflineConfig, works: dict[str, Workload], decode: dict[str, Workload],
              only: tuple[str, ...]) -> dict:
+    """Each workload's figures; with HF compared, workload a's runs record their outputs (runner.last_outputs)."""
     res: dict[str, Any] = {}
     warm = works["a"].head(2, 2)  # first-call costs (lazy imports, allocator growth) stay out of the timings
     runner.run(warm)
@@ -270,7 +341,7 @@ def _measure(runner: Runner, cfg: OfflineConfig, works: dict[str, Workload], dec
             n = decode["bs1"].requests[0].output_len
             res["d"] = {name: _decode_ms(runner, work, n, cfg.num_runs) for name, work in decode.items()}
             continue
-        res[w] = _throughput(runner, works[w], cfg.num_runs)
+        res[w] = _throughput(runner, works[w], cfg.num_runs, record=cfg.compare_hf and w == "a")
         if isinstance(runner, TesseraRunner) and w == "b":
             probe_len = min(8, works[w].requests[0].output_len)
             probes = [runner.ttft_probe(works[w], cfg.num_distinct_images, probe_len) for _ in range(cfg.num_runs)]
@@ -284,6 +355,8 @@ def run_offline(cfg: OfflineConfig, log=print) -> dict:
     from transformers import AutoProcessor
 
     from tessera.bench.medium import resolve_bench_model
+    from tessera.models.config import ModelConfig
+    from tessera.models.registry import resolve_device, resolve_dtype
 
     model_path = resolve_bench_model(cfg.model_path, cfg.seed)
     processor = AutoProcessor.from_pretrained(model_path)
@@ -291,29 +364,32 @@ def run_offline(cfg: OfflineConfig, log=print) -> dict:
     decode = decode_workloads(works["a"], cfg)
     out: dict[str, Any] = {"model_path": cfg.model_path, "config": dataclasses.asdict(cfg), "machine": machine_info(),
                            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": {}}
-    systems: list[tuple[str, Callable[[], Runner]]] = [("tessera", lambda: TesseraRunner(model_path, cfg.engine_args))]
+    device = str(resolve_device(cfg.engine_args.get("device", "auto")))
+    dtype = resolve_dtype(cfg.run_dtype, ModelConfig.load(model_path), device)
+    out["dtype"] = str(dtype).removeprefix("torch.")  # what both sides run in
+    systems: list[tuple[str, Callable[[], Runner]]] = [("tessera", lambda: TesseraRunner(model_path, cfg.tessera_args))]
     if any(w in cfg.workloads for w in ("b", "c")):
-        systems.append(("tessera_nocache", lambda: TesseraRunner(model_path, {**cfg.engine_args, **NOCACHE_ARGS})))
+        systems.append(("tessera_nocache", lambda: TesseraRunner(model_path, {**cfg.tessera_args, **NOCACHE_ARGS})))
     if cfg.compare_hf:
-        systems.append(("hf", lambda: HFRunner(model_path, cfg.hf_batch_size, cfg.engine_args.get("device", "auto"),
-                                               cfg.engine_args.get("dtype", "auto"))))
+        systems.append(("hf", lambda: HFRunner(model_path, cfg.hf_batch_size, device, cfg.run_dtype)))
     per_system: dict[str, dict] = {}
+    outputs: dict[str, list[GreedyOutput]] = {}  # workload a's greedy outputs, per system
     for name, make in systems:
         only = cfg.workloads if name != "tessera_nocache" else tuple(w for w in cfg.workloads if w in ("b", "c"))
         log(f"[{name}] workloads {', '.join(only)} x {cfg.num_runs} runs")
         runner = make()
         try:
             per_system[name] = _measure(runner, cfg, works, decode, only)
+            if "a" in only and runner.last_outputs:
+                outputs[name] = runner.last_outputs
         finally:
             runner.close()
     out["results"] = summarize(per_system, cfg.workloads)
+    if "tessera" in outputs and "hf" in outputs:
+        out["results"]["a"]["agreement_vs_hf"] = agreement(outputs["tessera"], outputs["hf"])
     if "d" in cfg.workloads:  # what batch-1 decode cannot beat on this machine
         from tessera.bench.memory_floor import memory_floor
-        from tessera.models.config import ModelConfig
-        from tessera.models.registry import resolve_device, resolve_dtype
 
-        dtype = resolve_dtype(cfg.engine_args.get("dtype", "auto"), ModelConfig.load(model_path),
-                              str(resolve_device(cfg.engine_args.get("device", "auto"))))
         floor = memory_floor(model_path, dtype)
         out["results"]["d"]["memory_floor"] = floor
         out["results"]["d"]["bs1_vs_floor"] = out["results"]["d"]["tessera"]["bs1"] / floor["floor_ms"]
@@ -347,7 +423,7 @@ def _ms(x: float | None) -> str:
 
 def format_summary(result: dict) -> str:
     r = result["results"]
-    lines = [f"offline benchmark: {result['model_path']} ({result['machine']['cpu']}, "
+    lines = [f"offline benchmark: {result['model_path']} in {result.get('dtype', '?')} ({result['machine']['cpu']}, "
              f"{result['machine']['cpu_count']} cpus)"]
     for w in ("a", "b", "c"):
         if w not in r:
@@ -359,6 +435,8 @@ def format_summary(result: dict) -> str:
         if "tessera_nocache" in e:
             s += f" | no caches {e['tessera_nocache']['tok_s']:.1f} tok/s (cache speedup {e['cache_speedup']:.2f}x)"
         lines.append(s)
+        if "agreement_vs_hf" in e:
+            lines.append(f"     greedy outputs vs hf: {format_agreement(e['agreement_vs_hf'])}")
         if w == "b":
             t = e["tessera"]
             s = f"     TTFT first-seen image {_ms(t['ttft_first_seen_ms'])}, repeated image {_ms(t['ttft_repeat_ms'])}"

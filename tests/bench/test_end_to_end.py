@@ -32,6 +32,9 @@ def test_offline_benchmark_runs_every_workload_on_both_systems() -> None:
     out = run_offline(cfg, log=lambda *_: None)
     r = out["results"]
     assert {"tessera", "hf", "ratio_vs_hf"} <= set(r["a"])
+    # Both sides recorded workload a's greedy outputs: in float32 they are the same tokens and logprobs.
+    same = r["a"]["agreement_vs_hf"]
+    assert same["identical_requests"] == 1.0 and same["logprobs_compared"] == 4 and same["max_logprob_diff"] < 1e-3
     assert r["b"]["tessera"]["ttft_repeat_ms"] is not None  # 2 requests over 1 image: one repeat
     # The shared system prompt (64 tokens) and the one image of b are computed once with caches on.
     assert r["c"]["tessera"]["prefill_tokens"] < r["c"]["tessera_nocache"]["prefill_tokens"]

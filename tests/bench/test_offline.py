@@ -7,6 +7,7 @@ import json
 import pytest
 
 from tessera.bench import medium
+from tessera.bench.agreement import GreedyOutput, agreement, format_agreement
 from tessera.bench.offline import OfflineConfig, build_workloads, decode_workloads
 from tessera.config import ASSETS_DIR
 
@@ -39,6 +40,33 @@ def test_bad_offline_config_names_the_field() -> None:
         OfflineConfig(workloads=("a", "z"))
     with pytest.raises(ValueError, match="decode_len"):
         OfflineConfig(decode_len=1)
+    with pytest.raises(ValueError, match="dtype"):
+        OfflineConfig(dtype="int8")
+    with pytest.raises(ValueError, match="dtype"):
+        OfflineConfig(dtype="bfloat16", engine_args={"dtype": "float32"})
+
+
+def test_dtype_reaches_both_sides() -> None:
+    cfg = OfflineConfig(dtype="bfloat16", engine_args={"max_running_requests": 8})
+    assert cfg.run_dtype == "bfloat16" and cfg.tessera_args == {"max_running_requests": 8, "dtype": "bfloat16"}
+    assert OfflineConfig(engine_args={"dtype": "float32"}).run_dtype == "float32"  # the older way still works
+    assert OfflineConfig().tessera_args == {"dtype": "auto"}
+
+
+def test_agreement_counts_the_prefix_before_the_first_divergence() -> None:
+    ours = [GreedyOutput([1, 2, 3, 4], [-0.1, -0.2, -0.3, -0.4]), GreedyOutput([5, 6], [-1.0, -2.0]),
+            GreedyOutput([7, 8], None)]
+    ref = [GreedyOutput([1, 2, 9, 4], [-0.1, -0.25, -3.0, -0.4]), GreedyOutput([5, 6], [-1.0, -2.01]),
+           GreedyOutput([7, 8], [-1.0, -1.0])]
+    a = agreement(ours, ref)
+    assert a["identical_requests"] == pytest.approx(2 / 3)
+    assert a["prefix_tokens_fraction"] == pytest.approx((2 + 2 + 2) / 8)
+    assert a["prefix_fraction_mean"] == pytest.approx((0.5 + 1 + 1) / 3)
+    # Logprobs compare before the split only (position 2 scores different tokens), and only where both have them.
+    assert a["logprobs_compared"] == 4 and a["max_logprob_diff"] == pytest.approx(0.05)
+    assert "75.0% of tokens" in format_agreement(a)
+    with pytest.raises(ValueError, match="agreement"):
+        agreement(ours, ref[:2])
 
 
 def test_bench_medium_is_about_150m_parameters(tmp_path) -> None:
