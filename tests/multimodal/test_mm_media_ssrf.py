@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from tessera.multimodal.items import Modality
-from tessera.multimodal.media_source import MediaError, MediaLimits, address_refusal, fetch_url
+from tessera.multimodal.media_limits import MediaError, MediaLimits
+from tessera.multimodal.media_url import address_refusal, fetch_url
 
 from .conftest import encode_png, scene_image
 
