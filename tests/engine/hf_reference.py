@@ -1,13 +1,19 @@
-"""HF transformers greedy reference for engine parity tests."""
+"""HF transformers greedy reference for engine parity tests, and the image families' shared engine check."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import torch
 
 
-def chat_prompt(processor, num_images: int, text: str, num_videos: int = 0, system: str | None = None) -> str:
+def chat_prompt(processor, num_images: int, text: str, num_videos: int = 0, system: str | None = None,
+                add_generation_prompt: bool = True) -> str:
     content = [{"type": "image"}] * num_images + [{"type": "video"}] * num_videos + [{"type": "text", "text": text}]
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+    if not add_generation_prompt:  # templates without the flag (Pixtral's) are called exactly as HF's docs do
+        return processor.apply_chat_template(messages, tokenize=False)
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
@@ -25,3 +31,47 @@ def hf_greedy(model, processor, prompt: str, images=None, videos=None, max_new_t
     ids = out.sequences[0, enc["input_ids"].shape[1] :].tolist()
     logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, ids)]
     return ids, logprobs, enc["input_ids"].shape[1]
+
+
+def noise_images(sizes: tuple[tuple[int, int], ...], seed: int = 3) -> list:
+    """Uniform-noise RGB images of the given (height, width) sizes."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+
+
+@torch.no_grad()
+def hf_generate(model, processor, prompt: str, images, max_new_tokens: int,
+                images_kwargs: dict | None = None) -> tuple[list[int], int]:
+    """HF's greedy tokens (no EOS stop, as ignore_eos) and the prompt length; text only when `images` is empty."""
+    kwargs = {"images": images, **({"images_kwargs": images_kwargs} if images_kwargs else {})} if images else {}
+    enc = processor(text=[prompt], return_tensors="pt", **kwargs)
+    out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, enc["input_ids"].shape[1]:].tolist(), int(enc["input_ids"].shape[1])
+
+
+def check_engine_matches_hf_generate(path: Path, model, processor, cases: list[tuple[str, list | None]], *,
+                                     second_round: tuple[int, int], min_distinct: int, chunked_prefill_size: int,
+                                     max_new_tokens: int = 6, images_kwargs: dict | None = None,
+                                     **engine_kwargs) -> None:
+    """The image families' engine parity check: all `cases` (prompt, images) in one Engine batch (pages of 4,
+    chunks of `chunked_prefill_size`, 4 running) give HF generate's tokens and prompt lengths; then the two
+    cases of `second_round` (an image seen before) give them again with at least half the prompt cached.
+    `min_distinct` different HF continuations guard against a reference that ignores its inputs."""
+    from tessera import Engine
+
+    expected = [hf_generate(model, processor, p, ims, max_new_tokens, images_kwargs) for p, ims in cases]
+    assert len({tuple(ids) for ids, _ in expected}) >= min_distinct, "the reference ignores its inputs"
+    sp = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+    with Engine(str(path), page_size=4, chunked_prefill_size=chunked_prefill_size, max_running_requests=4,
+                max_total_tokens=4096, show_progress=False, **engine_kwargs) as engine:
+        outs = engine.generate([p for p, _ in cases], sp, image_data=[ims for _, ims in cases])
+        for i, ((ids, prompt_len), out) in enumerate(zip(expected, outs)):
+            assert out["output_ids"] == ids, f"case {i}"
+            assert out["meta_info"]["prompt_tokens"] == prompt_len, f"case {i}"
+        a, b = second_round
+        again = engine.generate([cases[a][0], cases[b][0]], sp, image_data=[cases[a][1], cases[b][1]])
+        for (ids, prompt_len), out in zip((expected[a], expected[b]), again):
+            assert out["output_ids"] == ids
+            assert out["meta_info"]["cached_tokens"] >= prompt_len // 2

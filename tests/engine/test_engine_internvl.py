@@ -8,14 +8,18 @@ second round.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-import torch
 
-from tessera import Engine
-from tests.models.internvl_testing import SPECS, load_hf_reference, make_tiny_internvl_checkpoint
-
-MAX_NEW = 6
+from tests.engine.hf_reference import (
+    chat_prompt,
+    check_engine_matches_hf_generate,
+    noise_images,
+)
+from tests.models.internvl_testing import (
+    SPECS,
+    load_hf_reference,
+    make_tiny_internvl_checkpoint,
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,50 +28,17 @@ def internvl_path(tmp_path_factory):
                                         max_patches=4, seed=2)
 
 
-def _images():
-    from PIL import Image
-
-    rng = np.random.default_rng(3)
-    return [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in ((40, 120), (48, 48),
-                                                                                           (90, 36))]
-
-
-def _prompt(processor, num_images: int, text: str) -> str:
-    content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
-    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
-
-
-@torch.no_grad()
-def _hf_generate(model, processor, prompt: str, images) -> tuple[list[int], int]:
-    enc = processor(text=[prompt], images=images, return_tensors="pt")
-    out = model.generate(**enc, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, enc["input_ids"].shape[1]:].tolist(), int(enc["input_ids"].shape[1])
-
-
 def test_engine_matches_hf_generate_with_small_chunks_and_prefix_hits(internvl_path):
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(internvl_path)
-    hf = load_hf_reference(internvl_path)
-    wide, square, tall = _images()
+    wide, square, tall = noise_images(((40, 120), (48, 48), (90, 36)))
     cases = [
-        (_prompt(processor, 0, "Hello there, how are you?"), None),
-        (_prompt(processor, 1, "What is in the image?"), [wide]),
-        (_prompt(processor, 2, "Compare the two images."), [square, tall]),
-        (_prompt(processor, 1, "What is in the image?"), [wide]),  # a repeat of case 1
-        (_prompt(processor, 1, "Describe it in one word."), [wide]),  # the same image, other text
+        (chat_prompt(processor, 0, "Hello there, how are you?"), None),
+        (chat_prompt(processor, 1, "What is in the image?"), [wide]),
+        (chat_prompt(processor, 2, "Compare the two images."), [square, tall]),
+        (chat_prompt(processor, 1, "What is in the image?"), [wide]),  # a repeat of case 1
+        (chat_prompt(processor, 1, "Describe it in one word."), [wide]),  # the same image, other text
     ]
-    expected = [_hf_generate(hf, processor, p, ims) for p, ims in cases]
-    assert len({tuple(ids) for ids, _ in expected}) >= 3, "the reference ignores its inputs"
-    sp = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
-    with Engine(str(internvl_path), page_size=4, chunked_prefill_size=5, max_running_requests=4,
-                max_total_tokens=4096, show_progress=False) as engine:
-        outs = engine.generate([p for p, _ in cases], sp, image_data=[ims for _, ims in cases])
-        for i, ((ids, prompt_len), out) in enumerate(zip(expected, outs)):
-            assert out["output_ids"] == ids, f"case {i}"
-            assert out["meta_info"]["prompt_tokens"] == prompt_len, f"case {i}"
-        again = engine.generate([cases[1][0], cases[4][0]], sp, image_data=[cases[1][1], cases[4][1]])
-        for (ids, prompt_len), out in zip((expected[1], expected[4]), again):
-            assert out["output_ids"] == ids
-            assert out["meta_info"]["cached_tokens"] >= prompt_len // 2
+    check_engine_matches_hf_generate(internvl_path, load_hf_reference(internvl_path), processor, cases,
+                                     second_round=(1, 4), min_distinct=3, chunked_prefill_size=5)

@@ -1,5 +1,6 @@
-"""Shared fixtures: a demo-vl skeleton (tokenizer + Qwen2-VL processor, no weights), media
-generators built on the project's scene generator, and a tiny bounded HTTP server."""
+"""Shared fixtures: a demo-vl skeleton (tokenizer + Qwen2-VL processor, no weights), the processor factory and
+chat prompts every family's processor test uses, media generators built on the project's scene generator, and a
+tiny bounded HTTP server."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import io
 import random
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,22 +40,50 @@ def skeleton(tmp_path_factory: pytest.TempPathFactory) -> Skeleton:
     return Skeleton(path, config, AutoProcessor.from_pretrained(path))
 
 
-@pytest.fixture
-def make_processor(skeleton: Skeleton) -> Iterator[Callable[..., Any]]:
-    """Factory for QwenVLProcessor over the skeleton; offline limits unless given."""
+@contextmanager
+def processor_factory(hf_processor: Any, config: Any) -> Iterator[Callable[..., Any]]:
+    """`make(**kwargs)`: create_processor over (hf_processor, config), offline limits unless given; every
+    processor made is closed on exit (each owns a preprocessing pool)."""
     from tessera.multimodal.processors.registry import create_processor
 
     made = []
 
     def make(**kwargs: Any) -> Any:
         kwargs.setdefault("limits", MediaLimits.offline())
-        proc = create_processor(skeleton.processor, skeleton.config, **kwargs)
+        proc = create_processor(hf_processor, config, **kwargs)
         made.append(proc)
         return proc
 
-    yield make
-    for proc in made:
-        proc.close()
+    try:
+        yield make
+    finally:
+        for proc in made:
+            proc.close()
+
+
+def load_processor_and_config(path: Path) -> tuple[Any, Any]:
+    """(transformers AutoProcessor, AutoConfig) of a checkpoint directory."""
+    from transformers import AutoConfig, AutoProcessor
+
+    return AutoProcessor.from_pretrained(path), AutoConfig.from_pretrained(path)
+
+
+def chat_text(hf_processor: Any, parts: list[str], add_generation_prompt: bool = True) -> str:
+    """One user turn through the checkpoint's chat template: "image" / "video" parts become media parts (the
+    template inserts their placeholders), any other string a text part. Without add_generation_prompt the
+    template is called without the flag (Pixtral's template has none)."""
+    content = [{"type": p} if p in ("image", "video") else {"type": "text", "text": p} for p in parts]
+    messages = [{"role": "user", "content": content}]
+    if not add_generation_prompt:
+        return hf_processor.apply_chat_template(messages, tokenize=False)
+    return hf_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+@pytest.fixture
+def make_processor(skeleton: Skeleton) -> Iterator[Callable[..., Any]]:
+    """Factory for QwenVLProcessor over the skeleton; offline limits unless given."""
+    with processor_factory(skeleton.processor, skeleton.config) as make:
+        yield make
 
 
 def scene_image(seed: int, size: tuple[int, int] | None = None) -> Image.Image:

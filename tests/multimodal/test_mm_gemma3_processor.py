@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tessera.models.families import get_family
-from tessera.multimodal.media import MediaLimits
 from tessera.multimodal.processors.gemma3 import Gemma3Processor
-from tessera.multimodal.processors.registry import create_processor
 from tests.models.gemma3_testing import SPECS, make_tiny_gemma3_checkpoint
+
+from .conftest import chat_text, processor_factory
 
 PAN_AND_SCAN = {"do_pan_and_scan": True, "pan_and_scan_min_crop_size": 16}
 SPEC = SPECS["mha_softcap"]  # 9 tokens per image, 42 px
@@ -36,18 +36,8 @@ def hf_processor(checkpoint):
 def make(checkpoint, hf_processor):
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(checkpoint)
-    made = []
-
-    def _make(**kwargs) -> Gemma3Processor:
-        kwargs.setdefault("limits", MediaLimits.offline())
-        proc = create_processor(hf_processor, config, **kwargs)
-        made.append(proc)
-        return proc
-
-    yield _make
-    for p in made:
-        p.close()
+    with processor_factory(hf_processor, AutoConfig.from_pretrained(checkpoint)) as factory:
+        yield factory
 
 
 def image(h: int, w: int, seed: int = 0):
@@ -57,9 +47,7 @@ def image(h: int, w: int, seed: int = 0):
 
 
 def prompt(hf_processor, num_images: int, text: str = "What is this?") -> str:
-    content = [{"type": "image"}] * num_images + [{"type": "text", "text": text}]
-    return hf_processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                            tokenize=False)
+    return chat_text(hf_processor, ["image"] * num_images + [text])
 
 
 def assert_matches_hf(out, ref, crops: list[int], soft_id: int) -> None:

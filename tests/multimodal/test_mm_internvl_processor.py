@@ -7,43 +7,30 @@ import pytest
 import torch
 
 from tessera.multimodal.items import PAD_VALUE_BASE, Modality
-from tessera.multimodal.media import MediaLimits
 from tessera.multimodal.processors.internvl import InternVLProcessor
 from tests.models.internvl_testing import SPECS, make_tiny_internvl_checkpoint
 
-from .conftest import encode_png, scene_image
+from .conftest import (
+    chat_text,
+    encode_png,
+    load_processor_and_config,
+    processor_factory,
+    scene_image,
+)
 
 SPEC = SPECS["qwen2_gqa"]  # 48-pixel tiles, 9 tokens per tile
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from transformers import AutoConfig, AutoProcessor
-
     path = make_tiny_internvl_checkpoint(tmp_path_factory.mktemp("internvl_proc"), SPEC, max_patches=6)
-    return AutoProcessor.from_pretrained(path), AutoConfig.from_pretrained(path)
+    return load_processor_and_config(path)
 
 
 @pytest.fixture
 def make_processor(ckpt):
-    from tessera.multimodal.processors.registry import create_processor
-
-    made = []
-
-    def make(**kwargs):
-        kwargs.setdefault("limits", MediaLimits.offline())
-        made.append(create_processor(ckpt[0], ckpt[1], **kwargs))
-        return made[-1]
-
-    yield make
-    for proc in made:
-        proc.close()
-
-
-def chat(hf_processor, parts: list[str]) -> str:
-    content = [{"type": "image"} if p == "image" else {"type": "text", "text": p} for p in parts]
-    return hf_processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                            tokenize=False)
+    with processor_factory(*ckpt) as make:
+        yield make
 
 
 def assert_matches_hf(out, ref, hf_processor) -> None:
@@ -73,7 +60,7 @@ SIZES = [(48, 48), (140, 40), (40, 150), (500, 30), (20, 20), (333, 251), (97, 2
 def test_single_image_parity_across_sizes(ckpt, make_processor, size):
     hf_processor = ckpt[0]
     img = scene_image(sum(size), size)
-    prompt = chat(hf_processor, ["image", "What is this?"])
+    prompt = chat_text(hf_processor, ["image", "What is this?"])
     out = make_processor().process(prompt=prompt, image_data=[encode_png(img)])
     assert_matches_hf(out, hf_processor(text=[prompt], images=[img], return_tensors="pt"), hf_processor)
 
@@ -81,7 +68,7 @@ def test_single_image_parity_across_sizes(ckpt, make_processor, size):
 def test_two_images_cache_hits_and_process_config(ckpt, make_processor):
     hf_processor = ckpt[0]
     images = [scene_image(1, (200, 90)), scene_image(2, (60, 180))]
-    prompt = chat(hf_processor, ["image", "Compare with", "image", "now."])
+    prompt = chat_text(hf_processor, ["image", "Compare with", "image", "now."])
     ref = hf_processor(text=[prompt], images=images, return_tensors="pt")
     proc = make_processor(cache_size_bytes=1 << 26)
     first = proc.process(prompt=prompt, image_data=images)
@@ -104,7 +91,7 @@ def test_two_images_cache_hits_and_process_config(ckpt, make_processor):
 def test_three_formats_give_the_same_ids(ckpt, make_processor):
     hf_processor = ckpt[0]
     images = [scene_image(5, (150, 60)), scene_image(6, (48, 48))]
-    prompt = chat(hf_processor, ["image", "image", "Describe."])
+    prompt = chat_text(hf_processor, ["image", "image", "Describe."])
     proc = make_processor()
     raw = proc.process(prompt=prompt, image_data=images)
     ids = raw.input_ids
@@ -127,13 +114,13 @@ def test_text_only_and_refusals(ckpt, make_processor):
     assert proc.process(prompt="hello there").input_ids == hf_processor.tokenizer("hello there")["input_ids"]
     img = scene_image(7, (64, 64))
     with pytest.raises(ValueError, match="too many image items"):
-        proc.process(prompt=chat(hf_processor, ["image", "image", "?"]), image_data=[img, img])
+        proc.process(prompt=chat_text(hf_processor, ["image", "image", "?"]), image_data=[img, img])
     with pytest.raises(ValueError, match="image placeholder"):
-        proc.process(prompt=chat(hf_processor, ["image", "image", "?"]), image_data=[img])
+        proc.process(prompt=chat_text(hf_processor, ["image", "image", "?"]), image_data=[img])
     with pytest.raises(ValueError, match="does not accept video"):
         proc.process(prompt="<video>", video_data=[[img, img]])
     with pytest.raises(ValueError, match="pixel_values has shape"):
-        proc.process(prompt=chat(hf_processor, ["image", "?"]), image_data=[
+        proc.process(prompt=chat_text(hf_processor, ["image", "?"]), image_data=[
             {"format": "processor_output", "pixel_values": torch.zeros(2, 3, 32, 32), "num_patches": [2]}])
     assert Modality.IMAGE in proc.supported_modalities
 
@@ -143,6 +130,6 @@ def test_deferred_images_match_eager(ckpt, make_processor):
     images; images larger than their tiles take the fallback."""
     from tests.multimodal.deferred_testing import assert_deferred_matches_eager
 
-    prompt = chat(ckpt[0], ["image", "What is this?"])
+    prompt = chat_text(ckpt[0], ["image", "What is this?"])
     sizes = [(10, 10), (40, 13), (13, 40), (50, 50), (90, 30), (600, 400)]
     assert_deferred_matches_eager(make_processor, prompt, sizes, expect_eager=[(600, 400)])

@@ -8,42 +8,34 @@ import pytest
 import torch
 
 from tessera.multimodal.items import PAD_VALUE_BASE
-from tessera.multimodal.media import MediaLimits
 from tessera.multimodal.processors.pixtral import PixtralProcessor
 from tests.models.pixtral_testing import SPECS, make_tiny_pixtral_checkpoint
 
-from .conftest import encode_png, scene_image
+from .conftest import (
+    chat_text,
+    encode_png,
+    load_processor_and_config,
+    processor_factory,
+    scene_image,
+)
 
 SPEC = SPECS["mistral_gqa"]  # 8-pixel patches, longest edge 96
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
-    from transformers import AutoConfig, AutoProcessor
-
     path = make_tiny_pixtral_checkpoint(tmp_path_factory.mktemp("pixtral_proc"), SPEC)
-    return AutoProcessor.from_pretrained(path), AutoConfig.from_pretrained(path)
+    return load_processor_and_config(path)
 
 
 @pytest.fixture
 def make_processor(ckpt):
-    from tessera.multimodal.processors.registry import create_processor
-
-    made = []
-
-    def make(**kwargs):
-        kwargs.setdefault("limits", MediaLimits.offline())
-        made.append(create_processor(ckpt[0], ckpt[1], **kwargs))
-        return made[-1]
-
-    yield make
-    for proc in made:
-        proc.close()
+    with processor_factory(*ckpt) as make:
+        yield make
 
 
 def chat(hf_processor, parts: list[str]) -> str:
-    content = [{"type": "image"} if p == "image" else {"type": "text", "text": p} for p in parts]
-    return hf_processor.apply_chat_template([{"role": "user", "content": content}], tokenize=False)
+    return chat_text(hf_processor, parts, add_generation_prompt=False)
 
 
 def assert_matches_hf(out, ref, hf_processor) -> None:

@@ -10,13 +10,22 @@ import pytest
 import torch
 
 from tessera.multimodal.items import Modality
-from tessera.multimodal.media import MediaLimits, VideoClip
+from tessera.multimodal.media import VideoClip
 from tessera.multimodal.processors.base import ProcessorOutput
-from tessera.multimodal.processors.qwen3_vl import Qwen3VLProcessor, frame_timestamps
-from tessera.multimodal.processors.registry import create_processor
-from tests.models.qwen3_vl_testing import CHECKPOINT_SPEC, tiny_qwen3_vl_processor_and_config
+from tessera.multimodal.processors.qwen3_vl import frame_timestamps
+from tests.models.qwen3_vl_testing import (
+    CHECKPOINT_SPEC,
+    tiny_qwen3_vl_processor_and_config,
+)
 
-from .conftest import encode_mp4, encode_png, scene_frames, scene_image
+from .conftest import (
+    chat_text,
+    encode_mp4,
+    encode_png,
+    processor_factory,
+    scene_frames,
+    scene_image,
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,23 +35,12 @@ def hf_pair():
 
 @pytest.fixture
 def make(hf_pair):
-    made = []
-
-    def factory(**kwargs) -> Qwen3VLProcessor:
-        kwargs.setdefault("limits", MediaLimits.offline())
-        proc = create_processor(hf_pair[0], hf_pair[1], **kwargs)
-        made.append(proc)
-        return proc
-
-    yield factory
-    for proc in made:
-        proc.close()
+    with processor_factory(*hf_pair) as factory:
+        yield factory
 
 
 def chat(hf_pair, parts: list[str]) -> str:
-    content = [{"type": p} if p in ("image", "video") else {"type": "text", "text": p} for p in parts]
-    return hf_pair[0].apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                          tokenize=False)
+    return chat_text(hf_pair[0], parts)
 
 
 def hf_reference(hf_pair, prompt: str, images=(), clips: tuple[VideoClip, ...] = ()):

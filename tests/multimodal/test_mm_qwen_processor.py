@@ -15,7 +15,14 @@ from tessera.multimodal.processors.base import ProcessorOutput
 from tessera.multimodal.processors.qwen_vl import QwenVLProcessor
 from tessera.multimodal.processors.registry import architecture_of, get_processor_class
 
-from .conftest import decode_all_frames, encode_mp4, encode_png, scene_frames, scene_image
+from .conftest import (
+    chat_text,
+    decode_all_frames,
+    encode_mp4,
+    encode_png,
+    scene_frames,
+    scene_image,
+)
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
 VID = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -23,9 +30,7 @@ VID = "<|vision_start|><|video_pad|><|vision_end|>"
 
 def chat_prompt(skeleton, parts: list[str]) -> str:
     """The demo chat template over image/video/text parts (placeholders inserted by it)."""
-    content = [{"type": p} if p in ("image", "video") else {"type": "text", "text": p} for p in parts]
-    return skeleton.processor.apply_chat_template([{"role": "user", "content": content}],
-                                                  add_generation_prompt=True, tokenize=False)
+    return chat_text(skeleton.processor, parts)
 
 
 def hf_reference(skeleton, prompt, images=None, videos=None, images_kwargs=None, videos_kwargs=None):
