@@ -7,17 +7,16 @@ import asyncio
 import pytest
 
 from tessera.bench.offline import OfflineConfig, run_offline
-from tessera.bench.report import LocalServer
 from tessera.bench.serving import ServingConfig, run_benchmark_async
 
 pytestmark = pytest.mark.slow
 
 
-def test_serving_benchmark_against_tessera_serve() -> None:
-    with LocalServer("demo-vl", "--max-total-tokens", "8192") as server:
-        cfg = ServingConfig(base_url=server.base_url, dataset="scenes", num_prompts=3, output_len=4,
-                            max_concurrency=2, disable_tqdm=True)
-        result = asyncio.run(run_benchmark_async(cfg))
+def test_serving_benchmark_against_tessera_serve(vl_server) -> None:
+    """Against the session's demo-vl server (the sweep's own LocalServer start is the same launcher)."""
+    cfg = ServingConfig(base_url=vl_server.base_url, dataset="scenes", num_prompts=3, output_len=4,
+                        max_concurrency=2, disable_tqdm=True)
+    result = asyncio.run(run_benchmark_async(cfg))
     m = result["metrics"]
     assert result["model"] == "demo-vl"
     assert (m["num_completed"], m["num_failed"]) == (3, 0), m["errors"]

@@ -13,19 +13,15 @@ import pytest
 
 from tessera.config import ASSETS_DIR
 from tests.constrained.scene_schema import ANSWER_REGEX, SCENE_SCHEMA, validate_scene
-from tests.server.server_process import ServerProcess
 
 IMAGE_URI = "data:image/png;base64," + base64.b64encode((ASSETS_DIR / "examples" / "scene.png").read_bytes()).decode()
-# Slow only because of its own server start (~15 s idle, more on a busy machine); the requests take ~3 s.
-pytestmark = pytest.mark.slow
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "scene", "schema": SCENE_SCHEMA, "strict": True}}
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--model-path", "demo-vl", "--max-total-tokens", "16384")
-    yield srv
-    srv.stop()
+def server(vl_server):
+    """The session's demo-vl server (16,384 KV tokens; its tool template renders like demo-vl's without tools)."""
+    return vl_server
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,6 @@ from PIL import Image
 from tessera.config import ASSETS_DIR
 from tessera.demo import scenes
 from tests.server.server_process import (
-    ServerProcess,
-    children_of,
     free_port,
     wait_until_idle,
 )
@@ -261,33 +259,3 @@ def test_metrics_exposes_serving_figures(server, client):
                  "tessera_prefix_cache_hit_rate", "tessera_encoder_cache_hit_rate",
                  "tessera_preprocess_cache_hit_rate", "tessera_mm_transport_bytes", "tessera_mm_items"):
         assert name in text
-
-
-def test_language_model_only_and_api_key():
-    srv = ServerProcess("--model-path", "demo-vl", "--language-model-only", "--api-key", "sekret")
-    try:
-        assert httpx.get(f"{srv.base_url}/model_info").status_code == 401
-        auth = {"Authorization": "Bearer sekret"}
-        info = httpx.get(f"{srv.base_url}/model_info", headers=auth).json()
-        assert info["has_image_understanding"] is False and info["has_video_understanding"] is False
-        body = {"messages": [{"role": "user", "content": [image_part(data_uri(Image.open(EXAMPLE_IMAGE))),
-                                                          text_part("hi")]}]}
-        r = httpx.post(f"{srv.base_url}/v1/chat/completions", json=body, headers=auth, timeout=60)
-        assert r.status_code == 400 and "language-model-only" in r.json()["error"]["message"]
-        ok = httpx.post(f"{srv.base_url}/v1/chat/completions", headers=auth, timeout=60,
-                        json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
-        assert ok.status_code == 200
-        kids = children_of(srv.proc.pid)
-        assert kids, "the scheduler runs in a child process"
-    finally:
-        code = srv.stop()
-    # uvicorn shuts down gracefully, then re-raises the signal so the parent sees it.
-    assert code in (0, -15)
-    assert "Application shutdown complete" in srv.output()
-    time.sleep(1.0)
-    for pid in kids:  # SIGTERM took the scheduler down too
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                assert f.read().split()[2] == "Z"
-        except FileNotFoundError:
-            pass

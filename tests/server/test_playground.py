@@ -14,7 +14,6 @@ from fastapi.testclient import TestClient
 from tessera.config import ASSETS_DIR, ServerArgs
 from tessera.entrypoints.http_server import create_app
 from tessera.entrypoints.playground import STATIC_DIR
-from tests.server.server_process import ServerProcess
 
 EXPECTED_TYPES = {".html": "text/html", ".js": "text/javascript", ".css": "text/css", ".svg": "image/svg+xml"}
 SVG_NAMESPACE = 'xmlns="http://www.w3.org/2000/svg"'  # a name, never fetched
@@ -93,59 +92,58 @@ def browser(monkeypatch):
 
 
 @pytest.mark.slow
-def test_chat_with_an_image_in_headless_chromium(browser) -> None:
+def test_chat_with_an_image_in_headless_chromium(browser, vl_server) -> None:
+    import httpx
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    server = ServerProcess("--model-path", "demo-vl")
-    try:
-        wait = WebDriverWait(browser, 60)
-        browser.get(server.base_url + "/")
-        wait.until(lambda d: d.find_element(By.ID, "status").get_attribute("data-state") == "ready")
-        assert browser.find_element(By.ID, "model-name").text == "demo-vl"
+    server = vl_server  # the session's demo-vl: caches flushed, so the first answer starts from nothing cached
+    assert httpx.post(f"{server.base_url}/flush_cache", timeout=30).status_code == 200
+    wait = WebDriverWait(browser, 60)
+    browser.get(server.base_url + "/")
+    wait.until(lambda d: d.find_element(By.ID, "status").get_attribute("data-state") == "ready")
+    assert browser.find_element(By.ID, "model-name").text == "demo-vl"
 
-        browser.find_element(By.ID, "file-input").send_keys(str(EXAMPLE_IMAGE))
-        thumb = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#attachments img.thumb"))[0]
-        assert thumb.get_attribute("src").startswith("data:image/png;base64,")
-        browser.execute_script("const t = document.getElementById('temperature');"
-                               "t.value = '0'; t.dispatchEvent(new Event('input'));")
-        browser.find_element(By.ID, "prompt").send_keys("Describe the image.")
-        browser.find_element(By.ID, "send").click()
+    browser.find_element(By.ID, "file-input").send_keys(str(EXAMPLE_IMAGE))
+    thumb = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#attachments img.thumb"))[0]
+    assert thumb.get_attribute("src").startswith("data:image/png;base64,")
+    browser.execute_script("const t = document.getElementById('temperature');"
+                           "t.value = '0'; t.dispatchEvent(new Event('input'));")
+    browser.find_element(By.ID, "prompt").send_keys("Describe the image.")
+    browser.find_element(By.ID, "send").click()
 
-        answer = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".message.assistant[data-done]"))[0]
-        assert answer.find_element(By.CLASS_NAME, "text").text == "a red circle, a blue square and a green triangle"
-        assert int(answer.get_attribute("data-deltas")) > 1  # it came in pieces: streamed
-        stats = answer.find_element(By.CLASS_NAME, "stats").text
-        assert re.search(r"\d+ tokens · [\d.]+ tok/s · first token [\d.]+ s · 0 of \d+ prompt tokens cached", stats)
-        assert browser.find_elements(By.CSS_SELECTOR, ".message.user img.thumb")
-        assert not browser.find_element(By.ID, "error").is_displayed()
-        if os.environ.get("TESSERA_PLAYGROUND_SCREENSHOT"):  # how docs/playground.png is made
-            browser.save_screenshot(os.environ["TESSERA_PLAYGROUND_SCREENSHOT"])
-        errors = [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
-        assert errors == []
+    answer = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, ".message.assistant[data-done]"))[0]
+    assert answer.find_element(By.CLASS_NAME, "text").text == "a red circle, a blue square and a green triangle"
+    assert int(answer.get_attribute("data-deltas")) > 1  # it came in pieces: streamed
+    stats = answer.find_element(By.CLASS_NAME, "stats").text
+    assert re.search(r"\d+ tokens · [\d.]+ tok/s · first token [\d.]+ s · 0 of \d+ prompt tokens cached", stats)
+    assert browser.find_elements(By.CSS_SELECTOR, ".message.user img.thumb")
+    assert not browser.find_element(By.ID, "error").is_displayed()
+    if os.environ.get("TESSERA_PLAYGROUND_SCREENSHOT"):  # how docs/playground.png is made
+        browser.save_screenshot(os.environ["TESSERA_PLAYGROUND_SCREENSHOT"])
+    errors = [e for e in browser.get_log("browser") if e["level"] in ("SEVERE", "WARNING")]
+    assert errors == []
 
-        # A schema the server refuses: its message is shown and the question comes back to the composer;
-        # with a valid schema the same question gets an answer that parses.
-        schema_box = browser.find_element(By.ID, "json-schema")
-        schema_box.send_keys('{"type": "nonsense"}')
-        browser.find_element(By.ID, "prompt").send_keys("How many shapes are there?\n")
-        wait.until(lambda d: d.find_element(By.ID, "error").is_displayed())
-        assert browser.find_element(By.ID, "error-text").text == "response_format: Invalid type: nonsense"
-        assert browser.find_element(By.ID, "prompt").get_attribute("value") == "How many shapes are there?"
-        assert len(browser.find_elements(By.CSS_SELECTOR, ".message")) == 2
-        schema_box.clear()
-        schema_box.send_keys(json.dumps({"type": "object", "properties": {"count": {"type": "integer"}},
-                                         "required": ["count"]}))
-        browser.find_element(By.ID, "send").click()
-        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".message.assistant[data-done]")) == 2)
-        assert not browser.find_element(By.ID, "error").is_displayed()
-        second = browser.find_elements(By.CSS_SELECTOR, ".message.assistant")[1]
-        assert isinstance(json.loads(second.find_element(By.CLASS_NAME, "text").text)["count"], int)
-        # The conversation so far, image included, came from the prefix cache.
-        assert re.search(r"· [1-9]\d* of \d+ prompt tokens cached", second.find_element(By.CLASS_NAME, "stats").text)
+    # A schema the server refuses: its message is shown and the question comes back to the composer;
+    # with a valid schema the same question gets an answer that parses.
+    schema_box = browser.find_element(By.ID, "json-schema")
+    schema_box.send_keys('{"type": "nonsense"}')
+    browser.find_element(By.ID, "prompt").send_keys("How many shapes are there?\n")
+    wait.until(lambda d: d.find_element(By.ID, "error").is_displayed())
+    assert browser.find_element(By.ID, "error-text").text == "response_format: Invalid type: nonsense"
+    assert browser.find_element(By.ID, "prompt").get_attribute("value") == "How many shapes are there?"
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".message")) == 2
+    schema_box.clear()
+    schema_box.send_keys(json.dumps({"type": "object", "properties": {"count": {"type": "integer"}},
+                                     "required": ["count"]}))
+    browser.find_element(By.ID, "send").click()
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, ".message.assistant[data-done]")) == 2)
+    assert not browser.find_element(By.ID, "error").is_displayed()
+    second = browser.find_elements(By.CSS_SELECTOR, ".message.assistant")[1]
+    assert isinstance(json.loads(second.find_element(By.CLASS_NAME, "text").text)["count"], int)
+    # The conversation so far, image included, came from the prefix cache.
+    assert re.search(r"· [1-9]\d* of \d+ prompt tokens cached", second.find_element(By.CLASS_NAME, "stats").text)
 
-        browser.find_element(By.ID, "clear").click()
-        assert browser.find_elements(By.CSS_SELECTOR, ".message") == []
-        assert browser.find_element(By.ID, "empty-hint").is_displayed()
-    finally:
-        server.stop()
+    browser.find_element(By.ID, "clear").click()
+    assert browser.find_elements(By.CSS_SELECTOR, ".message") == []
+    assert browser.find_element(By.ID, "empty-hint").is_displayed()

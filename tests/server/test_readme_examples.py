@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.server_process import ServerProcess
-
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
@@ -22,10 +20,10 @@ def blocks(lang: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = ServerProcess("--model-path", "demo-vl")
-    yield srv
-    srv.stop()
+def server(vl_server):
+    """The session's demo-vl server: its extra flags (local media, a tool template that renders like demo-vl's
+    own without tools) change nothing the README's examples do."""
+    return vl_server
 
 
 def run_curl(marker: str, port: int) -> tuple[str, str]:

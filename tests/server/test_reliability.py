@@ -3,6 +3,7 @@ disconnects, SIGTERM with requests in flight, and a scheduler process that dies.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from tessera.bench.soak import HOSTILE_KINDS, IDLE_GAUGES, SoakConfig, read_gauges, run_soak
+from tests.conftest import EXAMPLE_IMAGE
 from tests.server.server_process import ServerProcess, children_of
 
 
@@ -89,19 +91,58 @@ def test_disconnects_mid_stream_and_mid_prefill_leave_nothing_allocated(server):
     assert all(g[k] == 0 for k in IDLE_GAUGES), g
 
 
-@pytest.mark.slow
-def test_sigterm_drains_requests_in_flight_and_exits():
-    srv = ServerProcess("--model-path", "demo-vl", "--enable-metrics", "false")
+def wait_running(base_url: str, n: int, headers: dict | None = None, timeout: float = 60.0) -> None:
+    """Polls until `n` requests are running in the scheduler (quicker and surer than a fixed sleep)."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{base_url}/get_server_info", headers=headers, timeout=30).json()["stats"]["num_running"] < n:
+        assert time.monotonic() < deadline, f"fewer than {n} requests running after {timeout:.0f} s"
+        time.sleep(0.05)
+
+
+def gone_or_zombie(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+# Not slow: test-fast ran the --language-model-only / --api-key half before the two were merged.
+def test_language_model_only_api_key_and_sigterm_that_drains_requests_in_flight():
+    """One server for the flags a test of the shutdown can share (one start instead of two): --language-model-only
+    and --api-key are served as documented, then SIGTERM with four streams decoding drains them, exits within
+    30 s, and takes the scheduler process down too."""
+    srv = ServerProcess("--model-path", "demo-vl", "--language-model-only", "--api-key", "sekret",
+                        "--enable-metrics", "false")
+    auth = {"Authorization": "Bearer sekret"}
     try:
         assert httpx.get(f"{srv.base_url}/metrics").status_code == 404  # --enable-metrics false
+        assert httpx.get(f"{srv.base_url}/model_info").status_code == 401
+        info = httpx.get(f"{srv.base_url}/model_info", headers=auth).json()
+        assert info["has_image_understanding"] is False and info["has_video_understanding"] is False
+        uri = "data:image/png;base64," + base64.b64encode(EXAMPLE_IMAGE.read_bytes()).decode()
+        body = chat([{"type": "image_url", "image_url": {"url": uri}}, {"type": "text", "text": "hi"}])
+        r = httpx.post(f"{srv.base_url}/v1/chat/completions", json=body, headers=auth, timeout=60)
+        assert r.status_code == 400 and "language-model-only" in r.json()["error"]["message"]
+        ok = httpx.post(f"{srv.base_url}/v1/chat/completions", headers=auth, timeout=60, json=chat("hi", max_tokens=3))
+        assert ok.status_code == 200
+        kids = children_of(srv.proc.pid)
+        assert kids, "the scheduler runs in a child process"
+
         results: list = [None] * 4
 
         def stream(i: int) -> None:
-            body = chat(f"Count for me {i}.", stream=True, max_tokens=1500, ignore_eos=True)
+            # 400 tokens: several seconds of decoding at four at a time, far more than the signal needs to land.
+            body = chat(f"Count for me {i}.", stream=True, max_tokens=400, ignore_eos=True)
             lines = []
             try:
-                with httpx.Client(timeout=60) as c, c.stream("POST", f"{srv.base_url}/v1/chat/completions",
-                                                             json=body) as r:
+                with httpx.Client(timeout=60, headers=auth) as c, c.stream(
+                        "POST", f"{srv.base_url}/v1/chat/completions", json=body) as r:
                     lines = [x for x in r.iter_lines() if x]
                 results[i] = (r.status_code, lines)
             except httpx.HTTPError as e:
@@ -110,7 +151,7 @@ def test_sigterm_drains_requests_in_flight_and_exits():
         threads = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
-        time.sleep(1.0)  # all four are decoding (1500 tokens take several seconds)
+        wait_running(srv.base_url, 4, headers=auth)  # all four are decoding
         start = time.monotonic()
         srv.proc.send_signal(signal.SIGTERM)
         for t in threads:
@@ -120,13 +161,17 @@ def test_sigterm_drains_requests_in_flight_and_exits():
     finally:
         srv.stop()
     assert took < 30, f"exit took {took:.1f} s"
+    # uvicorn shuts down gracefully, then re-raises the signal so the parent sees it.
     assert code in (0, -15), srv.output()[-2000:]
     for res in results:
         assert res is not None and res[0] == 200, res
         assert res[1][-1] == "data: [DONE]", res[1][-3:]  # drained: each stream finished
         chunks = [json.loads(x[6:]) for x in res[1][:-1]]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert "draining 4 in-flight request(s)" in srv.output()
+    out = srv.output()
+    assert "draining 4 in-flight request(s)" in out and "Application shutdown complete" in out
+    for pid in kids:  # SIGTERM took the scheduler down too
+        assert gone_or_zombie(pid), f"scheduler process {pid} still running"
 
 
 @pytest.mark.slow
@@ -142,7 +187,7 @@ def test_a_dead_scheduler_fails_requests_with_503_and_stops_the_server():
 
         t = threading.Thread(target=long_request)
         t.start()
-        time.sleep(1.5)
+        wait_running(srv.base_url, 1)
         (scheduler,) = children_of(srv.proc.pid)
         killed = time.monotonic()
         os.kill(scheduler, signal.SIGKILL)

@@ -187,13 +187,9 @@ def test_chat_with_input_audio(client, short_wav):
     assert reply.usage.prompt_tokens > 75  # 3 s of audio is 75 placeholder tokens
 
 
-def test_a_vision_model_refuses_transcription(short_wav):
-    srv = ServerProcess("--model-path", "demo-vl", "--max-total-tokens", "4096")
-    try:
-        r = httpx.post(f"{srv.base_url}/v1/audio/transcriptions", data={"model": "demo-vl"},
-                       files={"file": ("clip.wav", short_wav, "audio/wav")}, timeout=60)
-    finally:
-        srv.stop()
+def test_a_vision_model_refuses_transcription(short_wav, vl_server):
+    r = httpx.post(f"{vl_server.base_url}/v1/audio/transcriptions", data={"model": "demo-vl"},
+                   files={"file": ("clip.wav", short_wav, "audio/wav")}, timeout=60)
     assert r.status_code == 400
     message = r.json()["error"]["message"]
     assert "does not understand audio" in message and "Qwen2VLForConditionalGeneration" in message
