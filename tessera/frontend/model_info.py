@@ -76,6 +76,7 @@ class ModelInfo:
         """The multimodal processor for this architecture, or None for text-only serving."""
         if self.hf_processor is None:
             return None
+        from tessera.multimodal.deferred import DEFER_MIN_FEATURE_BYTES
         from tessera.multimodal.media import MediaLimits
 
         limits = MediaLimits.from_server_args(self.args)
@@ -84,7 +85,8 @@ class ModelInfo:
         return cls(self.hf_processor, self.hf_config, self.args.mm_process_config, limits,
                    self.args.mm_items_per_request, language_model_only=self.args.language_model_only,
                    cache_size_bytes=self.args.mm_cache_size_mb * 1024 * 1024,
-                   defer_images=not self.args.disable_deferred_mm_preprocessing)
+                   defer_images=not self.args.disable_deferred_mm_preprocessing,
+                   defer_min_feature_bytes=DEFER_MIN_FEATURE_BYTES)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         target = self.hf_processor if self.hf_processor is not None else self.tokenizer

@@ -98,13 +98,20 @@ class DecoderAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
                 pool: TokenToKVPool) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if self.q_norm is None or self.k_norm is None:
+            # q and k are adjacent columns of the fused projection: one rotary pass over both heads' sets
+            # (half the elementwise kernels of rotating them apart; a decode step is bound by such small ops).
+            qk_heads = self.num_heads + self.num_kv_heads
+            qk = apply_rotary(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim), cos, sin)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        else:
+            q, k, v = self.qkv_proj.split(qkv)
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         o = self.attn_backend.forward(q, k, v, self.layer_id, fb, pool, self.scaling, self.sliding_window)
         return self.o_proj(o)
 

@@ -9,7 +9,10 @@ with the same HF processor call, on the model's device when that is a GPU.
 
 Contracts:
 - An image is deferred only when its pixels are no larger than the features it would become (the eager
-  path wins for small images that the processor upscales).
+  path wins for small images that the processor upscales), and, in the server and Engine, only when those
+  features reach DEFER_MIN_FEATURE_BYTES: below that the socket copy is cheaper than moving the processor's
+  work onto the worker, whose steps are the serving loop's critical path, while the frontend does it on
+  another core (demo-vl's default ~224x224 images, 1.2 MB of features, stay eager).
 - Materialised features equal the eager path's exactly on CPU (same processor, same kwargs, the uint8 tensor
   is what the fast processor makes of the PIL image anyway); on a GPU the resize runs there, which moves
   pixel values by float rounding only (bilinear/bicubic kernels differ in the last bits).
@@ -36,7 +39,13 @@ if TYPE_CHECKING:
     from tessera.multimodal.processors.base import BaseMultimodalProcessor
 
 __all__ = ["ImagePlan", "DeferredMaterializer", "defer_image", "to_chw_uint8", "is_pil_backend",
-           "SHAPE_NEUTRAL_KWARGS", "size_field"]
+           "SHAPE_NEUTRAL_KWARGS", "size_field", "DEFER_MIN_FEATURE_BYTES"]
+
+# The server's floor for deferring (see the module docstring). Measured on demo-vl, offline workload a (64
+# images resized to ~224x224, 2 cores): deferring them all added 0.17 s of CPU time to the scheduler process
+# (2.58 -> 2.75 s) and saved the frontend 0.25 s that it spends in parallel. Issue 17's payload case (four
+# 1536x1024 images at max_pixels 1572864: ~35 MiB of features each) is far above it.
+DEFER_MIN_FEATURE_BYTES = 2 << 20
 
 # Image-processor kwargs that change pixel values but never the processed shape: a plan may ignore them.
 SHAPE_NEUTRAL_KWARGS = frozenset({"image_mean", "image_std", "do_normalize", "do_rescale", "rescale_factor",
@@ -59,9 +68,11 @@ def to_chw_uint8(image: Any) -> torch.Tensor:
     return torch.from_numpy(np.array(image)).permute(2, 0, 1).contiguous()  # np.array: one writable copy
 
 
-def defer_image(image: Any, plan: ImagePlan, config: dict[str, Any]) -> ItemFeatures | None:
-    """The deferred features of `image`, or None when its pixels would outweigh the processed features."""
-    if image.width * image.height * 3 > plan.processed_bytes:
+def defer_image(image: Any, plan: ImagePlan, config: dict[str, Any], min_feature_bytes: int = 0
+                ) -> ItemFeatures | None:
+    """The deferred features of `image`, or None when its pixels would outweigh the processed features or
+    those are smaller than `min_feature_bytes` (eager preprocessing then)."""
+    if image.width * image.height * 3 > plan.processed_bytes or plan.processed_bytes < min_feature_bytes:
         return None
     return ItemFeatures(Modality.IMAGE, plan.num_tokens, model_specific_data=dict(plan.model_specific_data),
                         deferred=DeferredImage(to_chw_uint8(image), config))

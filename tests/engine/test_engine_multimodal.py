@@ -90,14 +90,14 @@ def test_repeated_image_hits_prefix_preprocess_and_encoder_caches(engine, hf, sc
     prompt = chat_prompt(processor, 1, QUESTION)
     start, end = image_span(hf, prompt, image)
 
-    # The engine defers these small images (their pixels are smaller than the upscaled features), so the
-    # frontend's preprocessing cache is never consulted; test_without_caches... covers it on the eager path.
+    # These small images' features are under DEFER_MIN_FEATURE_BYTES, so the frontend preprocesses them
+    # (eagerly) and its preprocessing cache is consulted.
     s0, f0 = engine.get_stats(), engine.get_frontend_stats()
     first = engine.generate(prompt, SP, image_data=image)
     s1, f1 = engine.get_stats(), engine.get_frontend_stats()
     assert s1.encoder_cache_misses == s0.encoder_cache_misses + 1
-    assert s1.mm_deferred_items == s0.mm_deferred_items + 1 and s1.mm_eager_items == s0.mm_eager_items
-    assert (f1.preprocess_cache_misses, f1.preprocess_cache_hits) == (f0.preprocess_cache_misses,
+    assert s1.mm_eager_items == s0.mm_eager_items + 1 and s1.mm_deferred_items == s0.mm_deferred_items
+    assert (f1.preprocess_cache_misses, f1.preprocess_cache_hits) == (f0.preprocess_cache_misses + 1,
                                                                       f0.preprocess_cache_hits)
 
     # Same image, same text: all of the prompt but its last token comes from the prefix cache,
@@ -107,7 +107,8 @@ def test_repeated_image_hits_prefix_preprocess_and_encoder_caches(engine, hf, sc
     prompt_len = second["meta_info"]["prompt_tokens"]
     assert second["meta_info"]["cached_tokens"] == prompt_len - 1 >= end
     assert second["output_ids"] == first["output_ids"]
-    assert s2.mm_deferred_items == s1.mm_deferred_items + 1
+    assert s2.mm_eager_items == s1.mm_eager_items + 1
+    assert engine.get_frontend_stats().preprocess_cache_hits == f1.preprocess_cache_hits + 1
     assert (s2.encoder_cache_hits, s2.encoder_cache_misses) == (s1.encoder_cache_hits, s1.encoder_cache_misses)
     assert s2.num_prefill_tokens_computed == s1.num_prefill_tokens_computed + 1
 
@@ -125,7 +126,7 @@ def test_repeated_image_hits_prefix_preprocess_and_encoder_caches(engine, hf, sc
     s4, f4 = engine.get_stats(), engine.get_frontend_stats()
     assert fourth["meta_info"]["cached_tokens"] == start
     assert s4.encoder_cache_misses == s3.encoder_cache_misses + 1
-    assert f4.preprocess_cache_misses == f0.preprocess_cache_misses
+    assert f4.preprocess_cache_misses == f0.preprocess_cache_misses + 2
     assert fourth["output_ids"] == expected_ids(hf, prompt, [other])
     assert fourth["output_ids"] != first["output_ids"]  # the tokens do depend on the image
 

@@ -290,3 +290,22 @@ def test_deferred_and_eager_images_in_one_prompt(skeleton, make_processor):
     assert torch.equal(mixed.mm_inputs.mrope_positions, eager.mm_inputs.mrope_positions)
     assert [it.hash for it in mixed.mm_inputs.items] == [it.hash for it in eager.mm_inputs.items]
     assert torch.equal(mixed.mm_inputs.items[1].feature, eager.mm_inputs.items[1].feature)
+
+
+def test_deferral_floor_keeps_small_features_eager(skeleton, make_processor):
+    """With the server's floor (DEFER_MIN_FEATURE_BYTES), the demo's ~224x224 features (1.2 MB) stay eager,
+    while the same image at max_pixels 1572864 (features over the floor, pixels under them) is deferred."""
+    from tessera.multimodal.deferred import DEFER_MIN_FEATURE_BYTES
+    from tests.multimodal.deferred_testing import noise_image
+
+    prompt = chat_prompt(skeleton, ["image", "Describe."])
+    image = noise_image(644, 476, seed=4)
+    floor = {"defer_images": True, "defer_min_feature_bytes": DEFER_MIN_FEATURE_BYTES}
+    (small,) = make_processor(**floor).process(prompt=prompt, image_data=[image]).mm_inputs.items
+    assert small.deferred is None and 0 < small.transport_bytes < DEFER_MIN_FEATURE_BYTES
+    (unfloored,) = make_processor(defer_images=True).process(prompt=prompt, image_data=[image]).mm_inputs.items
+    assert unfloored.deferred is not None  # without the floor, pixels < features is enough
+    kept = make_processor(mm_process_config={"image": {"max_pixels": 1572864}}, **floor)
+    (large,) = kept.process(prompt=prompt, image_data=[image]).mm_inputs.items
+    assert large.deferred is not None and large.transport_bytes == 3 * 644 * 476 + sum(
+        v.numel() * v.element_size() for v in large.model_specific_data.values())

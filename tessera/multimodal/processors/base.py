@@ -17,7 +17,8 @@ Contracts every subclass keeps:
 - Thread-safe: one instance serves the frontend's worker pool concurrently.
 - Deferred preprocessing (`defer_images=True`; the server turns it on): a raw image whose family can tell its
   placeholder count and model_specific_data from its size alone (`plan_image`) is sent as uint8
-  pixels + config (`DeferredImage`) when that is no larger than the processed features; the worker
+  pixels + config (`DeferredImage`) when that is no larger than the processed features and those reach
+  `defer_min_feature_bytes` (the server: DEFER_MIN_FEATURE_BYTES); the worker
   that encodes it runs `materialize_images` (the same HF processor call) just before encoding.
   Its hash is the eager item's, so prefix and encoder caches are shared by both paths.
 """
@@ -74,7 +75,7 @@ class BaseMultimodalProcessor(abc.ABC):
     def __init__(self, hf_processor: Any, hf_config: Any, mm_process_config: Mapping[str, Any] | None = None,
                  limits: MediaLimits | None = None, limit_mm_per_request: Mapping[str, int] | None = None, *,
                  language_model_only: bool = False, io_workers: int = 8, cache_size_bytes: int = 0,
-                 defer_images: bool = False) -> None:
+                 defer_images: bool = False, defer_min_feature_bytes: int = 0) -> None:
         self.hf_processor = hf_processor
         self.hf_config = hf_config
         self.limits = limits if limits is not None else MediaLimits()
@@ -89,6 +90,7 @@ class BaseMultimodalProcessor(abc.ABC):
         self._io_pool_lock = threading.Lock()  # worker threads create the pool lazily
         self.preprocess_cache = PreprocessCache(cache_size_bytes)
         self.defer_images = defer_images
+        self.defer_min_feature_bytes = defer_min_feature_bytes  # smaller features are processed eagerly
         # Where the image processor runs when materialising deferred images (the worker sets its device).
         self.image_device: str | None = None
 
@@ -421,7 +423,8 @@ class BaseMultimodalProcessor(abc.ABC):
         plan = self.plan_image(image.height, image.width)
         if plan is None:
             return None
-        return defer_image(image, plan, dict(self.mm_process_config.get(Modality.IMAGE, {})))
+        return defer_image(image, plan, dict(self.mm_process_config.get(Modality.IMAGE, {})),
+                           self.defer_min_feature_bytes)
 
     def preprocess_cache_stats(self) -> PreprocessCacheStats:
         return self.preprocess_cache.stats()
