@@ -448,19 +448,10 @@ def check_chunked_prefill(case: Case, prompt: Prompt, chunk: int, page_size: int
     torch.testing.assert_close(torch.cat(out), hf_logits(case.hf, prompt), atol=ATOL, rtol=0)
 
 
-def share_prefix(kv, src_row: int, dst_row: int, num_tokens: int) -> None:
-    """A prefix-cache hit in the test driver: request `dst_row` (new) takes `src_row`'s first `num_tokens` KV slots
-    as whole pages."""
-    assert num_tokens % kv.page_size == 0 and kv.lens[dst_row] == 0 and num_tokens <= kv.lens[src_row]
-    kv.pages[dst_row] = list(kv.pages[src_row][: num_tokens // kv.page_size])
-    kv.req_pool.req_to_token[dst_row, :num_tokens] = kv.req_pool.req_to_token[src_row, :num_tokens]
-    kv.lens[dst_row] = num_tokens
-
-
 def check_prefix_cache_hit(case: Case, a: Prompt, b: Prompt, shared: int, page_size: int, num_new: int = 4) -> None:
     """B shares A's first `shared` tokens (the repeated image, or a page-aligned cut inside it): B reuses A's KV
     slots for them, extends only the rest, and both then decode in one batch."""
-    from tests.models.paged_driver import PagedKV, make_batch
+    from tests.models.paged_driver import PagedKV, make_batch, share_prefix
 
     assert torch.equal(a.input_ids[:shared], b.input_ids[:shared]) and not torch.equal(a.input_ids, b.input_ids)
     refs = [hf_greedy(case.hf, p.hf_inputs(), num_new) for p in (a, b)]

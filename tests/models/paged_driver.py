@@ -89,3 +89,12 @@ def make_batch(kv: PagedKV, steps: list[Step]) -> ForwardBatch:
         mm_embeds=torch.cat(embeds) if embeds else None,
         custom_masks=[s.custom_mask for s in steps] if has_masks else None,
     )
+
+
+def share_prefix(kv: PagedKV, src_row: int, dst_row: int, num_tokens: int) -> None:
+    """A prefix-cache hit: request `dst_row` (new, empty) takes the KV slots of `src_row`'s first `num_tokens`
+    tokens, as whole pages (num_tokens % page_size == 0)."""
+    assert num_tokens % kv.page_size == 0 and kv.lens[dst_row] == 0 and num_tokens <= kv.lens[src_row]
+    kv.pages[dst_row] = list(kv.pages[src_row][: num_tokens // kv.page_size])
+    kv.req_pool.req_to_token[dst_row, :num_tokens] = kv.req_pool.req_to_token[src_row, :num_tokens]
+    kv.lens[dst_row] = num_tokens

@@ -10,12 +10,13 @@ Two entry points build checkpoints:
 Both make fixtures that can fail (see shared/design/FAMILY-FIXTURES.md): norm weights and biases are random
 (HF starts them at 1 and 0), and the vision merger's output is rescaled so image embeddings are text-sized.
 
+The prompt, HF references and parity checks it shares with Qwen2-VL and Qwen3-VL are in mrope_vlm_testing.py.
 Other test directories import it as `tests.models.qwen2_5_vl_testing`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
-from tests.models.qwen2_vl_testing import prompt_mm_embeds  # noqa: F401  (same as Qwen2-VL's: re-exported)
+from tests.models.mrope_vlm_testing import MRopePrompt
 
 VOCAB, IMAGE_ID, VIDEO_ID, VSTART_ID, VEND_ID = 128, 120, 121, 122, 123
 PATCH, MERGE, TEMPORAL_PATCH = 14, 2, 2
@@ -130,40 +131,14 @@ def build_tiny_qwen2_5_vl(path: str | Path, spec: TinySpec, attn_implementation:
 # ---------------------------------------------------------------- prompts
 
 @dataclass
-class Prompt:
-    input_ids: torch.Tensor  # [L]
-    mm_token_type_ids: torch.Tensor  # [L] 0 text, 1 image, 2 video
-    items: list[MultimodalDataItem] = field(default_factory=list)  # prompt order
-
-    def _of(self, modality: Modality) -> list[MultimodalDataItem]:
-        return [it for it in self.items if it.modality == modality]
-
-    def grids(self, modality: Modality) -> torch.Tensor | None:
-        key = "image_grid_thw" if modality == Modality.IMAGE else "video_grid_thw"
-        g = [it.model_specific_data[key] for it in self._of(modality)]
-        return torch.cat(g) if g else None
-
-    def pixels(self, modality: Modality) -> torch.Tensor | None:
-        p = [it.feature for it in self._of(modality)]
-        return torch.cat(p) if p else None
-
+class Prompt(MRopePrompt):
     def second_per_grid_ts(self) -> torch.Tensor | None:
         s = [it.model_specific_data["second_per_grid_ts"] for it in self._of(Modality.VIDEO)]
         return torch.cat(s) if s else None
 
-    def hf_inputs(self) -> dict:
-        """HF forward/generate kwargs. Absent media are left out rather than passed as None: transformers
-        5.24's generate runs every modality's get_*_features whose pixel key is present, even when None."""
-        inputs = dict(
-            input_ids=self.input_ids[None], mm_token_type_ids=self.mm_token_type_ids[None],
-            pixel_values=self.pixels(Modality.IMAGE), image_grid_thw=self.grids(Modality.IMAGE),
-            pixel_values_videos=self.pixels(Modality.VIDEO), video_grid_thw=self.grids(Modality.VIDEO),
-            second_per_grid_ts=self.second_per_grid_ts(),
-        )
-        return {k: v for k, v in inputs.items() if v is not None}
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
+    def hf_extra(self) -> dict:
+        """Videos' seconds per temporal grid step, which HF's forward and rope index take besides the grids."""
+        return {"second_per_grid_ts": self.second_per_grid_ts()}
 
 
 def build_prompt(spec: list, seed: int = 0) -> Prompt:
@@ -210,61 +185,14 @@ def our_positions(prompt: Prompt, tokens_per_second: float = TOKENS_PER_SECOND) 
     return mm.mrope_positions, mm.mrope_position_delta
 
 
-def hf_positions(hf, prompt: Prompt) -> tuple[torch.Tensor, int]:
-    """HF's rope index for one prompt ([3, L], delta); `second_per_grid_ts` spaces video frames."""
-    if not prompt.items:
-        return torch.arange(len(prompt)).expand(3, -1).clone(), 0
-    pos, delta = hf.model.get_rope_index(
-        prompt.input_ids[None], prompt.mm_token_type_ids[None], image_grid_thw=prompt.grids(Modality.IMAGE),
-        video_grid_thw=prompt.grids(Modality.VIDEO), second_per_grid_ts=prompt.second_per_grid_ts(),
-    )
-    return pos[:, 0], int(delta.reshape(-1)[0])
-
-
 # ---------------------------------------------------------------- references
 
-def top2_margin(logits: torch.Tensor) -> float:
-    """Smallest gap between the best and second-best logit over the rows of `logits` [..., V]."""
-    top = logits.float().topk(2, dim=-1).values
-    return float((top[..., 0] - top[..., 1]).min())
-
-
-def hf_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:
-    """Greedy tokens of HF's model stepped with its own KV cache, and the smallest top-2 logit margin.
-
-    The decode positions are the model's: prompt length + i + rope_deltas, with rope_deltas = max prompt
-    position + 1 - prompt length (Qwen's convention, HF's cached forward, vLLM, SGLang and ours).
-    transformers 5.24's generate() differs: it continues each M-RoPE row from the LAST prompt position + 1
-    (GenerationMixin._update_model_kwargs_for_generation), which is not max + 1 when a video's time-scaled
-    temporal positions reach past the text after it. For prompts whose last position is the max the two
-    agree (the fixture checks this against `hf_generate`).
-    """
-    hf.model.rope_deltas = None
-    tokens, margins = [], []
-    with torch.inference_mode():
-        out = hf(**inputs, use_cache=True)
-        for _ in range(num_new):
-            logits = out.logits[0, -1]
-            margins.append(top2_margin(logits))
-            tokens.append(int(logits.argmax()))
-            out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
-    return tokens, min(margins)
-
-
 def hf_generate(hf, inputs: dict, num_new: int) -> list[int]:
-    """transformers' own greedy generate (see hf_greedy for where its decode positions differ)."""
+    """transformers' own greedy generate (see mrope_vlm_testing.hf_greedy for where its decode positions
+    differ)."""
     with torch.inference_mode():
         out = hf.generate(**inputs, max_new_tokens=num_new, do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
-def share_prefix(kv, src_row: int, dst_row: int, num_tokens: int) -> None:
-    """A prefix-cache hit in the test driver (a paged_driver.PagedKV): request `dst_row` (new, empty) takes
-    the KV slots of `src_row`'s first `num_tokens` tokens, as whole pages (num_tokens % page_size == 0)."""
-    assert num_tokens % kv.page_size == 0 and kv.lens[dst_row] == 0 and num_tokens <= kv.lens[src_row]
-    kv.pages[dst_row] = list(kv.pages[src_row][: num_tokens // kv.page_size])
-    kv.req_pool.req_to_token[dst_row, :num_tokens] = kv.req_pool.req_to_token[src_row, :num_tokens]
-    kv.lens[dst_row] = num_tokens
 
 
 # ---------------------------------------------------------------- full checkpoint directory

@@ -1,15 +1,21 @@
-"""Test helpers for Qwen2-VL parity: a tiny random config, prompt construction, HF positions, our embeddings.
+"""Test helpers for Qwen2-VL parity: a tiny random config and prompt construction (HF positions and our
+embeddings come from mrope_vlm_testing.py, shared with Qwen2.5-VL and Qwen3-VL).
 
 (A uniquely named module rather than conftest.py, so `import` never picks up another directory's conftest.)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from tessera.multimodal.items import Modality, MultimodalDataItem
+from tests.models.mrope_vlm_testing import (  # noqa: F401  (shared by the M-RoPE families: re-exported)
+    MRopePrompt,
+    hf_positions,
+    prompt_mm_embeds,
+)
 
 VOCAB, IMAGE_ID, VIDEO_ID, VSTART_ID, VEND_ID = 128, 120, 121, 122, 123
 MERGE, PATCH_DIM = 2, 3 * 2 * 14 * 14  # channels * temporal_patch * patch * patch
@@ -32,21 +38,9 @@ def tiny_vl_config(num_kv_heads: int = 2, tie: bool = False):
 
 
 @dataclass
-class Prompt:
-    input_ids: torch.Tensor  # [L]
-    mm_token_type_ids: torch.Tensor  # [L] 0 text, 1 image, 2 video
-    items: list[MultimodalDataItem] = field(default_factory=list)  # prompt order
-
-    def grids(self, modality: Modality) -> torch.Tensor | None:
-        key = "image_grid_thw" if modality == Modality.IMAGE else "video_grid_thw"
-        g = [it.model_specific_data[key] for it in self.items if it.modality == modality]
-        return torch.cat(g) if g else None
-
-    def pixels(self, modality: Modality) -> torch.Tensor | None:
-        p = [it.feature for it in self.items if it.modality == modality]
-        return torch.cat(p) if p else None
-
+class Prompt(MRopePrompt):
     def hf_inputs(self) -> dict:
+        """Every media key, None where the prompt has none (the Qwen2-VL tests' HF calls take them so)."""
         return dict(
             input_ids=self.input_ids[None], mm_token_type_ids=self.mm_token_type_ids[None],
             pixel_values=self.pixels(Modality.IMAGE), image_grid_thw=self.grids(Modality.IMAGE),
@@ -81,28 +75,3 @@ def build_prompt(spec: list, seed: int = 0) -> Prompt:
             model_specific_data={("image_grid_thw" if is_image else "video_grid_thw"): torch.tensor([[t, h, w]])},
         ))
     return Prompt(torch.tensor(ids), torch.tensor(types), items)
-
-
-def hf_positions(hf, prompt: Prompt) -> tuple[torch.Tensor, int]:
-    """HF's rope index for one prompt: ([3, L], delta)."""
-    if not prompt.items:
-        n = prompt.input_ids.shape[0]
-        return torch.arange(n).expand(3, -1).clone(), 0
-    pos, delta = hf.model.get_rope_index(
-        prompt.input_ids[None], prompt.mm_token_type_ids[None],
-        image_grid_thw=prompt.grids(Modality.IMAGE), video_grid_thw=prompt.grids(Modality.VIDEO),
-    )
-    return pos[:, 0], int(delta.reshape(-1)[0])
-
-
-def prompt_mm_embeds(model, prompt: Prompt) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(placeholder rows [n], embeddings [n, H]) for the whole prompt; images in one call, videos in one."""
-    if not prompt.items:
-        return None, None
-    by_item: dict[int, torch.Tensor] = {}
-    for modality, fn in ((Modality.IMAGE, model.get_image_feature), (Modality.VIDEO, model.get_video_feature)):
-        idx = [i for i, it in enumerate(prompt.items) if it.modality == modality]
-        if idx:
-            by_item.update(zip(idx, fn([prompt.items[i] for i in idx])))
-    rows = torch.cat([torch.arange(s, e) for it in prompt.items for s, e in it.offsets])
-    return rows, torch.cat([by_item[i] for i in range(len(prompt.items))])

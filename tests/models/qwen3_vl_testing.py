@@ -12,18 +12,20 @@ Fixtures that can fail (shared/design/FAMILY-FIXTURES.md): norm weights (RMSNorm
 LayerNorms) and biases are random; the main merger and every DeepStack merger are rescaled so their outputs
 are text-sized (a dropped DeepStack level then moves the logits by far more than the tolerance).
 
+The prompt, HF references and parity checks it shares with Qwen2-VL and Qwen2.5-VL are in mrope_vlm_testing.py.
 Other test directories import it as `tests.models.qwen3_vl_testing`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from tests.models.mrope_vlm_testing import MRopePrompt
 
 VOCAB, IMAGE_ID, VIDEO_ID, VSTART_ID, VEND_ID = 128, 120, 121, 122, 123
 PATCH, MERGE, TEMPORAL_PATCH = 16, 2, 2
@@ -126,35 +128,7 @@ def build_tiny_qwen3_vl(path: str | Path, spec: TinySpec, attn_implementation: s
 
 # ---------------------------------------------------------------- prompts
 
-@dataclass
-class Prompt:
-    input_ids: torch.Tensor  # [L]
-    mm_token_type_ids: torch.Tensor  # [L] 0 text, 1 image, 2 video
-    items: list[MultimodalDataItem] = field(default_factory=list)  # prompt order
-
-    def _of(self, modality: Modality) -> list[MultimodalDataItem]:
-        return [it for it in self.items if it.modality == modality]
-
-    def grids(self, modality: Modality) -> torch.Tensor | None:
-        key = "image_grid_thw" if modality == Modality.IMAGE else "video_grid_thw"
-        g = [it.model_specific_data[key] for it in self._of(modality)]
-        return torch.cat(g) if g else None
-
-    def pixels(self, modality: Modality) -> torch.Tensor | None:
-        p = [it.feature for it in self._of(modality)]
-        return torch.cat(p) if p else None
-
-    def hf_inputs(self) -> dict:
-        """HF forward/generate kwargs; absent media are left out (generate would run their encoders)."""
-        inputs = dict(
-            input_ids=self.input_ids[None], mm_token_type_ids=self.mm_token_type_ids[None],
-            pixel_values=self.pixels(Modality.IMAGE), image_grid_thw=self.grids(Modality.IMAGE),
-            pixel_values_videos=self.pixels(Modality.VIDEO), video_grid_thw=self.grids(Modality.VIDEO),
-        )
-        return {k: v for k, v in inputs.items() if v is not None}
-
-    def __len__(self) -> int:
-        return int(self.input_ids.shape[0])
+Prompt = MRopePrompt  # HF takes nothing besides the ids, types and grids
 
 
 def build_prompt(spec: list, seed: int = 0) -> Prompt:
@@ -214,50 +188,7 @@ def our_positions(prompt: Prompt) -> tuple[torch.Tensor, int]:
     return mm.mrope_positions, mm.mrope_position_delta
 
 
-def hf_positions(hf, prompt: Prompt) -> tuple[torch.Tensor, int]:
-    if not prompt.items:
-        return torch.arange(len(prompt)).expand(3, -1).clone(), 0
-    pos, delta = hf.model.get_rope_index(
-        prompt.input_ids[None], prompt.mm_token_type_ids[None], image_grid_thw=prompt.grids(Modality.IMAGE),
-        video_grid_thw=prompt.grids(Modality.VIDEO))
-    return pos[:, 0], int(delta.reshape(-1)[0])
-
-
-def prompt_mm_embeds(model, prompt: Prompt) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(placeholder rows [n], embedding rows [n, hidden * (1 + levels)]) for the whole prompt, in row order."""
-    if not prompt.items:
-        return None, None
-    by_item: dict[int, torch.Tensor] = {}
-    for modality, fn in ((Modality.IMAGE, model.get_image_feature), (Modality.VIDEO, model.get_video_feature)):
-        idx = [i for i, it in enumerate(prompt.items) if it.modality == modality]
-        if idx:
-            by_item.update(zip(idx, fn([prompt.items[i] for i in idx])))
-    rows = torch.cat([torch.arange(s, e) for it in prompt.items for s, e in it.offsets])
-    return rows, torch.cat([by_item[i] for i in range(len(prompt.items))])
-
-
 # ---------------------------------------------------------------- references
-
-def top2_margin(logits: torch.Tensor) -> float:
-    top = logits.float().topk(2, dim=-1).values
-    return float((top[..., 0] - top[..., 1]).min())
-
-
-def hf_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:
-    """Greedy tokens of HF's model stepped with its own KV cache, and the smallest top-2 logit margin.
-    Decode positions: prompt length + i + rope_deltas (HF's cached forward; generate agrees whenever the
-    last prompt position is the max, which the fixture checks)."""
-    hf.model.rope_deltas = None
-    tokens, margins = [], []
-    with torch.inference_mode():
-        out = hf(**inputs, use_cache=True)
-        for _ in range(num_new):
-            logits = out.logits[0, -1]
-            margins.append(top2_margin(logits))
-            tokens.append(int(logits.argmax()))
-            out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
-    return tokens, min(margins)
-
 
 def hf_generate(hf, inputs: dict, num_new: int) -> list[int]:
     """transformers' own greedy generate. The explicit attention mask matters: without it generate masks every

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from tessera.multimodal.items import MultimodalDataItem
-from tests.models.paged_driver import PagedKV, Step, make_batch
+from tests.models.paged_driver import PagedKV, Step, make_batch, share_prefix
 
 ATOL = 1e-4
 MIN_MARGIN = 1e-3  # 10x ATOL: a greedy choice the reference makes by less is float noise, not a test
@@ -119,15 +119,6 @@ def our_greedy(model, prompts: list[VLPrompt], num_new: int, page_size: int = 1)
                 toks.append(int(lo.argmax()))
             logits = model(make_batch(kv, [decode_step(kv, r, lo) for r, lo in zip(rows, logits)]), kv.pool)
     return tokens
-
-
-def share_prefix(kv: PagedKV, src_row: int, dst_row: int, num_tokens: int) -> None:
-    """A prefix-cache hit: request `dst_row` (new) takes `src_row`'s KV slots of its first `num_tokens` tokens,
-    as whole pages."""
-    assert num_tokens % kv.page_size == 0 and kv.lens[dst_row] == 0 and num_tokens <= kv.lens[src_row]
-    kv.pages[dst_row] = list(kv.pages[src_row][: num_tokens // kv.page_size])
-    kv.req_pool.req_to_token[dst_row, :num_tokens] = kv.req_pool.req_to_token[src_row, :num_tokens]
-    kv.lens[dst_row] = num_tokens
 
 
 def prefix_hit_logits(model, a: VLPrompt, b: VLPrompt, shared: int, page_size: int) -> torch.Tensor:

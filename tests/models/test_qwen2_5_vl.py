@@ -8,36 +8,34 @@ get_rope_index; our media embeddings from our encoders; everything runs over the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
 import pytest
 import torch
-from paged_driver import PagedKV, Step, make_batch
+from mrope_vlm_testing import (
+    MRopeCase,
+    check_chunked_prefill,
+    check_fixture_can_fail,
+    check_greedy_decode,
+    check_prefill_logits,
+    check_prefix_cache_hit,
+    check_processor_output_matches_hf,
+    check_two_requests_in_one_batch,
+    prompt_mm_embeds,
+)
 from qwen2_5_vl_testing import (
     SPECS,
     TOKENS_PER_SECOND,
-    Prompt,
     build_prompt,
     build_tiny_qwen2_5_vl,
     hf_generate,
-    hf_greedy,
-    hf_positions,
     load_hf_reference,
     make_tiny_qwen2_5_vl_checkpoint,
     our_positions,
-    prompt_mm_embeds,
-    share_prefix,
-    top2_margin,
 )
 
 from tessera.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from tessera.models.registry import load_model
 from tessera.multimodal.items import Modality
-from tessera.runner.mrope import decode_mrope_positions
 
-ATOL = 1e-4
-MIN_MARGIN = 1e-3  # 10x ATOL: a greedy choice the reference makes by less is float noise, not a test
 PROMPTS = {
     "text": [12],
     "square_image": [5, ("image", (1, 8, 8)), 4],  # 4x4 merged: 4 windows (gqa), 1 padded window (mha)
@@ -49,16 +47,8 @@ PROMPTS = {
 DECODE_PROMPT = [3, ("image", (1, 8, 12)), 2, ("video", (4, 4, 6), 0.75), 4]
 
 
-@dataclass
-class Case:
-    name: str
-    hf: torch.nn.Module
-    ours: Qwen2_5_VLForConditionalGeneration
-    path: Path
-
-
 @pytest.fixture(scope="module", params=list(SPECS))
-def case(request, tmp_path_factory) -> Case:
+def case(request, tmp_path_factory) -> MRopeCase:
     spec = SPECS[request.param]
     path = tmp_path_factory.mktemp(f"qwen2_5_vl_{spec.name}")
     hf = build_tiny_qwen2_5_vl(path, spec)
@@ -70,52 +60,13 @@ def case(request, tmp_path_factory) -> Case:
     _, embeds = prompt_mm_embeds(ours, build_prompt(DECODE_PROMPT, seed=0))
     ratio = float(embeds.pow(2).mean().sqrt() / ours.model.embed_tokens.weight.pow(2).mean().sqrt())
     assert 0.5 < ratio < 2, f"image embeddings are {ratio:.2f}x the text embeddings' RMS"
-    base = build_prompt(DECODE_PROMPT, seed=0)
-    other_image = build_prompt(DECODE_PROMPT, seed=0)
-    other_image.items[0].feature = torch.randn(other_image.items[0].feature.shape,
-                                               generator=torch.Generator().manual_seed(9))
-    other_text = build_prompt(DECODE_PROMPT, seed=0)
-    other_text.input_ids[-4:] = torch.tensor([7, 8, 9, 10])
-    outs = []
-    for p in (base, other_image, other_text):
-        tokens, margin = hf_greedy(hf, p.hf_inputs(), 8)
-        assert margin > MIN_MARGIN, f"top-2 logit margin {margin:.2e} is float noise"
-        assert len(set(tokens)) >= 3, f"greedy output {tokens} is (nearly) one repeated token"
-        outs.append(tokens)
-    assert outs[0] != outs[1], "greedy output does not depend on the image"
-    assert outs[0] != outs[2], "greedy output does not depend on the text"
-    # The reference is a reference: deterministic, and equal to HF generate where their decode positions agree.
-    assert hf_greedy(hf, base.hf_inputs(), 8)[0] == outs[0] == hf_generate(hf, base.hf_inputs(), 8)
-    return Case(spec.name, hf, ours, path)
-
-
-def hf_logits(hf, prompt: Prompt) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(**prompt.hf_inputs()).logits[0]
-
-
-def prefill_step(case: Case, row: int, prompt: Prompt, **kw) -> Step:
-    """The whole prompt as one extend step: our positions (checked against HF's), our media embeddings."""
-    positions, delta = our_positions(prompt)
-    ref_positions, ref_delta = hf_positions(case.hf, prompt)
-    assert torch.equal(positions, ref_positions) and delta == ref_delta
-    rows, embeds = prompt_mm_embeds(case.ours, prompt)
-    return Step(row, prompt.input_ids, positions, rows, embeds, **kw)
-
-
-def decode_step(kv: PagedKV, row: int, logits: torch.Tensor, delta: int) -> Step:
-    return Step(row, logits.argmax().reshape(1), decode_mrope_positions(kv.lens[row], delta))
+    check_fixture_can_fail(hf, lambda: build_prompt(DECODE_PROMPT, seed=0), hf_generate)
+    return MRopeCase(spec.name, hf, ours, our_positions)
 
 
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_prefill_logits_match_hf(case, prompt_name):
-    prompt = build_prompt(PROMPTS[prompt_name], seed=1)
-    kv = PagedKV(case.ours.lm_config)
-    with torch.inference_mode():
-        ours = case.ours(make_batch(kv, [prefill_step(case, kv.new_request(), prompt, all_logits=True)]), kv.pool)
-    ref = hf_logits(case.hf, prompt)
-    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
-    assert top2_margin(ref[-1]) > MIN_MARGIN
+    check_prefill_logits(case, build_prompt(PROMPTS[prompt_name], seed=1))
 
 
 def test_video_positions_are_time_scaled():
@@ -149,42 +100,13 @@ def test_vision_features_match_hf_in_one_tower_call(case, monkeypatch):
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_greedy_decode_matches_hf(case, page_size):
-    prompt = build_prompt(DECODE_PROMPT, seed=3)
-    num_new = 10
-    ref_tokens, margin = hf_greedy(case.hf, prompt.hf_inputs(), num_new)
-    assert margin > MIN_MARGIN
-    model, kv = case.ours, PagedKV(case.ours.lm_config, page_size=page_size)
-    row = kv.new_request()
-    _, delta = our_positions(prompt)
-    tokens = []
-    with torch.inference_mode():
-        logits = model(make_batch(kv, [prefill_step(case, row, prompt)]), kv.pool)[-1]
-        for _ in range(num_new):
-            tokens.append(int(logits.argmax()))
-            logits = model(make_batch(kv, [decode_step(kv, row, logits, delta)]), kv.pool)[-1]
-    assert tokens == ref_tokens
+    check_greedy_decode(case, build_prompt(DECODE_PROMPT, seed=3), num_new=10, page_size=page_size)
 
 
 def test_two_requests_in_one_batch_match_hf(case):
     """Two prompts prefilled in one forward, then decoded together (one batched step per token)."""
     prompts = [build_prompt(PROMPTS["two_images"], seed=4), build_prompt(PROMPTS["image_and_long_video"], seed=5)]
-    num_new = 6
-    refs = [hf_greedy(case.hf, p.hf_inputs(), num_new) for p in prompts]
-    assert min(m for _, m in refs) > MIN_MARGIN
-    model, kv = case.ours, PagedKV(case.ours.lm_config, page_size=4)
-    rows = [kv.new_request(), kv.new_request()]
-    deltas = [our_positions(p)[1] for p in prompts]
-    tokens: list[list[int]] = [[], []]
-    with torch.inference_mode():
-        logits = model(make_batch(kv, [prefill_step(case, r, p) for r, p in zip(rows, prompts)]), kv.pool)
-        for p, lo in zip(prompts, logits):
-            torch.testing.assert_close(lo, hf_logits(case.hf, p)[-1], atol=ATOL, rtol=0)
-        for _ in range(num_new):
-            for toks, lo in zip(tokens, logits):
-                toks.append(int(lo.argmax()))
-            logits = model(make_batch(kv, [decode_step(kv, r, lo, d) for r, lo, d in zip(rows, logits, deltas)]),
-                           kv.pool)
-    assert tokens == [t for t, _ in refs]
+    check_two_requests_in_one_batch(case, prompts, num_new=6)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -192,19 +114,7 @@ def test_chunked_prefill_matches_hf(case, page_size):
     """Chunks of 7 tokens; the image spans rows 6..29 and the video 33..44, so chunk boundaries 7, 14, 21, 28
     and 35, 42 fall inside media spans."""
     prompt = build_prompt([5, ("image", (1, 8, 12)), 1, ("video", (2, 4, 6), 0.75), 4], seed=6)
-    model, kv = case.ours, PagedKV(case.ours.lm_config, page_size=page_size)
-    row = kv.new_request()
-    whole = prefill_step(case, row, prompt)
-    n, out = len(prompt), []
-    with torch.inference_mode():
-        for c in range(0, n, 7):
-            e = min(c + 7, n)
-            sel = (whole.mm_rows >= c) & (whole.mm_rows < e)
-            step = Step(row, prompt.input_ids[c:e], whole.positions[:, c:e],
-                        whole.mm_rows[sel] - c if sel.any() else None, whole.mm_embeds[sel] if sel.any() else None,
-                        all_logits=True)
-            out.append(model(make_batch(kv, [step]), kv.pool))
-    torch.testing.assert_close(torch.cat(out), hf_logits(case.hf, prompt), atol=ATOL, rtol=0)
+    check_chunked_prefill(case, prompt, page_size, chunk=7)
 
 
 @pytest.mark.parametrize("page_size,shared", [(1, 22), (4, 12)])
@@ -217,29 +127,7 @@ def test_prefix_cache_hit_matches_hf(case, page_size, shared):
     b = build_prompt(spec, seed=7)
     b.input_ids[-6:] = torch.tensor([11, 22, 33, 44, 55, 66])
     assert torch.equal(a.input_ids[:22], b.input_ids[:22]) and not torch.equal(a.input_ids, b.input_ids)
-    num_new = 4
-    refs = [hf_greedy(case.hf, p.hf_inputs(), num_new) for p in (a, b)]
-    assert min(m for _, m in refs) > MIN_MARGIN
-    model, kv = case.ours, PagedKV(case.ours.lm_config, page_size=page_size)
-    ra, rb = kv.new_request(), kv.new_request()
-    da, db = our_positions(a)[1], our_positions(b)[1]
-    with torch.inference_mode():
-        la = model(make_batch(kv, [prefill_step(case, ra, a)]), kv.pool)[-1]
-        share_prefix(kv, ra, rb, shared)
-        whole = prefill_step(case, rb, b)
-        sel = whole.mm_rows >= shared
-        step = Step(rb, b.input_ids[shared:], whole.positions[:, shared:],
-                    whole.mm_rows[sel] - shared if sel.any() else None, whole.mm_embeds[sel] if sel.any() else None,
-                    all_logits=True)
-        lb_all = model(make_batch(kv, [step]), kv.pool)
-        torch.testing.assert_close(lb_all, hf_logits(case.hf, b)[shared:], atol=ATOL, rtol=0)
-        logits, tokens = [la, lb_all[-1]], [[], []]
-        for _ in range(num_new):
-            for toks, lo in zip(tokens, logits):
-                toks.append(int(lo.argmax()))
-            logits = model(make_batch(kv, [decode_step(kv, r, lo, d) for r, lo, d in zip((ra, rb), logits, (da, db))]),
-                           kv.pool)
-    assert tokens == [t for t, _ in refs]
+    check_prefix_cache_hit(case, a, b, shared, page_size, num_new=4)
 
 
 def test_same_seed_same_bytes(tmp_path):
@@ -301,21 +189,4 @@ def test_real_processor_checkpoint_matches_hf(tmp_path):
     assert torch.equal(out.mm_inputs.mrope_positions, ref_pos[:, 0])
     assert out.mm_inputs.mrope_position_delta == int(ref_delta.reshape(-1)[0])
 
-    num_new = 6
-    ref_tokens, margin = hf_greedy(hf, ref_inputs, num_new)
-    assert margin > MIN_MARGIN
-    kv = PagedKV(ours.lm_config, page_size=2)
-    row = kv.new_request()
-    with torch.inference_mode():
-        embeds = torch.cat(ours.get_image_feature([image_item]) + ours.get_video_feature([video_item]))
-        mm_rows = torch.cat([torch.arange(s, e) for it in (image_item, video_item) for s, e in it.offsets])
-        step = Step(row, torch.tensor(out.input_ids), out.mm_inputs.mrope_positions, mm_rows, embeds,
-                    all_logits=True)
-        logits = ours(make_batch(kv, [step]), kv.pool)
-        torch.testing.assert_close(logits, hf(**ref_inputs).logits[0], atol=ATOL, rtol=0)
-        tokens, last = [], logits[-1]
-        for _ in range(num_new):
-            tokens.append(int(last.argmax()))
-            last = ours(make_batch(kv, [decode_step(kv, row, last, out.mm_inputs.mrope_position_delta)]),
-                        kv.pool)[-1]
-    assert tokens == ref_tokens
+    check_processor_output_matches_hf(hf, ours, out, ref_inputs, num_new=6)

@@ -9,10 +9,20 @@ encoders; everything runs over the paged KV test driver.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
+from mrope_vlm_testing import (
+    ATOL,
+    MRopeCase,
+    check_chunked_prefill,
+    check_fixture_can_fail,
+    check_greedy_decode,
+    check_prefill_logits,
+    check_prefix_cache_hit,
+    check_processor_output_matches_hf,
+    check_two_requests_in_one_batch,
+    prompt_mm_embeds,
+)
 from paged_driver import PagedKV, Step, make_batch
 from qwen3_vl_testing import (
     SPECS,
@@ -20,13 +30,9 @@ from qwen3_vl_testing import (
     build_prompt,
     build_tiny_qwen3_vl,
     hf_generate,
-    hf_greedy,
-    hf_positions,
     load_hf_reference,
     make_tiny_qwen3_vl_checkpoint,
     our_positions,
-    prompt_mm_embeds,
-    top2_margin,
 )
 
 from tessera.layers.rotary import RotaryEmbedding
@@ -34,10 +40,7 @@ from tessera.models.mm_embed import EmbeddingCountError
 from tessera.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from tessera.models.registry import load_model
 from tessera.multimodal.items import Modality
-from tessera.runner.mrope import decode_mrope_positions
 
-ATOL = 1e-4
-MIN_MARGIN = 1e-3
 PROMPTS = {
     "text": [12],
     "square_image": [5, ("image", (1, 8, 8)), 4],
@@ -47,13 +50,6 @@ PROMPTS = {
     "image_and_video": [2, ("image", (1, 2, 2)), 1, ("video", (4, 4, 4)), 3],
 }
 DECODE_PROMPT = [3, ("image", (1, 8, 12)), 2, ("video", (2, 4, 6)), 4]
-
-
-@dataclass
-class Case:
-    name: str
-    hf: torch.nn.Module
-    ours: Qwen3VLForConditionalGeneration
 
 
 def _logits(case_ours, prompt: Prompt, embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -67,7 +63,7 @@ def _logits(case_ours, prompt: Prompt, embeds: torch.Tensor | None = None) -> to
 
 
 @pytest.fixture(scope="module", params=list(SPECS))
-def case(request, tmp_path_factory) -> Case:
+def case(request, tmp_path_factory) -> MRopeCase:
     spec = SPECS[request.param]
     path = tmp_path_factory.mktemp(f"qwen3_vl_{spec.name}")
     hf = build_tiny_qwen3_vl(path, spec)
@@ -87,49 +83,8 @@ def case(request, tmp_path_factory) -> Case:
     no_deepstack = embeds.clone()
     no_deepstack[:, spec.hidden:] = 0
     assert (_logits(ours, base, no_deepstack) - _logits(ours, base)).abs().max() > 100 * ATOL
-    other_image = build_prompt(DECODE_PROMPT, seed=0)
-    other_image.items[0].feature = torch.randn(other_image.items[0].feature.shape,
-                                               generator=torch.Generator().manual_seed(9))
-    other_text = build_prompt(DECODE_PROMPT, seed=0)
-    other_text.input_ids[-4:] = torch.tensor([7, 8, 9, 10])
-    outs = []
-    for p in (base, other_image, other_text):
-        tokens, margin = hf_greedy(hf, p.hf_inputs(), 8)
-        assert margin > MIN_MARGIN, f"top-2 logit margin {margin:.2e} is float noise"
-        assert len(set(tokens)) >= 3, f"greedy output {tokens} is (nearly) one repeated token"
-        outs.append(tokens)
-    assert outs[0] != outs[1], "greedy output does not depend on the image"
-    assert outs[0] != outs[2], "greedy output does not depend on the text"
-    assert hf_greedy(hf, base.hf_inputs(), 8)[0] == outs[0] == hf_generate(hf, base.hf_inputs(), 8)
-    return Case(spec.name, hf, ours)
-
-
-def hf_logits(hf, prompt: Prompt) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(**prompt.hf_inputs()).logits[0]
-
-
-def prefill_step(case: Case, row: int, prompt: Prompt, **kw) -> Step:
-    """The whole prompt as one extend step: our positions (checked against HF's), our media embeddings."""
-    positions, delta = our_positions(prompt)
-    ref_positions, ref_delta = hf_positions(case.hf, prompt)
-    assert torch.equal(positions, ref_positions) and delta == ref_delta
-    rows, embeds = prompt_mm_embeds(case.ours, prompt)
-    return Step(row, prompt.input_ids, positions, rows, embeds, **kw)
-
-
-def decode_step(kv: PagedKV, row: int, logits: torch.Tensor, delta: int) -> Step:
-    return Step(row, logits.argmax().reshape(1), decode_mrope_positions(kv.lens[row], delta))
-
-
-def sub_step(whole: Step, row: int, lo: int, hi: int) -> Step:
-    """Tokens [lo, hi) of a whole-prompt step, with the media rows that fall inside them."""
-    mm_rows, embeds = None, None
-    if whole.mm_rows is not None:
-        sel = (whole.mm_rows >= lo) & (whole.mm_rows < hi)
-        if sel.any():
-            mm_rows, embeds = whole.mm_rows[sel] - lo, whole.mm_embeds[sel]
-    return Step(row, whole.input_ids[lo:hi], whole.positions[:, lo:hi], mm_rows, embeds, all_logits=True)
+    check_fixture_can_fail(hf, lambda: build_prompt(DECODE_PROMPT, seed=0), hf_generate)
+    return MRopeCase(spec.name, hf, ours, our_positions)
 
 
 def test_interleaved_mrope_matches_hf_rotary():
@@ -153,13 +108,7 @@ def test_interleaved_mrope_matches_hf_rotary():
 
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_prefill_logits_match_hf(case, prompt_name):
-    prompt = build_prompt(PROMPTS[prompt_name], seed=1)
-    kv = PagedKV(case.ours.lm_config)
-    with torch.inference_mode():
-        ours = case.ours(make_batch(kv, [prefill_step(case, kv.new_request(), prompt, all_logits=True)]), kv.pool)
-    ref = hf_logits(case.hf, prompt)
-    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
-    assert top2_margin(ref[-1]) > MIN_MARGIN
+    check_prefill_logits(case, build_prompt(PROMPTS[prompt_name], seed=1))
 
 
 def test_vision_features_match_hf_in_one_tower_call(case, monkeypatch):
@@ -190,43 +139,14 @@ def test_embedding_width_is_checked(case):
 
 
 def test_greedy_decode_matches_hf(case, page_size=4):
-    prompt = build_prompt(DECODE_PROMPT, seed=3)
-    num_new = 10
-    ref_tokens, margin = hf_greedy(case.hf, prompt.hf_inputs(), num_new)
-    assert margin > MIN_MARGIN
-    model, kv = case.ours, PagedKV(case.ours.lm_config, page_size=page_size)
-    row = kv.new_request()
-    _, delta = our_positions(prompt)
-    tokens = []
-    with torch.inference_mode():
-        logits = model(make_batch(kv, [prefill_step(case, row, prompt)]), kv.pool)[-1]
-        for _ in range(num_new):
-            tokens.append(int(logits.argmax()))
-            logits = model(make_batch(kv, [decode_step(kv, row, logits, delta)]), kv.pool)[-1]
-    assert tokens == ref_tokens
+    check_greedy_decode(case, build_prompt(DECODE_PROMPT, seed=3), num_new=10, page_size=page_size)
 
 
 def test_two_requests_in_one_batch_match_hf(case):
     """Two prompts of different lengths prefilled in one forward (DeepStack rows of both), then decoded
     together."""
     prompts = [build_prompt(PROMPTS["two_images"], seed=4), build_prompt(PROMPTS["image_and_video"], seed=5)]
-    num_new = 6
-    refs = [hf_greedy(case.hf, p.hf_inputs(), num_new) for p in prompts]
-    assert min(m for _, m in refs) > MIN_MARGIN
-    model, kv = case.ours, PagedKV(case.ours.lm_config, page_size=4)
-    rows = [kv.new_request(), kv.new_request()]
-    deltas = [our_positions(p)[1] for p in prompts]
-    tokens: list[list[int]] = [[], []]
-    with torch.inference_mode():
-        logits = model(make_batch(kv, [prefill_step(case, r, p) for r, p in zip(rows, prompts)]), kv.pool)
-        for p, lo in zip(prompts, logits):
-            torch.testing.assert_close(lo, hf_logits(case.hf, p)[-1], atol=ATOL, rtol=0)
-        for _ in range(num_new):
-            for toks, lo in zip(tokens, logits):
-                toks.append(int(lo.argmax()))
-            logits = model(make_batch(kv, [decode_step(kv, r, lo, d) for r, lo, d in zip(rows, logits, deltas)]),
-                           kv.pool)
-    assert tokens == [t for t, _ in refs]
+    check_two_requests_in_one_batch(case, prompts, num_new=6)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
@@ -234,14 +154,7 @@ def test_chunked_prefill_matches_hf(case, page_size):
     """Chunks of 7 tokens; the image spans rows 6..29 and the video's frame groups 35..40 and 45..50, so
     chunk boundaries fall inside the image and inside a frame group (DeepStack rows split across chunks)."""
     prompt = build_prompt([5, ("image", (1, 8, 12)), 1, ("video", (2, 4, 6)), 4], seed=6)
-    model, kv = case.ours, PagedKV(case.ours.lm_config, page_size=page_size)
-    row = kv.new_request()
-    whole = prefill_step(case, row, prompt)
-    out = []
-    with torch.inference_mode():
-        for c in range(0, len(prompt), 7):
-            out.append(model(make_batch(kv, [sub_step(whole, row, c, min(c + 7, len(prompt)))]), kv.pool))
-    torch.testing.assert_close(torch.cat(out), hf_logits(case.hf, prompt), atol=ATOL, rtol=0)
+    check_chunked_prefill(case, prompt, page_size, chunk=7)
 
 
 @pytest.mark.parametrize("page_size,shared", [(1, 22), (4, 12)])
@@ -252,26 +165,7 @@ def test_prefix_cache_hit_matches_hf(case, page_size, shared):
     spec = [4, ("image", (1, 8, 8)), 6]  # image rows 5..20, <vision_end> at 21
     a, b = build_prompt(spec, seed=7), build_prompt(spec, seed=7)
     b.input_ids[-6:] = torch.tensor([11, 22, 33, 44, 55, 66])
-    num_new = 4
-    refs = [hf_greedy(case.hf, p.hf_inputs(), num_new) for p in (a, b)]
-    assert min(m for _, m in refs) > MIN_MARGIN
-    model, kv = case.ours, PagedKV(case.ours.lm_config, page_size=page_size)
-    ra, rb = kv.new_request(), kv.new_request()
-    da, db = our_positions(a)[1], our_positions(b)[1]
-    with torch.inference_mode():
-        la = model(make_batch(kv, [prefill_step(case, ra, a)]), kv.pool)[-1]
-        kv.pages[rb] = list(kv.pages[ra][: shared // page_size])  # the prefix-cache hit: A's pages
-        kv.req_pool.req_to_token[rb, :shared] = kv.req_pool.req_to_token[ra, :shared]
-        kv.lens[rb] = shared
-        lb_all = model(make_batch(kv, [sub_step(prefill_step(case, rb, b), rb, shared, len(b))]), kv.pool)
-        torch.testing.assert_close(lb_all, hf_logits(case.hf, b)[shared:], atol=ATOL, rtol=0)
-        logits, tokens = [la, lb_all[-1]], [[], []]
-        for _ in range(num_new):
-            for toks, lo in zip(tokens, logits):
-                toks.append(int(lo.argmax()))
-            logits = model(make_batch(kv, [decode_step(kv, r, lo, d) for r, lo, d in zip((ra, rb), logits, (da, db))]),
-                           kv.pool)
-    assert tokens == [t for t, _ in refs]
+    check_prefix_cache_hit(case, a, b, shared, page_size, num_new=4)
 
 
 # ---------------------------------------------------------------- a complete checkpoint and the real processor
@@ -325,21 +219,4 @@ def test_real_processor_checkpoint_matches_hf(tmp_path):
     assert torch.equal(out.mm_inputs.mrope_positions, ref_pos[:, 0])
     assert out.mm_inputs.mrope_position_delta == int(ref_delta.reshape(-1)[0])
 
-    num_new = 6
-    ref_tokens, margin = hf_greedy(hf, ref_inputs, num_new)
-    assert margin > MIN_MARGIN
-    kv = PagedKV(ours.lm_config, page_size=2)
-    row = kv.new_request()
-    with torch.inference_mode():
-        embeds = torch.cat(ours.get_image_feature([image_item]) + ours.get_video_feature([video_item]))
-        mm_rows = torch.cat([torch.arange(s, e) for it in (image_item, video_item) for s, e in it.offsets])
-        step = Step(row, torch.tensor(out.input_ids), out.mm_inputs.mrope_positions, mm_rows, embeds,
-                    all_logits=True)
-        logits = ours(make_batch(kv, [step]), kv.pool)
-        torch.testing.assert_close(logits, hf(**ref_inputs).logits[0], atol=ATOL, rtol=0)
-        tokens, last = [], logits[-1]
-        for _ in range(num_new):
-            tokens.append(int(last.argmax()))
-            last = ours(make_batch(kv, [decode_step(kv, row, last, out.mm_inputs.mrope_position_delta)]),
-                        kv.pool)[-1]
-    assert tokens == ref_tokens
+    check_processor_output_matches_hf(hf, ours, out, ref_inputs, num_new=6)
