@@ -53,3 +53,54 @@ def patch_embed_as_matmul(tower: torch.nn.Module) -> None:
     if (isinstance(conv, torch.nn.Conv3d) and conv.kernel_size == conv.stride and conv.padding == (0, 0, 0)
             and conv.dilation == (1, 1, 1) and conv.groups == 1):
         embed.proj = PatchMatmul(conv)
+
+
+class QuickGeluMlp(torch.nn.Module):
+    """fc2(quick_gelu(fc1(x))) of Qwen2-VL's vision MLP, with its own fc1/fc2 (same names: checkpoints load
+    unchanged), computed in row chunks with the activation in place.
+
+    quick_gelu(h) = h * sigmoid(1.702 h) = silu(1.702 h) / 1.702: one in-place scale and one in-place silu on
+    fc1's output, and the 1/1.702 folded into fc2's matmul (addmm's alpha). transformers' three ops each
+    allocate a [tokens, 4 * dim] tensor; on demo-vl's 64 images (15k tokens) those allocations and passes
+    made the MLP ~45% of the tower. Chunks of rows keep fc1's output in the cache for fc2.
+    """
+
+    ROWS = 1024
+    ALPHA = 1.702
+
+    def __init__(self, original: torch.nn.Module) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = original.fc1, original.fc2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(*x.shape[:-1], self.fc2.out_features)
+        rows_in, rows_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+        weight_t = self.fc2.weight.t()
+        for start in range(0, rows_in.shape[0], self.ROWS):
+            h = self.fc1(rows_in[start:start + self.ROWS]).mul_(self.ALPHA)
+            torch.nn.functional.silu(h, inplace=True)
+            dst = rows_out[start:start + self.ROWS]
+            if self.fc2.bias is None:
+                torch.mm(h, weight_t, out=dst).mul_(1 / self.ALPHA)
+            else:
+                torch.addmm(self.fc2.bias, h, weight_t, alpha=1 / self.ALPHA, out=dst)
+        return out
+
+
+def batch_vision_attention(tower: torch.nn.Module) -> None:
+    """Swaps every block's attention of a Qwen-VL tower (Qwen2-VL, Qwen2.5-VL, Qwen3-VL: `tower.blocks[i]
+    .attn` with `qkv`/`proj`) for VarlenVisionAttention, and Qwen2-VL's QuickGELU MLP for QuickGeluMlp.
+    Parameter names and shapes stay transformers' own."""
+    from transformers.activations import QuickGELUActivation
+
+    from tessera.models.vision_attention import PlanCache, VarlenVisionAttention
+
+    plans = PlanCache()
+    for block in tower.blocks:
+        attn = block.attn
+        if not all(hasattr(attn, name) for name in ("qkv", "proj", "num_heads", "head_dim", "scaling")):
+            raise TypeError(f"{type(attn).__name__} is not a Qwen-VL vision attention module")
+        block.attn = VarlenVisionAttention(attn, plans)
+        mlp = block.mlp
+        if isinstance(getattr(mlp, "act", None), QuickGELUActivation) and hasattr(mlp, "fc1"):
+            block.mlp = QuickGeluMlp(mlp)

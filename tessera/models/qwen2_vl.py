@@ -3,7 +3,8 @@
 The vision tower is transformers' `Qwen2VisionTransformerPretrainedModel` (patch embed, ViT blocks with 2D
 RoPE, patch merger), built without random init; our weight loader fills it. Images and videos of one step
 are encoded in ONE tower call each: pixel rows and grid_thw rows are concatenated, items never attend to
-each other (the tower attends within each grid_thw row), and the output is split back per item.
+each other (the tower attends within each grid_thw row), and the output is split back per item. Its
+attention runs over all items at once (tessera.models.vision_attention: one varlen kernel call on CUDA).
 """
 
 from __future__ import annotations
@@ -16,7 +17,11 @@ from tessera.layers.attention import BaseAttentionBackend
 from tessera.layers.decoder import STACKED_PARAMS
 from tessera.models.base import Encoder
 from tessera.models.config import ModelConfig
-from tessera.models.hf_towers import build_transformers_tower, patch_embed_as_matmul
+from tessera.models.hf_towers import (
+    batch_vision_attention,
+    build_transformers_tower,
+    patch_embed_as_matmul,
+)
 from tessera.models.qwen2 import Qwen2ForCausalLM
 from tessera.models.weights import WeightMapping
 from tessera.multimodal.items import Modality, MultimodalDataItem
@@ -37,6 +42,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
             None if language_model_only else build_transformers_tower(self.vision_tower, vision_config))
         if self.visual is not None:
             patch_embed_as_matmul(self.visual)
+            batch_vision_attention(self.visual)
 
     @classmethod
     def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
