@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from tessera.multimodal.items import Modality, MultimodalDataItem
+from tests.models.fixture_checks import MIN_MARGIN, top2_margin  # noqa: F401  (re-exported to the tests)
 
 VOCAB, BOI_ID, EOI_ID, IMAGE_ID = 256, 250, 251, 252
 CHAT_TEMPLATE = (
@@ -206,11 +207,6 @@ def prompt_mm_embeds(model, prompt: Prompt) -> tuple[torch.Tensor | None, torch.
 
 # ---------------------------------------------------------------- references
 
-def top2_margin(logits: torch.Tensor) -> float:
-    top = logits.float().topk(2, dim=-1).values
-    return float((top[..., 0] - top[..., 1]).min())
-
-
 def hf_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:
     """Greedy tokens of HF's model stepped with its own KV cache (token_type_ids on the prefill only, as
     generate does), and the smallest top-2 logit margin."""
@@ -252,8 +248,13 @@ def make_tiny_gemma3_checkpoint(path: str | Path, spec: TinySpec | None = None, 
     - config + model.safetensors from `spec` (default SPECS["gqa"]) with the tokenizer's vocabulary and ids,
       made to be able to fail (make_fixture_can_fail_); same arguments -> same bytes.
     """
-    from transformers import (AutoTokenizer, Gemma3ForConditionalGeneration, Gemma3ImageProcessor,
-                              Gemma3Processor, GenerationConfig)
+    from transformers import (
+        AutoTokenizer,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessor,
+        Gemma3Processor,
+        GenerationConfig,
+    )
 
     from tessera.config import ASSETS_DIR
 

@@ -27,10 +27,10 @@ from typing import Any
 import torch
 
 from tessera.multimodal.items import Modality, MultimodalDataItem
+from tests.models.fixture_checks import MIN_MARGIN, top2_margin  # noqa: F401  (re-exported to the tests)
 
 VOCAB = 128
 IMAGE_START, IMAGE_END, IMAGE_MARK, PATCH_ID, TILE_X, TILE_Y = 120, 121, 122, 123, 124, 125
-MIN_MARGIN = 1e-3
 
 
 @dataclass(frozen=True)
@@ -212,11 +212,6 @@ def prompt_mm_embeds(model, prompt: Prompt) -> tuple[torch.Tensor | None, torch.
 
 # ---------------------------------------------------------------- references
 
-def top2_margin(logits: torch.Tensor) -> float:
-    top = logits.float().topk(2, dim=-1).values
-    return float((top[..., 0] - top[..., 1]).min())
-
-
 def hf_inputs(prompt: Prompt) -> dict:
     inputs = dict(input_ids=prompt.input_ids[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                   pixel_values=prompt.pixels())
@@ -289,8 +284,13 @@ def make_tiny_llama4_checkpoint(path: str | Path, spec: TinySpec | None = None, 
     image tokens, a Llama4Processor (patch_size and pixel_shuffle_ratio of the vision config) over a
     Llama4ImageProcessor with tiles of the tower's image_size and at most `max_patches` tiles, a chat template,
     and config + model.safetensors from `spec` (default SPECS["gqa_chunked"]) made to be able to fail."""
-    from transformers import (AutoTokenizer, GenerationConfig, Llama4ForConditionalGeneration,
-                              Llama4ImageProcessor, Llama4Processor)
+    from transformers import (
+        AutoTokenizer,
+        GenerationConfig,
+        Llama4ForConditionalGeneration,
+        Llama4ImageProcessor,
+        Llama4Processor,
+    )
 
     from tessera.config import ASSETS_DIR
 

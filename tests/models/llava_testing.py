@@ -22,9 +22,14 @@ from typing import Any
 import torch
 
 from tessera.multimodal.items import Modality, MultimodalDataItem
+from tests.models.fixture_checks import (  # noqa: F401  (MIN_MARGIN, top2_margin: re-exported to the tests)
+    MIN_MARGIN,
+    check_greedy_depends_on_inputs,
+    prompt_variants,
+    top2_margin,
+)
 
 VOCAB, IMAGE_ID = 128, 120
-MIN_MARGIN = 1e-3  # 10x the logit tolerance: a greedy choice the reference makes by less is float noise
 
 # LLaVA-1.5 style chat template: images first, then the text; "USER: ... ASSISTANT:".
 CHAT_TEMPLATE = (
@@ -124,7 +129,10 @@ def tiny_llava_config(spec: TinySpec, vocab_size: int = VOCAB, image_token_id: i
 
 
 def hf_model_class(spec: TinySpec):
-    from transformers import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
+    from transformers import (
+        LlavaForConditionalGeneration,
+        LlavaNextForConditionalGeneration,
+    )
 
     return LlavaNextForConditionalGeneration if spec.is_next else LlavaForConditionalGeneration
 
@@ -232,11 +240,6 @@ def prompt_mm_embeds(model, prompt: Prompt) -> tuple[torch.Tensor | None, torch.
 
 # ---------------------------------------------------------------- references
 
-def top2_margin(logits: torch.Tensor) -> float:
-    top = logits.float().topk(2, dim=-1).values
-    return float((top[..., 0] - top[..., 1]).min())
-
-
 def hf_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:
     """Greedy tokens of HF's model stepped with its own KV cache, and the smallest top-2 logit margin."""
     tokens, margins = [], []
@@ -275,8 +278,14 @@ def make_tiny_llava_checkpoint(path: str | Path, spec: TinySpec | str = "llama",
       with the spec's grid pinpoints), patch_size, select strategy and num_additional_image_tokens=1 (CLIP's CLS).
     With weights=False only config.json and the processor files are written (a processor-test skeleton).
     """
-    from transformers import (AutoTokenizer, CLIPImageProcessor, GenerationConfig, LlavaNextImageProcessor,
-                              LlavaNextProcessor, LlavaProcessor)
+    from transformers import (
+        AutoTokenizer,
+        CLIPImageProcessor,
+        GenerationConfig,
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
+        LlavaProcessor,
+    )
 
     from tessera.config import ASSETS_DIR
 
@@ -347,20 +356,9 @@ def load_case(spec: TinySpec, path: Path, decode_parts: list) -> Case:
     _, embeds = prompt_mm_embeds(ours, base)
     ratio = float(embeds.pow(2).mean().sqrt() / ours.model.embed_tokens.weight.pow(2).mean().sqrt())
     assert 0.5 < ratio < 2, f"image embeddings are {ratio:.2f}x the text embeddings' RMS"
-    other_image = build_prompt(spec, decode_parts, seed=0)
-    other_image.items[0].feature = torch.randn(other_image.items[0].feature.shape,
-                                               generator=torch.Generator().manual_seed(9))
-    other_text = build_prompt(spec, decode_parts, seed=0)
-    other_text.input_ids[-3:] = torch.tensor([7, 8, 9])
-    outs = []
-    for p in (base, other_image, other_text):
-        tokens, margin = hf_greedy(hf, p.hf_inputs(), 8)
-        assert margin > MIN_MARGIN, f"top-2 logit margin {margin:.2e} is float noise"
-        assert len(set(tokens)) >= 3, f"greedy output {tokens} is (nearly) one repeated token"
-        outs.append(tokens)
-    assert outs[0] != outs[1], "greedy output does not depend on the image"
-    assert outs[0] != outs[2], "greedy output does not depend on the text"
-    assert hf_greedy(hf, base.hf_inputs(), 8)[0] == outs[0] == hf_generate(hf, base.hf_inputs(), 8)
+    _, other_image, other_text = prompt_variants(lambda: build_prompt(spec, decode_parts, seed=0), num_text=3)
+    tokens = check_greedy_depends_on_inputs(lambda p: hf_greedy(hf, p.hf_inputs(), 8), base, other_image, other_text)
+    assert hf_greedy(hf, base.hf_inputs(), 8)[0] == tokens == hf_generate(hf, base.hf_inputs(), 8)
     return case
 
 

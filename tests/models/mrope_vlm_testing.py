@@ -18,10 +18,15 @@ import torch
 
 from tessera.multimodal.items import Modality, MultimodalDataItem
 from tessera.runner.mrope import decode_mrope_positions
+from tests.models.fixture_checks import (
+    MIN_MARGIN,
+    check_greedy_depends_on_inputs,
+    prompt_variants,
+    top2_margin,
+)
 from tests.models.paged_driver import PagedKV, Step, make_batch, share_prefix
 
 ATOL = 1e-4
-MIN_MARGIN = 1e-3  # 10x ATOL: a greedy choice the reference makes by less is float noise, not a test
 
 
 @dataclass
@@ -87,12 +92,6 @@ def prompt_mm_embeds(model, prompt) -> tuple[torch.Tensor | None, torch.Tensor |
 
 
 # ---------------------------------------------------------------- references
-
-def top2_margin(logits: torch.Tensor) -> float:
-    """Smallest gap between the best and second-best logit over the rows of `logits` [..., V]."""
-    top = logits.float().topk(2, dim=-1).values
-    return float((top[..., 0] - top[..., 1]).min())
-
 
 def hf_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:
     """Greedy tokens of HF's model stepped with its own KV cache, and the smallest top-2 logit margin.
@@ -174,20 +173,10 @@ def decode_together(model, kv: PagedKV, rows: list[int], logits, deltas: list[in
 def check_fixture_can_fail(hf, build_decode_prompt: Callable[[], MRopePrompt], hf_generate) -> None:
     """HF's greedy output on the decode prompt depends on the image and on the text, is not one repeated token
     and its choices are not float noise; the reference is deterministic and equals HF generate."""
-    base, other_image, other_text = build_decode_prompt(), build_decode_prompt(), build_decode_prompt()
-    other_image.items[0].feature = torch.randn(other_image.items[0].feature.shape,
-                                               generator=torch.Generator().manual_seed(9))
-    other_text.input_ids[-4:] = torch.tensor([7, 8, 9, 10])
-    outs = []
-    for p in (base, other_image, other_text):
-        tokens, margin = hf_greedy(hf, p.hf_inputs(), 8)
-        assert margin > MIN_MARGIN, f"top-2 logit margin {margin:.2e} is float noise"
-        assert len(set(tokens)) >= 3, f"greedy output {tokens} is (nearly) one repeated token"
-        outs.append(tokens)
-    assert outs[0] != outs[1], "greedy output does not depend on the image"
-    assert outs[0] != outs[2], "greedy output does not depend on the text"
+    base, other_image, other_text = prompt_variants(build_decode_prompt)
+    tokens = check_greedy_depends_on_inputs(lambda p: hf_greedy(hf, p.hf_inputs(), 8), base, other_image, other_text)
     # The reference is a reference: deterministic, and equal to HF generate where their decode positions agree.
-    assert hf_greedy(hf, base.hf_inputs(), 8)[0] == outs[0] == hf_generate(hf, base.hf_inputs(), 8)
+    assert hf_greedy(hf, base.hf_inputs(), 8)[0] == tokens == hf_generate(hf, base.hf_inputs(), 8)
 
 
 def check_prefill_logits(case: MRopeCase, prompt: MRopePrompt) -> None:

@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from tessera.multimodal.items import MultimodalDataItem
+from tests.models.fixture_checks import MIN_MARGIN, top2_margin  # noqa: F401  (the families' tests take them from here)
 from tests.models.paged_driver import PagedKV, Step, make_batch, share_prefix
 
 ATOL = 1e-4
-MIN_MARGIN = 1e-3  # 10x ATOL: a greedy choice the reference makes by less is float noise, not a test
 
 
 @dataclass
@@ -31,11 +31,6 @@ class VLPrompt:
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
-
-
-def top2_margin(logits: torch.Tensor) -> float:
-    top = logits.float().topk(2, dim=-1).values
-    return float((top[..., 0] - top[..., 1]).min())
 
 
 def hf_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:

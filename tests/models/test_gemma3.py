@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixture_checks import MIN_MARGIN, check_greedy_depends_on_inputs, prompt_variants
 from gemma3_testing import (
     BOI_ID,
     EOI_ID,
@@ -40,7 +41,6 @@ from tessera.models.registry import load_model
 from tessera.worker.masks import span_mask
 
 ATOL = 1e-4
-MIN_MARGIN = 1e-3  # 10x ATOL: a greedy choice the reference makes by less is float noise, not a test
 PROMPTS = {
     "text": [12],
     "one_image": [5, ("image", 0), 4],
@@ -90,24 +90,13 @@ def case(request, tmp_path_factory) -> Case:
     text = ours.model.embed_tokens(base.input_ids[:3])
     ratio = float(embeds.pow(2).mean().sqrt() / text.pow(2).mean().sqrt())
     assert 0.5 < ratio < 2, f"image embeddings are {ratio:.2f}x the text embeddings' RMS"
-    other_image = c.prompt(DECODE_PROMPT, seed=0)
-    other_image.items[0].feature = torch.randn(other_image.items[0].feature.shape,
-                                               generator=torch.Generator().manual_seed(9))
-    other_text = c.prompt(DECODE_PROMPT, seed=0)
-    other_text.input_ids[-4:] = torch.tensor([7, 8, 9, 10])
-    outs = []
-    for p in (base, other_image, other_text):
-        tokens, margin = c.greedy(p, 8)
-        assert margin > MIN_MARGIN, f"top-2 logit margin {margin:.2e} is float noise"
-        assert len(set(tokens)) >= 3, f"greedy output {tokens} is (nearly) one repeated token"
-        outs.append(tokens)
-    assert outs[0] != outs[1], "greedy output does not depend on the image"
-    assert outs[0] != outs[2], "greedy output does not depend on the text"
+    _, other_image, other_text = prompt_variants(lambda: c.prompt(DECODE_PROMPT, seed=0))
+    tokens = check_greedy_depends_on_inputs(lambda p: c.greedy(p, 8), base, other_image, other_text)
     causal = {k: v for k, v in base.hf_inputs().items() if k != "token_type_ids"}
     with torch.inference_mode():
         assert (hf(**causal).logits[0] - hf_logits(hf, base)).abs().max() > 100 * ATOL, \
             "bidirectional image attention makes no difference"
-    assert outs[0] == hf_generate(hf, base.hf_inputs(), 8), "the stepped reference is HF generate's"
+    assert tokens == hf_generate(hf, base.hf_inputs(), 8), "the stepped reference is HF generate's"
     return c
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixture_checks import MIN_MARGIN, check_greedy_depends_on_inputs, prompt_variants
 from llama4_testing import (
     SPECS,
     Prompt,
@@ -33,7 +34,6 @@ from tessera.models.llama4 import Llama4ForConditionalGeneration
 from tessera.models.registry import load_model
 
 ATOL = 1e-4
-MIN_MARGIN = 1e-3
 PROMPTS = {
     "text": [19],
     "one_tile": [9, ("image", 1, 1), 8],
@@ -92,21 +92,10 @@ def case(request, tmp_path_factory) -> Case:
     text = ours.model.embed_tokens(torch.arange(120))
     ratio = float(embeds.pow(2).mean().sqrt() / text.pow(2).mean().sqrt())
     assert 0.5 < ratio < 2, f"image embeddings are {ratio:.2f}x the text embeddings' RMS"
-    other_image = c.prompt(DECODE_PROMPT, seed=0)
-    other_image.items[0].feature = torch.randn(other_image.items[0].feature.shape,
-                                               generator=torch.Generator().manual_seed(9))
-    other_text = c.prompt(DECODE_PROMPT, seed=0)
-    other_text.input_ids[-4:] = torch.tensor([7, 8, 9, 10])
-    outs = []
-    for p in (base, other_image, other_text):
-        tokens, margin = c.greedy(p, 8)
-        assert margin > MIN_MARGIN, f"top-2 logit margin {margin:.2e} is float noise"
-        assert len(set(tokens)) >= 3, f"greedy output {tokens} is (nearly) one repeated token"
-        outs.append(tokens)
-    assert outs[0] != outs[1], "greedy output does not depend on the image"
-    assert outs[0] != outs[2], "greedy output does not depend on the text"
+    _, other_image, other_text = prompt_variants(lambda: c.prompt(DECODE_PROMPT, seed=0))
+    tokens = check_greedy_depends_on_inputs(lambda p: c.greedy(p, 8), base, other_image, other_text)
     # The stepped reference is HF generate's, and HF's chunked KV cache agrees with recomputing everything.
-    assert outs[0] == hf_generate(hf, base, 8) == hf_greedy_no_cache(hf, base, 8)
+    assert tokens == hf_generate(hf, base, 8) == hf_greedy_no_cache(hf, base, 8)
     return c
 
 
@@ -294,9 +283,9 @@ def test_language_model_only_loads_without_the_tower(case):
 def test_text_only_llama4_for_causal_lm_matches_hf(tmp_path):
     """Llama4ForCausalLM (`model.*`, `lm_head.*`): the same decoder, with llama3-scaled RoPE; prefill, then
     decode across chunk boundaries."""
+    from llama4_testing import tiny_llama4_config
     from transformers import Llama4ForCausalLM as HFLlama4ForCausalLM
 
-    from llama4_testing import tiny_llama4_config
     from tessera.models.llama4 import Llama4ForCausalLM
 
     text_config = tiny_llama4_config(SPECS["gqa_chunked"]).text_config
