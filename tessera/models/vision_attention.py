@@ -107,16 +107,24 @@ def uses_varlen_kernel(q: torch.Tensor) -> bool:
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan,
                       scale: float) -> torch.Tensor:
     """q, k, v: [tokens, heads, head_dim] (any strides) -> [tokens, heads, head_dim]; tokens attend within
-    their segment only. One SDPA call per entry of plan.calls."""
-    out = q.new_empty(q.shape)
+    their segment only. One SDPA call per entry of plan.calls, with as few ops around each as possible
+    (Qwen2.5-VL's windows make hundreds of calls per block)."""
     heads, head_dim = q.shape[1:]
-    for first, count, seg_len in plan.calls:
-        rows = slice(first, first + count * seg_len)
-        # [count * L, H, D] -> [count, H, L, D] as a view; SDPA reads the strides.
-        q_r, k_r, v_r = (t[rows].view(count, seg_len, heads, head_dim).transpose(1, 2) for t in (q, k, v))
-        res = F.scaled_dot_product_attention(q_r, k_r, v_r, scale=scale)
-        out[rows].view(count, seg_len, heads, head_dim).copy_(res.transpose(1, 2))
-    return out
+    sizes = [count * seg_len for _, count, seg_len in plan.calls]
+    # [tokens, H, D] -> [H, tokens, D] views, cut at the calls: [H, count * L, D] each.
+    pieces = zip(*(t.transpose(0, 1).split(sizes, dim=1) for t in (q, k, v)))
+    outs = []
+    for (q_r, k_r, v_r), (_, count, seg_len) in zip(pieces, plan.calls):
+        if count == 1:
+            res = F.scaled_dot_product_attention(q_r[None], k_r[None], v_r[None], scale=scale)
+        else:
+            shape = (heads, count, seg_len, head_dim)
+            res = F.scaled_dot_product_attention(q_r.view(shape).transpose(0, 1), k_r.view(shape).transpose(0, 1),
+                                                 v_r.view(shape).transpose(0, 1), scale=scale)
+        # [count, H, L, D] -> [count * L, H, D]: a view where SDPA's output is laid out [count, L, H, D]
+        # (CPU flash attention), else a copy.
+        outs.append(res.transpose(1, 2).reshape(-1, heads, head_dim))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan,

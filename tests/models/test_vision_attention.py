@@ -6,6 +6,7 @@ kernel, and on a GPU for real (skipped without CUDA)."""
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -13,8 +14,12 @@ import torch.nn.functional as F
 
 from tessera.models import vision_attention
 from tessera.models.hf_towers import QuickGeluMlp, batch_vision_attention
-from tessera.models.vision_attention import PlanCache, VarlenVisionAttention, plan_segments
-from tests.models import qwen2_5_vl_testing, qwen3_vl_testing, qwen2_vl_testing
+from tessera.models.vision_attention import (
+    PlanCache,
+    VarlenVisionAttention,
+    plan_segments,
+)
+from tests.models import qwen2_5_vl_testing, qwen2_vl_testing, qwen3_vl_testing
 
 # (t, h, w) in patches: two equal images side by side, a third equal one later, unique sizes, a 3-frame video
 # (3 attention segments of equal length), an image as big as a 2.5-VL window and one smaller than it.
@@ -23,15 +28,20 @@ GRIDS = [[1, 4, 6], [1, 4, 6], [1, 8, 8], [3, 4, 4], [1, 6, 4], [1, 4, 6], [1, 2
 
 def _tower(family: str) -> torch.nn.Module:
     """transformers' tower with random weights, norms and biases (so a wrong swap cannot match by chance)."""
-    if family == "qwen2_vl":
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel as cls
-        cfg = qwen2_vl_testing.tiny_vl_config().vision_config
-    elif family == "qwen2_5_vl":
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel as cls
-        cfg = qwen2_5_vl_testing.tiny_qwen2_5_vl_config(qwen2_5_vl_testing.SPECS["gqa"]).vision_config
-    else:
-        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel as cls
-        cfg = qwen3_vl_testing.tiny_qwen3_vl_config(qwen3_vl_testing.SPECS["gqa"]).vision_config
+    from tessera.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from tessera.models.qwen2_vl import Qwen2VLForConditionalGeneration
+    from tessera.models.qwen3_vl import Qwen3VLForConditionalGeneration
+
+    model_cls, cfg = {
+        "qwen2_vl": (Qwen2VLForConditionalGeneration, qwen2_vl_testing.tiny_vl_config()),
+        "qwen2_5_vl": (Qwen2_5_VLForConditionalGeneration,
+                       qwen2_5_vl_testing.tiny_qwen2_5_vl_config(qwen2_5_vl_testing.SPECS["gqa"])),
+        "qwen3_vl": (Qwen3VLForConditionalGeneration,
+                     qwen3_vl_testing.tiny_qwen3_vl_config(qwen3_vl_testing.SPECS["gqa"])),
+    }[family]
+    module_name, class_name = model_cls.vision_tower.split(":")  # the tower class our model builds
+    cls = getattr(importlib.import_module(module_name), class_name)
+    cfg = cfg.vision_config
     torch.manual_seed(0)
     tower = cls._from_config(copy.deepcopy(cfg), attn_implementation="sdpa", dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(1)
