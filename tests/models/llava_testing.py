@@ -374,12 +374,6 @@ def _step(row: int, prompt: Prompt, rows, embeds, lo: int = 0, hi: int | None = 
                 embeds[sel] if sel.any() else None, **kw)
 
 
-def _decode(kv, row: int, logits: torch.Tensor):
-    from tests.models.paged_driver import Step
-
-    return Step(row, logits.argmax().reshape(1), torch.tensor([kv.lens[row]]))
-
-
 def check_prefill(case: Case, prompt: Prompt, page_size: int = 1) -> None:
     from tests.models.paged_driver import PagedKV, make_batch
 
@@ -393,41 +387,32 @@ def check_prefill(case: Case, prompt: Prompt, page_size: int = 1) -> None:
 
 
 def check_decode(case: Case, prompt: Prompt, page_size: int, num_new: int = 8) -> None:
-    from tests.models.paged_driver import PagedKV, make_batch
+    from tests.models.paged_driver import PagedKV, decode_greedy, make_batch
 
     ref_tokens, margin = hf_greedy(case.hf, prompt.hf_inputs(), num_new)
     assert margin > MIN_MARGIN
     kv = PagedKV(case.ours.lm_config, page_size=page_size)
     row = kv.new_request()
     rows, embeds = prompt_mm_embeds(case.ours, prompt)
-    tokens = []
     with torch.inference_mode():
-        logits = case.ours(make_batch(kv, [_step(row, prompt, rows, embeds)]), kv.pool)[-1]
-        for _ in range(num_new):
-            tokens.append(int(logits.argmax()))
-            logits = case.ours(make_batch(kv, [_decode(kv, row, logits)]), kv.pool)[-1]
-    assert tokens == ref_tokens
+        logits = case.ours(make_batch(kv, [_step(row, prompt, rows, embeds)]), kv.pool)[-1:]
+    assert decode_greedy(case.ours, kv, [row], logits, num_new) == [ref_tokens]
 
 
 def check_batch(case: Case, prompts: list[Prompt], num_new: int = 6) -> None:
     """Prompts of different lengths prefilled in one forward, then decoded together."""
-    from tests.models.paged_driver import PagedKV, make_batch
+    from tests.models.paged_driver import PagedKV, decode_greedy, make_batch
 
     refs = [hf_greedy(case.hf, p.hf_inputs(), num_new) for p in prompts]
     assert min(m for _, m in refs) > MIN_MARGIN
     kv = PagedKV(case.ours.lm_config, page_size=4)
     req_rows = [kv.new_request() for _ in prompts]
-    tokens: list[list[int]] = [[] for _ in prompts]
     with torch.inference_mode():
         steps = [_step(r, p, *prompt_mm_embeds(case.ours, p)) for r, p in zip(req_rows, prompts)]
         logits = case.ours(make_batch(kv, steps), kv.pool)
         for p, lo in zip(prompts, logits):
             torch.testing.assert_close(lo, hf_logits(case.hf, p)[-1], atol=ATOL, rtol=0)
-        for _ in range(num_new):
-            for toks, lo in zip(tokens, logits):
-                toks.append(int(lo.argmax()))
-            logits = case.ours(make_batch(kv, [_decode(kv, r, lo) for r, lo in zip(req_rows, logits)]), kv.pool)
-    assert tokens == [t for t, _ in refs]
+    assert decode_greedy(case.ours, kv, req_rows, logits, num_new) == [t for t, _ in refs]
 
 
 def check_chunked_prefill(case: Case, prompt: Prompt, chunk: int, page_size: int) -> None:
@@ -449,7 +434,12 @@ def check_chunked_prefill(case: Case, prompt: Prompt, chunk: int, page_size: int
 def check_prefix_cache_hit(case: Case, a: Prompt, b: Prompt, shared: int, page_size: int, num_new: int = 4) -> None:
     """B shares A's first `shared` tokens (the repeated image, or a page-aligned cut inside it): B reuses A's KV
     slots for them, extends only the rest, and both then decode in one batch."""
-    from tests.models.paged_driver import PagedKV, make_batch, share_prefix
+    from tests.models.paged_driver import (
+        PagedKV,
+        decode_greedy,
+        make_batch,
+        share_prefix,
+    )
 
     assert torch.equal(a.input_ids[:shared], b.input_ids[:shared]) and not torch.equal(a.input_ids, b.input_ids)
     refs = [hf_greedy(case.hf, p.hf_inputs(), num_new) for p in (a, b)]
@@ -462,12 +452,7 @@ def check_prefix_cache_hit(case: Case, a: Prompt, b: Prompt, shared: int, page_s
         lb_all = case.ours(make_batch(kv, [_step(rb, b, *prompt_mm_embeds(case.ours, b), shared, all_logits=True)]),
                            kv.pool)
         torch.testing.assert_close(lb_all, hf_logits(case.hf, b)[shared:], atol=ATOL, rtol=0)
-        logits, tokens = [la, lb_all[-1]], [[], []]
-        for _ in range(num_new):
-            for toks, lo in zip(tokens, logits):
-                toks.append(int(lo.argmax()))
-            logits = case.ours(make_batch(kv, [_decode(kv, r, lo) for r, lo in zip((ra, rb), logits)]), kv.pool)
-    assert tokens == [t for t, _ in refs]
+    assert decode_greedy(case.ours, kv, [ra, rb], [la, lb_all[-1]], num_new) == [t for t, _ in refs]
 
 
 def check_image_features(case: Case, prompt: Prompt) -> None:

@@ -24,7 +24,13 @@ from tests.models.fixture_checks import (
     prompt_variants,
     top2_margin,
 )
-from tests.models.paged_driver import PagedKV, Step, make_batch, share_prefix
+from tests.models.paged_driver import (
+    PagedKV,
+    Step,
+    decode_greedy,
+    make_batch,
+    share_prefix,
+)
 
 ATOL = 1e-4
 
@@ -157,15 +163,10 @@ def decode_step(kv: PagedKV, row: int, logits: torch.Tensor, delta: int) -> Step
 
 def decode_together(model, kv: PagedKV, rows: list[int], logits, deltas: list[int],
                     num_new: int) -> list[list[int]]:
-    """Greedy tokens of the requests `rows`, decoded in one batched step per token from their last logits."""
-    tokens: list[list[int]] = [[] for _ in rows]
-    with torch.inference_mode():
-        for _ in range(num_new):
-            for toks, lo in zip(tokens, logits):
-                toks.append(int(lo.argmax()))
-            logits = model(make_batch(kv, [decode_step(kv, r, lo, d) for r, lo, d in zip(rows, logits, deltas)]),
-                           kv.pool)
-    return tokens
+    """Greedy tokens of the requests `rows` (each with its M-RoPE delta), decoded in one batched step per token
+    from their last logits."""
+    delta_of = dict(zip(rows, deltas))
+    return decode_greedy(model, kv, rows, logits, num_new, lambda kv, r, lo: decode_step(kv, r, lo, delta_of[r]))
 
 
 # ---------------------------------------------------------------- the parity checks

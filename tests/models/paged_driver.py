@@ -6,6 +6,7 @@ KV is never one contiguous run and two requests' pages interleave.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -98,3 +99,21 @@ def share_prefix(kv: PagedKV, src_row: int, dst_row: int, num_tokens: int) -> No
     kv.pages[dst_row] = list(kv.pages[src_row][: num_tokens // kv.page_size])
     kv.req_pool.req_to_token[dst_row, :num_tokens] = kv.req_pool.req_to_token[src_row, :num_tokens]
     kv.lens[dst_row] = num_tokens
+
+
+def decode_step(kv: PagedKV, row: int, logits: torch.Tensor) -> Step:
+    """Request `row`'s next token (the argmax of its last logits) at the 1-D position after its KV."""
+    return Step(row, logits.argmax().reshape(1), torch.tensor([kv.lens[row]]))
+
+
+def decode_greedy(model, kv: PagedKV, rows: list[int], logits, num_new: int,
+                  step: Callable[[PagedKV, int, torch.Tensor], Step] = decode_step) -> list[list[int]]:
+    """Greedy tokens of the requests `rows` from their last logits (one row of `logits` each), decoded
+    together: one batched forward per token, each request's input built by `step(kv, row, logits)`."""
+    tokens: list[list[int]] = [[] for _ in rows]
+    with torch.inference_mode():
+        for _ in range(num_new):
+            for toks, lo in zip(tokens, logits):
+                toks.append(int(lo.argmax()))
+            logits = model(make_batch(kv, [step(kv, r, lo) for r, lo in zip(rows, logits)]), kv.pool)
+    return tokens

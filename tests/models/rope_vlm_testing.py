@@ -15,7 +15,13 @@ import torch
 
 from tessera.multimodal.items import MultimodalDataItem
 from tests.models.fixture_checks import MIN_MARGIN, top2_margin  # noqa: F401  (the families' tests take them from here)
-from tests.models.paged_driver import PagedKV, Step, make_batch, share_prefix
+from tests.models.paged_driver import (
+    PagedKV,
+    Step,
+    decode_greedy,
+    make_batch,
+    share_prefix,
+)
 
 ATOL = 1e-4
 
@@ -83,10 +89,6 @@ def prefill_step(model, row: int, prompt: VLPrompt, start: int = 0, end: int | N
     return Step(row, prompt.input_ids[start:end], torch.arange(start, end), sel_rows, sel_embeds, **kw)
 
 
-def decode_step(kv: PagedKV, row: int, logits: torch.Tensor) -> Step:
-    return Step(row, logits.argmax().reshape(1), torch.tensor([kv.lens[row]]))
-
-
 def our_logits(model, prompt: VLPrompt, page_size: int = 1, chunk: int | None = None) -> torch.Tensor:
     """Our logits for every prompt token, prefilled whole or in chunks of `chunk` tokens."""
     kv = PagedKV(model.lm_config, page_size=page_size, max_context_len=512)
@@ -106,14 +108,9 @@ def our_greedy(model, prompts: list[VLPrompt], num_new: int, page_size: int = 1)
     """Prefill all prompts in one batch, then decode them together one token per step."""
     kv = PagedKV(model.lm_config, page_size=page_size, max_context_len=512)
     rows = [kv.new_request() for _ in prompts]
-    tokens: list[list[int]] = [[] for _ in prompts]
     with torch.inference_mode():
         logits = model(make_batch(kv, [prefill_step(model, r, p) for r, p in zip(rows, prompts)]), kv.pool)
-        for _ in range(num_new):
-            for toks, lo in zip(tokens, logits):
-                toks.append(int(lo.argmax()))
-            logits = model(make_batch(kv, [decode_step(kv, r, lo) for r, lo in zip(rows, logits)]), kv.pool)
-    return tokens
+    return decode_greedy(model, kv, rows, logits, num_new)
 
 
 def prefix_hit_logits(model, a: VLPrompt, b: VLPrompt, shared: int, page_size: int) -> torch.Tensor:

@@ -27,7 +27,14 @@ from llama4_testing import (
     prompt_mm_embeds,
     top2_margin,
 )
-from paged_driver import PagedKV, Step, make_batch
+from paged_driver import (
+    PagedKV,
+    Step,
+    decode_greedy,
+    decode_step,
+    make_batch,
+    share_prefix,
+)
 
 from tessera.layers.llama4_decoder import chunk_masks
 from tessera.models.llama4 import Llama4ForConditionalGeneration
@@ -109,10 +116,6 @@ def extend_step(case: Case, row: int, prompt: Prompt, lo: int, hi: int, **kw) ->
     return Step(row, prompt.input_ids[lo:hi], torch.arange(lo, hi), mm_rows, mm_embeds, **kw)
 
 
-def decode_step(kv: PagedKV, row: int, logits: torch.Tensor) -> Step:
-    return Step(row, logits.argmax().reshape(1), torch.tensor([kv.lens[row]]))
-
-
 @pytest.mark.parametrize("prompt_name", list(PROMPTS))
 def test_prefill_logits_match_hf(case, prompt_name):
     prompt = case.prompt(PROMPTS[prompt_name], seed=1)
@@ -150,13 +153,9 @@ def test_greedy_decode_across_chunk_boundaries_matches_hf(case, page_size=4):
     ref_tokens, _ = case.greedy(prompt, num_new)
     model, kv = case.ours, PagedKV(case.ours.lm_config, page_size=page_size)
     row = kv.new_request()
-    tokens = []
     with torch.inference_mode():
-        logits = model(make_batch(kv, [extend_step(case, row, prompt, 0, len(prompt))]), kv.pool)[-1]
-        for _ in range(num_new):
-            tokens.append(int(logits.argmax()))
-            logits = model(make_batch(kv, [decode_step(kv, row, logits)]), kv.pool)[-1]
-    assert tokens == ref_tokens
+        logits = model(make_batch(kv, [extend_step(case, row, prompt, 0, len(prompt))]), kv.pool)[-1:]
+    assert decode_greedy(model, kv, [row], logits, num_new) == [ref_tokens]
 
 
 def test_two_requests_in_one_batch_match_hf(case):
@@ -169,17 +168,12 @@ def test_two_requests_in_one_batch_match_hf(case):
     assert min(m for _, m in refs) > MIN_MARGIN
     model, kv = case.ours, PagedKV(case.ours.lm_config, page_size=4)
     rows = [kv.new_request(), kv.new_request()]
-    tokens: list[list[int]] = [[], []]
     with torch.inference_mode():
         logits = model(make_batch(kv, [extend_step(case, r, p, 0, len(p)) for r, p in zip(rows, prompts)]),
                        kv.pool)
         for p, lo in zip(prompts, logits):
             torch.testing.assert_close(lo, hf_logits(case.hf, p)[-1], atol=ATOL, rtol=0)
-        for _ in range(num_new):
-            for toks, lo in zip(tokens, logits):
-                toks.append(int(lo.argmax()))
-            logits = model(make_batch(kv, [decode_step(kv, r, lo) for r, lo in zip(rows, logits)]), kv.pool)
-    assert tokens == [t for t, _ in refs]
+    assert decode_greedy(model, kv, rows, logits, num_new) == [t for t, _ in refs]
 
 
 @pytest.mark.parametrize("page_size,step", [(1, 3), (4, 5)])
@@ -211,17 +205,10 @@ def test_prefix_cache_hit_matches_hf(case, page_size=4):
     ra, rb = kv.new_request(), kv.new_request()
     with torch.inference_mode():
         la = model(make_batch(kv, [extend_step(case, ra, a, 0, len(a))]), kv.pool)[-1]
-        kv.pages[rb] = list(kv.pages[ra][: shared // page_size])
-        kv.req_pool.req_to_token[rb, :shared] = kv.req_pool.req_to_token[ra, :shared]
-        kv.lens[rb] = shared
+        share_prefix(kv, ra, rb, shared)
         lb_all = model(make_batch(kv, [extend_step(case, rb, b, shared, len(b), all_logits=True)]), kv.pool)
         torch.testing.assert_close(lb_all, hf_logits(case.hf, b)[shared:], atol=ATOL, rtol=0)
-        logits, tokens = [la, lb_all[-1]], [[], []]
-        for _ in range(num_new):
-            for toks, lo in zip(tokens, logits):
-                toks.append(int(lo.argmax()))
-            logits = model(make_batch(kv, [decode_step(kv, r, lo) for r, lo in zip((ra, rb), logits)]), kv.pool)
-    assert tokens == [t for t, _ in refs]
+    assert decode_greedy(model, kv, [ra, rb], [la, lb_all[-1]], num_new) == [t for t, _ in refs]
 
 
 def test_chunked_attention_and_nope_matter(case, monkeypatch):
