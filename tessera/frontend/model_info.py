@@ -76,7 +76,6 @@ class ModelInfo:
         """The multimodal processor for this architecture, or None for text-only serving."""
         if self.hf_processor is None:
             return None
-        from tessera.multimodal.deferred import DEFER_MIN_FEATURE_BYTES
         from tessera.multimodal.media import MediaLimits
 
         limits = MediaLimits.from_server_args(self.args)
@@ -86,7 +85,15 @@ class ModelInfo:
                    self.args.mm_items_per_request, language_model_only=self.args.language_model_only,
                    cache_size_bytes=self.args.mm_cache_size_mb * 1024 * 1024,
                    defer_images=not self.args.disable_deferred_mm_preprocessing,
-                   defer_min_feature_bytes=DEFER_MIN_FEATURE_BYTES)
+                   defer_min_feature_bytes=self.defer_min_feature_bytes())
+
+    def defer_min_feature_bytes(self) -> int:
+        """The deferral floor (multimodal/deferred.py) when the model runs on a CPU, where the worker's
+        preprocessing would lengthen its steps; none on a GPU, where the worker preprocesses on the device."""
+        from tessera.models.registry import resolve_device
+        from tessera.multimodal.deferred import DEFER_MIN_FEATURE_BYTES
+
+        return DEFER_MIN_FEATURE_BYTES if resolve_device(self.args.device).type == "cpu" else 0
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         target = self.hf_processor if self.hf_processor is not None else self.tokenizer

@@ -9,10 +9,11 @@ with the same HF processor call, on the model's device when that is a GPU.
 
 Contracts:
 - An image is deferred only when its pixels are no larger than the features it would become (the eager
-  path wins for small images that the processor upscales), and, in the server and Engine, only when those
-  features reach DEFER_MIN_FEATURE_BYTES: below that the socket copy is cheaper than moving the processor's
-  work onto the worker, whose steps are the serving loop's critical path, while the frontend does it on
-  another core (demo-vl's default ~224x224 images, 1.2 MB of features, stay eager).
+  path wins for small images that the processor upscales), and, when the model runs on a CPU, only when
+  those features reach DEFER_MIN_FEATURE_BYTES: below that the socket copy is cheaper than moving the
+  processor's work onto the worker, whose steps are the serving loop's critical path, while the frontend
+  does it on another core (demo-vl's default ~224x224 images, 1.2 MB of features, stay eager). On a GPU the
+  worker's half runs on the device, so every image that fits the first rule is deferred.
 - Materialised features equal the eager path's exactly on CPU (same processor, same kwargs, the uint8 tensor
   is what the fast processor makes of the PIL image anyway); on a GPU the resize runs there, which moves
   pixel values by float rounding only (bilinear/bicubic kernels differ in the last bits).
