@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -13,27 +14,39 @@ EXAMPLE_VIDEO = ASSETS_DIR / "examples" / "moving.mp4"
 # demo-vl's template plus Qwen's tool block: renders exactly like demo-vl's own when no tools are given.
 TOOL_TEMPLATE = Path(__file__).parent / "server" / "tool_chat_template.jinja"
 
-# Session fixtures that start a server or an engine, or build checkpoints: every file that uses one runs on
-# the same xdist worker (`--dist loadgroup`), so each is built once per run, not once per worker.
+# Session fixtures that start a server or an engine, or build checkpoints. `make test` runs in one process; with
+# pytest-xdist installed, `pytest -n 2 --dist loadfile` keeps every file that names one on the same worker, so each
+# is built once per run, not once per worker (not the default: on 2 shared cores it was not shown to be faster). A file that uses one without naming it only costs a second copy on the other worker: each
+# worker has its own tmp_path_factory directory and servers take free ports.
 SHARED_GROUPS = {"vl_server": "demo-vl-server", "demo_asr_server": "demo-vl-server",
                  "demo_vl_engine": "demo-vl-engine", "tiny_gqa": "tiny-qwen2-vl", "tiny_mha": "tiny-qwen2-vl",
                  "vl_case": "qwen2-vl-case"}
+ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks
-def pytest_collection_modifyitems(config, items):
-    """Each file is one xdist group (module fixtures are built once), and files that share an expensive session
-    fixture are one group. Without xdist the marks change nothing."""
-    group_of_file: dict[str, str] = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        for name in item.fixturenames:
-            if name in SHARED_GROUPS:
-                group_of_file.setdefault(path, SHARED_GROUPS[name])
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            path = item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group_of_file.get(path, path)))
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown (and unused) without pytest-xdist
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile`, with the files that share an expensive session fixture as one unit. (xdist's own
+    `loadgroup` would do it from marks, but its node-id suffix no longer reaches pytest 9's node ids.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SharedFixtureScheduling(LoadFileScheduling):
+        group_of_file: dict[str, str] = {}
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            if path not in self.group_of_file:
+                try:
+                    text = (ROOT / path).read_text()
+                except OSError:
+                    text = ""
+                found = [group for name, group in SHARED_GROUPS.items() if re.search(rf"\b{name}\b", text)]
+                self.group_of_file[path] = found[0] if found else path
+            return self.group_of_file[path]
+
+    return SharedFixtureScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

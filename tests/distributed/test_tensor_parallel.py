@@ -144,28 +144,6 @@ def test_dp_sharded_encode_equals_the_unsharded_encoder(tmp_path) -> None:
     assert calls == [[3], [2]]  # largest first to the least loaded: rank 0 gets 9 + 2 + 1, rank 1 gets 7 + 4
 
 
-def test_a_dead_tp_rank_fails_requests_clearly_instead_of_hanging() -> None:
-    import os
-    import signal
-    import time
-
-    from tests.server.server_process import children_of
-
-    path = str(ASSETS_DIR / "demo-vl")
-    with Engine(path, tp_size=2, max_total_tokens=2048, show_progress=False) as engine:
-        scheduler = engine.tokenizer_manager._procs[0]
-        ranks = children_of(scheduler.pid)
-        assert ranks, "the scheduler started no TP rank process"
-        for pid in ranks:
-            os.kill(pid, signal.SIGKILL)
-        time.sleep(0.5)
-        started = time.monotonic()
-        with pytest.raises(RuntimeError, match="exited|rank"):
-            engine.generate("Hello", SAMPLING)
-        assert time.monotonic() - started < 60
-        scheduler.wait(timeout=30)  # the replica stopped itself
-
-
 def test_dp_encoder_balance_report() -> None:
     from tessera.bench.dp_encoder import markdown, merged_patches, run
 
@@ -177,16 +155,31 @@ def test_dp_encoder_balance_report() -> None:
     assert markdown(rows).count("\n| 16 |") == 2
 
 
-def test_settings_never_travel_in_argv() -> None:
-    """`ps` must not show the API key: scheduler and TP ranks get their settings over a pipe."""
+def test_settings_never_travel_in_argv_and_a_dead_tp_rank_fails_requests_clearly() -> None:
+    """One tp-2 engine for both (one start instead of two). `ps` must not show the API key: scheduler and TP ranks
+    get their settings over a pipe. Then the TP ranks are killed: a request fails with a clear error instead of
+    hanging, and the replica stops itself."""
+    import os
+    import signal
+    import time
+
     from tests.server.server_process import children_of
 
-    with Engine(str(ASSETS_DIR / "demo-vl"), tp_size=2, api_key="sekret-4711", max_total_tokens=1024,
+    with Engine(str(ASSETS_DIR / "demo-vl"), tp_size=2, api_key="sekret-4711", max_total_tokens=2048,
                 show_progress=False) as engine:
-        scheduler = engine.tokenizer_manager._procs[0].pid
-        pids = [scheduler, *children_of(scheduler)]
-        assert len(pids) >= 2
-        for pid in pids:
+        scheduler = engine.tokenizer_manager._procs[0]
+        ranks = children_of(scheduler.pid)
+        assert ranks, "the scheduler started no TP rank process"
+        for pid in [scheduler.pid, *ranks]:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 assert b"sekret-4711" not in f.read()
         assert engine.generate("Hi", SAMPLING)["meta_info"]["completion_tokens"] == MAX_NEW
+
+        for pid in ranks:
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="exited|rank"):
+            engine.generate("Hello", SAMPLING)
+        assert time.monotonic() - started < 60
+        scheduler.wait(timeout=30)  # the replica stopped itself

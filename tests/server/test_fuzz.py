@@ -152,6 +152,8 @@ def test_fuzz_chat_completions(client, body):
 @given(body=GENERATE_BODY | JSON, raw=st.binary(max_size=40) | st.none())
 @example(body={"text": "", "sampling_params": {"n": 0}}, raw=None)  # was a 500 (no output to return)
 @example(body={"text": "hi", "sampling_params": {"n": 10**9}}, raw=None)  # built 10**9 requests: out of memory
+@example(body={"text": "", "sampling_params": {"max_new_tokens": None, "seed": ""}}, raw=None)  # was a 500 (seed + i)
+@example(body={"text": "hi", "sampling_params": {"n": 2, "seed": [1]}}, raw=None)
 def test_fuzz_native_generate(client, body, raw):
     SEEN["generate"] += 1
     content = raw if raw is not None and body == {} else json.dumps(body, allow_nan=True).encode()

@@ -56,7 +56,8 @@ class OpenAIServing:
             raise APIError(f"n: must be an integer in [1, {MAX_N}], got {sp.n!r}", param="n")
         reqs = []
         for i in range(sp.n):
-            seed = None if sp.seed is None else sp.seed + i
+            # A seed that is not an int is left for SamplingParams' check to refuse (a 400 naming it), not added to.
+            seed = sp.seed + i if isinstance(sp.seed, int) and not isinstance(sp.seed, bool) else sp.seed
             params = SamplingParams(**{**sp.__dict__, "n": 1, "seed": seed})
             reqs.append(GenerateRequest(sampling_params=params, **base))
         return reqs
