@@ -17,9 +17,16 @@ def chat_prompt(processor, num_images: int, text: str, num_videos: int = 0, syst
     return processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
-@torch.no_grad()
 def hf_greedy(model, processor, prompt: str, images=None, videos=None, max_new_tokens: int = 8):
     """Greedy tokens without stopping at EOS (the engine side uses ignore_eos) and their logprobs."""
+    ids, dists, prompt_len = hf_greedy_distributions(model, processor, prompt, images, videos, max_new_tokens)
+    return ids, [d[t].item() for d, t in zip(dists, ids)], prompt_len
+
+
+@torch.no_grad()
+def hf_greedy_distributions(model, processor, prompt: str, images=None, videos=None, max_new_tokens: int = 8):
+    """Greedy tokens, each step's float32 log_softmax over the vocabulary (HF upcasts the logits to float32
+    before its processors, whatever the model's dtype), and the prompt length."""
     kwargs = {}
     if images:
         kwargs["images"] = images
@@ -29,8 +36,7 @@ def hf_greedy(model, processor, prompt: str, images=None, videos=None, max_new_t
     out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
                          pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     ids = out.sequences[0, enc["input_ids"].shape[1] :].tolist()
-    logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, ids)]
-    return ids, logprobs, enc["input_ids"].shape[1]
+    return ids, [torch.log_softmax(s[0].float(), -1) for s in out.scores], enc["input_ids"].shape[1]
 
 
 def noise_images(sizes: tuple[tuple[int, int], ...], seed: int = 3) -> list:

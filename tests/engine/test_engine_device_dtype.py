@@ -8,7 +8,7 @@ import torch
 
 import tessera
 from tests.engine.conftest import make_tiny_checkpoint
-from tests.engine.hf_reference import chat_prompt
+from tests.engine.hf_reference import chat_prompt, hf_greedy_distributions
 
 
 @pytest.fixture(scope="module")
@@ -47,19 +47,6 @@ def test_dtype_auto_runs_a_bfloat16_checkpoint_in_bfloat16(bf16_engine, scene_im
     assert out["meta_info"]["completion_tokens"] == 4
 
 
-@torch.no_grad()
-def _hf_bf16(model, processor, prompt: str, images, n: int, top: int):
-    """HF greedy tokens, their logprobs and the first step's top logprobs (HF upcasts the bf16 logits to
-    float32 before its processors; log_softmax in float32, as our sampler does)."""
-    enc = processor(text=[prompt], images=images, return_tensors="pt")
-    out = model.generate(**enc, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0,
-                         output_scores=True, return_dict_in_generate=True)
-    ids = out.sequences[0, enc["input_ids"].shape[1]:].tolist()
-    logprobs = [torch.log_softmax(s[0].float(), -1) for s in out.scores]
-    first = logprobs[0].topk(top)
-    return ids, [lp[t].item() for lp, t in zip(logprobs, ids)], dict(zip(first.indices.tolist(), first.values.tolist()))
-
-
 def test_bfloat16_matches_hf_in_bfloat16(bf16_checkpoint, bf16_engine, scene_images) -> None:
     """Same bf16 weights on both sides. Measured on this fixture: chosen-token logprobs within 6e-4 of HF's
     and the first step's top 20 within 0.02, tokens identical. For scale, rotary angles computed in bf16 (HF
@@ -76,7 +63,12 @@ def test_bfloat16_matches_hf_in_bfloat16(bf16_checkpoint, bf16_engine, scene_ima
     cases = [(chat_prompt(processor, 1, "What color is the circle?"), [scene_images[0]]),
              (chat_prompt(processor, 2, "Describe."), scene_images[1:3])]
     n, top = 12, 20
-    want = [_hf_bf16(hf, processor, p, imgs, n, top) for p, imgs in cases]
+    want = []
+    for prompt, images in cases:
+        ids, dists, _ = hf_greedy_distributions(hf, processor, prompt, images, max_new_tokens=n)
+        first = dists[0].topk(top)
+        want.append((ids, [d[t].item() for d, t in zip(dists, ids)],
+                     dict(zip(first.indices.tolist(), first.values.tolist()))))
     assert want[0][0] != want[1][0], "degenerate fixture: both prompts give the same tokens"
     outs = bf16_engine.generate([p for p, _ in cases], {"temperature": 0, "max_new_tokens": n, "ignore_eos": True,
                                                         "top_logprobs_num": top},
