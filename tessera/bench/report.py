@@ -55,7 +55,7 @@ class LocalServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.1)  # a start takes seconds; a coarse poll added ~0.25 s to each (tests start ~20)
+            time.sleep(0.5)  # a start takes seconds; a coarse poll added ~0.25 s to each (tests start ~20)
         self.stop()
         raise RuntimeError(f"tessera serve did not become healthy within {startup_timeout_s:.0f} s")
 
