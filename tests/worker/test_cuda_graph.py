@@ -99,6 +99,18 @@ def _requests(info, with_image: bool = True) -> list[Req]:
     return reqs
 
 
+def _apply_greedy_step(policy, batch, logits: torch.Tensor) -> None:
+    """What the scheduler does after a step: cache the prefilled prompt, append each sampling row's greedy
+    token, finish requests at their max_new_tokens."""
+    for s in batch.reqs:
+        if s.end - s.start > 1 or not s.req.output_ids:
+            policy.kv.cache_prefill(s.req)
+    for s, tok in zip([s for s in batch.reqs if s.samples], logits.argmax(-1).tolist()):
+        s.req.output_ids.append(tok)
+        if len(s.req.output_ids) >= s.req.sampling_params.max_new_tokens:
+            policy.finish(s.req)
+
+
 def run_padded_against_eager(attention_backend: str, with_image: bool = True) -> list[int]:
     """Drives two workers through the same scheduler steps: one eager, one whose decode steps run the padded
     forward a graph captures. Asserts equal logits every step; returns the padded steps' batch sizes."""
@@ -130,13 +142,7 @@ def run_padded_against_eager(attention_backend: str, with_image: bool = True) ->
         fi = build_forward_input(batch, model_class, info.config, policy.kv)
         want, got = eager.forward(fi), padded.forward(fi)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
-        for s in batch.reqs:
-            if s.end - s.start > 1 or not s.req.output_ids:
-                policy.kv.cache_prefill(s.req)
-        for s, tok in zip([s for s in batch.reqs if s.samples], want.argmax(-1).tolist()):
-            s.req.output_ids.append(tok)
-            if len(s.req.output_ids) >= s.req.sampling_params.max_new_tokens:
-                policy.finish(s.req)
+        _apply_greedy_step(policy, batch, want)
     assert all(len(r.output_ids) == r.sampling_params.max_new_tokens for r in reqs)
     assert padded.req_to_token[padded.pad_row].eq(0).all()  # the scheduler never wrote the pad row
     return padded_sizes
@@ -187,11 +193,5 @@ def test_replayed_graphs_equal_eager_on_cuda() -> None:
         replays += graphs._graph_bucket(fi, graphs._custom_masks(fi)) is not None
         want, got = eager.forward(fi), graphs.forward(fi)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-        for s in batch.reqs:
-            if s.end - s.start > 1 or not s.req.output_ids:
-                policy.kv.cache_prefill(s.req)
-        for s, tok in zip([s for s in batch.reqs if s.samples], want.argmax(-1).tolist()):
-            s.req.output_ids.append(tok)
-            if len(s.req.output_ids) >= s.req.sampling_params.max_new_tokens:
-                policy.finish(s.req)
+        _apply_greedy_step(policy, batch, want)
     assert replays > 0
