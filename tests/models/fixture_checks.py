@@ -22,6 +22,20 @@ def top2_margin(logits: torch.Tensor) -> float:
     return float((top[..., 0] - top[..., 1]).min())
 
 
+def hf_stepped_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:
+    """Greedy tokens of HF's model stepped with its own KV cache (prefill with `inputs`, then one token per
+    forward), and the smallest top-2 logit margin over those steps."""
+    tokens, margins = [], []
+    with torch.inference_mode():
+        out = hf(**inputs, use_cache=True)
+        for _ in range(num_new):
+            logits = out.logits[0, -1]
+            margins.append(top2_margin(logits))
+            tokens.append(int(logits.argmax()))
+            out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+    return tokens, min(margins)
+
+
 def prompt_variants(build: Callable[[], Any], num_text: int = 4) -> tuple[Any, Any, Any]:
     """(base, other_image, other_text): three builds of one prompt; in the second its first image's pixels are
     other random values, in the third its last `num_text` tokens are 7, 8, 9, ... (a prompt that keeps

@@ -25,6 +25,7 @@ from tessera.multimodal.items import Modality, MultimodalDataItem
 from tests.models.fixture_checks import (  # noqa: F401  (MIN_MARGIN, top2_margin: re-exported to the tests)
     MIN_MARGIN,
     check_greedy_depends_on_inputs,
+    hf_stepped_greedy,
     prompt_variants,
     top2_margin,
 )
@@ -242,15 +243,7 @@ def prompt_mm_embeds(model, prompt: Prompt) -> tuple[torch.Tensor | None, torch.
 
 def hf_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:
     """Greedy tokens of HF's model stepped with its own KV cache, and the smallest top-2 logit margin."""
-    tokens, margins = [], []
-    with torch.inference_mode():
-        out = hf(**inputs, use_cache=True)
-        for _ in range(num_new):
-            logits = out.logits[0, -1]
-            margins.append(top2_margin(logits))
-            tokens.append(int(logits.argmax()))
-            out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
-    return tokens, min(margins)
+    return hf_stepped_greedy(hf, inputs, num_new)
 
 
 def hf_generate(hf, inputs: dict, num_new: int) -> list[int]:

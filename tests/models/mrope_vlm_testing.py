@@ -21,6 +21,7 @@ from tessera.runner.mrope import decode_mrope_positions
 from tests.models.fixture_checks import (
     MIN_MARGIN,
     check_greedy_depends_on_inputs,
+    hf_stepped_greedy,
     prompt_variants,
     top2_margin,
 )
@@ -110,15 +111,7 @@ def hf_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:
     last position is the max the two agree (the fixtures check this against their `hf_generate`).
     """
     hf.model.rope_deltas = None
-    tokens, margins = [], []
-    with torch.inference_mode():
-        out = hf(**inputs, use_cache=True)
-        for _ in range(num_new):
-            logits = out.logits[0, -1]
-            margins.append(top2_margin(logits))
-            tokens.append(int(logits.argmax()))
-            out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
-    return tokens, min(margins)
+    return hf_stepped_greedy(hf, inputs, num_new)
 
 
 def hf_logits(hf, prompt: MRopePrompt) -> torch.Tensor:
