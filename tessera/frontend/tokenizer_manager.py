@@ -158,6 +158,7 @@ class TokenizerManager:
         self.max_total_tokens = min(w.max_total_tokens for w in self.worker_infos)
         self.context_length = self.worker_info.context_length
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop())
+        self._recv_task.add_done_callback(self._recv_loop_ended)
         if self.preprocess_pool is not None:  # its processes loaded the processor while the model loaded
             await asyncio.get_running_loop().run_in_executor(None, self.preprocess_pool.wait_ready, STARTUP_TIMEOUT_S)
         self.ready = True
@@ -239,11 +240,22 @@ class TokenizerManager:
         if not any(self.dispatcher.alive):
             self.ready = False
 
+    def _recv_loop_ended(self, task: asyncio.Task) -> None:
+        """Outputs arrive only through the receive loop: if it ever fails, say so and fail the requests in
+        flight (they would otherwise wait forever) rather than keep accepting work nobody will answer."""
+        if task.cancelled() or task.exception() is None:
+            return
+        logger.error("the receive loop failed; the engine stops serving", exc_info=task.exception())
+        self.ready = False
+        self._fail(list(self.states), f"internal error in the frontend: {task.exception()!r}")
+
     async def _recv_loop(self) -> None:
         while True:
             if not await self.recv_sock.poll(RECV_POLL_MS):
                 self._check_replicas()
-                if not self.ready:  # every replica died: nobody will answer the pending requests
+                # Every replica died: nobody will answer the pending requests. (Not `self.ready`: that is
+                # still False while start() waits for the preprocessing pool, and the loop must outlive it.)
+                if not any(self.dispatcher.alive):
                     self._fail(list(self.states), "the scheduler process exited")
                     return
                 continue

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+import time
+
 from tessera import Engine
-from tessera.frontend.preprocess_pool import route_digest
+from tessera.frontend.preprocess_pool import PreprocessPool, route_digest
+from tessera.frontend.tokenizer_manager import RECV_POLL_MS
 from tessera.multimodal.media import MediaError
 from tests.engine.hf_reference import chat_prompt, hf_greedy
 from tests.multimodal.deferred_testing import noise_image
@@ -24,8 +27,18 @@ def test_route_digest_follows_content():
 
 
 @pytest.mark.slow  # an Engine plus two spawned worker processes (~15 s on 2 busy cores)
-def test_pool_matches_hf_and_its_caches_hit(tiny_gqa, scene_images):
+def test_pool_matches_hf_and_its_caches_hit(tiny_gqa, scene_images, monkeypatch):
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    # The workers still loading after the receive loop's first poll timeout: the loop once took the engine
+    # being not yet ready for every scheduler having died, and stopped (so every request hung, now and then).
+    wait_ready = PreprocessPool.wait_ready
+
+    def slow_wait_ready(self, timeout=None):
+        time.sleep(3 * RECV_POLL_MS / 1000)
+        wait_ready(self, timeout)
+
+    monkeypatch.setattr(PreprocessPool, "wait_ready", slow_wait_ready)
 
     processor = AutoProcessor.from_pretrained(tiny_gqa)
     model = Qwen2VLForConditionalGeneration.from_pretrained(tiny_gqa).eval()
