@@ -84,19 +84,27 @@ class FrontendStats:
 class TokenizerManager:
     def __init__(self, args: ServerArgs):
         self.args = args
-        self.info = ModelInfo.load(args)
+        self.executor: ThreadPoolExecutor | None = None
+        self.preprocess_pool = None  # --mm-preprocess-workers: media preprocessing in worker processes
+        self._ipc_dir = tempfile.mkdtemp(prefix="tessera-ipc-")
+        # One scheduler process per data-parallel replica (--dp-size); requests go where the dispatcher says.
+        # They start first: their imports and model load (most of a start-up) overlap the frontend's own
+        # (tokenizer, processor) on another core; start() then waits for them.
+        self._procs: list[subprocess.Popen] = []
+        try:
+            self._launch_schedulers()
+            self.info = ModelInfo.load(args)
+        except BaseException:
+            self.shutdown()  # a model the frontend cannot read: no scheduler may outlive this error
+            raise
         self.tokenizer = self.info.tokenizer
         self.mm_processor = self.info.make_mm_processor()
         self.executor = ThreadPoolExecutor(max_workers=PREPROCESS_THREADS, thread_name_prefix="tessera-pre")
-        self.preprocess_pool = None  # --mm-preprocess-workers: media preprocessing in worker processes
         if args.mm_preprocess_workers and self.mm_processor is not None:
             from tessera.frontend.preprocess_pool import PreprocessPool
 
             self.preprocess_pool = PreprocessPool(args, args.mm_preprocess_workers)
         self.states: dict[str, ReqState] = {}
-        self._ipc_dir = tempfile.mkdtemp(prefix="tessera-ipc-")
-        # One scheduler process per data-parallel replica (--dp-size); requests go where the dispatcher says.
-        self._procs: list[subprocess.Popen] = []
         self.send_socks: list = []
         self.dispatcher = Dispatcher(args.dp_size, args.load_balance_method)
         self.worker_infos: list[WorkerInfo] = []
@@ -112,43 +120,50 @@ class TokenizerManager:
     def _endpoint(self, name: str) -> str:
         return f"ipc://{os.path.join(self._ipc_dir, name)}"
 
+    def _launch_schedulers(self) -> None:
+        """Starts replica r's scheduler process; it connects to endpoints start() binds later (ZeroMQ queues
+        what it sends until then)."""
+        for rank in range(self.args.dp_size):
+            # Replica r drives GPUs base + r * tp .. base + (r + 1) * tp - 1.
+            replica_args = self.args.replace(base_gpu_id=self.args.base_gpu_id + rank * self.args.tp_size)
+            cfg = json.dumps(dataclasses.asdict(replica_args))
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tessera.scheduler.launch", self._endpoint(f"in{rank}"),
+                 self._endpoint("out"), self._endpoint(f"ready{rank}"), str(rank)],
+                stdin=subprocess.PIPE,  # the settings (API key included) go over the pipe, not argv
+            )
+            self._procs.append(proc)
+            assert proc.stdin is not None
+            proc.stdin.write(cfg.encode())
+            proc.stdin.close()
+
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
-        """Starts the scheduler process of every replica and waits until each has loaded the model."""
+        """Binds the sockets the scheduler processes (started in __init__) connect to and waits until each
+        has loaded the model."""
         self.ctx = zmq.asyncio.Context()
         from_sched = self._endpoint("out")
         self.recv_sock = self.ctx.socket(zmq.PULL)  # every replica pushes its outputs here
         self.recv_sock.bind(from_sched)
         ready_socks = []
         for rank in range(self.args.dp_size):
-            to_sched, ready = self._endpoint(f"in{rank}"), self._endpoint(f"ready{rank}")
             sock = self.ctx.socket(zmq.PUSH)
-            sock.bind(to_sched)
+            sock.bind(self._endpoint(f"in{rank}"))
             self.send_socks.append(sock)
             ready_sock = self.ctx.socket(zmq.PULL)
-            ready_sock.bind(ready)
+            ready_sock.bind(self._endpoint(f"ready{rank}"))
             ready_socks.append(ready_sock)
-            # Replica r drives GPUs base + r * tp .. base + (r + 1) * tp - 1.
-            replica_args = self.args.replace(base_gpu_id=self.args.base_gpu_id + rank * self.args.tp_size)
-            cfg = json.dumps(dataclasses.asdict(replica_args))
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tessera.scheduler.launch", to_sched, from_sched, ready, str(rank)],
-                stdin=subprocess.PIPE,  # the settings (API key included) go over the pipe, not argv
-            )
-            assert proc.stdin is not None
-            proc.stdin.write(cfg.encode())
-            proc.stdin.close()
-            self._procs.append(proc)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for rank, (proc, ready_sock) in enumerate(zip(self._procs, ready_socks)):
             msg = None
             while msg is None:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"scheduler process {rank} exited during startup (code {proc.returncode})")
-                if time.monotonic() > deadline:
-                    raise RuntimeError("scheduler did not become ready in time")
+                # Its message first: a scheduler that failed to load sends why, then exits.
                 if await ready_sock.poll(200):
                     msg = await io.recv_async(ready_sock)
+                elif proc.poll() is not None:
+                    raise RuntimeError(f"scheduler process {rank} exited during startup (code {proc.returncode})")
+                elif time.monotonic() > deadline:
+                    raise RuntimeError("scheduler did not become ready in time")
             ready_sock.close(linger=0)
             if isinstance(msg, io.SchedulerError):
                 logger.debug("scheduler %d failed to start:\n%s", rank, msg.traceback)
@@ -202,7 +217,8 @@ class TokenizerManager:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.executor is not None:
+            self.executor.shutdown(wait=False, cancel_futures=True)
         if self.preprocess_pool is not None:
             self.preprocess_pool.shutdown()
         try:

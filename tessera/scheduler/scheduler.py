@@ -7,7 +7,6 @@ sampled tokens, check stop conditions -> send incremental outputs -> release fin
 from __future__ import annotations
 
 import logging
-import time
 import traceback
 from concurrent.futures import Future
 
@@ -24,6 +23,7 @@ from tessera.scheduler.step_input import build_forward_input
 from tessera.scheduler.summary import PeriodicSummary
 
 logger = logging.getLogger("tessera.scheduler")
+STARTUP_ERROR_LINGER_S = 60  # how long a scheduler that failed to start waits for the frontend to take its error
 
 
 class Scheduler:
@@ -286,14 +286,18 @@ def run_scheduler_process(args: ServerArgs, recv_endpoint: str, send_endpoint: s
 
     torch.manual_seed(args.random_seed)
     torch.set_num_threads(args.worker_threads)
-    ready = zmq.Context.instance().socket(zmq.PUSH)
+    ready_ctx = zmq.Context()  # its own, so that term() below waits for this one message only
+    ready = ready_ctx.socket(zmq.PUSH)
     ready.connect(ready_endpoint)
     try:
         scheduler = Scheduler(args, recv_endpoint, send_endpoint, dp_rank)
     except Exception as e:  # report startup failures (bad checkpoint, ...) to the parent
         first_line = (str(e).strip().splitlines() or [""])[0]
         io.send(ready, io.SchedulerError(f"{type(e).__name__}: {first_line}", traceback.format_exc()))
-        time.sleep(0.5)
+        # The frontend may not have bound its end yet (it loads its processor meanwhile): wait, bounded,
+        # until the message is out rather than exit with it still queued.
+        ready.close(linger=int(STARTUP_ERROR_LINGER_S * 1000))
+        ready_ctx.term()
         return
     io.send(ready, io.SchedulerReady(scheduler.worker.info))
     scheduler.run_forever()
