@@ -94,16 +94,16 @@ class TokenizerManager:
         try:
             self._launch_schedulers()
             self.info = ModelInfo.load(args)
+            self.tokenizer = self.info.tokenizer
+            self.mm_processor = self.info.make_mm_processor()
+            self.executor = ThreadPoolExecutor(max_workers=PREPROCESS_THREADS, thread_name_prefix="tessera-pre")
+            if args.mm_preprocess_workers and self.mm_processor is not None:
+                from tessera.frontend.preprocess_pool import PreprocessPool
+
+                self.preprocess_pool = PreprocessPool(args, args.mm_preprocess_workers)
         except BaseException:
             self.shutdown()  # a model the frontend cannot read: no scheduler may outlive this error
             raise
-        self.tokenizer = self.info.tokenizer
-        self.mm_processor = self.info.make_mm_processor()
-        self.executor = ThreadPoolExecutor(max_workers=PREPROCESS_THREADS, thread_name_prefix="tessera-pre")
-        if args.mm_preprocess_workers and self.mm_processor is not None:
-            from tessera.frontend.preprocess_pool import PreprocessPool
-
-            self.preprocess_pool = PreprocessPool(args, args.mm_preprocess_workers)
         self.states: dict[str, ReqState] = {}
         self.send_socks: list = []
         self.dispatcher = Dispatcher(args.dp_size, args.load_balance_method)
