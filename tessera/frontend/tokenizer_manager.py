@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -29,6 +27,7 @@ from tessera.frontend.detokenizer import IncrementalDetokenizer
 from tessera.frontend.dispatcher import Dispatcher
 from tessera.frontend.model_info import ModelInfo
 from tessera.frontend.request import GenerateRequest
+from tessera.frontend.scheduler_procs import launch_schedulers, stop_processes
 from tessera import __version__ as tessera_version
 from tessera.scheduler import io
 from tessera.worker.forward_input import WorkerInfo
@@ -90,9 +89,8 @@ class TokenizerManager:
         # One scheduler process per data-parallel replica (--dp-size); requests go where the dispatcher says.
         # They start first: their imports and model load (most of a start-up) overlap the frontend's own
         # (tokenizer, processor) on another core; start() then waits for them.
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen] = launch_schedulers(args, self._endpoint)
         try:
-            self._launch_schedulers()
             self.info = ModelInfo.load(args)
             self.tokenizer = self.info.tokenizer
             self.mm_processor = self.info.make_mm_processor()
@@ -120,31 +118,13 @@ class TokenizerManager:
     def _endpoint(self, name: str) -> str:
         return f"ipc://{os.path.join(self._ipc_dir, name)}"
 
-    def _launch_schedulers(self) -> None:
-        """Starts replica r's scheduler process; it connects to endpoints start() binds later (ZeroMQ queues
-        what it sends until then)."""
-        for rank in range(self.args.dp_size):
-            # Replica r drives GPUs base + r * tp .. base + (r + 1) * tp - 1.
-            replica_args = self.args.replace(base_gpu_id=self.args.base_gpu_id + rank * self.args.tp_size)
-            cfg = json.dumps(dataclasses.asdict(replica_args))
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "tessera.scheduler.launch", self._endpoint(f"in{rank}"),
-                 self._endpoint("out"), self._endpoint(f"ready{rank}"), str(rank)],
-                stdin=subprocess.PIPE,  # the settings (API key included) go over the pipe, not argv
-            )
-            self._procs.append(proc)
-            assert proc.stdin is not None
-            proc.stdin.write(cfg.encode())
-            proc.stdin.close()
-
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
         """Binds the sockets the scheduler processes (started in __init__) connect to and waits until each
         has loaded the model."""
         self.ctx = zmq.asyncio.Context()
-        from_sched = self._endpoint("out")
         self.recv_sock = self.ctx.socket(zmq.PULL)  # every replica pushes its outputs here
-        self.recv_sock.bind(from_sched)
+        self.recv_sock.bind(self._endpoint("out"))
         ready_socks = []
         for rank in range(self.args.dp_size):
             sock = self.ctx.socket(zmq.PUSH)
@@ -208,15 +188,7 @@ class TokenizerManager:
 
     def shutdown(self) -> None:
         self.ready = False
-        for proc in self._procs:
-            if proc.poll() is None:
-                proc.terminate()
-        for proc in self._procs:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_processes(self._procs)
         if self.executor is not None:
             self.executor.shutdown(wait=False, cancel_futures=True)
         if self.preprocess_pool is not None:

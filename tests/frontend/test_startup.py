@@ -8,7 +8,8 @@ import subprocess
 import pytest
 
 from tessera.config import ServerArgs
-from tessera.frontend import tokenizer_manager as tm_module
+from tessera.frontend import scheduler_procs
+from tessera.frontend.tokenizer_manager import TokenizerManager
 from tessera.frontend.model_info import ModelInfo
 
 
@@ -24,9 +25,9 @@ def test_a_frontend_that_fails_to_load_stops_the_schedulers_it_started(monkeypat
         assert started and all(p.poll() is None for p in started)  # the scheduler is already starting
         raise RuntimeError("processor files are unreadable")
 
-    monkeypatch.setattr(tm_module.subprocess, "Popen", RecordingPopen)
+    monkeypatch.setattr(scheduler_procs.subprocess, "Popen", RecordingPopen)
     monkeypatch.setattr(ModelInfo, "make_mm_processor", broken_processor)
     with pytest.raises(RuntimeError, match="processor files are unreadable"):
-        tm_module.TokenizerManager(ServerArgs.for_engine("demo-vl", dp_size=2))
+        TokenizerManager(ServerArgs.for_engine("demo-vl", dp_size=2))
     assert len(started) == 2  # one per data-parallel replica
     assert all(p.returncode is not None for p in started)  # stopped and reaped, not left running
