@@ -25,7 +25,7 @@ from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
 from tessera.scheduler.batch import ScheduledBatch, ScheduledReq
 from tessera.scheduler.req import Req
-from tessera.worker.forward_input import SlotWrite
+from tessera.worker.forward_input import SlotWrite, TokenSlotWrites
 
 
 IN_BATCH_PREFIX_MIN = 32  # shorter shared spans are cheaper to recompute than a step's wait
@@ -46,7 +46,7 @@ class KVManager:
         self.cross_tokens = 0  # slots held for cross-attention K/V now (a /metrics gauge)
         self.prefix_hit_tokens = 0
         self.prefix_total_tokens = 0
-        self._slot_writes: list[SlotWrite] = []
+        self._slot_writes: list[SlotWrite | TokenSlotWrites] = []
         self._released: list[str] = []
 
     def _write(self, row: int, start: int, slots: torch.Tensor, owned: bool = False) -> None:
@@ -56,7 +56,7 @@ class KVManager:
             self.req_pool.req_to_token[row, start:start + slots.shape[0]] = slots
             self._slot_writes.append(SlotWrite(row, start, slots if owned else slots.clone()))
 
-    def take_pending(self) -> tuple[list[SlotWrite], list[str]]:
+    def take_pending(self) -> tuple[list[SlotWrite | TokenSlotWrites], list[str]]:
         """The slot-table writes and released request ids since the last call (for the next ForwardInput)."""
         writes, released = self._slot_writes, self._released
         self._slot_writes, self._released = [], []
@@ -109,6 +109,26 @@ class KVManager:
             slots = self.allocator.alloc_extend(req.kv_len, last_slot, num_tokens)
         if slots is not None:
             self._write(req.req_pool_idx, req.kv_len, slots, owned=True)
+        return slots
+
+    def alloc_decode(self, reqs: list[Req]) -> torch.Tensor | None:
+        """One slot each for the next token of every request of `reqs` (all past their prefill), in a few
+        tensor ops for the whole batch: [len(reqs)] slots, or None with nothing taken when the free pages do
+        not cover them (the caller then goes request by request through alloc, evicting and retracting).
+
+        Per request, alloc's slicing and table writes cost ~80 us on a CPU: 4 ms of a 20 ms decode step
+        at batch 48 (demo-vl)."""
+        table = self.req_pool.req_to_token
+        rows = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+        cols = torch.tensor([r.kv_len for r in reqs], dtype=torch.int64)
+        slots = table[rows, cols - 1] + 1  # the next slot of the request's own last page...
+        fresh = cols % self.page_size == 0  # ...unless that page is full: a new page's first slot
+        pages = self.allocator.alloc_pages(int(fresh.sum()))
+        if pages is None:
+            return None
+        slots[fresh] = pages * self.page_size + 1
+        table[rows, cols] = slots
+        self._slot_writes.append(TokenSlotWrites(rows, cols, slots))
         return slots
 
     def release(self, req: Req, allocated_len: int | None = None) -> None:
@@ -180,9 +200,17 @@ class SchedulePolicy:
         batch = ScheduledBatch()
         budget = self.chunked_prefill_size
         scheduled: set[int] = set()
-        # 1. Decodes first, oldest first: a running request never starves behind new prefills.
-        for req in sorted(self.running, key=lambda r: r.arrival_time):
-            if req not in self.running or not req.is_prefill_done:
+        # 1. Decodes first, oldest first: a running request never starves behind new prefills. All of them in
+        # one allocation when the free pages suffice; otherwise one by one, evicting and retracting.
+        decoding = [r for r in sorted(self.running, key=lambda r: r.arrival_time) if r.is_prefill_done]
+        slots = self.kv.alloc_decode(decoding) if decoding else None
+        if slots is not None:
+            for i, req in enumerate(decoding):
+                batch.reqs.append(ScheduledReq(req, req.kv_len, req.kv_len + 1, slots[i:i + 1]))
+            budget -= len(decoding)
+            decoding = []
+        for req in decoding:
+            if req not in self.running:  # retracted for an older request's slot
                 continue
             scheduled.add(id(req))
             slots = self.kv.alloc(req, 1)

@@ -25,6 +25,24 @@ class SlotWrite:
     start: int
     slots: torch.Tensor  # [n] int64, host
 
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, columns) of the table entries written, one per slot."""
+        n = self.slots.shape[0]
+        return torch.full((n,), self.row, dtype=torch.int64), torch.arange(self.start, self.start + n)
+
+
+@dataclass
+class TokenSlotWrites:
+    """One slot-table entry for each of several requests (a decode step's new tokens, journaled as one
+    write rather than one per request): row rows[i], column cols[i] holds slots[i]. Rows are distinct."""
+
+    rows: torch.Tensor  # [n] int64, host
+    cols: torch.Tensor  # [n] int64, host
+    slots: torch.Tensor  # [n] int64, host
+
+    def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rows, self.cols
+
 
 @dataclass
 class MMPlacement:
@@ -66,7 +84,7 @@ class ForwardInput:
     req_generations: list[int]  # per request: allocation generation of that row (names its KV across steps)
     seq_lens: list[int]  # per request: KV length after this step
     extend_lens: list[int]  # per request: new tokens this step
-    slot_writes: list[SlotWrite]  # apply in order before the step
+    slot_writes: list[SlotWrite | TokenSlotWrites]  # apply in order before the step
     logits_rows: list[int]  # flat rows whose logits are sampled, one per SamplingRow
     sampling: list[SamplingRow]
     mm_items: list[MultimodalDataItem] = field(default_factory=list)

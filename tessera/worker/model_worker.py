@@ -31,7 +31,7 @@ from tessera.worker.cuda_graph import (
     DecodeInputs,
     capture_batch_sizes,
 )
-from tessera.worker.forward_input import ForwardInput, StepOutput, WorkerInfo
+from tessera.worker.forward_input import ForwardInput, SlotWrite, StepOutput, WorkerInfo
 from tessera.worker.input_stager import InputStager
 from tessera.worker.masks import span_mask
 
@@ -256,10 +256,9 @@ class ModelWorker:
         writes = fi.slot_writes
         if not writes:
             return []
+        positions = [w.positions() for w in writes]
         values = torch.cat([w.slots for w in writes])
-        rows = torch.cat([torch.full((w.slots.shape[0],), w.row, dtype=torch.int64) for w in writes])
-        cols = torch.cat([torch.arange(w.start, w.start + w.slots.shape[0]) for w in writes])
-        return [values, rows, cols]
+        return [values, torch.cat([r for r, _ in positions]), torch.cat([c for _, c in positions])]
 
     def _apply_slot_writes(self, fi: ForwardInput, staged: list[torch.Tensor]) -> None:
         """Device-side copies of the staged writes, in order (a row freed and reused between two steps gets
@@ -267,13 +266,15 @@ class ModelWorker:
         if not staged:
             return
         values, rows, cols = staged
-        if len({w.row for w in fi.slot_writes}) == len(fi.slot_writes):  # no row written twice: one scatter
+        written = [r for w in fi.slot_writes for r in ([w.row] if isinstance(w, SlotWrite) else w.rows.tolist())]
+        if len(set(written)) == len(written):  # no row written twice: one scatter
             self.req_to_token.index_put_((rows, cols), values)
             return
         offset = 0
         for w in fi.slot_writes:
             n = w.slots.shape[0]
-            self.req_to_token[w.row, w.start:w.start + n] = values[offset:offset + n]
+            part = slice(offset, offset + n)
+            self.req_to_token.index_put_((rows[part], cols[part]), values[part])
             offset += n
 
     def _graph_bucket(self, fi: ForwardInput, masks: list[torch.Tensor | None] | None) -> int | None:

@@ -218,3 +218,40 @@ def test_cache_salt_isolates_prefix_entries(page_size: int) -> None:
     assert cached("ccc", "bob") == 0
     assert cached("dddd", "alice") == cached("eeeee", None) == cached("ffffff", "bob") == 40
     assert_no_leak(policy)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_batched_decode_allocation_equals_one_request_at_a_time(page_size: int) -> None:
+    """alloc_decode (the whole batch's decode slots at once) gives every request the slot alloc(req, 1) would:
+    the next slot of its own last page, or the first of a new page when that page is full; and when the
+    free pages do not cover the batch it takes nothing."""
+    def prefilled(policy: SchedulePolicy, lens: list[int]) -> list[Req]:
+        reqs = [make_req(f"r{i}", [100 * i + t for t in range(n)], 8) for i, n in enumerate(lens)]
+        for r in reqs:
+            assert policy.kv.admit(r)
+            assert policy.kv.alloc(r, len(r.origin_input_ids)) is not None
+            r.kv_len = len(r.origin_input_ids)
+        return reqs
+
+    lens = [1, 3, 4, 5, 8, 9]  # with pages of 4: ends inside a page, at its last slot, and right after it
+    one, batched = make_policy(256, page_size), make_policy(256, page_size)
+    reqs_one, reqs_batched = prefilled(one, lens), prefilled(batched, lens)
+    one.kv.take_pending(), batched.kv.take_pending()
+    want = torch.cat([one.kv.alloc(r, 1) for r in reqs_one])
+    got = batched.kv.alloc_decode(reqs_batched)
+    assert got is not None and torch.equal(got, want)
+    assert torch.equal(batched.kv.req_pool.req_to_token, one.kv.req_pool.req_to_token)
+    assert batched.kv.allocator.num_free_pages == one.kv.allocator.num_free_pages
+    (write,), _ = batched.kv.take_pending()  # one journal entry for the batch, naming each request's entry
+    rows, cols = write.positions()
+    assert rows.tolist() == [r.req_pool_idx for r in reqs_batched] and cols.tolist() == lens
+    assert torch.equal(write.slots, want)
+
+    # Not enough free pages for every request that needs one: nothing is taken, nothing is written.
+    full = make_policy(3 * page_size, page_size)
+    reqs = prefilled(full, [page_size, page_size])  # two requests, each needing a new page; one page left
+    table, free = full.kv.req_pool.req_to_token.clone(), full.kv.allocator.num_free_pages
+    full.kv.take_pending()
+    assert full.kv.alloc_decode(reqs) is None
+    assert torch.equal(full.kv.req_pool.req_to_token, table) and full.kv.allocator.num_free_pages == free
+    assert full.kv.take_pending()[0] == []

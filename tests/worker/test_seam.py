@@ -66,7 +66,7 @@ def test_worker_slot_table_follows_the_journal_under_random_traffic() -> None:
     def on_step(fi: ForwardInput, batch) -> None:
         fi = io.decode(io.encode(fi))  # what another process (a TP rank) would receive
         for w in fi.slot_writes:
-            worker_table[w.row, w.start:w.start + w.slots.shape[0]] = w.slots
+            worker_table.index_put_(w.positions(), w.slots)
         released.update(fi.released)
         for row, seq in zip(fi.req_pool_indices, fi.seq_lens):
             assert torch.equal(worker_table[row, :seq], policy.kv.req_pool.req_to_token[row, :seq])
@@ -188,3 +188,26 @@ def test_kv_pool_sizing() -> None:
     assert kv_pool_tokens(args.replace(max_total_tokens=1000), 1 << 20, (60 * gib, 80 * gib)) == 992  # flag wins
     with pytest.raises(ValueError, match="mem_fraction_static"):
         kv_pool_tokens(args.replace(mem_fraction_static=0.2), 1 << 20, (60 * gib, 80 * gib))
+
+
+def test_worker_applies_slot_writes_in_order_when_a_row_is_written_twice() -> None:
+    """A slot-table row freed and given to another request between two steps is written twice in one
+    message (a range write, then the decode batch's token write): the later write must win."""
+    from types import SimpleNamespace
+
+    from tessera.worker.forward_input import SlotWrite, TokenSlotWrites
+    from tessera.worker.model_worker import ModelWorker
+
+    writes = [SlotWrite(1, 0, torch.tensor([5, 6, 7])), SlotWrite(2, 0, torch.tensor([8, 9])),
+              TokenSlotWrites(torch.tensor([2, 1]), torch.tensor([2, 1]), torch.tensor([10, 11]))]
+    want = torch.zeros(4, 8, dtype=torch.int64)
+    for w in writes:  # one by one, in order
+        want.index_put_(w.positions(), w.slots)
+    assert want[1, :3].tolist() == [5, 11, 7] and want[2, :3].tolist() == [8, 9, 10]
+    for ws in (writes, writes[1:]):  # rows written twice (in order, one write at a time), then once (one scatter)
+        fi = SimpleNamespace(slot_writes=ws)
+        worker = SimpleNamespace(req_to_token=torch.zeros(4, 8, dtype=torch.int64))
+        ModelWorker._apply_slot_writes(worker, fi, ModelWorker._slot_write_parts(fi))
+        expected = want.clone() if ws is writes else torch.zeros(4, 8, dtype=torch.int64).index_put_(
+            (torch.tensor([2, 2, 2, 1]), torch.tensor([0, 1, 2, 1])), torch.tensor([8, 9, 10, 11]))
+        assert torch.equal(worker.req_to_token, expected)
