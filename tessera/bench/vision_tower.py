@@ -1,11 +1,11 @@
-"""CPU time of a Qwen-VL vision tower over an offline workload's images: transformers' own attention and MLP
-modules vs ours (tessera.models.vision_attention), A/B interleaved in one process, one thread.
+"""CPU time of a Qwen-VL vision tower over an offline workload's images: transformers' tower vs what Tessera
+runs (Qwen2-VL: our own tower, tessera.models.qwen2_vl_vision; Qwen2.5-VL / Qwen3-VL: transformers' tower with
+our attention and MLP modules swapped in), A/B interleaved in one process, one thread.
 
     python -m tessera.bench.vision_tower [--model-path demo-vl] [--workload a] [--runs 5] [--images-per-call 64]
 
 CPU time (time.thread_time) rather than wall time: on a shared machine it moves far less with the load.
-Both towers get the patch-embed matmul (kept before this change); they differ only in the swap this
-measures. Prints the per-run times, the medians and the largest output difference.
+Both towers get the patch-embed matmul. Prints the per-run times, the medians and the largest output difference.
 """
 
 from __future__ import annotations
@@ -35,6 +35,20 @@ def _tower_and_inputs(model_path: str, workload: str) -> tuple[torch.nn.Module, 
     return tower, processed["pixel_values"], processed["image_grid_thw"]
 
 
+def _tessera_tower(hf_tower: torch.nn.Module) -> torch.nn.Module:
+    """The tower Tessera's model builds for this checkpoint, with the reference tower's weights."""
+    from tessera.models.hf_towers import batch_vision_attention
+    from tessera.models.qwen2_vl_vision import Qwen2VisionTower
+
+    if hf_tower.config.model_type in ("qwen2_vl", "qwen2_vl_vision"):
+        ours = Qwen2VisionTower(hf_tower.config).eval()
+        ours.load_state_dict(hf_tower.state_dict())
+        return ours
+    ours = copy.deepcopy(hf_tower)
+    batch_vision_attention(ours)
+    return ours
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model-path", default="demo-vl")
@@ -44,12 +58,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="split the images into tower calls of this many (a scheduler step's share)")
     args = parser.parse_args(argv)
 
-    from tessera.models.hf_towers import batch_vision_attention
-
     torch.set_num_threads(1)
     before, pixels, grid = _tower_and_inputs(args.model_path, args.workload)
-    after = copy.deepcopy(before)
-    batch_vision_attention(after)
+    after = _tessera_tower(before)
     rows = grid.prod(-1).tolist()
     calls, start = [], 0
     for first in range(0, len(rows), args.images_per_call):
@@ -59,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
 
     def run(tower: torch.nn.Module) -> tuple[float, torch.Tensor]:
         begin = time.thread_time()
-        out = torch.cat([tower(p, grid_thw=g).pooler_output for p, g in calls])
+        outs = [tower(p, grid_thw=g) for p, g in calls]
+        out = torch.cat([o if isinstance(o, torch.Tensor) else o.pooler_output for o in outs])
         return time.thread_time() - begin, out
 
     times: dict[str, list[float]] = {"transformers": [], "tessera": []}

@@ -106,7 +106,7 @@ def batch_vision_attention(tower: torch.nn.Module) -> None:
         attn = block.attn
         if not all(hasattr(attn, name) for name in ("qkv", "proj", "num_heads", "head_dim", "scaling")):
             raise TypeError(f"{type(attn).__name__} is not a Qwen-VL vision attention module")
-        block.attn = VarlenVisionAttention(attn, plans)
+        block.attn = VarlenVisionAttention.replacing(attn, plans)
         mlp = block.mlp
         if isinstance(getattr(mlp, "act", None), QuickGELUActivation) and hasattr(mlp, "fc1"):
             block.mlp = QuickGeluMlp(mlp)

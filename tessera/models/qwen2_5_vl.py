@@ -13,9 +13,15 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+import torch
+
 from tessera.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     vision_tower: ClassVar[str] = (
         "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl:Qwen2_5_VisionTransformerPretrainedModel")
+
+    def tower_embeddings(self, pixel_rows: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        assert self.visual is not None
+        return self.visual(pixel_rows, grid_thw=grid_thw).pooler_output

@@ -1,7 +1,8 @@
-"""Qwen2-VL: our Qwen2 language model with M-RoPE over the paged KV cache + transformers' vision tower.
+"""Qwen2-VL: our Qwen2 language model with M-RoPE over the paged KV cache + its vision tower.
 
-The vision tower is transformers' `Qwen2VisionTransformerPretrainedModel` (patch embed, ViT blocks with 2D
-RoPE, patch merger), built without random init; our weight loader fills it. Images and videos of one step
+The vision tower is our own (tessera.models.qwen2_vl_vision: transformers' `Qwen2VisionTransformerPretrainedModel`
+computation and parameter names: patch embed, ViT blocks with 2D RoPE, patch merger); subclasses whose towers
+differ (Qwen2.5-VL, Qwen3-VL) name transformers' class in `vision_tower`. Images and videos of one step
 are encoded in ONE tower call each: pixel rows and grid_thw rows are concatenated, items never attend to
 each other (the tower attends within each grid_thw row), and the output is split back per item. Its
 attention runs over all items at once (tessera.models.vision_attention: one varlen kernel call on CUDA).
@@ -23,6 +24,7 @@ from tessera.models.hf_towers import (
     patch_embed_as_matmul,
 )
 from tessera.models.qwen2 import Qwen2ForCausalLM
+from tessera.models.qwen2_vl_vision import Qwen2VisionTower
 from tessera.models.weights import WeightMapping
 from tessera.multimodal.items import Modality, MultimodalDataItem
 
@@ -31,18 +33,24 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     """The worker encodes media with the encoders() (or takes them from its encoder cache) and puts the
     embedding rows of this step's placeholder tokens into fb.mm_embed_rows / fb.mm_embeds."""
 
-    vision_tower: ClassVar[str] = "transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel"
+    # None: our own Qwen2VisionTower. A subclass names transformers' tower class ("module:Class") instead; it is
+    # built empty and gets our batched attention (and patch embed as a matmul) swapped in.
+    vision_tower: ClassVar[str | None] = None
 
     def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
                  language_model_only: bool = False):
         super().__init__(config, attn_backend, language_model_only)
         vision_config = config.hf_config.vision_config
         self.spatial_merge_size: int = int(vision_config.spatial_merge_size)
-        self.visual: torch.nn.Module | None = (
-            None if language_model_only else build_transformers_tower(self.vision_tower, vision_config))
-        if self.visual is not None:
-            patch_embed_as_matmul(self.visual)
-            batch_vision_attention(self.visual)
+        self.visual: torch.nn.Module | None = None if language_model_only else self._build_tower(vision_config)
+
+    def _build_tower(self, vision_config) -> torch.nn.Module:
+        if self.vision_tower is None:
+            return Qwen2VisionTower(vision_config)
+        tower = build_transformers_tower(self.vision_tower, vision_config)
+        patch_embed_as_matmul(tower)
+        batch_vision_attention(tower)
+        return tower
 
     @classmethod
     def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
@@ -84,7 +92,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
     def tower_embeddings(self, pixel_rows: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """The vision tower over every item's pixel rows: [sum of tokens, width], items in grid_thw order."""
         assert self.visual is not None
-        return self.visual(pixel_rows, grid_thw=grid_thw).pooler_output
+        return self.visual(pixel_rows, grid_thw=grid_thw)
 
     def _encode(self, items: list[MultimodalDataItem], grid_key: str) -> list[torch.Tensor]:
         weight = self.model.embed_tokens.weight

@@ -138,16 +138,21 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: S
 
 
 class VarlenVisionAttention(torch.nn.Module):
-    """Drop-in for transformers' Qwen-VL vision attention modules (same `qkv` / `proj` parameters, same
-    forward signature: packed hidden states [tokens, dim], cu_seqlens, (cos, sin) [tokens, head_dim])."""
+    """Qwen-VL vision attention: fused `qkv` and `proj` linears, 2D rotary on q and k, attention within each
+    cu_seqlens segment. A drop-in for transformers' modules (`replacing`: same parameters, same forward
+    signature: packed hidden states [tokens, dim], cu_seqlens, (cos, sin) [tokens, head_dim])."""
 
-    def __init__(self, original: torch.nn.Module, plans: PlanCache) -> None:
+    def __init__(self, qkv: torch.nn.Module, proj: torch.nn.Module, num_heads: int, head_dim: int, scaling: float,
+                 plans: PlanCache) -> None:
         super().__init__()
-        self.qkv, self.proj = original.qkv, original.proj
-        self.num_heads = int(original.num_heads)
-        self.head_dim = int(original.head_dim)
-        self.scaling = float(original.scaling)
+        self.qkv, self.proj = qkv, proj
+        self.num_heads, self.head_dim, self.scaling = int(num_heads), int(head_dim), float(scaling)
         self.plans = plans  # shared by a tower's blocks
+
+    @classmethod
+    def replacing(cls, original: torch.nn.Module, plans: PlanCache) -> VarlenVisionAttention:
+        """The same attention over transformers' module's own `qkv` / `proj` parameters."""
+        return cls(original.qkv, original.proj, original.num_heads, original.head_dim, original.scaling, plans)
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
                 position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,

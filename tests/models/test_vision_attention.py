@@ -39,7 +39,9 @@ def _tower(family: str) -> torch.nn.Module:
         "qwen3_vl": (Qwen3VLForConditionalGeneration,
                      qwen3_vl_testing.tiny_qwen3_vl_config(qwen3_vl_testing.SPECS["gqa"])),
     }[family]
-    module_name, class_name = model_cls.vision_tower.split(":")  # the tower class our model builds
+    # The tower class our model builds from transformers; Qwen2-VL builds its own (checked against this one).
+    target = model_cls.vision_tower or "transformers.models.qwen2_vl.modeling_qwen2_vl:Qwen2VisionTransformerPretrainedModel"
+    module_name, class_name = target.split(":")
     cls = getattr(importlib.import_module(module_name), class_name)
     cfg = cfg.vision_config
     torch.manual_seed(0)
@@ -86,6 +88,32 @@ def test_swapped_tower_equals_transformers(family: str) -> None:
     # One image alone gives the rows it got inside the batch: no attention across items.
     alone = _outputs(ours, pixels[:24], grid[:1])[0]  # first image: 4x6 patches
     torch.testing.assert_close(alone, got[0][:6], rtol=0, atol=1e-5)
+
+
+def test_own_qwen2_vl_tower_equals_transformers() -> None:
+    """Qwen2VisionTower (ours, what Qwen2-VL builds) loads transformers' tower's state dict as it is and gives
+    its output on the mixed batch (repeated and unique sizes, a 3-frame video), in float32 and bfloat16."""
+    from tessera.models.qwen2_vl_vision import Qwen2VisionTower
+
+    reference = _tower("qwen2_vl")
+    pixels, grid = _batch(reference)
+    ours = Qwen2VisionTower(reference.config).eval()
+    ours.load_state_dict(reference.state_dict(), strict=True)  # same names and shapes
+    want = _outputs(reference, pixels, grid)[0]
+    with torch.no_grad():
+        got = ours(pixels, grid)
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(ours(pixels, grid).detach(), want, rtol=0, atol=1e-5)  # gradients on: plain MLP
+    with torch.no_grad():  # each frame of the video attends within itself only: a frame alone gives its rows
+        video = slice(24 + 24 + 64, 24 + 24 + 64 + 48)
+        frame = ours(pixels[video][:16], torch.tensor([[1, 4, 4]]))
+    torch.testing.assert_close(frame, got[(24 + 24 + 64) // 4:][:4], rtol=0, atol=1e-5)
+    reference, ours = reference.to(torch.bfloat16), ours.to(torch.bfloat16)
+    want = _outputs(reference, pixels.to(torch.bfloat16), grid)[0].float()
+    with torch.no_grad():
+        got = ours(pixels.to(torch.bfloat16), grid).float()
+    assert (got - want).abs().max() <= 0.005 * want.abs().max()
 
 
 def test_plan_batches_consecutive_equal_segments() -> None:

@@ -104,7 +104,7 @@ def test_language_model_only_skips_the_vision_tower(vl_case):
 def test_bfloat16_load_and_forward(vl_case):
     model, _ = load_model(vl_case.path, "bfloat16")
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
-    assert model.visual.dtype == torch.bfloat16
+    assert next(model.visual.parameters()).dtype == torch.bfloat16 and model.visual.inv_freq.dtype == torch.float32
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     prompt = build_prompt([3, ("image", (1, 4, 4)), 2], seed=10)
     outs = []
