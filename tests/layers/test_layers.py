@@ -55,6 +55,14 @@ def test_rmsnorm_matches_hf_and_fuses_residual():
     assert torch.equal(ours(x), ref(x))
     normed, new_res = ours(x, res)
     assert torch.equal(new_res, x + res) and torch.equal(normed, ref(x + res))
+    for rows, width in ((1, 4096), (33, 896), (700, 256)):  # float32 takes F.rms_norm: still bit-identical to HF
+        x, w = torch.randn(rows, width, generator=g) * 3, torch.rand(width, generator=g) + 0.5
+        ours, ref = RMSNorm(width, 1e-5), Qwen2VLRMSNorm(width, 1e-5)
+        with torch.no_grad():
+            ours.weight.copy_(w)
+            ref.weight.copy_(w)
+        assert torch.equal(ours(x), ref(x))
+        assert torch.equal(ours(x.bfloat16()).float(), ref(x.bfloat16()).float())  # bf16 keeps HF's own ops
 
 
 def test_silu_and_mul():
