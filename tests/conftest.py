@@ -14,14 +14,24 @@ EXAMPLE_VIDEO = ASSETS_DIR / "examples" / "moving.mp4"
 # demo-vl's template plus Qwen's tool block: renders exactly like demo-vl's own when no tools are given.
 TOOL_TEMPLATE = Path(__file__).parent / "server" / "tool_chat_template.jinja"
 
-# Session fixtures that start a server or an engine, or build checkpoints. `make test` runs in one process; with
-# pytest-xdist installed, `pytest -n 2 --dist loadfile` keeps every file that names one on the same worker, so each
-# is built once per run, not once per worker (not the default: on 2 shared cores it was not shown to be faster). A file that uses one without naming it only costs a second copy on the other worker: each
-# worker has its own tmp_path_factory directory and servers take free ports.
+# Session fixtures that start a server or an engine, or build checkpoints. `make test` runs two pytest-xdist
+# workers with `--dist loadfile`, which keeps every file that names one on the same worker, so each is built once
+# per run, not once per worker. A file that uses one without naming it only costs a second copy on the other
+# worker: each worker has its own tmp_path_factory directory and servers take free ports.
 SHARED_GROUPS = {"vl_server": "demo-vl-server", "demo_asr_server": "demo-vl-server",
                  "demo_vl_engine": "demo-vl-engine", "tiny_gqa": "tiny-qwen2-vl", "tiny_mha": "tiny-qwen2-vl",
                  "vl_case": "qwen2-vl-case"}
 ROOT = Path(__file__).resolve().parents[1]
+
+
+# Files of a minute or more (measured with --durations): they start first, so that with a file per worker the run
+# does not end on one of them while the other worker has nothing left (the suite's tail was ~1.5 minutes).
+SLOW_FILES_FIRST = ("tests/distributed/", "tests/server/test_fuzz.py", "tests/bench/test_gpu_check.py",
+                    "tests/server/test_reliability.py", "tests/bench/test_end_to_end.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not item.nodeid.startswith(SLOW_FILES_FIRST))  # stable: the rest keep their order
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown (and unused) without pytest-xdist

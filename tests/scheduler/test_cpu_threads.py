@@ -81,3 +81,18 @@ def test_adaptive_only_without_a_fixed_count_and_with_one_rank() -> None:
     assert ServerArgs().adaptive_threads
     assert not ServerArgs(cpu_threads=2).adaptive_threads
     assert not ServerArgs(dp_size=2).adaptive_threads
+
+
+def test_proc_stat_is_read_once_per_window_not_once_per_step() -> None:
+    m = FakeMachine()
+    reads: list[float] = []
+    p = m.policy(cores=2, busy_clock=lambda: reads.append(m.wall) or m.busy)
+    assert len(reads) == 1  # the first window's start
+    for _ in range(20):  # decode steps of 10 ms: 0.2 s, inside the first 0.25 s window
+        m.run(0.01, ours=0.01, others=0.0)
+        p.before_step()
+    assert len(reads) == 1
+    for _ in range(10):  # to 0.3 s: the window closes once
+        m.run(0.01, ours=0.01, others=0.0)
+        p.before_step()
+    assert len(reads) == 2 and p.threads == 2
