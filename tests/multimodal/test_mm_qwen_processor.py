@@ -148,6 +148,14 @@ def test_three_formats_give_the_same_ids(skeleton, make_processor):
                        ref["pixel_values"])
     pre_items = precomputed.mm_inputs.items
     assert all(i.feature is None and i.precomputed_embedding is not None for i in pre_items)
+    # A caller's tensors are copied (one image of our own processor output is not): changing them afterwards
+    # changes nothing that was already processed.
+    one = dict(hf_reference(skeleton, chat_prompt(skeleton, ["image", "Hi."]), images=images[:1]),
+               format="processor_output")
+    item = proc.process(input_ids=one["input_ids"][0].tolist(), image_data=[one]).mm_inputs.items[0]
+    kept = item.feature.clone()
+    one["pixel_values"].add_(1.0)
+    assert torch.equal(item.feature, kept)
     assert torch.equal(torch.cat([pre_items[0].precomputed_embedding, pre_items[2].precomputed_embedding]), emb_img)
 
 
