@@ -29,6 +29,10 @@ def _as_list(x: Any, n: int) -> list:
 
 class Engine:
     def __init__(self, model_path: str = "demo-vl", *, show_progress: bool = True, **kwargs: Any):
+        """show_progress=False: no progress bars at all, neither generate's nor the weight loading's (the
+        scheduler's, which follows disable_tqdm unless that is given explicitly)."""
+        if not show_progress:
+            kwargs.setdefault("disable_tqdm", True)
         self.server_args = ServerArgs.for_engine(model_path, **kwargs)
         self.show_progress = show_progress and not self.server_args.disable_tqdm
         self._loop = asyncio.new_event_loop()

@@ -21,6 +21,7 @@ GREEDY = {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True}
 
 
 def test_single_and_batch(engine):
+    assert engine.server_args.disable_tqdm and not engine.show_progress  # show_progress=False: no bar anywhere
     one = engine.generate("Hello there", GREEDY)
     assert isinstance(one, dict) and len(one["output_ids"]) == 6
     assert one["meta_info"]["completion_tokens"] == 6
