@@ -1,7 +1,7 @@
 """Qwen2-VL's vision tower, our own: patch embedding, 2D rotary ViT blocks, patch merger.
 
 The same computation and parameter names as transformers' `Qwen2VisionTransformerPretrainedModel` (checkpoints
-load unchanged; tests/models/test_qwen2_vl_vision.py holds it to transformers' output), written here because
+load unchanged; tests/models/test_vision_attention.py holds it to transformers' output), written here because
 importing transformers' modeling stack (torch._dynamo, DTensor, generation utilities) cost every scheduler
 process and tensor-parallel rank ~2.5 s of CPU at start-up, for a tower of a few dozen lines. Attention and
 the QuickGELU MLP are the batched versions the transformers towers get too (vision_attention.py,
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.layers.linear import Linear
-from tessera.models.hf_towers import QuickGeluMlp
+from tessera.models.hf_towers import PatchMatmul, QuickGeluMlp
 from tessera.models.vision_attention import PlanCache, VarlenVisionAttention
 
 LAYER_NORM_EPS = 1e-6  # transformers' Qwen2-VL tower hard-codes it
@@ -35,26 +35,18 @@ _ACTIVATIONS = {
 }
 
 
-class PatchProjection(nn.Module):
-    """The Conv3d patch embedding (kernel == stride, no bias) as one matmul: every input is exactly one
-    kernel. `weight` keeps the conv's shape [embed_dim, C, t, p, p], so checkpoints load unchanged."""
-
-    def __init__(self, embed_dim: int, in_channels: int, temporal_patch_size: int, patch_size: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(embed_dim, in_channels, temporal_patch_size, patch_size, patch_size))
-
-    def forward(self, pixel_rows: torch.Tensor) -> torch.Tensor:
-        weight = self.weight.reshape(self.weight.shape[0], -1)
-        return F.linear(pixel_rows.reshape(pixel_rows.shape[0], -1).to(weight.dtype), weight)
-
-
 class PatchEmbed(nn.Module):
+    """The Conv3d patch embedding (kernel == stride, no bias), computed as one matmul (hf_towers.PatchMatmul:
+    every input is exactly one kernel); `proj.weight` keeps the conv's shape, so checkpoints load unchanged."""
+
     def __init__(self, embed_dim: int, in_channels: int, temporal_patch_size: int, patch_size: int):
         super().__init__()
-        self.proj = PatchProjection(embed_dim, in_channels, temporal_patch_size, patch_size)
+        kernel = (temporal_patch_size, patch_size, patch_size)
+        self.proj = PatchMatmul(nn.Conv3d(in_channels, embed_dim, kernel, stride=kernel, bias=False))
 
     def forward(self, pixel_rows: torch.Tensor) -> torch.Tensor:
-        return self.proj(pixel_rows)
+        x = pixel_rows.view(-1, self.proj.weight.shape[1], *self.proj.kernel_size).to(self.proj.weight.dtype)
+        return self.proj(x).view(x.shape[0], -1)
 
 
 class VisionMlp(nn.Module):

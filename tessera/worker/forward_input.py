@@ -30,6 +30,9 @@ class SlotWrite:
         n = self.slots.shape[0]
         return torch.full((n,), self.row, dtype=torch.int64), torch.arange(self.start, self.start + n)
 
+    def written_rows(self) -> list[int]:
+        return [self.row]
+
 
 @dataclass
 class TokenSlotWrites:
@@ -42,6 +45,9 @@ class TokenSlotWrites:
 
     def positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.rows, self.cols
+
+    def written_rows(self) -> list[int]:
+        return self.rows.tolist()
 
 
 @dataclass

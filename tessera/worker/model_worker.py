@@ -31,7 +31,7 @@ from tessera.worker.cuda_graph import (
     DecodeInputs,
     capture_batch_sizes,
 )
-from tessera.worker.forward_input import ForwardInput, SlotWrite, StepOutput, WorkerInfo
+from tessera.worker.forward_input import ForwardInput, StepOutput, WorkerInfo
 from tessera.worker.input_stager import InputStager
 from tessera.worker.masks import span_mask
 
@@ -266,7 +266,7 @@ class ModelWorker:
         if not staged:
             return
         values, rows, cols = staged
-        written = [r for w in fi.slot_writes for r in ([w.row] if isinstance(w, SlotWrite) else w.rows.tolist())]
+        written = [r for w in fi.slot_writes for r in w.written_rows()]
         if len(set(written)) == len(written):  # no row written twice: one scatter
             self.req_to_token.index_put_((rows, cols), values)
             return
