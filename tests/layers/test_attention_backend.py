@@ -51,7 +51,8 @@ def make_case(seq_lens, extend_lens, num_kv_heads, masks=None, seed=0):
 
 
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
-@pytest.mark.parametrize("layout", ["mixed", "decode_ragged", "decode_equal", "prefill_only"])
+@pytest.mark.parametrize("layout", ["mixed", "decode_ragged", "decode_equal", "prefill_only", "decode_batch_ragged",
+                                    "decode_batch_equal"])
 def test_matches_reference(heads, layout):
     num_heads, num_kv_heads = heads
     seq_lens, ext_lens, masks = {
@@ -59,6 +60,9 @@ def test_matches_reference(heads, layout):
         "decode_ragged": ([3, 12, 7], [1, 1, 1], None),
         "decode_equal": ([6, 6], [1, 1], None),
         "prefill_only": ([4, 6], [4, 6], None),
+        # From MATMUL_DECODE_MIN_BATCH decode requests on, float32 on a CPU takes the matmul path, not SDPA.
+        "decode_batch_ragged": ([3, 12, 7, 20, 9, 15], [1] * 6, None),
+        "decode_batch_equal": ([8] * 5, [1] * 5, None),
     }[layout]
     if masks:
         g = torch.Generator().manual_seed(3)

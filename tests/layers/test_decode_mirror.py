@@ -97,7 +97,7 @@ def test_random_traffic_matches_the_pool() -> None:
     assert mirrored_steps > 80
     # Every path of the plan ran: appends, fills, compaction moves, and batches out of mirror order.
     done = [p for p in plans if p is not None]
-    assert sum(p.append_rows is not None for p in done) > 50 and sum(len(p.fills) for p in done) > 10
+    assert sum(p.append_index is not None for p in done) > 50 and sum(len(p.fills) for p in done) > 10
     assert sum(len(p.moves) for p in done) > 3 and sum(not p.identity for p in done) > 20
 
 

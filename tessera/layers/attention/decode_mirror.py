@@ -33,9 +33,12 @@ class MirrorPlan:
     rows: torch.Tensor  # [B] mirror row of decode request d (a permutation of 0..B-1)
     identity: bool  # rows == arange(B): no permutation of q / outputs needed
     moves: list[tuple[int, int, int]]  # (src row, dst row, length): compaction, done first
-    append_rows: torch.Tensor | None  # rows that already hold all but this step's token
-    append_pos: torch.Tensor | None  # position of the new token in each of those rows
-    append_src: torch.Tensor | None  # index into the decode requests of each append
+    # Rows that already hold all but this step's token get it appended: append_index[j * Hkv + h] is where
+    # kv head h of the j-th append goes in a layer's buffer viewed as [R * Hkv * Tcap, D] (one index_copy_,
+    # ~4x faster on CPU than an index_put over (row, :, position)), taking decode request append_src[j]
+    # (None: the appends are decode requests 0..B-1 in order, no gather).
+    append_index: torch.Tensor | None
+    append_src: torch.Tensor | None
     fills: list[tuple[int, torch.Tensor]]  # (row, slots [L]): rows copied from the pool whole
     max_len: int
     mask: torch.Tensor | None  # bool [B, 1, 1, max_len]; None when every row has max_len tokens
@@ -92,12 +95,18 @@ class DecodeKVMirror:
         self.row_of, self.length = row_of, length
         device = pool.device
         t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device) if xs else None  # noqa: E731
+        append_index = append_from = None
+        if app_rows:
+            heads, cap = pool.num_kv_heads, self.k[0].shape[2]
+            flat = [(row * heads + h) * cap + pos for row, pos in zip(app_rows, app_pos) for h in range(heads)]
+            append_index = t(flat)
+            append_from = None if app_src == list(range(batch)) else t(app_src)
         mask = None
         if min(seq_lens) != max_len:
             lens = torch.tensor([length[r] for r in range(batch)], device=device)
             mask = (torch.arange(max_len, device=device)[None, :] < lens[:, None])[:, None, None, :]
-        return MirrorPlan(t(rows), rows == list(range(batch)), moves, t(app_rows), t(app_pos), t(app_src),
-                          fills, max_len, mask)
+        return MirrorPlan(t(rows), rows == list(range(batch)), moves, append_index, append_from, fills, max_len,
+                          mask)
 
     def _ensure_capacity(self, batch: int, max_len: int, pool: TokenToKVPool, dtype: torch.dtype) -> bool:
         num_layers = len(pool.k_buffers)
@@ -134,9 +143,13 @@ class DecodeKVMirror:
         for src, dst, n in plan.moves:
             mk[dst, :, :n] = mk[src, :, :n]
             mv[dst, :, :n] = mv[src, :, :n]
-        if plan.append_rows is not None:  # through the pool's dtype: the same values a gather would read
-            mk[plan.append_rows, :, plan.append_pos] = k_new[plan.append_src].to(pool.dtype).to(mk.dtype)
-            mv[plan.append_rows, :, plan.append_pos] = v_new[plan.append_src].to(pool.dtype).to(mv.dtype)
+        if plan.append_index is not None:
+            for buf, new in ((mk, k_new), (mv, v_new)):
+                if plan.append_src is not None:
+                    new = new.index_select(0, plan.append_src)
+                # Through the pool's dtype: the same values a gather would read.
+                new = new.to(pool.dtype).to(buf.dtype).reshape(-1, buf.shape[-1])
+                buf.view(-1, buf.shape[-1]).index_copy_(0, plan.append_index, new)
         for row, slots in plan.fills:
             k, v = pool.gather(layer, slots, mk.dtype)  # [L, Hkv, D], includes this step's token
             mk[row, :, : len(slots)] = k.transpose(0, 1)
