@@ -70,6 +70,7 @@ class Scheduler:
         self.threads: AdaptiveThreads | None = None
         if args.adaptive_threads and self.worker.device.type == "cpu":
             self.threads = AdaptiveThreads(available_cores())
+            self.worker.between_phases = self.threads.before_step
         # Constrained requests whose grammar is compiling (off the loop): they join the policy when it is ready.
         self.grammars = GrammarCompiler(self.tokenizer, info.vocab_size, self.eos_ids)
         self.grammar_waiting: dict[str, tuple[Req, Future]] = {}

@@ -211,3 +211,51 @@ def test_worker_applies_slot_writes_in_order_when_a_row_is_written_twice() -> No
         expected = want.clone() if ws is writes else torch.zeros(4, 8, dtype=torch.int64).index_put_(
             (torch.tensor([2, 2, 2, 1]), torch.tensor([0, 1, 2, 1])), torch.tensor([8, 9, 10, 11]))
         assert torch.equal(worker.req_to_token, expected)
+
+
+
+def test_cpu_encoder_runs_in_chunks_with_the_thread_policy_between(tmp_path) -> None:
+    """With a thread policy attached (the scheduler's, on a CPU), a prefill step's images are encoded a few at
+    a time, the policy asked before every chunk and once more before the language model, and the embeddings
+    equal one encoder call over all of them."""
+    from PIL import Image
+
+    from tessera.frontend.model_info import ModelInfo
+    from tessera.worker.model_worker import CPU_ENCODE_CHUNK, ModelWorker
+
+    args = ServerArgs.for_engine("demo-vl", max_total_tokens=4096, max_running_requests=4)
+    info = ModelInfo.load(args)
+    processor = info.make_mm_processor()
+    count = CPU_ENCODE_CHUNK + 3
+    rng = torch.Generator().manual_seed(0)
+    paths = []
+    for i in range(count):
+        pixels = torch.randint(0, 256, (56 + 28 * (i % 4), 56 + 28 * (i % 3), 3), generator=rng, dtype=torch.uint8)
+        paths.append(str(tmp_path / f"{i}.png"))
+        Image.fromarray(pixels.numpy()).save(paths[-1])
+    try:
+        prompt = info.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * count}])
+        out = processor.process(prompt=prompt, image_data=paths)
+    finally:
+        processor.close()
+    items = out.mm_inputs.items
+    assert len({it.hash for it in items}) == count
+    worker = ModelWorker(args, {2}, info.config)
+    with torch.inference_mode():
+        whole = worker.encoders[Modality.IMAGE](items)
+    sizes: list[int] = []
+    inner = worker.encoders[Modality.IMAGE]
+    worker.encoders = {Modality.IMAGE: lambda its: sizes.append(len(its)) or inner(its)}
+    asked: list[list[int]] = []
+    worker.between_phases = lambda: asked.append(list(sizes))  # what had been encoded when asked
+
+    alloc = PagedTokenAllocator(4096, 1)
+    policy = SchedulePolicy(KVManager(ReqToTokenPool(5, 2048), alloc, RadixCache(alloc, 1), 1), 4, 4096)
+    req = Req("r", list(out.input_ids), SamplingParams(max_new_tokens=2, temperature=0), out.mm_inputs)
+    policy.add(req)
+    batch = policy.next_batch()
+    worker.execute(build_forward_input(batch, info.config.family.model_class(), info.config, policy.kv))
+    assert sizes == [CPU_ENCODE_CHUNK, 3]
+    assert asked == [[], [CPU_ENCODE_CHUNK], [CPU_ENCODE_CHUNK, 3]]  # before each chunk, then before the LM
+    for item, emb in zip(items, whole):
+        torch.testing.assert_close(worker.encoder_cache.get(item.hash), emb, rtol=1e-5, atol=1e-5)
