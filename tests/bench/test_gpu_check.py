@@ -4,6 +4,7 @@ fp32 parity with HF holds on the CPU, the serving section completes every reques
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -27,7 +28,10 @@ def test_dry_run_runs_every_section(tmp_path) -> None:
     assert parity["cases"][-1]["cached_tokens"] > 0
     for name in ("decode_2b", "decode_7b"):
         d = sections[name]["result"]
-        assert d["tessera_b1_ms"] > 0 and d["hf_b1_ms"] > 0 and d["floor_ms"] > 0 and 8 in d["tessera_step_ms"]
+        # Per-step times are differences of two timings, (T(n) - T(1)) / (n - 1): on a loaded CPU with tiny
+        # models they can come out negative, so the dry run checks that they were measured, not their sign.
+        assert math.isfinite(d["tessera_b1_ms"]) and math.isfinite(d["hf_b1_ms"]) and d["floor_ms"] > 0
+        assert 8 in d["tessera_step_ms"] and all(math.isfinite(v) for v in d["tessera_step_ms"].values())
     assert sections["offline_a_7b"]["result"]["a"]["tessera"]["tok_s"] > 0
     serving = sections["serving_7b"]["result"]
     assert serving["num_completed"] == plan.serving_prompts and serving["num_failed"] == 0

@@ -1,8 +1,9 @@
 """Attention over the paged KV cache with torch's scaled_dot_product_attention (CPU and GPU).
 
-Decode requests (one new token, no custom mask) are batched into ONE SDPA call over their K/V, padded to
+Decode requests (one new token, no custom mask) are batched into ONE attention over their K/V, padded to
 the longest of them: kept contiguous across steps in a DecodeKVMirror when the ForwardBatch carries
-request generations (the model runner's batches do), else gathered from the pool. Prefill/extend
+request generations (the model runner's batches do), else gathered from the pool. That attention is SDPA,
+except for float32 batches of MATMUL_DECODE_MIN_BATCH or more on a CPU (see _decode_attention). Prefill/extend
 requests run one SDPA call each. Gather indices and masks are built once per step
 (init_forward_metadata) and shared by all layers.
 """
