@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from transformers import Qwen2VLTextConfig
@@ -68,3 +69,36 @@ def test_rmsnorm_matches_hf_and_fuses_residual():
 def test_silu_and_mul():
     x = torch.randn(3, 10)
     assert torch.equal(SiluAndMul()(x), F.silu(x[:, :5]) * x[:, 5:])
+
+
+def test_linear_takes_onednn_for_few_rows_over_a_large_weight_on_several_threads(monkeypatch):
+    """Few rows over a large float32 weight with 2+ torch threads go through oneDNN (and equal F.linear);
+    everything else (many rows, small weights, one thread, autograd) stays on F.linear."""
+    import tessera.layers.linear as lin
+
+    if lin._onednn_linear is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    calls: list[tuple[int, int]] = []
+    real = lin._onednn_linear
+    monkeypatch.setattr(lin, "_onednn_linear", lambda x, w, *a: calls.append((x.shape[0], w.numel())) or real(x, w, *a))
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(lin.ONEDNN_MIN_WEIGHT // 512, 512, generator=g)
+    bias = torch.randn(weight.shape[0], generator=g)
+    small = torch.randn(256, 512, generator=g)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.inference_mode():
+            for rows in (1, 7, lin.ONEDNN_MAX_ROWS):
+                x = torch.randn(rows, 512, generator=g)
+                torch.testing.assert_close(lin.linear(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5,
+                                           atol=1e-4)
+            lin.linear(torch.randn(lin.ONEDNN_MAX_ROWS + 1, 512), weight)  # many rows
+            lin.linear(torch.randn(4, 512), small)  # small weight
+            torch.set_num_threads(1)
+            lin.linear(torch.randn(4, 512), weight)  # one thread
+        torch.set_num_threads(2)
+        lin.linear(torch.randn(4, 512), weight)  # grad mode on
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == [(1, weight.numel()), (7, weight.numel()), (lin.ONEDNN_MAX_ROWS, weight.numel())]
