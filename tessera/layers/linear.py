@@ -13,10 +13,12 @@ from torch import nn
 # Few rows over a large float32 weight, on a CPU with more than one torch thread: oneDNN instead of MKL.
 # MKL ran such products on one core: bench-medium's [32, 768] x [768, 6144] took 6.5 ms on two threads and
 # 8.1 on one, oneDNN's matmul 3.4 ms on two; its four projections per layer at 32 rows 10.3 -> 6.4 ms, at
-# one row 1.23 -> 0.65 ms (2-vCPU AMD EPYC). With one thread, at 256 rows and over, and on weights of
-# demo-vl's size (at most 360k values) oneDNN was level with MKL or up to 2x slower, so those keep F.linear.
+# one row 1.23 -> 0.65 ms (2-vCPU AMD EPYC). With weights read from memory rather than the cache (as a large
+# model's are), 983k-value weights gained too (1 / 32 rows: 0.75x / 0.66x the time), 590k ones were level
+# (1.09x / 0.91x), 131k ones lost (1.29x). With one thread, at 256 rows and over, and on demo-vl's weights
+# (at most 360k values, cache-resident) oneDNN was level with MKL or up to 2x slower: those keep F.linear.
 ONEDNN_MAX_ROWS = 128
-ONEDNN_MIN_WEIGHT = 1 << 20  # values in the weight
+ONEDNN_MIN_WEIGHT = 1 << 19  # values in the weight
 _onednn_linear = (torch.ops.mkldnn._linear_pointwise
                   if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") else None)
 
