@@ -13,7 +13,6 @@ import logging
 import os
 import subprocess
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +26,7 @@ from tessera.config import ServerArgs
 from tessera.frontend.detokenizer import IncrementalDetokenizer
 from tessera.frontend.dispatcher import Dispatcher
 from tessera.frontend.model_info import ModelInfo
+from tessera.frontend.preprocess_threads import preprocess_executor
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.scheduler_procs import launch_schedulers, stop_processes
 from tessera import __version__ as tessera_version
@@ -37,31 +37,6 @@ logger = logging.getLogger("tessera")
 STARTUP_TIMEOUT_S = 300
 PREPROCESS_THREADS = 4  # tokenization + media preprocessing threads of the frontend process
 RECV_POLL_MS = 200  # how often an idle receive loop looks at the scheduler processes (a death is seen this fast)
-_THREADS_LOCK = threading.Lock()
-
-
-def one_torch_thread(inherited: int) -> None:
-    """Initializer of the preprocessing threads: their torch ops (image resize, normalize, patchify) run on one
-    intra-op thread.
-
-    Why: with torch's default (all cores) every op over an image's 150k values wakes an OpenMP team on the other
-    cores, which then spin-wait for the next op, on the cores the scheduler process's model steps need (they
-    also read as busy to its thread policy, cpu_threads.py). demo-vl workload a on 2 cores, 3 runs each, three
-    alternations: 3.37-3.57 s per run with this, 3.95-4.18 s without; the frontend's own CPU time was 0.68-0.69
-    vs 0.67-0.74 s, so one thread costs it nothing at these sizes.
-
-    torch.set_num_threads also sets the count that threads started afterwards begin with (threads already
-    running keep theirs; MKL's count is per thread): a throwaway thread puts that back to `inherited`, so the
-    application's own threads are not changed.
-    """
-    import torch
-
-    with _THREADS_LOCK:
-        torch.get_num_threads()  # runs torch's once-per-thread setup first, which would reset the count later
-        torch.set_num_threads(1)
-        restore = threading.Thread(target=torch.set_num_threads, args=(inherited,), name="tessera-threads")
-        restore.start()
-        restore.join()
 
 
 class EngineUnavailable(RuntimeError):
@@ -120,10 +95,7 @@ class TokenizerManager:
             self.info = ModelInfo.load(args)
             self.tokenizer = self.info.tokenizer
             self.mm_processor = self.info.make_mm_processor()
-            import torch
-
-            self.executor = ThreadPoolExecutor(max_workers=PREPROCESS_THREADS, thread_name_prefix="tessera-pre",
-                                               initializer=one_torch_thread, initargs=(torch.get_num_threads(),))
+            self.executor = preprocess_executor(PREPROCESS_THREADS)
             if args.mm_preprocess_workers and self.mm_processor is not None:
                 from tessera.frontend.preprocess_pool import PreprocessPool
 

@@ -45,7 +45,7 @@ class _StepMetadata:
     mirror_plan: MirrorPlan | None = None  # made on the first layer (it needs the pool)
     mirror_planned: bool = False
     # masks built once per step: (what, window) -> bool mask; ("additive", id(mask)) -> (mask, float mask)
-    window_masks: dict = field(default_factory=dict)
+    step_masks: dict = field(default_factory=dict)
 
 
 class TorchNativeAttentionBackend(BaseAttentionBackend):
@@ -212,26 +212,26 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         """Extend request i's mask limited to the last `window` positions of each query (a key at position
         k is seen from query position p when p - window < k <= p, or as its custom mask allows within that)."""
         key = ("extend", i, window)
-        if key not in meta.window_masks:
+        if key not in meta.step_masks:
             plan = meta.extends[i]
             seq = plan.prefix_len + plan.extend_len
             q_pos = torch.arange(plan.prefix_len, seq, device=device)[:, None]
             k_pos = torch.arange(seq, device=device)[None, :]
             base = plan.mask if plan.mask is not None else k_pos <= q_pos
-            meta.window_masks[key] = base & (k_pos > q_pos - window)
-        return meta.window_masks[key]
+            meta.step_masks[key] = base & (k_pos > q_pos - window)
+        return meta.step_masks[key]
 
     @staticmethod
     def _decode_window_mask(meta: _StepMetadata, what: str, lens: list[int], max_len: int,
                             window: int) -> torch.Tensor:
         """bool [B, 1, 1, max_len]: row b sees keys lens[b] - window .. lens[b] - 1."""
         key = (what, window)
-        if key not in meta.window_masks:
+        if key not in meta.step_masks:
             device = meta.fb.req_to_token.device
             n = torch.tensor(lens, device=device)[:, None]
             k_pos = torch.arange(max_len, device=device)[None, :]
-            meta.window_masks[key] = ((k_pos < n) & (k_pos >= n - window))[:, None, None, :]
-        return meta.window_masks[key]
+            meta.step_masks[key] = ((k_pos < n) & (k_pos >= n - window))[:, None, None, :]
+        return meta.step_masks[key]
 
 
 # Below this many decode requests the CPU path keeps SDPA (one request: 31 vs 49 us per layer at demo-vl's
@@ -253,10 +253,9 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling)
     if mask is not None:  # one additive mask per step and mask, shared by every layer
-        key = ("additive", id(mask))
-        bias = meta.window_masks.get(key)
-        if bias is None or bias[0] is not mask:
-            bias = meta.window_masks[key] = (mask, torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
-                                             .masked_fill_(~mask, float("-inf")))
-        scores.add_(bias[1])
+        key = ("additive", id(mask))  # the entry holds `mask`, so its id is not reused within the step
+        if key not in meta.step_masks:
+            meta.step_masks[key] = (mask, torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+                                    .masked_fill_(~mask, float("-inf")))
+        scores.add_(meta.step_masks[key][1])
     return torch.matmul(torch.softmax(scores, dim=-1), v)
