@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.layers import cpu_gemv
+
 # Few rows over a large float32 weight, on a CPU with more than one torch thread: oneDNN instead of MKL.
 # MKL ran such products on one core: bench-medium's [32, 768] x [768, 6144] took 6.5 ms on two threads and
 # 8.1 on one, oneDNN's matmul 3.4 ms on two; its four projections per layer at 32 rows 10.3 -> 6.4 ms, at
@@ -24,7 +26,10 @@ _onednn_linear = (torch.ops.mkldnn._linear_pointwise
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through oneDNN where that measured faster (see ONEDNN_MAX_ROWS); inference only."""
+    """F.linear, through our CPU kernel (see cpu_gemv.py) or oneDNN (see ONEDNN_MAX_ROWS) where those measured
+    faster; inference only."""
+    if cpu_gemv.applies(x, weight, bias):
+        return cpu_gemv.gemv(x, weight, bias)
     if (_onednn_linear is not None and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS
             and weight.numel() >= ONEDNN_MIN_WEIGHT and x.dtype == weight.dtype == torch.float32
             and not torch.is_grad_enabled() and x.is_contiguous() and torch.get_num_threads() > 1):

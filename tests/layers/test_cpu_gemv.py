@@ -1,0 +1,92 @@
+"""The CPU few-row product kernel (tessera/layers/cpu_gemv.c): its results, when linear() takes it, its build."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tessera.layers import cpu_gemv
+from tessera.layers import linear as lin
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                              reason="no C compiler: the kernel is never built, linear() keeps torch's path")
+
+
+@needs_cc
+def test_the_kernel_is_built_and_loaded_where_a_compiler_is():
+    assert cpu_gemv.gemv_function() is not None
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "out_features", "in_features"),
+                         [(1, 64, 32), (2, 67, 40), (3, 5, 8), (5, 130, 67), (8, 1, 7), (7, 33, 300)])
+def test_kernel_equals_f_linear(threads, rows, out_features, in_features):
+    """Every tile remainder: rows of x odd and even, weight rows not a multiple of 4, in_features not a multiple
+    of 8 (the scalar tail); with and without bias; on one and two threads."""
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for bias in (None, b):
+            got = cpu_gemv.gemv(x, w, bias)
+            assert got.shape == (rows, out_features)
+            torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_cc
+def test_linear_takes_the_kernel_exactly_for_few_rows_of_float32_inference(monkeypatch):
+    calls: list[int] = []
+    real = cpu_gemv.gemv
+    monkeypatch.setattr(cpu_gemv, "gemv", lambda x, w, b=None: calls.append(x.shape[0]) or real(x, w, b))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(cpu_gemv.GEMV_MIN_WEIGHT // 256, 256, generator=g)
+    b = torch.randn(w.shape[0], generator=g)
+    with torch.inference_mode():
+        for rows in (1, cpu_gemv.GEMV_MAX_ROWS):
+            x = torch.randn(rows, 256, generator=g)
+            torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        lin.linear(torch.randn(cpu_gemv.GEMV_MAX_ROWS + 1, 256), w)  # many rows
+        lin.linear(torch.randn(2, 128), torch.randn(64, 128))  # small weight
+        lin.linear(torch.randn(2, 256).bfloat16(), w.bfloat16())  # not float32
+        lin.linear(torch.randn(256, 2).t(), w)  # x not contiguous
+        lin.linear(torch.randn(2, 3, 256), w)  # not 2-D
+        with pytest.raises(RuntimeError):  # shapes that disagree get torch's error, not the kernel
+            lin.linear(torch.randn(2, 255), w)
+    lin.linear(torch.randn(2, 256), w)  # autograd on
+    assert calls == [1, cpu_gemv.GEMV_MAX_ROWS]
+
+
+@needs_cc
+def test_build_is_cached_per_source_and_reports_compiler_failures(tmp_path, monkeypatch):
+    lib = cpu_gemv.build(tmp_path)
+    stamp = lib.stat().st_mtime_ns
+    assert cpu_gemv.build(tmp_path) == lib and lib.stat().st_mtime_ns == stamp  # not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [lib.name]  # no temp files left behind
+    monkeypatch.setenv("CC", "false")  # a compiler that fails
+    monkeypatch.setattr(cpu_gemv, "FLAGS", (*cpu_gemv.FLAGS, "-DOTHER"))  # another key: must compile
+    with pytest.raises(RuntimeError, match="false failed"):
+        cpu_gemv.build(tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [lib.name]
+
+
+def test_disabled_or_without_a_compiler_every_product_stays_with_torch(monkeypatch):
+    monkeypatch.setenv("TESSERA_CPU_GEMV", "0")
+    assert cpu_gemv._load() is None
+    monkeypatch.setenv("TESSERA_CPU_GEMV", "1")
+    monkeypatch.setenv("CC", "")
+    monkeypatch.setattr(cpu_gemv.shutil, "which", lambda name: None)
+    assert cpu_gemv._load() is None  # logged, not raised
+    monkeypatch.setattr(cpu_gemv, "_loaded", [None])
+    with torch.inference_mode():
+        x, w = torch.randn(1, 256), torch.randn(cpu_gemv.GEMV_MIN_WEIGHT // 256, 256)
+        assert not cpu_gemv.applies(x, w, None)
+        torch.testing.assert_close(lin.linear(x, w), F.linear(x, w))
