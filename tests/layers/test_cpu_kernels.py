@@ -1,4 +1,4 @@
-"""The CPU few-row product kernel (tessera/layers/cpu_gemv.c): its results, when linear() takes it, its build."""
+"""Our C kernels for the CPU (tessera/layers/cpu_kernels.py): the build and the few-row product (cpu_gemv.c)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.layers import cpu_gemv
+from tessera.layers import cpu_gemv, cpu_kernels
 from tessera.layers import linear as lin
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -17,7 +17,7 @@ needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc")
 
 @needs_cc
 def test_the_kernel_is_built_and_loaded_where_a_compiler_is():
-    assert cpu_gemv.gemv_function() is not None
+    assert cpu_kernels.library() is not None
 
 
 @needs_cc
@@ -67,26 +67,27 @@ def test_linear_takes_the_kernel_exactly_for_few_rows_of_float32_inference(monke
 
 @needs_cc
 def test_build_is_cached_per_source_and_reports_compiler_failures(tmp_path, monkeypatch):
-    lib = cpu_gemv.build(tmp_path)
+    lib = cpu_kernels.build(tmp_path)
     stamp = lib.stat().st_mtime_ns
-    assert cpu_gemv.build(tmp_path) == lib and lib.stat().st_mtime_ns == stamp  # not rebuilt
+    assert cpu_kernels.build(tmp_path) == lib and lib.stat().st_mtime_ns == stamp  # not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [lib.name]  # no temp files left behind
     monkeypatch.setenv("CC", "false")  # a compiler that fails
-    monkeypatch.setattr(cpu_gemv, "FLAGS", (*cpu_gemv.FLAGS, "-DOTHER"))  # another key: must compile
+    monkeypatch.setattr(cpu_kernels, "FLAGS", (*cpu_kernels.FLAGS, "-DOTHER"))  # another key: must compile
     with pytest.raises(RuntimeError, match="false failed"):
-        cpu_gemv.build(tmp_path)
+        cpu_kernels.build(tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [lib.name]
 
 
 def test_disabled_or_without_a_compiler_every_product_stays_with_torch(monkeypatch):
-    monkeypatch.setenv("TESSERA_CPU_GEMV", "0")
-    assert cpu_gemv._load() is None
-    monkeypatch.setenv("TESSERA_CPU_GEMV", "1")
+    monkeypatch.setenv("TESSERA_CPU_KERNELS", "0")
+    assert cpu_kernels._load() is None
+    monkeypatch.setenv("TESSERA_CPU_KERNELS", "1")
     monkeypatch.setenv("CC", "")
-    monkeypatch.setattr(cpu_gemv.shutil, "which", lambda name: None)
-    assert cpu_gemv._load() is None  # logged, not raised
-    monkeypatch.setattr(cpu_gemv, "_loaded", [None])
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    assert cpu_kernels._load() is None  # logged, not raised
+    monkeypatch.setattr(cpu_kernels, "_loaded", [None])
     with torch.inference_mode():
         x, w = torch.randn(1, 256), torch.randn(cpu_gemv.GEMV_MIN_WEIGHT // 256, 256)
         assert not cpu_gemv.applies(x, w, None)
         torch.testing.assert_close(lin.linear(x, w), F.linear(x, w))
+
