@@ -317,6 +317,7 @@ def run_offline(cfg: OfflineConfig, log=print) -> dict:
         floor = memory_floor(model_path, dtype)
         out["results"]["d"]["memory_floor"] = floor
         out["results"]["d"]["bs1_vs_floor"] = out["results"]["d"]["tessera"]["bs1"] / floor["floor_ms"]
+        out["results"]["d"]["bs1_vs_copy_floor"] = out["results"]["d"]["tessera"]["bs1"] / floor["copy_floor_ms"]
     return out
 
 
@@ -380,6 +381,6 @@ def format_summary(result: dict) -> str:
         if floor:
             lines.append(f"  d: batch-1 memory floor {floor['floor_ms']:.2f} ms ({floor['weight_bytes'] / 1e6:.1f} MB of "
                          f"weights / {floor['read_bandwidth_gb_s']:.1f} GB/s read, copy {floor['copy_bandwidth_gb_s']:.1f} "
-                         f"GB/s); tessera batch 1 is "
-                         f"{r['d']['bs1_vs_floor']:.2f}x the floor")
+                         f"GB/s); tessera batch 1 is {r['d']['bs1_vs_floor']:.2f}x the floor "
+                         f"({r['d']['bs1_vs_copy_floor']:.2f}x the copy-bandwidth floor, {floor['copy_floor_ms']:.2f} ms)")
     return "\n".join(lines)
