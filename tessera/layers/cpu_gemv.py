@@ -23,11 +23,11 @@ GEMV_MIN_WEIGHT = 1 << 16
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `gemv` takes this product (float32 CPU inference, few rows, a large enough weight, shapes that
     agree: anything else goes to torch, which also raises torch's errors for bad shapes)."""
-    return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
+    return (x.device.type == weight.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
             and weight.numel() >= GEMV_MIN_WEIGHT and weight.dim() == 2 and x.shape[1] == weight.shape[1]
             and x.dtype == weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous()
-            and (bias is None or (bias.dtype == torch.float32 and bias.shape == weight.shape[:1]
-                                  and bias.is_contiguous()))
+            and (bias is None or (bias.device.type == "cpu" and bias.dtype == torch.float32
+                                  and bias.shape == weight.shape[:1] and bias.is_contiguous()))
             and not torch.is_grad_enabled() and cpu_kernels.library() is not None)
 
 
