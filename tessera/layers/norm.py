@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.layers import cpu_kernels
+
 
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)), normalised in float32 and cast back before the weight
@@ -13,6 +15,12 @@ class RMSNorm(nn.Module):
 
     forward(x) -> y; forward(x, residual) -> (norm(x + residual), x + residual): the sum is the next
     residual, which saves the decoder layer one add and one tensor.
+
+    Float32 inference on a CPU over [tokens, hidden] goes through our C kernel (cpu_rmsnorm.c) where it is
+    built: torch's CPU path is about ten operators per call, and a decode step is bound by such overheads
+    (one process alternating both, blocks of 20 steps: demo-vl batch 1 4.52 -> 4.08 ms per step, batch 64
+    21.0 -> 19.5, bench-medium batch 1 27.7 -> 25.0). Its sum of squares runs in another order, so it matches
+    transformers to ~1e-6, not bit for bit; the residual sum is the same single add.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -32,7 +40,28 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if _kernel_applies(x, residual, self.weight):
+            return _cpu_rmsnorm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
+
+
+def _kernel_applies(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
+    """Float32 [tokens, hidden] inference on a CPU, contiguous, with the kernel built; anything else: torch."""
+    return (x.device.type == weight.device.type == "cpu" and x.dim() == 2 and x.dtype == weight.dtype == torch.float32
+            and x.is_contiguous() and weight.is_contiguous()
+            and (residual is None or (residual.device.type == "cpu" and residual.shape == x.shape
+                                      and residual.dtype == x.dtype and residual.is_contiguous()))
+            and weight.shape == x.shape[1:] and not torch.is_grad_enabled() and cpu_kernels.library() is not None)
+
+
+def _cpu_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    out = torch.empty_like(x)
+    summed = torch.empty_like(x) if residual is not None else None
+    cpu_kernels.library().tessera_rmsnorm_f32(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), None if summed is None else summed.data_ptr(),
+        weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out if residual is None else (out, summed)

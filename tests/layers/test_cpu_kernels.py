@@ -91,3 +91,47 @@ def test_disabled_or_without_a_compiler_every_product_stays_with_torch(monkeypat
         assert not cpu_gemv.applies(x, w, None)
         torch.testing.assert_close(lin.linear(x, w), F.linear(x, w))
 
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "width"), [(1, 256), (3, 37), (700, 256)])  # a scalar tail; the parallel branch
+def test_rmsnorm_kernel_matches_hf(threads, rows, width):
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRMSNorm
+
+    from tessera.layers import norm
+
+    g = torch.Generator().manual_seed(rows + width)
+    x, res = torch.randn(rows, width, generator=g) * 3, torch.randn(rows, width, generator=g)
+    ours, ref = norm.RMSNorm(width, 1e-5), Qwen2VLRMSNorm(width, 1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(torch.rand(width, generator=g) + 0.5)
+        ref.weight.copy_(ours.weight)
+    x0, res0 = x.clone(), res.clone()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.inference_mode():
+            assert norm._kernel_applies(x, res, ours.weight)
+            torch.testing.assert_close(ours(x), ref(x), rtol=2e-6, atol=2e-6)
+            normed, summed = ours(x, res)
+            assert torch.equal(summed, x + res)  # the next residual: the same single add
+            torch.testing.assert_close(normed, ref(x + res), rtol=2e-6, atol=2e-6)
+            assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_cc
+def test_rmsnorm_takes_the_kernel_only_for_float32_inference_on_contiguous_rows():
+    from tessera.layers import norm
+
+    w = torch.ones(64)
+    with torch.inference_mode():
+        assert norm._kernel_applies(torch.randn(4, 64), None, w)
+        assert not norm._kernel_applies(torch.randn(2, 4, 64), None, w)  # not [tokens, hidden]
+        assert not norm._kernel_applies(torch.randn(4, 64).bfloat16(), None, w.bfloat16())
+        assert not norm._kernel_applies(torch.randn(64, 4).t(), None, w)  # not contiguous
+        assert not norm._kernel_applies(torch.randn(4, 64), torch.randn(64, 4).t(), w)  # residual not contiguous
+        assert not norm._kernel_applies(torch.randn(4, 32), None, w)  # width disagrees: torch raises
+    assert not norm._kernel_applies(torch.randn(4, 64), None, w)  # autograd on
