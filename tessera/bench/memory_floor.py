@@ -5,9 +5,9 @@ so no implementation can step faster than the time it takes to stream those byte
 bandwidths are measured on a buffer far larger than the caches: what `dst.copy_(src)` moves per second (bytes
 copied, counted once, as the issue's floor is defined) and what `src.sum()` reads per second (a decode
 step only reads its weights; a copy also writes, so it measured 2-4x lower here). The floor uses the higher
-of the two, so it is the stricter one; the copy-bandwidth floor (the issue's wording) is reported next to it. Counted: every checkpoint tensor of the language
-model at the run's dtype; not counted: the media towers (not run while decoding) and the input embedding
-table (one row read per token) unless it doubles as the LM head.
+of the two, so it is the stricter one; the copy-bandwidth floor (the issue's wording) is reported next to it.
+Counted: every checkpoint tensor of the language model at the run's dtype; not counted: the media towers (not
+run while decoding) and the input embedding table (one row read per token) unless it doubles as the LM head.
 """
 
 from __future__ import annotations

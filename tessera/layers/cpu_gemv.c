@@ -7,19 +7,7 @@
  * accumulator (GCC/Clang vector extensions: AVX on x86, NEON on Arm, whatever -march=native offers).
  * Built by tessera/layers/cpu_kernels.py.
  */
-#include <stddef.h>
-
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline v8 load8(const float *p) {
-    v8 v;
-    __builtin_memcpy(&v, p, sizeof v);  /* unaligned load */
-    return v;
-}
-
-static inline float sum8(v8 v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
+#include "cpu_vec.h"
 
 /* Rows n0 .. n0+R-1 of w against rows m0 .. m0+C-1 of x, R <= 4, C <= 2; inlined with constant R and C
  * so that the accumulators stay in registers. */

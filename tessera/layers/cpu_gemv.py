@@ -16,33 +16,22 @@ from tessera.layers import cpu_kernels
 
 GEMV_MAX_ROWS = 8
 # Below this many weight values a projection is cache-resident and small; torch's call is as quick and the
-# tiny parity fixtures keep the reference path (tests/layers/test_cpu_gemv.py runs a model through this one).
+# tiny parity fixtures keep the reference path (tests/layers/test_cpu_kernels.py runs a model through this one).
 GEMV_MIN_WEIGHT = 1 << 16
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     """Whether `gemv` takes this product (float32 CPU inference, few rows, a large enough weight, shapes that
     agree: anything else goes to torch, which also raises torch's errors for bad shapes)."""
-    return (x.device.type == weight.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS
-            and weight.numel() >= GEMV_MIN_WEIGHT and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-            and x.dtype == weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous()
-            and (bias is None or (bias.device.type == "cpu" and bias.dtype == torch.float32
-                                  and bias.shape == weight.shape[:1] and bias.is_contiguous()))
-            and not torch.is_grad_enabled() and cpu_kernels.library() is not None)
+    return (x.dim() == 2 and x.shape[0] <= GEMV_MAX_ROWS and weight.numel() >= GEMV_MIN_WEIGHT
+            and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+            and (bias is None or bias.shape == weight.shape[:1]) and cpu_kernels.takes(x, weight, bias))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) through the kernel; call only where `applies` said so."""
-    if torch.autograd._profiler_enabled():  # a ctypes call is invisible to torch's profiler: name its range
-        with torch.profiler.record_function("tessera::cpu_gemv"):
-            return _gemv(x, weight, bias)
-    return _gemv(x, weight, bias)
-
-
-def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     (m, k), n = x.shape, weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    cpu_kernels.library().tessera_gemv_f32(x.data_ptr(), weight.data_ptr(),
-                                           None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
-                                           torch.get_num_threads())
+    cpu_kernels.call("tessera_gemv_f32", x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                     y.data_ptr(), m, n, k, torch.get_num_threads())
     return y

@@ -21,9 +21,14 @@ import tempfile
 import threading
 from pathlib import Path
 
+# Imported before the library is loaded, so that its libgomp dependency resolves to the OpenMP runtime torch
+# already uses: one thread pool, not two competing for the cores.
+import torch
+
 logger = logging.getLogger(__name__)
 
 SOURCES = (Path(__file__).with_name("cpu_gemv.c"), Path(__file__).with_name("cpu_rmsnorm.c"))
+HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _SIGNATURES = {  # name: (argument types, result type)
     "tessera_gemv_f32": ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int], None),
@@ -57,7 +62,7 @@ def build(directory: Path | None = None) -> Path:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         raise RuntimeError("no C compiler (set CC, or install gcc)")
-    parts = [s.read_bytes() for s in SOURCES] + [cc.encode(), " ".join(FLAGS).encode(), _cpu_tag().encode()]
+    parts = [s.read_bytes() for s in SOURCES + HEADERS] + [cc.encode(), " ".join(FLAGS).encode(), _cpu_tag().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     directory = directory or cache_dir()
     lib = directory / f"tessera-cpu-{key}.so"
@@ -79,14 +84,11 @@ def build(directory: Path | None = None) -> Path:
 def _load():
     if os.environ.get("TESSERA_CPU_KERNELS", "1") == "0":
         return None
-    import torch  # noqa: F401 -- first, so that the library's libgomp resolves to the one torch loaded
-
     try:
         try:
             path = build()
         except OSError:  # the cache dir is not writable
             path = build(Path(tempfile.gettempdir()) / f"tessera-kernels-{os.getuid()}")
-        # One OpenMP runtime (torch's) means one thread pool, not two competing for the cores.
         lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         logger.warning("CPU kernels unavailable, torch's operators are used instead: %s", e)
@@ -104,3 +106,26 @@ def library():
             if not _loaded:
                 _loaded.append(_load())
     return _loaded[0]
+
+
+def takes(*tensors) -> bool:
+    """Whether the kernels can take these operands (None entries skipped): float32, contiguous, on the CPU, in
+    inference (they write no autograd graph), with the library built. Shapes are each caller's to check.
+    A plain loop over cheap properties: this runs before every projection and norm of a decode step."""
+    if torch.is_grad_enabled() or library() is None:
+        return False
+    for t in tensors:
+        if t is not None and not (t.is_cpu and t.dtype is torch.float32 and t.is_contiguous()):
+            return False
+    return True
+
+
+def call(name: str, *args) -> None:
+    """library().name(*args); while torch's profiler runs, inside a range named tessera::name (a ctypes call
+    is invisible to it otherwise)."""
+    fn = getattr(library(), name)
+    if torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(f"tessera::{name}"):
+            fn(*args)
+    else:
+        fn(*args)

@@ -7,28 +7,20 @@
  */
 #include <math.h>
 
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline v8 load8(const float *p) {
-    v8 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
+#include "cpu_vec.h"
 
 void tessera_rmsnorm_f32(const float *x, const float *residual, float *sum_out, const float *w, float *out, long M,
                          long H, float eps, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (M * H >= 65536)
     for (long m = 0; m < M; m++) {
-        const float *xr = x + m * H;
-        float *hr = (float *)xr;
+        const float *xr = x + m * H, *hr = xr;
         if (residual) {
             const float *rr = residual + m * H;
-            hr = sum_out + m * H;
+            float *sr = sum_out + m * H;
             long i = 0;
-            for (; i + 8 <= H; i += 8) store8(hr + i, load8(xr + i) + load8(rr + i));
-            for (; i < H; i++) hr[i] = xr[i] + rr[i];
+            for (; i + 8 <= H; i += 8) store8(sr + i, load8(xr + i) + load8(rr + i));
+            for (; i < H; i++) sr[i] = xr[i] + rr[i];
+            hr = sr;
         }
         v8 acc = {0};
         long i = 0;
@@ -36,7 +28,7 @@ void tessera_rmsnorm_f32(const float *x, const float *residual, float *sum_out, 
             v8 h = load8(hr + i);
             acc += h * h;
         }
-        float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        float s = sum8(acc);
         for (; i < H; i++) s += hr[i] * hr[i];
         float r = 1.0f / sqrtf(s / (float)H + eps);
         v8 rv = {r, r, r, r, r, r, r, r};

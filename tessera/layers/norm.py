@@ -49,19 +49,16 @@ class RMSNorm(nn.Module):
 
 
 def _kernel_applies(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
-    """Float32 [tokens, hidden] inference on a CPU, contiguous, with the kernel built; anything else: torch."""
-    return (x.device.type == weight.device.type == "cpu" and x.dim() == 2 and x.dtype == weight.dtype == torch.float32
-            and x.is_contiguous() and weight.is_contiguous()
-            and (residual is None or (residual.device.type == "cpu" and residual.shape == x.shape
-                                      and residual.dtype == x.dtype and residual.is_contiguous()))
-            and weight.shape == x.shape[1:] and not torch.is_grad_enabled() and cpu_kernels.library() is not None)
+    """[tokens, hidden] operands the CPU kernels take (cpu_kernels.takes); anything else: torch."""
+    return (x.dim() == 2 and weight.shape == x.shape[1:] and (residual is None or residual.shape == x.shape)
+            and cpu_kernels.takes(x, residual, weight))
 
 
 def _cpu_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(x)
     summed = torch.empty_like(x) if residual is not None else None
-    cpu_kernels.library().tessera_rmsnorm_f32(
-        x.data_ptr(), None if residual is None else residual.data_ptr(), None if summed is None else summed.data_ptr(),
-        weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    cpu_kernels.call("tessera_rmsnorm_f32", x.data_ptr(), None if residual is None else residual.data_ptr(),
+                     None if summed is None else summed.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
+                     x.shape[1], eps, torch.get_num_threads())
     return out if residual is None else (out, summed)

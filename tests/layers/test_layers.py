@@ -79,7 +79,7 @@ def test_linear_takes_onednn_for_few_rows_over_a_large_weight_on_several_threads
 
     if lin._onednn_linear is None:
         pytest.skip("this torch build has no oneDNN linear")
-    # Few rows also fit our own kernel (cpu_gemv, taken first, tested in test_cpu_gemv.py): off here.
+    # Few rows also fit our own kernel (cpu_gemv, taken first, tested in test_cpu_kernels.py): off here.
     monkeypatch.setattr(lin.cpu_gemv, "applies", lambda *a: False)
     calls: list[tuple[int, int]] = []
     real = lin._onednn_linear
