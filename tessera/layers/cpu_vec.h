@@ -15,4 +15,32 @@ static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
 
 static inline float sum8(v8 v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
 
+static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+typedef int v8i __attribute__((vector_size(32)));
+
+/* Lanes of a where mask (a comparison's -1 / 0 lanes), else b. */
+static inline v8 select8(v8i mask, v8 a, v8 b) { return (v8)((mask & (v8i)a) | (~mask & (v8i)b)); }
+
+/* exp of eight lanes, Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, exp(r) from a degree-6 polynomial,
+ * 2^n built in the exponent bits; within 2 ulp of libm's expf. Inputs are clamped to [-87.3, 88.7], so
+ * -inf gives ~1e-38 rather than 0 (harmless in a softmax, whose largest term is 1). */
+static inline v8 exp8(v8 x) {
+    x = select8(x < splat8(-87.3f), splat8(-87.3f), x);
+    x = select8(x > splat8(88.7f), splat8(88.7f), x);
+    v8 t = x * splat8(1.44269504088896341f) + splat8(0.5f);
+    v8i n = __builtin_convertvector(t, v8i); /* truncates toward zero: floor for t < 0 needs a step down */
+    n += (v8i)(__builtin_convertvector(n, v8) > t);  /* the comparison's -1 lanes */
+    v8 fn = __builtin_convertvector(n, v8);
+    v8 r = x - fn * splat8(0.693359375f) + fn * splat8(2.12194440e-4f);
+    v8 p = splat8(1.9875691500e-4f);
+    p = p * r + splat8(1.3981999507e-3f);
+    p = p * r + splat8(8.3334519073e-3f);
+    p = p * r + splat8(4.1665795894e-2f);
+    p = p * r + splat8(1.6666665459e-1f);
+    p = p * r + splat8(5.0000001201e-1f);
+    p = p * r * r + r + splat8(1.0f);
+    return p * (v8)((n + 127) << 23);
+}
+
 #endif

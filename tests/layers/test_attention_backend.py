@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tessera.cache.kv_pool import TokenToKVPool
-from tessera.layers.attention import get_attention_backend
+from tessera.layers.attention import cpu_decode, get_attention_backend
 from tessera.runner.forward_batch import ForwardBatch
 
 HEAD_DIM, POOL_SIZE, MAX_CTX = 8, 200, 32
@@ -50,17 +50,26 @@ def make_case(seq_lens, extend_lens, num_kv_heads, masks=None, seed=0):
     return pool, fb, g
 
 
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Float32 decode on a CPU runs our C kernel (cpu_decode) where it is built; "torch" forces the fallback:
+    torch's matmuls from MATMUL_DECODE_MIN_BATCH decode requests on, SDPA below."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_decode, "applies", lambda *a: False)
+    return request.param
+
+
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
 @pytest.mark.parametrize("layout", ["mixed", "decode_ragged", "decode_equal", "prefill_only", "decode_batch_ragged",
                                     "decode_batch_equal"])
-def test_matches_reference(heads, layout):
+def test_matches_reference(heads, layout, decode_path):
     num_heads, num_kv_heads = heads
     seq_lens, ext_lens, masks = {
         "mixed": ([5, 9, 7, 5, 6], [5, 1, 3, 3, 1], "masks"),
         "decode_ragged": ([3, 12, 7], [1, 1, 1], None),
         "decode_equal": ([6, 6], [1, 1], None),
         "prefill_only": ([4, 6], [4, 6], None),
-        # From MATMUL_DECODE_MIN_BATCH decode requests on, float32 on a CPU takes the matmul path, not SDPA.
+        # From MATMUL_DECODE_MIN_BATCH decode requests on, torch's path is matmuls, not SDPA.
         "decode_batch_ragged": ([3, 12, 7, 20, 9, 15], [1] * 6, None),
         "decode_batch_equal": ([8] * 5, [1] * 5, None),
     }[layout]

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from tessera.cache.kv_pool import ReqToTokenPool, TokenToKVPool
-from tessera.layers.attention import get_attention_backend
+from tessera.layers.attention import cpu_decode, get_attention_backend
 from tessera.runner.forward_batch import ForwardBatch
 from tests.layers.test_attention_backend import reference
 
@@ -75,7 +76,12 @@ class Sim:
         return [r for r, n in self.reqs.items() if n > 0]
 
 
-def test_random_traffic_matches_the_pool() -> None:
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+def test_random_traffic_matches_the_pool(path, monkeypatch) -> None:
+    """Float32 on a CPU: through our C kernel where it is built (it reads the mirror rows in place), and
+    through torch's ops (which permute q and the outputs by the plan's rows)."""
+    if path == "torch":
+        monkeypatch.setattr(cpu_decode, "applies", lambda *a: False)
     sim = Sim(seed=1)
     plans = []
     plan = sim.backend._mirror.plan

@@ -2,8 +2,9 @@
 
 Decode requests (one new token, no custom mask) are batched into ONE attention over their K/V, padded to
 the longest of them: kept contiguous across steps in a DecodeKVMirror when the ForwardBatch carries
-request generations (the model runner's batches do), else gathered from the pool. That attention is SDPA,
-except for float32 batches of MATMUL_DECODE_MIN_BATCH or more on a CPU (see _decode_attention). Prefill/extend
+request generations (the model runner's batches do), else gathered from the pool. That attention is our C
+kernel for float32 on a CPU (cpu_decode.py; where it cannot run, torch's matmuls for batches of
+MATMUL_DECODE_MIN_BATCH or more, see _decode_attention), SDPA otherwise. Prefill/extend
 requests run one SDPA call each. Gather indices and masks are built once per step
 (init_forward_metadata) and shared by all layers.
 """
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.cache.kv_pool import TokenToKVPool
+from tessera.layers.attention import cpu_decode
 from tessera.layers.attention.base import BaseAttentionBackend
 from tessera.layers.attention.decode_mirror import DecodeKVMirror, MirrorPlan
 from tessera.runner.forward_batch import ForwardBatch
@@ -46,6 +48,12 @@ class _StepMetadata:
     mirror_planned: bool = False
     # masks built once per step: (what, window) -> bool mask; ("additive", id(mask)) -> (mask, float mask)
     step_masks: dict = field(default_factory=dict)
+    decode_lens_cpu: torch.Tensor | None = None  # int64 decode_lens for the CPU kernel, built on first use
+
+    def lens_tensor(self) -> torch.Tensor:
+        if self.decode_lens_cpu is None:
+            self.decode_lens_cpu = torch.tensor(self.decode_lens, dtype=torch.int64)
+        return self.decode_lens_cpu
 
 
 class TorchNativeAttentionBackend(BaseAttentionBackend):
@@ -190,6 +198,10 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         if plan is None:
             k, v = pool.gather(layer_id, meta.decode_slots, q.dtype)  # [B, L, Hkv, D]
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
+            if cpu_decode.applies(qg, k, v):
+                o = cpu_decode.decode_attention(qg, k, v, meta.lens_tensor(), None, scaling,
+                                                sliding_window)
+                return o.reshape(batch, num_heads * head_dim)
             mask = meta.decode_mask
             if sliding_window is not None:
                 mask = self._decode_window_mask(meta, "gather", meta.decode_lens, k.shape[2], sliding_window)
@@ -197,6 +209,10 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
             return o.reshape(batch, num_heads * head_dim)
         k, v = self._mirror.update_layer(layer_id, plan, k_new, v_new, pool)  # rows in mirror order
         self._mirror_layers_left -= 1
+        if cpu_decode.applies(qg, k, v):  # reads request d's row plan.rows[d] itself: no permutation
+            o = cpu_decode.decode_attention(qg, k, v, meta.lens_tensor(), plan.rows, scaling,
+                                            sliding_window)
+            return o.reshape(batch, num_heads * head_dim)
         if not plan.identity:  # request d sits in mirror row plan.rows[d]
             qg = torch.empty_like(qg).index_copy_(0, plan.rows, qg)
         mask = plan.mask
