@@ -1,31 +1,33 @@
-/* Decode attention in float32 over the decode K/V mirror (tessera/layers/attention/decode_mirror.py): one
- * query token per request, each KV head serving a group of G query heads, keys read once per (request, KV
- * head) for the whole group.
+/* Decode attention in float32 over the paged KV pool, read in place: one query token per request, each KV
+ * head serving a group of G query heads, keys read once per (request, KV head) for the whole group.
  *
- * Why not torch's ops: q k^T, softmax and p v as batched matmuls read each row's K and V through MKL's batched
- * GEMM of [G, D] x [D, L] tiles, ~3x the time the bytes take at demo-vl's batch 64 (and an additive mask per
- * step); SDPA's CPU kernel handles G query rows per KV head worse still. Here each (request, KV head) is one
- * task on torch's OpenMP threads: blocks of 64 keys, scores for four keys at a time, an online softmax (running
- * max and sum, rescaled per block), p v accumulated in four vector lanes per step.
+ * Why: torch's ops need each request's K/V contiguous, so the engine kept a second copy of them (the decode
+ * mirror, layers/attention/decode_mirror.py) and ran q k^T, softmax and p v over it as batched GEMMs of
+ * [G, D] x [D, L] tiles, ~3x the time the bytes take at demo-vl's batch 64, plus a mask, a scale and a
+ * permutation per layer. Here each request (or request and KV head, when requests are few) is one task on
+ * torch's OpenMP threads: blocks of 64 keys (the next block's rows prefetched through the slot table while one
+ * computes), scores for four keys at a time, an online softmax (running max and sum, rescaled per block), p v in
+ * four vector lanes.
  *
- * q, out [B, Hkv, G, D] contiguous; k, v: [rows, Hkv, keys, D] with any strides but the last (the mirror's
- * buffers, or K/V gathered from the pool): request b reads row rows[b] (rows NULL: row b), key j of KV head h
- * at k + rows[b] * row_stride + h * head_stride + j * key_stride; lens[b] keys valid, the last `window` of them
- * when window > 0. D a multiple of 8, at most MAX_D; G at most MAX_G. Built by cpu_kernels.py.
+ * q, out [B, Hkv, G, D] contiguous; k, v the pool's buffers of one layer ([slots, Hkv, D]); request b's key j
+ * in slot slots[b * slots_stride + j], its keys [0, lens[b]) (the last `window` of them when window > 0), key
+ * j of KV head h at k + slot * key_stride + h * head_stride. D a multiple of 8, at most MAX_D; G at most
+ * MAX_ROWS. Built by cpu_kernels.py.
  */
 #include <math.h>
+#include <stddef.h>
 
 #include "cpu_vec.h"
 
 #define BLOCK 64
-#define MAX_G 16
+#define MAX_ROWS 16 /* query rows per task: KV heads per task x G */
 #define MAX_D 512
 
-/* s[j] = scale * q . k_j for j < n (key j at k + j * ks), four keys per pass (four independent accumulators). */
-static void scores(const float *q, const float *k, long ks, long D, long n, float scale, float *s) {
+/* s[j] = scale * q . k[j] for j < n, four keys per pass (four independent accumulators). */
+static void scores(const float *q, const float *const *k, long D, long n, float scale, float *s) {
     long j = 0;
     for (; j + 4 <= n; j += 4) {
-        const float *k0 = k + j * ks, *k1 = k0 + ks, *k2 = k1 + ks, *k3 = k2 + ks;
+        const float *k0 = k[j], *k1 = k[j + 1], *k2 = k[j + 2], *k3 = k[j + 3];
         v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
         for (long c = 0; c < D; c += 8) {
             v8 qv = load8(q + c);
@@ -41,18 +43,18 @@ static void scores(const float *q, const float *k, long ks, long D, long n, floa
     }
     for (; j < n; j++) {
         v8 a = {0};
-        for (long c = 0; c < D; c += 8) a += load8(q + c) * load8(k + j * ks + c);
+        for (long c = 0; c < D; c += 8) a += load8(q + c) * load8(k[j] + c);
         s[j] = sum8(a) * scale;
     }
 }
 
-/* acc += sum_j p[j] v_j over n keys (key j at v + j * ks). */
-static void accumulate(const float *p, const float *v, long ks, long D, long n, float *acc) {
+/* acc += sum_j p[j] v[j] over n keys. */
+static void accumulate(const float *p, const float *const *v, long D, long n, float *acc) {
     long c = 0;
     for (; c + 32 <= D; c += 32) {
         v8 o0 = load8(acc + c), o1 = load8(acc + c + 8), o2 = load8(acc + c + 16), o3 = load8(acc + c + 24);
         for (long j = 0; j < n; j++) {
-            const float *vj = v + j * ks + c;
+            const float *vj = v[j] + c;
             v8 pj = splat8(p[j]);
             o0 += pj * load8(vj);
             o1 += pj * load8(vj + 8);
@@ -66,67 +68,112 @@ static void accumulate(const float *p, const float *v, long ks, long D, long n, 
     }
     for (; c < D; c += 8) {
         v8 o = load8(acc + c);
-        for (long j = 0; j < n; j++) o += splat8(p[j]) * load8(v + j * ks + c);
+        for (long j = 0; j < n; j++) o += splat8(p[j]) * load8(v[j] + c);
         store8(acc + c, o);
     }
 }
 
-static void one_head(const float *q, const float *k, const float *v, long ks, float *out, long G, long D, long lo,
-                     long hi, float scale) {
-    float acc[MAX_G * MAX_D], s[BLOCK], m[MAX_G], l[MAX_G];
-    for (long g = 0; g < G; g++) {
-        m[g] = -INFINITY;
-        l[g] = 0.0f;
-    }
-    for (long i = 0; i < G * D; i++) acc[i] = 0.0f;
-    for (long j0 = lo; j0 < hi; j0 += BLOCK) {
-        long n = hi - j0 < BLOCK ? hi - j0 : BLOCK;
-        const float *kb = k + j0 * ks, *vb = v + j0 * ks;
-        for (long g = 0; g < G; g++) {
-            float *ag = acc + g * D;
-            scores(q + g * D, kb, ks, D, n, scale, s);
-            float mx = m[g];
-            for (long j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
-            if (mx > m[g]) { /* a new running max: rescale what was summed under the old one */
-                float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mx);
-                l[g] *= alpha;
-                for (long c = 0; c < D; c += 8) store8(ag + c, load8(ag + c) * splat8(alpha));
-                m[g] = mx;
+/* Request b's keys: key j of KV head h at k + slots[j] * key_stride + h * head_stride (v alike). */
+typedef struct {
+    const float *k, *v;
+    const long *slots;
+    long key_stride, head_stride;
+} keys_t;
+
+/* Requests K and V rows of keys [from, to) ahead of their use: they sit wherever the allocator put them, so the
+ * hardware's prefetcher cannot guess them. Each block asks for the next one while it computes. */
+static void prefetch_rows(keys_t keys, long heads, long D, long from, long to) {
+    for (long j = from; j < to; j++) {
+        const float *kr = keys.k + keys.slots[j] * keys.key_stride, *vr = keys.v + keys.slots[j] * keys.key_stride;
+        for (long h = 0; h < heads; h++)
+            for (long c = 0; c < D; c += 16) { /* one 64-byte line per 16 floats */
+                __builtin_prefetch(kr + h * keys.head_stride + c);
+                __builtin_prefetch(vr + h * keys.head_stride + c);
             }
-            v8 sum = {0};
-            long j = 0;
-            for (; j + 8 <= n; j += 8) {
-                v8 p = exp8(load8(s + j) - splat8(mx));
-                store8(s + j, p);
-                sum += p;
-            }
-            float tail = 0.0f;
-            for (; j < n; j++) {
-                s[j] = expf(s[j] - mx);
-                tail += s[j];
-            }
-            l[g] += sum8(sum) + tail;
-            accumulate(s, vb, ks, D, n, ag);
-        }
-    }
-    for (long g = 0; g < G; g++) {
-        float r = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-        for (long c = 0; c < D; c += 8) store8(out + g * D + c, load8(acc + g * D + c) * splat8(r));
     }
 }
 
-void tessera_decode_attention_f32(const float *q, const float *k, const float *v, const long *rows, const long *lens,
-                                  float *out, long B, long Hkv, long G, long D, long row_stride, long head_stride,
-                                  long key_stride, float scale, long window, int threads) {
+/* Query rows [heads x G, D] of one request over its keys [lo, hi) of `heads` KV heads. A request's KV heads
+ * share a task when there are requests enough to keep the threads busy: in the pool a key's heads are
+ * adjacent, so one task reads each slot's K and V rows whole. */
+static void attend(const float *q, keys_t keys, long heads, float *out, long G, long D, long lo, long hi,
+                   float scale) {
+    float acc[MAX_ROWS * MAX_D], s[BLOCK], m[MAX_ROWS], l[MAX_ROWS];
+    long off[BLOCK];
+    const float *kp[BLOCK], *vp[BLOCK];
+    long R = heads * G;
+    for (long r = 0; r < R; r++) {
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (long i = 0; i < R * D; i++) acc[i] = 0.0f;
+    prefetch_rows(keys, heads, D, lo, lo + BLOCK < hi ? lo + BLOCK : hi);
+    for (long j0 = lo; j0 < hi; j0 += BLOCK) {
+        long n = hi - j0 < BLOCK ? hi - j0 : BLOCK;
+        for (long j = 0; j < n; j++) off[j] = keys.slots[j0 + j] * keys.key_stride;
+        prefetch_rows(keys, heads, D, j0 + BLOCK, j0 + 2 * BLOCK < hi ? j0 + 2 * BLOCK : hi);
+        for (long h = 0; h < heads; h++) {
+            for (long j = 0; j < n; j++) {
+                kp[j] = keys.k + off[j] + h * keys.head_stride;
+                vp[j] = keys.v + off[j] + h * keys.head_stride;
+            }
+            for (long r = h * G; r < (h + 1) * G; r++) {
+                float *ar = acc + r * D;
+                scores(q + r * D, kp, D, n, scale, s);
+                float mx = m[r];
+                for (long j = 0; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+                if (mx > m[r]) { /* a new running max: rescale what was summed under the old one */
+                    float alpha = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
+                    l[r] *= alpha;
+                    for (long c = 0; c < D; c += 8) store8(ar + c, load8(ar + c) * splat8(alpha));
+                    m[r] = mx;
+                }
+                v8 sum = {0};
+                long j = 0;
+                for (; j + 8 <= n; j += 8) {
+                    v8 p = exp8(load8(s + j) - splat8(mx));
+                    store8(s + j, p);
+                    sum += p;
+                }
+                float tail = 0.0f;
+                for (; j < n; j++) {
+                    s[j] = expf(s[j] - mx);
+                    tail += s[j];
+                }
+                l[r] += sum8(sum) + tail;
+                accumulate(s, vp, D, n, ar);
+            }
+        }
+    }
+    for (long r = 0; r < R; r++) {
+        float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+        for (long c = 0; c < D; c += 8) store8(out + r * D + c, load8(acc + r * D + c) * splat8(inv));
+    }
+}
+
+void tessera_decode_attention_f32(const float *q, const float *k, const float *v, const long *slots, long slots_stride,
+                                  const long *lens, float *out, long B, long Hkv, long G, long D, long key_stride,
+                                  long head_stride, float scale, long window, int threads) {
     /* Waking a second thread costs more than a few small heads take (1 request x 150 keys: 9 us on one
      * thread, 17 on two). */
-    long keys = 0;
-    for (long b = 0; b < B; b++) keys += lens[b];
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 2) if (keys * Hkv * G * D >= (1L << 18))
-    for (long t = 0; t < B * Hkv; t++) {
-        long b = t / Hkv, h = t % Hkv, row = rows ? rows[b] : b, hi = lens[b];
+    long total = 0;
+    for (long b = 0; b < B; b++) total += lens[b];
+    int parallel = total * Hkv * G * D >= (1L << 18);
+    /* KV heads per task: as many as fit MAX_ROWS query rows, once there are a few requests per thread. */
+    long heads = 1;
+    if (!parallel || B >= 4L * threads)
+        for (long h = Hkv; h >= 1; h--)
+            if (Hkv % h == 0 && h * G <= MAX_ROWS) {
+                heads = h;
+                break;
+            }
+    long per_req = Hkv / heads;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 2) if (parallel)
+    for (long t = 0; t < B * per_req; t++) {
+        long b = t / per_req, h = (t % per_req) * heads, hi = lens[b];
         long lo = window > 0 && hi > window ? hi - window : 0;
-        long kv = row * row_stride + h * head_stride;
-        one_head(q + t * G * D, k + kv, v + kv, key_stride, out + t * G * D, G, D, lo, hi, scale);
+        keys_t keys = {k + h * head_stride, v + h * head_stride, slots + b * slots_stride, key_stride, head_stride};
+        long at = (b * Hkv + h) * G * D;
+        attend(q + at, keys, heads, out + at, G, D, lo, hi, scale);
     }
 }

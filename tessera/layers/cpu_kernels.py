@@ -34,8 +34,8 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _SIGNATURES = {  # name: (argument types, result type)
     "tessera_gemv_f32": ([ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int], None),
     "tessera_rmsnorm_f32": ([ctypes.c_void_p] * 5 + [ctypes.c_long] * 2 + [ctypes.c_float, ctypes.c_int], None),
-    "tessera_decode_attention_f32": ([ctypes.c_void_p] * 6 + [ctypes.c_long] * 7
-                                     + [ctypes.c_float, ctypes.c_long, ctypes.c_int], None),
+    "tessera_decode_attention_f32": ([ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 2
+                                     + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_long, ctypes.c_int], None),
 }
 
 _lock = threading.Lock()

@@ -46,6 +46,10 @@ def test_step_profile_times_both_models_and_accounts_for_every_operator() -> Non
     r = run_profile(ProfileConfig(batch_size=3, context_len=20, steps=2, warmup=1))
     assert r["tessera_step_ms_median"] > 0 and r["hf_step_ms_median"] > 0
     assert sum(r["tessera_groups_pct"].values()) == pytest.approx(100, abs=0.5)
-    assert {"matmul", "K/V gather (index)", "attention (sdpa)"} <= set(r["tessera_groups_pct"])
-    assert any("index_select" in o["op"] for o in r["tessera_top_ops"])
+    assert {"matmul", "attention"} <= set(r["tessera_groups_pct"])
+    # Float32 decode on a CPU reads the pool through our C kernel where it is built, else gathers K/V.
+    from tessera.layers import cpu_kernels
+
+    expected = "tessera_decode_attention_f32" if cpu_kernels.library() is not None else "index_select"
+    assert any(expected in o["op"] for o in r["tessera_top_ops"])
     assert "decode step, median of 2" in format_profile(r)

@@ -52,10 +52,10 @@ def make_case(seq_lens, extend_lens, num_kv_heads, masks=None, seed=0):
 
 @pytest.fixture(params=["kernel", "torch"])
 def decode_path(request, monkeypatch):
-    """Float32 decode on a CPU runs our C kernel (cpu_decode) where it is built; "torch" forces the fallback:
-    torch's matmuls from MATMUL_DECODE_MIN_BATCH decode requests on, SDPA below."""
+    """Float32 decode on a CPU runs our C kernel over the pool (cpu_decode) where it is built; "torch" forces
+    the fallback: torch's matmuls from MATMUL_DECODE_MIN_BATCH decode requests on, SDPA below."""
     if request.param == "torch":
-        monkeypatch.setattr(cpu_decode, "applies", lambda *a: False)
+        monkeypatch.setattr(cpu_decode, "reads_pool", lambda *a: False)
     return request.param
 
 
@@ -86,7 +86,8 @@ def test_matches_reference(heads, layout, decode_path):
     k = torch.randn(t, num_kv_heads, HEAD_DIM, generator=g)
     v = torch.randn(t, num_kv_heads, HEAD_DIM, generator=g)
     backend = get_attention_backend("torch_native")
-    out = backend.forward(q, k, v, 0, fb, pool, 0.3)  # no init_forward_metadata: must build it itself
+    with torch.inference_mode():  # as the model runs: our C kernels take no autograd inputs
+        out = backend.forward(q, k, v, 0, fb, pool, 0.3)  # no init_forward_metadata: must build it itself
     assert torch.equal(pool.k_buffers[0][fb.out_cache_loc], k) and torch.equal(pool.v_buffers[0][fb.out_cache_loc], v)
     torch.testing.assert_close(out, reference(q, pool.k_buffers[0], pool.v_buffers[0], fb, 0.3), atol=1e-5, rtol=0)
 

@@ -1,44 +1,49 @@
-"""Decode attention in float32 on a CPU through our C kernel (tessera/layers/cpu_decode_attention.c).
+"""Decode attention in float32 on a CPU, reading the paged KV pool in place through our C kernel
+(tessera/layers/cpu_decode_attention.c).
 
-torch's ops run a decode step's attention as q k^T, softmax and p v over the K/V mirror: batched GEMMs of
-[G, D] x [D, L] tiles that take ~3x what reading K and V costs, plus a mask, a scale and a permutation per layer.
-The kernel reads each (request, KV head)'s keys once for its whole query group, with an online softmax over
-per-request lengths (no mask) and the mirror's row of each request (no permutation). Per layer, 2-vCPU AMD
-EPYC, 2 threads: demo-vl's 64 requests x 100-200 keys 0.83-1.14 ms -> 0.26-0.40 ms, 1 request x 150 keys
-73-106 us (matmuls; SDPA ~31-49) -> 14-17 us; 32 x 200-300 keys at 4 KV heads x 4 (bench-medium) 2.3-2.6 ->
-1.0-1.1 ms. Outputs within ~1e-6 of torch's (another summation order).
+torch's ops need each request's K/V contiguous: the backend kept a second copy of them across steps (the decode
+mirror) and ran q k^T, softmax and p v over it as batched GEMMs of [G, D] x [D, L] tiles, ~3x the time reading
+K and V takes, plus a mask, a scale and a permutation per layer. The kernel reads each request's keys through
+its slot table, once for its whole query group, with an online softmax over per-request lengths: no copy, no
+mask, no permutation, no mirror memory. Decode steps in one process, alternating blocks of 20 (2-vCPU AMD
+EPYC, 2 threads, demo-vl, 100-token prompts), torch over the mirror -> this kernel over the pool: batch 64
+16.65 -> 14.87 ms, batch 16 8.16 -> 7.28, batch 1 3.59 -> 3.17. Outputs within ~1e-6 of torch's (another
+summation order). More in docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import torch
 
+from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers import cpu_kernels
 
-MAX_HEAD_DIM = 512  # the kernel's per-group accumulator is MAX_GROUP x MAX_HEAD_DIM floats on its stack
-MAX_GROUP = 16
+MAX_HEAD_DIM = 512  # the kernel's accumulators are MAX_ROWS x MAX_HEAD_DIM floats on its stack
+MAX_GROUP = 16  # query heads per KV head (the kernel's MAX_ROWS)
 
 
-def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """q [B, Hkv, G, D] (any strides); k, v [rows, Hkv, L, D] whose last dim is contiguous (the mirror's views,
-    or K/V gathered from the pool and transposed): float32 inference on a CPU, shapes the kernel handles."""
-    head_dim, group = q.shape[-1], q.shape[-2]
-    return (q.dim() == 4 and k.dim() == 4 and head_dim % 8 == 0 and head_dim <= MAX_HEAD_DIM
-            and group <= MAX_GROUP and k.stride() == v.stride() and k.stride(-1) == 1
-            and k.shape[1] == q.shape[1] and k.shape[-1] == head_dim
-            and cpu_kernels.takes() and all(t.is_cpu and t.dtype is torch.float32 for t in (q, k, v)))
+def reads_pool(q: torch.Tensor, pool: TokenToKVPool) -> bool:
+    """Whether the kernel takes this step's decode attention: q [tokens, heads, D] and the pool in float32 on
+    a CPU, in inference (the kernel records no autograd graph), a head size and grouping it handles."""
+    k = pool.k_buffers[0]
+    return (q.dtype is torch.float32 and k.dtype is torch.float32 and k.is_cpu and q.is_cpu and k.is_contiguous()
+            and q.shape[-1] == pool.head_dim and pool.head_dim % 8 == 0 and pool.head_dim <= MAX_HEAD_DIM
+            and q.shape[1] % pool.num_kv_heads == 0 and q.shape[1] // pool.num_kv_heads <= MAX_GROUP
+            and cpu_kernels.takes())
 
 
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
-                     rows: torch.Tensor | None, scaling: float, window: int | None = None) -> torch.Tensor:
-    """q [B, Hkv, G, D] -> [B, Hkv, G, D]: request b attends to keys [0, lens[b]) (the last
-    `window` of them with a sliding window) of row rows[b] of k / v (rows None: row b). lens, rows: int64
-    [B] on the CPU. Call only where `applies` said so."""
+def paged_decode_attention(q: torch.Tensor, pool: TokenToKVPool, layer: int, slots: torch.Tensor,
+                           lens: torch.Tensor, scaling: float, window: int | None = None) -> torch.Tensor:
+    """q [B, Hkv, G, D] -> [B, Hkv, G, D]: request b attends to its keys [0, lens[b]) (the last `window` of
+    them with a sliding window), key j in slot slots[b, j] of layer `layer`. slots: int64 [B, >= max(lens)]
+    with contiguous rows (entries past lens[b] are never read); lens: int64 [B]. Call only where `reads_pool`
+    said so."""
     batch, kv_heads, group, head_dim = q.shape
+    k, v = pool.k_buffers[layer], pool.v_buffers[layer]  # [slots, Hkv, D]
+    assert slots.dtype is torch.int64 and slots.stride(-1) == 1 and lens.dtype is torch.int64
     q = q.contiguous()
     out = torch.empty_like(q)
-    cpu_kernels.call("tessera_decode_attention_f32", q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                     None if rows is None else rows.data_ptr(), lens.data_ptr(), out.data_ptr(), batch, kv_heads,
-                     group, head_dim, k.stride(0), k.stride(1), k.stride(2), scaling, window or 0,
-                     torch.get_num_threads())
+    cpu_kernels.call("tessera_decode_attention_f32", q.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(),
+                     slots.stride(0), lens.data_ptr(), out.data_ptr(), batch, kv_heads, group, head_dim, k.stride(0),
+                     k.stride(1), scaling, window or 0, torch.get_num_threads())
     return out

@@ -1,12 +1,12 @@
 """Attention over the paged KV cache with torch's scaled_dot_product_attention (CPU and GPU).
 
 Decode requests (one new token, no custom mask) are batched into ONE attention over their K/V, padded to
-the longest of them: kept contiguous across steps in a DecodeKVMirror when the ForwardBatch carries
-request generations (the model runner's batches do), else gathered from the pool. That attention is our C
-kernel for float32 on a CPU (cpu_decode.py; where it cannot run, torch's matmuls for batches of
-MATMUL_DECODE_MIN_BATCH or more, see _decode_attention), SDPA otherwise. Prefill/extend
-requests run one SDPA call each. Gather indices and masks are built once per step
-(init_forward_metadata) and shared by all layers.
+the longest of them. Float32 on a CPU: our C kernel reads the pool in place (cpu_decode.py). Otherwise (other
+dtypes, GPUs, no C compiler) the K/V are kept contiguous across steps in a DecodeKVMirror when the
+ForwardBatch carries request generations (the model runner's batches do), else gathered from the pool, and
+attended with SDPA (torch's matmuls for float32 batches of MATMUL_DECODE_MIN_BATCH or more on a CPU, see
+_decode_attention). Prefill/extend requests run one SDPA call each. Gather indices and masks are built once
+per step (init_forward_metadata) and shared by all layers.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class _StepMetadata:
     decode_lens: list[int]
     mirror_plan: MirrorPlan | None = None  # made on the first layer (it needs the pool)
     mirror_planned: bool = False
+    paged: bool = False  # decode reads the pool in place through our C kernel (decided with the mirror plan)
     # masks built once per step: (what, window) -> bool mask; ("additive", id(mask)) -> (mask, float mask)
     step_masks: dict = field(default_factory=dict)
     decode_lens_cpu: torch.Tensor | None = None  # int64 decode_lens for the CPU kernel, built on first use
@@ -118,15 +119,21 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         return _StepMetadata(fb, is_all_decode, decode_rows, decode_slots, decode_mask, extends, keys,
                              [seq_lens[i] for i in decode_reqs])
 
-    def _plan_mirror(self, meta: _StepMetadata, pool: TokenToKVPool, dtype: torch.dtype) -> None:
+    def _plan_mirror(self, meta: _StepMetadata, pool: TokenToKVPool, q: torch.Tensor) -> None:
+        """Once per step, on its first layer: the kernel reads the pool, or the mirror is brought up to date."""
         meta.mirror_planned = True
         if self._mirror_layers_left:  # the previous step stopped between layers: its rows are partial
             self._mirror.clear()
+        if meta.decode_rows is not None and cpu_decode.reads_pool(q, pool):
+            meta.paged = True  # no copy of the K/V needed: free the mirror's memory if an earlier step made one
+            if self._mirror.k:
+                self._mirror.clear()
+            return
         if meta.mirror_keys is None:
             return
         req_to_token = meta.fb.req_to_token
         meta.mirror_plan = self._mirror.plan(meta.mirror_keys, meta.decode_lens,
-                                             [req_to_token[row] for row, _ in meta.mirror_keys], pool, dtype)
+                                             [req_to_token[row] for row, _ in meta.mirror_keys], pool, q.dtype)
         self._mirror_layers_left = pool.num_layers if meta.mirror_plan is not None else 0
 
     def forward(
@@ -145,7 +152,7 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         meta = self._metadata_for(fb)
         if not meta.mirror_planned:
-            self._plan_mirror(meta, pool, q.dtype)
+            self._plan_mirror(meta, pool, q)
 
         if meta.is_all_decode:
             return self._decode(q, k, v, pool, layer_id, meta, scaling, sliding_window)
@@ -184,7 +191,7 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         scaling: float,
         sliding_window: int | None = None,
     ) -> torch.Tensor:
-        """q: [B_dec, H, D] (one token per request) -> [B_dec, H * D], one batched SDPA call.
+        """q: [B_dec, H, D] (one token per request) -> [B_dec, H * D], one batched call (our kernel's, or SDPA's).
 
         The H query heads are viewed as [num_kv_heads, group] and the group is fed to SDPA as the query
         length: every kv head serves its group without materialising repeated K/V (query head h uses kv
@@ -194,14 +201,14 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         batch, num_heads, head_dim = q.shape
         num_kv_heads = pool.num_kv_heads
         qg = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        if meta.paged:  # the pool in place (this step's tokens were written to it before)
+            o = cpu_decode.paged_decode_attention(qg, pool, layer_id, meta.decode_slots, meta.lens_tensor(),
+                                                  scaling, sliding_window)
+            return o.reshape(batch, num_heads * head_dim)
         plan = meta.mirror_plan
         if plan is None:
             k, v = pool.gather(layer_id, meta.decode_slots, q.dtype)  # [B, L, Hkv, D]
             k, v = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
-            if cpu_decode.applies(qg, k, v):
-                o = cpu_decode.decode_attention(qg, k, v, meta.lens_tensor(), None, scaling,
-                                                sliding_window)
-                return o.reshape(batch, num_heads * head_dim)
             mask = meta.decode_mask
             if sliding_window is not None:
                 mask = self._decode_window_mask(meta, "gather", meta.decode_lens, k.shape[2], sliding_window)
@@ -209,10 +216,6 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
             return o.reshape(batch, num_heads * head_dim)
         k, v = self._mirror.update_layer(layer_id, plan, k_new, v_new, pool)  # rows in mirror order
         self._mirror_layers_left -= 1
-        if cpu_decode.applies(qg, k, v):  # reads request d's row plan.rows[d] itself: no permutation
-            o = cpu_decode.decode_attention(qg, k, v, meta.lens_tensor(), plan.rows, scaling,
-                                            sliding_window)
-            return o.reshape(batch, num_heads * head_dim)
         if not plan.identity:  # request d sits in mirror row plan.rows[d]
             qg = torch.empty_like(qg).index_copy_(0, plan.rows, qg)
         mask = plan.mask
