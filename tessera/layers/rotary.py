@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessera.layers import cpu_kernels
+
 
 class RotaryEmbedding(nn.Module):
     """RoPE over the full head_dim with inverse frequencies theta^(-2i/head_dim).
@@ -69,7 +71,15 @@ def _interleaved_rows(section: list[int]) -> list[int]:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D // 2] -> rotated x (rotate-half convention), same dtype."""
+    """x: [T, H, D]; cos, sin: [T, D // 2] -> rotated x (rotate-half convention), same dtype.
+
+    Float32 inference on a CPU runs as one pass of our C kernel (layers/cpu_rotary.c) instead of ~8 operators."""
+    if (x.dim() == 3 and x.stride(-1) == 1 and cos.shape == sin.shape == (x.shape[0], x.shape[-1] // 2)
+            and x.is_cpu and x.dtype is torch.float32 and cpu_kernels.takes(cos, sin)):
+        out = torch.empty(x.shape, dtype=torch.float32)
+        cpu_kernels.call("tessera_rotary_f32", x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(),
+                         sin.data_ptr(), cos.stride(0), out.data_ptr(), *x.shape, torch.get_num_threads())
+        return out
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -135,3 +135,33 @@ def test_rmsnorm_takes_the_kernel_only_for_float32_inference_on_contiguous_rows(
         assert not norm._kernel_applies(torch.randn(4, 64), torch.randn(64, 4).t(), w)  # residual not contiguous
         assert not norm._kernel_applies(torch.randn(4, 32), None, w)  # width disagrees: torch raises
     assert not norm._kernel_applies(torch.randn(4, 64), None, w)  # autograd on
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(1, 6, 64), (3, 2, 20), (700, 6, 64), (5, 3, 128)])
+def test_rotary_kernel_is_bit_identical_to_torchs_form(threads, tokens, heads, head_dim):
+    """q and k as column slices of a fused qkv output (strided rows), half a head not a multiple of 8 (the
+    scalar tail), the parallel branch (700 tokens): the same bits as the operators (transformers' order)."""
+    from tessera.layers import rotary
+
+    g = torch.Generator().manual_seed(tokens * heads)
+    qkv = torch.randn(tokens, (heads + 2) * head_dim, generator=g)
+    x = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    cos, sin = torch.randn(tokens, head_dim // 2, generator=g), torch.randn(tokens, head_dim // 2, generator=g)
+    want = rotary.apply_rotary(x, cos, sin)  # autograd on: torch's operators
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    calls = []
+    try:
+        with torch.inference_mode():
+            real = cpu_kernels.call
+            cpu_kernels.call = lambda name, *a: calls.append(name) or real(name, *a)
+            try:
+                got = rotary.apply_rotary(x, cos, sin)
+            finally:
+                cpu_kernels.call = real
+    finally:
+        torch.set_num_threads(before)
+    assert calls == ["tessera_rotary_f32"] and torch.equal(got, want)
+    assert rotary.apply_rotary(x.bfloat16(), cos.bfloat16(), sin.bfloat16()).dtype == torch.bfloat16  # torch's path
