@@ -1,6 +1,6 @@
 """Our C kernels for the CPU (cpu_gemv.c: few-row products; cpu_rmsnorm.c: RMSNorm with the residual add;
-cpu_decode_attention.c: decode attention over the paged pool; cpu_rotary.c: rotary embedding), compiled on first
-use with the system's C compiler and loaded with ctypes.
+cpu_decode_attention.c: decode attention over the paged pool; cpu_rotary.c: rotary embedding; cpu_silu_mul.c:
+SwiGLU's activation), compiled on first use with the system's C compiler and loaded with ctypes.
 
 The library is built once per source, compiler and CPU (-march=native) into TESSERA_KERNEL_CACHE (default
 ~/.cache/tessera/kernels; the temp dir when that is not writable). Why not torch's C++ extension builder: it
@@ -29,7 +29,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(f"{name}.c") for name in ("cpu_gemv", "cpu_rmsnorm", "cpu_decode_attention",
-                                                                 "cpu_rotary"))
+                                                                 "cpu_rotary", "cpu_silu_mul"))
 HEADERS = (Path(__file__).with_name("cpu_vec.h"),)  # included by the sources: part of the build's key
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 _SIGNATURES = {  # name: (argument types, result type)
@@ -37,6 +37,8 @@ _SIGNATURES = {  # name: (argument types, result type)
     "tessera_rmsnorm_f32": ([ctypes.c_void_p] * 5 + [ctypes.c_long] * 2 + [ctypes.c_float, ctypes.c_int], None),
     "tessera_decode_attention_f32": ([ctypes.c_void_p] * 4 + [ctypes.c_long] + [ctypes.c_void_p] * 2
                                      + [ctypes.c_long] * 6 + [ctypes.c_float, ctypes.c_long, ctypes.c_int], None),
+    "tessera_silu_mul_f32": ([ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p] + [ctypes.c_long] * 2 + [ctypes.c_int],
+                             None),
     "tessera_rotary_f32": ([ctypes.c_void_p] + [ctypes.c_long] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_long]
                            + [ctypes.c_void_p] + [ctypes.c_long] * 3 + [ctypes.c_int], None),
 }

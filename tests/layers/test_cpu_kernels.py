@@ -165,3 +165,34 @@ def test_rotary_kernel_is_bit_identical_to_torchs_form(threads, tokens, heads, h
         torch.set_num_threads(before)
     assert calls == ["tessera_rotary_f32"] and torch.equal(got, want)
     assert rotary.apply_rotary(x.bfloat16(), cos.bfloat16(), sin.bfloat16()).dtype == torch.bfloat16  # torch's path
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize(("rows", "d"), [(1, 704), (3, 11), (64, 1408), (300, 256)])
+def test_silu_mul_kernel_matches_torch(threads, rows, d):
+    """Vector tails (d not a multiple of 8), rows with a stride wider than 2d, the parallel branch; large
+    gates both ways (exp's range)."""
+    from tessera.layers.activation import SiluAndMul
+
+    g = torch.Generator().manual_seed(rows + d)
+    wide = torch.randn(rows, 2 * d + 5, generator=g) * 6
+    x = wide[:, : 2 * d]  # row stride 2d + 5
+    x[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    gate, up = x.chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    calls = []
+    real = cpu_kernels.call
+    try:
+        cpu_kernels.call = lambda name, *a: calls.append(name) or real(name, *a)
+        with torch.inference_mode():
+            got = SiluAndMul()(x)
+            assert SiluAndMul()(x.bfloat16()).dtype == torch.bfloat16  # torch's path
+            assert SiluAndMul()(x[None]).shape == (1, rows, d)  # 3-D: torch's path
+    finally:
+        cpu_kernels.call = real
+        torch.set_num_threads(before)
+    assert calls == ["tessera_silu_mul_f32"]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
