@@ -149,9 +149,12 @@ def offline_table(results: list[dict]) -> str:
         ("", "ms per decode step at the larger batch, Tessera / HF",
          lambda r: _pair(get(r, "d", "tessera", big_bs(r)), get(r, "d", "hf", big_bs(r)), ".2f")
          + f" ({big_bs(r)[2:]})"),
-        ("", "batch-1 memory floor ms (weight bytes / copy bandwidth); Tessera batch 1 / floor",
+        ("", "batch-1 memory floor ms (weight bytes / read bandwidth); Tessera batch 1 / floor",
          lambda r: _num(get(r, "d", "memory_floor", "floor_ms"), ".2f") + "; "
          + _num(get(r, "d", "bs1_vs_floor"), ".2f") + "x"),
+        ("", "the same with the copy bandwidth (weight bytes / copy bandwidth)",
+         lambda r: _num(get(r, "d", "memory_floor", "copy_floor_ms"), ".2f") + "; "
+         + _num(get(r, "d", "bs1_vs_copy_floor"), ".2f") + "x"),
     ]
     head = "| workload | figure | " + " | ".join(r["model_path"] for r in results) + " |"
     lines = [head, "|" + "---|" * (2 + len(results))]
