@@ -23,7 +23,8 @@ def test_the_kernel_is_built_and_loaded_where_a_compiler_is():
 @needs_cc
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
-                         [(1, 64, 32), (2, 67, 40), (3, 5, 8), (5, 130, 67), (8, 1, 7), (7, 33, 300)])
+                         [(1, 64, 32), (2, 67, 40), (3, 5, 8), (5, 130, 67), (8, 1, 7), (7, 33, 300), (17, 70, 300),
+                          (48, 9, 64)])
 def test_kernel_equals_f_linear(threads, rows, out_features, in_features):
     """Every tile remainder: rows of x odd and even, weight rows not a multiple of 4, in_features not a multiple
     of 8 (the scalar tail); with and without bias; on one and two threads."""
@@ -37,7 +38,7 @@ def test_kernel_equals_f_linear(threads, rows, out_features, in_features):
         for bias in (None, b):
             got = cpu_gemv.gemv(x, w, bias)
             assert got.shape == (rows, out_features)
-            torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=5e-5)  # 300-term sums
     finally:
         torch.set_num_threads(before)
 
@@ -51,10 +52,10 @@ def test_linear_takes_the_kernel_exactly_for_few_rows_of_float32_inference(monke
     w = torch.randn(cpu_gemv.GEMV_MIN_WEIGHT // 256, 256, generator=g)
     b = torch.randn(w.shape[0], generator=g)
     with torch.inference_mode():
-        for rows in (1, cpu_gemv.GEMV_MAX_ROWS):
+        for rows in (1, cpu_gemv.max_rows()):
             x = torch.randn(rows, 256, generator=g)
             torch.testing.assert_close(lin.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
-        lin.linear(torch.randn(cpu_gemv.GEMV_MAX_ROWS + 1, 256), w)  # many rows
+        lin.linear(torch.randn(cpu_gemv.max_rows() + 1, 256), w)  # many rows
         lin.linear(torch.randn(2, 128), torch.randn(64, 128))  # small weight
         lin.linear(torch.randn(2, 256).bfloat16(), w.bfloat16())  # not float32
         lin.linear(torch.randn(256, 2).t(), w)  # x not contiguous
@@ -62,7 +63,7 @@ def test_linear_takes_the_kernel_exactly_for_few_rows_of_float32_inference(monke
         with pytest.raises(RuntimeError):  # shapes that disagree get torch's error, not the kernel
             lin.linear(torch.randn(2, 255), w)
     lin.linear(torch.randn(2, 256), w)  # autograd on
-    assert calls == [1, cpu_gemv.GEMV_MAX_ROWS]
+    assert calls == [1, cpu_gemv.max_rows()]
 
 
 @needs_cc
