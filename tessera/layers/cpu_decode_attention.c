@@ -15,7 +15,6 @@
  * MAX_ROWS. Built by cpu_kernels.py.
  */
 #include <math.h>
-#include <stddef.h>
 
 #include "cpu_vec.h"
 

@@ -71,15 +71,24 @@ def _interleaved_rows(section: list[int]) -> list[int]:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D // 2] -> rotated x (rotate-half convention), same dtype.
-
-    Float32 inference on a CPU runs as one pass of our C kernel (layers/cpu_rotary.c) instead of ~8 operators."""
-    if (x.dim() == 3 and x.stride(-1) == 1 and cos.shape == sin.shape == (x.shape[0], x.shape[-1] // 2)
-            and x.is_cpu and x.dtype is torch.float32 and cpu_kernels.takes(cos, sin)):
-        out = torch.empty(x.shape, dtype=torch.float32)
-        cpu_kernels.call("tessera_rotary_f32", x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(),
-                         sin.data_ptr(), cos.stride(0), out.data_ptr(), *x.shape, torch.get_num_threads())
+    """x: [T, H, D]; cos, sin: [T, D // 2] -> rotated x (rotate-half convention), same dtype."""
+    out = rotary_kernel(x, cos, sin)
+    if out is not None:
         return out
     x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotary_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """apply_rotary as one pass of our C kernel (layers/cpu_rotary.c, bit-identical to the operators) instead
+    of ~8 operators: float32 inference on a CPU, x [T, H, D] and cos, sin [T, D // 2] with any row and head
+    strides but a contiguous last dim. None where it does not apply (the caller keeps torch's form)."""
+    if not (x.dim() == 3 and cos.shape == sin.shape == (x.shape[0], x.shape[-1] // 2)
+            and cos.stride() == sin.stride() and x.stride(-1) == cos.stride(-1) == 1
+            and all(t.is_cpu and t.dtype is torch.float32 for t in (x, cos, sin)) and cpu_kernels.takes()):
+        return None
+    out = torch.empty(x.shape, dtype=torch.float32)
+    cpu_kernels.call("tessera_rotary_f32", x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+                     cos.stride(0), out.data_ptr(), *x.shape, torch.get_num_threads())
+    return out

@@ -12,6 +12,7 @@ import torch
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers import cpu_kernels
 from tessera.layers.attention import cpu_decode
+from tests.layers.test_cpu_kernels import torch_threads
 from tests.layers.test_decode_mirror import Sim, random_traffic
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -33,15 +34,9 @@ def reference(q, pool, layer, slots, lens, scaling, window=None):
 
 
 def run(q, pool, layer, slots, lens, scaling, window, threads):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            flat = q.reshape(q.shape[0], -1, q.shape[-1])
-            assert cpu_decode.reads_pool(flat, pool)
-            return cpu_decode.paged_decode_attention(q, pool, layer, slots, lens, scaling, window)
-    finally:
-        torch.set_num_threads(before)
+    with torch_threads(threads), torch.inference_mode():
+        assert cpu_decode.reads_pool(q.reshape(q.shape[0], -1, q.shape[-1]), pool)
+        return cpu_decode.paged_decode_attention(q, pool, layer, slots, lens, scaling, window)
 
 
 def make_pool(kv_heads, head_dim, lens, g, layers=2):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 
 import pytest
@@ -10,6 +11,25 @@ import torch.nn.functional as F
 
 from tessera.layers import cpu_gemv, cpu_kernels
 from tessera.layers import linear as lin
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to n, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def count_kernel_calls(monkeypatch) -> list[str]:
+    """The names cpu_kernels.call is asked to run from now on (it still runs them)."""
+    calls: list[str] = []
+    real = cpu_kernels.call
+    monkeypatch.setattr(cpu_kernels, "call", lambda name, *a: calls.append(name) or real(name, *a))
+    return calls
+
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                               reason="no C compiler: the kernel is never built, linear() keeps torch's path")
@@ -32,15 +52,11 @@ def test_kernel_equals_f_linear(threads, rows, out_features, in_features):
     x = torch.randn(rows, in_features, generator=g)
     w = torch.randn(out_features, in_features, generator=g)
     b = torch.randn(out_features, generator=g)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         for bias in (None, b):
             got = cpu_gemv.gemv(x, w, bias)
             assert got.shape == (rows, out_features)
             torch.testing.assert_close(got, F.linear(x, w, bias), rtol=1e-5, atol=5e-5)  # 300-term sums
-    finally:
-        torch.set_num_threads(before)
 
 
 @needs_cc
@@ -109,18 +125,13 @@ def test_rmsnorm_kernel_matches_hf(threads, rows, width):
         ours.weight.copy_(torch.rand(width, generator=g) + 0.5)
         ref.weight.copy_(ours.weight)
     x0, res0 = x.clone(), res.clone()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        with torch.inference_mode():
-            assert norm._kernel_applies(x, res, ours.weight)
-            torch.testing.assert_close(ours(x), ref(x), rtol=2e-6, atol=2e-6)
-            normed, summed = ours(x, res)
-            assert torch.equal(summed, x + res)  # the next residual: the same single add
-            torch.testing.assert_close(normed, ref(x + res), rtol=2e-6, atol=2e-6)
-            assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched
-    finally:
-        torch.set_num_threads(before)
+    with torch_threads(threads), torch.inference_mode():
+        assert norm._kernel_applies(x, res, ours.weight)
+        torch.testing.assert_close(ours(x), ref(x), rtol=2e-6, atol=2e-6)
+        normed, summed = ours(x, res)
+        assert torch.equal(summed, x + res)  # the next residual: the same single add
+        torch.testing.assert_close(normed, ref(x + res), rtol=2e-6, atol=2e-6)
+        assert torch.equal(x, x0) and torch.equal(res, res0)  # inputs untouched
 
 
 @needs_cc
@@ -141,7 +152,7 @@ def test_rmsnorm_takes_the_kernel_only_for_float32_inference_on_contiguous_rows(
 @needs_cc
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("tokens", "heads", "head_dim"), [(1, 6, 64), (3, 2, 20), (700, 6, 64), (5, 3, 128)])
-def test_rotary_kernel_is_bit_identical_to_torchs_form(threads, tokens, heads, head_dim):
+def test_rotary_kernel_is_bit_identical_to_torchs_form(threads, tokens, heads, head_dim, monkeypatch):
     """q and k as column slices of a fused qkv output (strided rows), half a head not a multiple of 8 (the
     scalar tail), the parallel branch (700 tokens): the same bits as the operators (transformers' order)."""
     from tessera.layers import rotary
@@ -151,19 +162,9 @@ def test_rotary_kernel_is_bit_identical_to_torchs_form(threads, tokens, heads, h
     x = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     cos, sin = torch.randn(tokens, head_dim // 2, generator=g), torch.randn(tokens, head_dim // 2, generator=g)
     want = rotary.apply_rotary(x, cos, sin)  # autograd on: torch's operators
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    calls = []
-    try:
-        with torch.inference_mode():
-            real = cpu_kernels.call
-            cpu_kernels.call = lambda name, *a: calls.append(name) or real(name, *a)
-            try:
-                got = rotary.apply_rotary(x, cos, sin)
-            finally:
-                cpu_kernels.call = real
-    finally:
-        torch.set_num_threads(before)
+    calls = count_kernel_calls(monkeypatch)
+    with torch_threads(threads), torch.inference_mode():
+        got = rotary.apply_rotary(x, cos, sin)
     assert calls == ["tessera_rotary_f32"] and torch.equal(got, want)
     assert rotary.apply_rotary(x.bfloat16(), cos.bfloat16(), sin.bfloat16()).dtype == torch.bfloat16  # torch's path
 
@@ -171,7 +172,7 @@ def test_rotary_kernel_is_bit_identical_to_torchs_form(threads, tokens, heads, h
 @needs_cc
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("rows", "d"), [(1, 704), (3, 11), (64, 1408), (300, 256)])
-def test_silu_mul_kernel_matches_torch(threads, rows, d):
+def test_silu_mul_kernel_matches_torch(threads, rows, d, monkeypatch):
     """Vector tails (d not a multiple of 8), rows with a stride wider than 2d, the parallel branch; large
     gates both ways (exp's range)."""
     from tessera.layers.activation import SiluAndMul
@@ -182,18 +183,10 @@ def test_silu_mul_kernel_matches_torch(threads, rows, d):
     x[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
     gate, up = x.chunk(2, dim=-1)
     want = F.silu(gate) * up
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    calls = []
-    real = cpu_kernels.call
-    try:
-        cpu_kernels.call = lambda name, *a: calls.append(name) or real(name, *a)
-        with torch.inference_mode():
-            got = SiluAndMul()(x)
-            assert SiluAndMul()(x.bfloat16()).dtype == torch.bfloat16  # torch's path
-            assert SiluAndMul()(x[None]).shape == (1, rows, d)  # 3-D: torch's path
-    finally:
-        cpu_kernels.call = real
-        torch.set_num_threads(before)
+    calls = count_kernel_calls(monkeypatch)
+    with torch_threads(threads), torch.inference_mode():
+        got = SiluAndMul()(x)
+        assert SiluAndMul()(x.bfloat16()).dtype == torch.bfloat16  # torch's path
+        assert SiluAndMul()(x[None]).shape == (1, rows, d)  # 3-D: torch's path
     assert calls == ["tessera_silu_mul_f32"]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
