@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from tessera.version import __version__
 # The program API (tessera.lang), importable from the top as in SGLang: tessera.function, tessera.gen, ...
 _LANG = ("function", "gen", "select", "user", "assistant", "system", "image", "video", "audio", "fork", "run_batch",
          "RuntimeEndpoint", "set_default_backend")
@@ -16,7 +16,7 @@ def __getattr__(name: str):
 
         return Engine
     if name == "SamplingParams":
-        from tessera.sampling_params import SamplingParams
+        from tessera.messages.sampling import SamplingParams
 
         return SamplingParams
     if name == "ServerArgs":

@@ -54,7 +54,7 @@ def _check_device(device: str) -> None:
     """A device that is absent is a one-line error here, before anything starts."""
     if device == "auto" or device == "cpu":  # nothing to check, and no torch import for them
         return
-    from tessera.models.registry import resolve_device
+    from tessera.platform.device import resolve_device
 
     resolve_device(device)
 
@@ -98,7 +98,7 @@ class ServerArgs:
     disable_decode_kv_mirror: bool = False
     language_model_only: bool = False
     # Intra-op threads of the scheduler process (the model). None: on a CPU with one model rank, adaptive
-    # (scheduler/cpu_threads.py: before each step, the cores that nothing else used in the last quarter
+    # (platform/threads.py: before each step, the cores that nothing else used in the last quarter
     # second, at least one); with several ranks, all cores but one split between them. A fixed count
     # loses either way on few cores: both of 2 cores ran demo-vl ~5x slower while anything else ran, one
     # of 2 leaves half the machine idle while the frontend is.

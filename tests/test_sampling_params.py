@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.sampling_params import SamplingParams
+from tessera.messages.sampling import SamplingParams
 
 VOCAB = 100
 

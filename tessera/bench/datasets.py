@@ -12,6 +12,7 @@ import io
 import math
 import random
 import re
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -242,3 +243,17 @@ def offline_workload(name: str, *, seed: int = 0, num_requests: int = 64, max_ou
 def long_text(seed: int, num_words: int) -> str:
     """Deterministic filler text (for the shared system prompt of workload c)."""
     return random_text(random.Random(f"tessera-bench-system-{seed}"), num_words)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompts: list[str]
+    requests: list[OfflineRequest]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(r.output_len for r in self.requests)
+
+    def head(self, n: int, output_len: int) -> Workload:
+        reqs = [dataclasses.replace(r, output_len=output_len) for r in self.requests[:n]]
+        return Workload(self.prompts[:n], reqs)

@@ -4,13 +4,10 @@ exactly the requested token counts (see offline.py for the workloads and how bot
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+
 
 from tessera.bench.agreement import GreedyOutput
-from tessera.bench.datasets import OfflineRequest
-
-if TYPE_CHECKING:
-    from tessera.bench.offline import Workload
+from tessera.bench.datasets import OfflineRequest, Workload
 
 
 class _ChosenLogprobs:
@@ -36,13 +33,13 @@ class HFRunner:
         from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
         from tessera.models.config import ModelConfig
-        from tessera.models.registry import resolve_device, resolve_dtype
+        from tessera.platform.device import resolve_device, resolve_dtype
 
         self.torch = torch
         self.processor = AutoProcessor.from_pretrained(model_path)
         self.processor.tokenizer.padding_side = "left"  # decoder-only batching: pad before the prompt
         device = str(resolve_device(device))  # the same device and dtype the engine resolves to
-        torch_dtype = resolve_dtype(dtype, ModelConfig.load(model_path), device)
+        torch_dtype = resolve_dtype(dtype, ModelConfig.load(model_path).dtype, device)
         self.model = Qwen2VLForConditionalGeneration.from_pretrained(model_path, dtype=torch_dtype).to(device).eval()
         self.device, self.batch_size = device, batch_size
         self.pad_id = self.processor.tokenizer.pad_token_id or 0

@@ -35,6 +35,7 @@ from tessera.bench.agreement import GreedyOutput, agreement, format_agreement
 from tessera.bench.datasets import (
     OFFLINE_WORKLOADS,
     OfflineRequest,
+    Workload,
     long_text,
     offline_workload,
 )
@@ -83,20 +84,6 @@ class OfflineConfig:
     @property
     def tessera_args(self) -> dict[str, Any]:
         return {**self.engine_args, "dtype": self.run_dtype}
-
-
-@dataclass(frozen=True)
-class Workload:
-    prompts: list[str]
-    requests: list[OfflineRequest]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(r.output_len for r in self.requests)
-
-    def head(self, n: int, output_len: int) -> Workload:
-        reqs = [dataclasses.replace(r, output_len=output_len) for r in self.requests[:n]]
-        return Workload(self.prompts[:n], reqs)
 
 
 def machine_info() -> dict:
@@ -278,7 +265,7 @@ def run_offline(cfg: OfflineConfig, log=print) -> dict:
 
     from tessera.bench.medium import resolve_bench_model
     from tessera.models.config import ModelConfig
-    from tessera.models.registry import resolve_device, resolve_dtype
+    from tessera.platform.device import resolve_device, resolve_dtype
 
     model_path = resolve_bench_model(cfg.model_path, cfg.seed)
     processor = AutoProcessor.from_pretrained(model_path)
@@ -287,7 +274,7 @@ def run_offline(cfg: OfflineConfig, log=print) -> dict:
     out: dict[str, Any] = {"model_path": cfg.model_path, "config": dataclasses.asdict(cfg), "machine": machine_info(),
                            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "results": {}}
     device = str(resolve_device(cfg.engine_args.get("device", "auto")))
-    dtype = resolve_dtype(cfg.run_dtype, ModelConfig.load(model_path), device)
+    dtype = resolve_dtype(cfg.run_dtype, ModelConfig.load(model_path).dtype, device)
     out["dtype"] = str(dtype).removeprefix("torch.")  # what both sides run in
     systems: list[tuple[str, Callable[[], Runner]]] = [("tessera", lambda: TesseraRunner(model_path, cfg.tessera_args))]
     if any(w in cfg.workloads for w in ("b", "c")):

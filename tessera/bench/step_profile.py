@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.layers.forward_batch import ForwardBatch
 
 # aten op -> group, first match wins (substring).
 _GROUPS = (
-    # oneDNN's few-row products and our C kernel's (a record_function range, see layers/cpu_kernels.call) too
+    # oneDNN's few-row products and our C kernel's (a record_function range, see platform/cpu_kernels.call) too
     ("matmul", ("addmm", "aten::mm", "aten::bmm", "aten::matmul", "aten::linear", "_linear_pointwise",
                 "tessera::tessera_gemv_f32")),
     ("K/V gather (index)", ("aten::index", "index_select", "aten::take")),
@@ -138,7 +138,7 @@ def run_profile(cfg: ProfileConfig) -> dict:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(cfg.steps):
             ours()
-    # torch's operators, oneDNN's (few-row products) and our C kernels' named ranges (layers/cpu_kernels.call)
+    # torch's operators, oneDNN's (few-row products) and our C kernels' named ranges (platform/cpu_kernels.call)
     events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::", "tessera::"))]
     total_us = sum(e.self_cpu_time_total for e in events) or 1.0
     groups: dict[str, float] = {}

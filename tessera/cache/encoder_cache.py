@@ -10,6 +10,8 @@ from collections import OrderedDict
 
 import torch
 
+from tessera.platform.device import to_host
+
 
 class EncoderCache:
     def __init__(self, capacity_bytes: int, keep_on_device: bool = False):
@@ -36,8 +38,8 @@ class EncoderCache:
         size = value.numel() * value.element_size()
         if size > self.capacity_bytes or key in self._entries:
             return
-        if not self.keep_on_device and value.device.type != "cpu":
-            value = _to_host(value)
+        if not self.keep_on_device:
+            value = to_host(value)
         while self.used_bytes + size > self.capacity_bytes:
             _, old = self._entries.popitem(last=False)
             self.used_bytes -= old.numel() * old.element_size()
@@ -54,8 +56,3 @@ class EncoderCache:
     def __contains__(self, key: int) -> bool:
         return key in self._entries
 
-
-def _to_host(value: torch.Tensor) -> torch.Tensor:
-    if isinstance(value, torch.Tensor) and value.is_cuda:
-        return torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value)
-    return value.to("cpu")

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tessera.distributed.parallel_state import tp_group
+from tessera.platform.device import platform_of
 
 
 def dp_encoder_assignment(sizes: Sequence[int], num_ranks: int) -> list[list[int]]:
@@ -56,4 +57,4 @@ def dp_sharded_encode(encoder: Callable[[list], list[torch.Tensor]], items: list
 
 
 def _comm_device(device: torch.device) -> torch.device:
-    return device if device.type == "cuda" else torch.device("cpu")
+    return platform_of(device).collective_device(device)

@@ -12,6 +12,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from tessera.platform.device import platform_of
+
 
 @dataclass(frozen=True)
 class TPGroup:
@@ -38,8 +40,7 @@ def init_tensor_parallel(rank: int, size: int, init_method: str, device: torch.d
     """Joins the TP group (world = the TP ranks of one replica)."""
     global _TP
     if size > 1:
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size,
+        dist.init_process_group(platform_of(device).dist_backend, init_method=init_method, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
     _TP = TPGroup(rank, size)
 
@@ -62,7 +63,7 @@ def min_over_ranks(n: int, device: torch.device) -> int:
     """The smallest n of all ranks (e.g. KV pool sizes, which must agree)."""
     if _TP.size == 1:
         return n
-    t = torch.tensor([n], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+    t = torch.tensor([n], dtype=torch.int64, device=platform_of(device).collective_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
 

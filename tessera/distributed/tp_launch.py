@@ -1,24 +1,22 @@
-"""Tensor-parallel model workers: rank 0 lives in the scheduler process, ranks 1..N-1 are started here.
+"""Tensor-parallel ranks: rank 0 lives in the scheduler process, ranks 1..N-1 are started here as processes
+(`python -m tessera.entrypoints.tp_rank`, through platform/launch.py; they exit when their parent dies).
 
 Every step the scheduler broadcasts one message to the group (torch.distributed's object broadcast):
-("step", ForwardInput), ("flush",) or ("stop",). All ranks run the same forward (their collectives meet);
-only rank 0 samples and answers the scheduler. A rank exits when its parent (the scheduler) dies.
-
-`python -m tessera.distributed.tp_launch RANK INIT_METHOD` with the ServerArgs JSON on stdin: a rank > 0.
+("step", ForwardInput), ("flush",) or ("stop",).
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import os
+import dataclasses
 import socket
 import subprocess
-import sys
 
 from tessera.config import ServerArgs
+from tessera.distributed.parallel_state import broadcast_object, init_tensor_parallel
+from tessera.platform.device import resolve_device
+from tessera.platform.launch import spawn
 
-logger = logging.getLogger("tessera.tp")
+RANK_MODULE = "tessera.entrypoints.tp_rank"
 
 
 def rendezvous(args: ServerArgs) -> str:
@@ -27,18 +25,8 @@ def rendezvous(args: ServerArgs) -> str:
 
 
 def spawn_ranks(args: ServerArgs, ranks: range, init_method: str) -> list[subprocess.Popen]:
-    import dataclasses
-
-    cfg = json.dumps(dataclasses.asdict(args)).encode()
-    procs = []
-    for rank in ranks:  # settings over the pipe, never argv (`ps` would show the API key)
-        proc = subprocess.Popen([sys.executable, "-m", "tessera.distributed.tp_launch", str(rank), init_method],
-                                stdin=subprocess.PIPE)
-        assert proc.stdin is not None
-        proc.stdin.write(cfg)
-        proc.stdin.close()
-        procs.append(proc)
-    return procs
+    settings = dataclasses.asdict(args)
+    return [spawn(RANK_MODULE, [str(rank), init_method], settings) for rank in ranks]
 
 
 def run_node(args: ServerArgs) -> int:
@@ -67,9 +55,6 @@ class TPGroupHandle:
     """Rank 0's view: starts the other ranks, broadcasts the step messages, stops them."""
 
     def __init__(self, args: ServerArgs):
-        from tessera.distributed.parallel_state import init_tensor_parallel
-        from tessera.models.registry import resolve_device
-
         self.size = args.tp_size
         init_method = rendezvous(args)
         # Node 0 starts its own ranks 1..per_node-1; the other nodes start theirs (run_node).
@@ -81,8 +66,6 @@ class TPGroupHandle:
         return all(p.poll() is None for p in self.procs)
 
     def broadcast(self, msg: tuple) -> None:
-        from tessera.distributed.parallel_state import broadcast_object
-
         dead = [p.pid for p in self.procs if p.poll() is not None]
         if dead:
             raise RuntimeError(f"tensor-parallel rank process(es) {dead} exited; restart the server")
@@ -99,46 +82,3 @@ class TPGroupHandle:
             except subprocess.TimeoutExpired:
                 p.kill()
 
-
-def rank_main(args: ServerArgs, rank: int, init_method: str) -> None:
-    """A rank > 0: joins the group, loads its shard of the model, then follows rank 0's messages."""
-    import torch
-
-    from tessera.distributed.parallel_state import broadcast_object, init_tensor_parallel
-    from tessera.models.registry import resolve_device
-    from tessera.worker.model_worker import ModelWorker
-
-    torch.manual_seed(args.random_seed)
-    torch.set_num_threads(args.worker_threads)
-    init_tensor_parallel(rank, args.tp_size, init_method, resolve_device(args.device))
-    worker = ModelWorker(args, set())
-    while True:
-        try:
-            msg = broadcast_object()
-        except RuntimeError:  # rank 0 (the scheduler) went away: the server is stopping
-            logger.info("tp rank %d: rank 0 is gone; exiting", rank)
-            os._exit(0)
-        kind = msg[0]
-        if kind == "stop":
-            return
-        if kind == "flush":
-            worker.flush_cache()
-        elif kind == "step":
-            try:
-                worker.execute(msg[1])
-            except Exception:  # rank 0 fails the batch with the same error; keep following it
-                logger.exception("tp rank %d: model step failed", rank)
-
-
-def main() -> None:
-    from tessera.scheduler.launch import exit_with_parent
-
-    rank, init_method = sys.argv[1:3]
-    cfg = sys.stdin.read()
-    logging.basicConfig(level="INFO", format=f"[%(asctime)s tp{rank}] %(message)s")
-    exit_with_parent()
-    rank_main(ServerArgs(**json.loads(cfg)), int(rank), init_method)
-
-
-if __name__ == "__main__":
-    main()

@@ -17,8 +17,8 @@ from typing import Any
 from tessera.config import ServerArgs
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import FrontendStats, TokenizerManager
-from tessera.sampling_params import SamplingParams
-from tessera.scheduler.io import SchedulerStats
+from tessera.messages.sampling import SamplingParams
+from tessera.messages import SchedulerStats
 
 _STREAM_END = object()
 

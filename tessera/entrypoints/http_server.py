@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tessera import __version__ as tessera_version
+from tessera.version import __version__ as tessera_version
 from tessera.config import ServerArgs
 from tessera.entrypoints import native_generate
 from tessera.entrypoints.metrics import Metrics
@@ -33,7 +33,7 @@ from tessera.entrypoints.openai.transcriptions import TranscriptionServing
 from tessera.entrypoints.playground import add_playground_routes
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import TokenizerManager
-from tessera.sampling_params import SamplingParams
+from tessera.messages.sampling import SamplingParams
 
 logger = logging.getLogger("tessera.server")
 WATCH_INTERVAL_S = 0.1

@@ -16,7 +16,7 @@ from tessera.entrypoints.openai.errors import APIError
 from tessera.entrypoints.openai.serving import OpenAIServing, check_batch
 from tessera.entrypoints.openai.streaming import event_stream, sse
 from tessera.frontend.request import GenerateRequest
-from tessera.sampling_params import SamplingParams
+from tessera.messages.sampling import SamplingParams
 
 ACCEPTED = {"text", "input_ids", "sampling_params", "image_data", "video_data", "audio_data", "stream", "rid",
             "return_logprob", "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "modalities",

@@ -7,7 +7,7 @@ from typing import Any
 
 from tessera.config import ServerArgs
 from tessera.models.config import ModelConfig
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 
 
 @dataclass
@@ -90,10 +90,10 @@ class ModelInfo:
     def defer_min_feature_bytes(self) -> int:
         """The deferral floor (multimodal/deferred.py) when the model runs on a CPU, where the worker's
         preprocessing would lengthen its steps; none on a GPU, where the worker preprocesses on the device."""
-        from tessera.models.registry import resolve_device
         from tessera.multimodal.deferred import DEFER_MIN_FEATURE_BYTES
+        from tessera.platform.device import platform_of, resolve_device
 
-        return DEFER_MIN_FEATURE_BYTES if resolve_device(self.args.device).type == "cpu" else 0
+        return DEFER_MIN_FEATURE_BYTES if platform_of(resolve_device(self.args.device)).runs_on_host_cores else 0
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         target = self.hf_processor if self.hf_processor is not None else self.tokenizer

@@ -9,7 +9,7 @@ The preprocessing cache stays effective by routing: a request goes to the worker
 first media item, so a repeated image always meets the cache that saw it. Each worker gets 1/N of
 --mm-cache-size-mb. Their counters come back with every result and are summed for the frontend's stats.
 
-Results cross the process boundary as one pickle-5 blob with tensors as numpy (scheduler/io's codec), not
+Results cross the process boundary as one pickle-5 blob with tensors as numpy (messages/codec.py), not
 through torch's shared-memory file descriptors, which a busy server can run out of.
 """
 
@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -27,7 +25,8 @@ import numpy as np
 from tessera.config import ServerArgs
 from tessera.multimodal.processors.loaded import as_list
 from tessera.multimodal.processors.preprocess_cache import PreprocessCacheStats
-from tessera.scheduler import io
+from tessera import messages
+from tessera.platform.launch import process_pool
 
 __all__ = ["PreprocessPool", "route_digest"]
 
@@ -47,7 +46,7 @@ def _init_worker(args: ServerArgs) -> None:
 
 def _process(kwargs: dict[str, Any]) -> tuple[bytes, PreprocessCacheStats]:
     out = _processor.process(**kwargs)
-    return io.dumps(out), _processor.preprocess_cache_stats()
+    return messages.dumps(out), _processor.preprocess_cache_stats()
 
 
 def _clear() -> PreprocessCacheStats:
@@ -88,10 +87,7 @@ class PreprocessPool:
         if workers < 1:
             raise ValueError(f"mm_preprocess_workers: a pool needs at least one worker, got {workers}")
         child = args.replace(mm_cache_size_mb=args.mm_cache_size_mb // workers)
-        # spawn: the frontend already runs threads (and maybe CUDA); forking it would copy their locks.
-        ctx = multiprocessing.get_context("spawn")
-        self._workers = [ProcessPoolExecutor(1, mp_context=ctx, initializer=_init_worker, initargs=(child,))
-                         for _ in range(workers)]
+        self._workers = [process_pool(_init_worker, (child,)) for _ in range(workers)]
         self._stats = [PreprocessCacheStats(0, 0, 0, 0, child.mm_cache_size_mb * 1024 * 1024)] * workers
         self._next = itertools.cycle(range(workers))
         self._started = [w.submit(_ready) for w in self._workers]  # processes load while the model does
@@ -116,7 +112,7 @@ class PreprocessPool:
                       audio_data=audio_data, video_kwargs=video_kwargs)
         blob, stats = await asyncio.wrap_future(self._workers[i].submit(_process, kwargs))
         self._stats[i] = stats
-        return io.loads(blob)
+        return messages.loads(blob)
 
     async def clear_caches(self) -> None:
         futures = [asyncio.wrap_future(w.submit(_clear)) for w in self._workers]

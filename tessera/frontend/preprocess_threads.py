@@ -14,7 +14,7 @@ def one_torch_thread(inherited: int) -> None:
 
     Why: with torch's default (all cores) every op over an image's 150k values wakes an OpenMP team on the other
     cores, which then spin-wait for the next op, on the cores the scheduler process's model steps need (they
-    also read as busy to its thread policy, cpu_threads.py). demo-vl workload a on 2 cores, 3 runs each, three
+    also read as busy to its thread policy, platform/threads.py). demo-vl workload a on 2 cores, 3 runs each, three
     alternations: 3.37-3.57 s per run with this, 3.95-4.18 s without; the frontend's own CPU time was 0.68-0.69
     vs 0.67-0.74 s, so one thread costs it nothing at these sizes.
 

@@ -6,7 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.sampling_params import SamplingParams
+from tessera.messages.sampling import SamplingParams
 
 
 @dataclass

@@ -28,10 +28,11 @@ from tessera.frontend.dispatcher import Dispatcher
 from tessera.frontend.model_info import ModelInfo
 from tessera.frontend.preprocess_threads import preprocess_executor
 from tessera.frontend.request import GenerateRequest
-from tessera.frontend.scheduler_procs import launch_schedulers, stop_processes
-from tessera import __version__ as tessera_version
-from tessera.scheduler import io
-from tessera.worker.forward_input import WorkerInfo
+from tessera.frontend.scheduler_procs import launch_schedulers
+from tessera.version import __version__ as tessera_version
+from tessera import messages
+from tessera.messages.worker import WorkerInfo
+from tessera.platform.launch import stop_processes
 
 logger = logging.getLogger("tessera")
 STARTUP_TIMEOUT_S = 300
@@ -69,7 +70,7 @@ class ReqState:
 
 @dataclass(frozen=True)
 class FrontendStats:
-    """Counters of the frontend process (the scheduler's are io.SchedulerStats).
+    """Counters of the frontend process (the scheduler's are messages.SchedulerStats).
 
     preprocess_cache_misses counts the media items that went through the HF image/video
     processor; hits, those served from the preprocessing cache. Zero for text-only models.
@@ -108,8 +109,8 @@ class TokenizerManager:
         self.dispatcher = Dispatcher(args.dp_size, args.load_balance_method)
         self.worker_infos: list[WorkerInfo] = []
         self._stats_waiters: list[asyncio.Future] = []
-        self._stats_parts: dict[int, io.SchedulerStats] = {}
-        self.replica_stats: list[io.SchedulerStats] = []
+        self._stats_parts: dict[int, messages.SchedulerStats] = {}
+        self.replica_stats: list[messages.SchedulerStats] = []
         self.ready = False
         self.context_length = self.info.context_length
         self.max_total_tokens = args.max_total_tokens or 0  # the worker's real pool size once it is ready
@@ -140,13 +141,13 @@ class TokenizerManager:
             while msg is None:
                 # Its message first: a scheduler that failed to load sends why, then exits.
                 if await ready_sock.poll(200):
-                    msg = await io.recv_async(ready_sock)
+                    msg = await messages.recv_async(ready_sock)
                 elif proc.poll() is not None:
                     raise RuntimeError(f"scheduler process {rank} exited during startup (code {proc.returncode})")
                 elif time.monotonic() > deadline:
                     raise RuntimeError("scheduler did not become ready in time")
             ready_sock.close(linger=0)
-            if isinstance(msg, io.SchedulerError):
+            if isinstance(msg, messages.SchedulerError):
                 logger.debug("scheduler %d failed to start:\n%s", rank, msg.traceback)
                 raise RuntimeError(f"model failed to load: {msg.message}")
             self.worker_infos.append(msg.worker)
@@ -210,7 +211,7 @@ class TokenizerManager:
         for rid in rids:
             state = self.states.get(rid)
             if state is not None:
-                state.queue.put_nowait(io.ReqOutput(rid, [], {"type": "error", "message": message,
+                state.queue.put_nowait(messages.ReqOutput(rid, [], {"type": "error", "message": message,
                                                               "unavailable": True}))
 
     def fail_all(self, message: str) -> None:
@@ -248,35 +249,35 @@ class TokenizerManager:
                     self._fail(list(self.states), "the scheduler process exited")
                     return
                 continue
-            msg = await io.recv_async(self.recv_sock)
-            if isinstance(msg, io.BatchOutput):
+            msg = await messages.recv_async(self.recv_sock)
+            if isinstance(msg, messages.BatchOutput):
                 for out in msg.outputs:
                     state = self.states.get(out.rid)
                     if state is not None:
                         state.queue.put_nowait(out)
-            elif isinstance(msg, io.SchedulerStats):
+            elif isinstance(msg, messages.SchedulerStats):
                 self._stats_parts[msg.dp_rank] = msg
                 live = [r for r, ok in enumerate(self.dispatcher.alive) if ok]
                 if all(r in self._stats_parts for r in live):
                     parts, self._stats_parts = self._stats_parts, {}
                     self.replica_stats = [parts[r] for r in sorted(parts)]
-                    total = io.SchedulerStats.sum(self.replica_stats)
+                    total = messages.SchedulerStats.sum(self.replica_stats)
                     waiters, self._stats_waiters = self._stats_waiters, []
                     for fut in waiters:
                         if not fut.done():
                             fut.set_result(total)
 
-    async def get_stats(self, timeout: float = 5.0) -> io.SchedulerStats:
+    async def get_stats(self, timeout: float = 5.0) -> messages.SchedulerStats:
         """The scheduler counters summed over the live replicas (each one's in self.replica_stats)."""
         fut = asyncio.get_running_loop().create_future()
         self._stats_waiters.append(fut)
-        await self._send_all(io.GetStatsReq())
+        await self._send_all(messages.GetStatsReq())
         return await asyncio.wait_for(fut, timeout)
 
     async def _send_all(self, msg) -> None:
         for rank, sock in enumerate(self.send_socks):
             if self.dispatcher.alive[rank]:
-                await io.send_async(sock, msg)
+                await messages.send_async(sock, msg)
 
     def frontend_stats(self) -> FrontendStats:
         """A snapshot of the frontend counters; safe from any thread (the cache locks)."""
@@ -292,14 +293,14 @@ class TokenizerManager:
             self.mm_processor.preprocess_cache.clear()
         if self.preprocess_pool is not None:
             await self.preprocess_pool.clear_caches()
-        await self._send_all(io.FlushCacheReq())
+        await self._send_all(messages.FlushCacheReq())
 
     # ---- requests ---------------------------------------------------------------------------
     def _needs_media_processing(self, req: GenerateRequest) -> bool:
         return req.has_media or (self.mm_processor is not None and req.text is not None
                                  and self.mm_processor.has_placeholders(req.text))
 
-    def _tokenize(self, req: GenerateRequest, processed=None) -> io.TokenizedGenerateReq:
+    def _tokenize(self, req: GenerateRequest, processed=None) -> messages.TokenizedGenerateReq:
         """Runs in the worker pool: chat-free tokenization, media loading and preprocessing (unless a
         preprocessing process already made `processed`, the ProcessorOutput)."""
         sp = req.sampling_params
@@ -344,10 +345,10 @@ class TokenizerManager:
             raise ValueError(
                 f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({sp.max_new_tokens}){held} exceeds "
                 f"the KV pool ({self.max_total_tokens} tokens)")
-        return io.TokenizedGenerateReq(req.rid, input_ids, sp, mm_inputs, req.stream, req.return_logprob,
+        return messages.TokenizedGenerateReq(req.rid, input_ids, sp, mm_inputs, req.stream, req.return_logprob,
                                        cache_salt=req.cache_salt)
 
-    async def tokenize(self, req: GenerateRequest) -> io.TokenizedGenerateReq:
+    async def tokenize(self, req: GenerateRequest) -> messages.TokenizedGenerateReq:
         """Validates and preprocesses req (media loaded, prompt tokenized) without sending it anywhere.
 
         The HTTP server calls this before a streamed response starts, so every input error is a 4xx
@@ -365,7 +366,7 @@ class TokenizerManager:
         return await asyncio.get_running_loop().run_in_executor(self.executor, self._tokenize, req, processed)
 
     async def generate(self, req: GenerateRequest,
-                       tokenized: io.TokenizedGenerateReq | None = None) -> AsyncIterator[dict]:
+                       tokenized: messages.TokenizedGenerateReq | None = None) -> AsyncIterator[dict]:
         """Yields output dicts: one final dict, or a stream of cumulative dicts if req.stream.
 
         tokenized: the result of `tokenize(req)` when the caller validated the request already."""
@@ -383,9 +384,9 @@ class TokenizerManager:
             [item.hash for item in mm.items] if mm else [])
         self.states[req.rid] = state  # only now: the finally below is what removes it
         try:
-            await io.send_async(self.send_socks[replica], tokenized)
+            await messages.send_async(self.send_socks[replica], tokenized)
             while True:
-                out: io.ReqOutput = await state.queue.get()
+                out: messages.ReqOutput = await state.queue.get()
                 now = time.monotonic()
                 if out.new_token_ids and state.first_token_time is None:
                     state.first_token_time = now
@@ -415,14 +416,14 @@ class TokenizerManager:
             self.states.pop(req.rid, None)
             self.dispatcher.finished(req.rid)
             if not state.finished:  # client went away or was cancelled: free the scheduler's KV
-                await io.send_async(self.send_socks[replica], io.AbortReq(req.rid))
+                await messages.send_async(self.send_socks[replica], messages.AbortReq(req.rid))
 
     async def abort(self, rid: str) -> None:
         replica = self.dispatcher.owner(rid)
         if replica is not None:
-            await io.send_async(self.send_socks[replica], io.AbortReq(rid))
+            await messages.send_async(self.send_socks[replica], messages.AbortReq(rid))
 
-    def _result(self, state: ReqState, out: io.ReqOutput, delta: str) -> dict:
+    def _result(self, state: ReqState, out: messages.ReqOutput, delta: str) -> dict:
         now = time.monotonic()
         meta = {
             "id": state.request.rid,

@@ -6,21 +6,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.layers import cpu_kernels
+from tessera.platform import cpu_kernels
 
 
 class SiluAndMul(nn.Module):
     """x: [..., 2 * d] laid out as [gate | up] -> silu(gate) * up, [..., d] (SwiGLU).
 
-    Float32 inference on a CPU over [tokens, 2d] rows: one pass of our C kernel (layers/cpu_silu_mul.c) instead
+    Float32 inference on a CPU over [tokens, 2d] rows: one pass of our C kernel (platform/csrc/cpu_silu_mul.c) instead
     of a silu pass, a product pass and a temporary; within ~1e-7 relative of torch's silu (another exp)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1 and x.is_cpu and x.dtype is torch.float32
-                and cpu_kernels.takes()):
+                and cpu_kernels.takes("silu_mul")):
             m, d = x.shape[0], x.shape[1] // 2
             out = torch.empty(m, d, dtype=torch.float32)
-            cpu_kernels.call("tessera_silu_mul_f32", x.data_ptr(), x.stride(0), out.data_ptr(), m, d,
+            cpu_kernels.call("silu_mul", x.data_ptr(), x.stride(0), out.data_ptr(), m, d,
                              torch.get_num_threads())
             return out
         gate, up = x.chunk(2, dim=-1)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.layers import cpu_kernels
+from tessera.platform import cpu_kernels
 
 GEMV_MAX_ROWS = 48  # with two or more threads
 GEMV_MAX_ROWS_ONE_THREAD = 16
@@ -34,13 +34,13 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     agree: anything else goes to torch, which also raises torch's errors for bad shapes)."""
     return (x.dim() == 2 and x.shape[0] <= max_rows() and weight.numel() >= GEMV_MIN_WEIGHT
             and weight.dim() == 2 and x.shape[1] == weight.shape[1]
-            and (bias is None or bias.shape == weight.shape[:1]) and cpu_kernels.takes(x, weight, bias))
+            and (bias is None or bias.shape == weight.shape[:1]) and cpu_kernels.takes("gemv", x, weight, bias))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) through the kernel; call only where `applies` said so."""
     (m, k), n = x.shape, weight.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    cpu_kernels.call("tessera_gemv_f32", x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+    cpu_kernels.call("gemv", x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
                      y.data_ptr(), m, n, k, torch.get_num_threads())
     return y

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,10 +23,28 @@ from tessera.distributed.parallel_state import tp_group
 from tessera.layers.linear import Linear, MergedLinear, RowParallelLinear, VocabParallelEmbedding
 from tessera.layers.norm import RMSNorm
 from tessera.layers.rotary import RotaryEmbedding, apply_rotary
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.layers.forward_batch import ForwardBatch
 
-if TYPE_CHECKING:
-    from tessera.models.config import ModelConfig
+
+
+class DecoderDims(Protocol):
+    """The sizes and settings the shared blocks read: models/config.py's ModelConfig has them all, and the
+    layers need nothing else of the model."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    hidden_act: str
+    rms_norm_eps: float
+    rope_type: str
+    rope_theta: float
+    mrope_section: tuple[int, ...] | None
+    sliding_windows: tuple[int | None, ...]
+    hf_config: Any  # the transformers config, for what a family's blocks read beyond these
 
 # (checkpoint module, our fused module, shard id): checkpoints keep q/k/v and gate/up as separate tensors.
 STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
@@ -65,7 +83,7 @@ class GatedActivation(nn.Module):
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, opts: DecoderOptions, layer_id: int, attn_backend: BaseAttentionBackend):
+    def __init__(self, cfg: DecoderDims, opts: DecoderOptions, layer_id: int, attn_backend: BaseAttentionBackend):
         super().__init__()
         self.layer_id = layer_id
         hd = cfg.head_dim
@@ -134,7 +152,7 @@ class GatedMLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into the norms."""
 
-    def __init__(self, cfg: ModelConfig, opts: DecoderOptions, layer_id: int, attn_backend: BaseAttentionBackend):
+    def __init__(self, cfg: DecoderDims, opts: DecoderOptions, layer_id: int, attn_backend: BaseAttentionBackend):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, opts, layer_id, attn_backend)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
@@ -156,7 +174,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding table, decoder layers and final norm: `model.*` in the checkpoint."""
 
-    def __init__(self, cfg: ModelConfig, opts: DecoderOptions, attn_backend: BaseAttentionBackend):
+    def __init__(self, cfg: DecoderDims, opts: DecoderOptions, attn_backend: BaseAttentionBackend):
         super().__init__()
         if cfg.rope_type not in ("default", "mrope"):
             raise NotImplementedError(f"rope_parameters.rope_type={cfg.rope_type!r}: only default RoPE is supported")

@@ -13,7 +13,7 @@ Sliding windows come from the config's layer_types (ModelConfig.sliding_windows)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,13 +21,11 @@ from torch import nn
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.distributed.parallel_state import tp_group
 from tessera.layers.attention import BaseAttentionBackend
-from tessera.layers.decoder import DecoderAttention, DecoderOptions, GatedMLP
+from tessera.layers.decoder import DecoderAttention, DecoderDims, DecoderOptions, GatedMLP
 from tessera.layers.linear import VocabParallelEmbedding
 from tessera.layers.rotary import RotaryEmbedding
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.layers.forward_batch import ForwardBatch
 
-if TYPE_CHECKING:
-    from tessera.models.config import ModelConfig
 
 GEMMA3_OPTIONS = DecoderOptions(qk_norm=True)
 _LAYER_TYPES = ("sliding_attention", "full_attention")
@@ -65,7 +63,7 @@ class ScaledEmbedding(VocabParallelEmbedding):
 class Gemma3Attention(DecoderAttention):
     """The shared paged attention with Gemma's q/k norm and query_pre_attn_scalar as the scale."""
 
-    def __init__(self, cfg: ModelConfig, layer_id: int, attn_backend: BaseAttentionBackend,
+    def __init__(self, cfg: DecoderDims, layer_id: int, attn_backend: BaseAttentionBackend,
                  query_pre_attn_scalar: float):
         super().__init__(cfg, GEMMA3_OPTIONS, layer_id, attn_backend)
         self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -74,7 +72,7 @@ class Gemma3Attention(DecoderAttention):
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, attn_backend: BaseAttentionBackend, hidden_act: str,
+    def __init__(self, cfg: DecoderDims, layer_id: int, attn_backend: BaseAttentionBackend, hidden_act: str,
                  query_pre_attn_scalar: float):
         super().__init__()
         self.self_attn = Gemma3Attention(cfg, layer_id, attn_backend, query_pre_attn_scalar)
@@ -108,7 +106,7 @@ class Gemma3TextModel(nn.Module):
     Takes DecoderOptions only to share CausalLM's constructor; Gemma's are fixed (GEMMA3_OPTIONS).
     """
 
-    def __init__(self, cfg: ModelConfig, opts: DecoderOptions, attn_backend: BaseAttentionBackend):
+    def __init__(self, cfg: DecoderDims, opts: DecoderOptions, attn_backend: BaseAttentionBackend):
         super().__init__()
         text = cfg.hf_config.get_text_config()
         if getattr(text, "attn_logit_softcapping", None):

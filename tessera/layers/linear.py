@@ -11,18 +11,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.layers import cpu_gemv
+from tessera.platform import cpu_kernels
 
-# Few rows over a large float32 weight, on a CPU with more than one torch thread: oneDNN instead of MKL.
-# MKL ran such products on one core: bench-medium's [32, 768] x [768, 6144] took 6.5 ms on two threads and
-# 8.1 on one, oneDNN's matmul 3.4 ms on two; its four projections per layer at 32 rows 10.3 -> 6.4 ms, at
-# one row 1.23 -> 0.65 ms (2-vCPU AMD EPYC). With weights read from memory rather than the cache (as a large
-# model's are), 983k-value weights gained too (1 / 32 rows: 0.75x / 0.66x the time), 590k ones were level
-# (1.09x / 0.91x), 131k ones lost (1.29x). With one thread, at 256 rows and over, and on demo-vl's weights
-# (at most 360k values, cache-resident) oneDNN was level with MKL or up to 2x slower: those keep F.linear.
+# Few rows over a large float32 weight on a CPU with more than one torch thread: oneDNN's fused linear instead
+# of MKL, which runs such products on one core. Small (cache-resident) weights, many rows and one thread stay
+# with F.linear, where oneDNN was level or slower. Both limits were measured on one 2-vCPU machine
+# (docs/benchmarks.md, "oneDNN for few-row products"); on another CPU they are a starting point, not a rule.
 ONEDNN_MAX_ROWS = 128
 ONEDNN_MIN_WEIGHT = 1 << 19  # values in the weight
-_onednn_linear = (torch.ops.mkldnn._linear_pointwise
-                  if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise") else None)
+_onednn_linear = cpu_kernels.onednn_linear()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -30,9 +27,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     faster; inference only."""
     if cpu_gemv.applies(x, weight, bias):
         return cpu_gemv.gemv(x, weight, bias)
-    if (_onednn_linear is not None and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS
-            and weight.numel() >= ONEDNN_MIN_WEIGHT and x.dtype == weight.dtype == torch.float32
-            and not torch.is_grad_enabled() and x.is_contiguous() and torch.get_num_threads() > 1):
+    if (_onednn_linear is not None and x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS
+            and weight.numel() >= ONEDNN_MIN_WEIGHT and torch.get_num_threads() > 1
+            and cpu_kernels.host_f32_inference(x, weight, contiguous=False) and x.is_contiguous()):
         return _onednn_linear(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 

@@ -24,7 +24,7 @@ layers, which that cache does not allow).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,14 +32,12 @@ from torch import nn
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.distributed.parallel_state import tp_group
 from tessera.layers.attention import BaseAttentionBackend
-from tessera.layers.decoder import DecoderAttention, DecoderOptions, GatedMLP
+from tessera.layers.decoder import DecoderAttention, DecoderDims, DecoderOptions, GatedMLP
 from tessera.layers.linear import VocabParallelEmbedding
 from tessera.layers.moe import SigmoidTopKMoE
 from tessera.layers.norm import RMSNorm
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.layers.forward_batch import ForwardBatch
 
-if TYPE_CHECKING:
-    from tessera.models.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +130,7 @@ def chunk_masks(fb: ForwardBatch, chunk: int) -> list[torch.Tensor | None] | Non
 class Llama4Attention(DecoderAttention):
     """The shared q/k/v/o projections; RoPE or NoPE, qk L2 norm and temperature tuning as the layer says."""
 
-    def __init__(self, cfg: ModelConfig, settings: Llama4TextSettings, layer_id: int,
+    def __init__(self, cfg: DecoderDims, settings: Llama4TextSettings, layer_id: int,
                  attn_backend: BaseAttentionBackend):
         opts = DecoderOptions(qkv_bias=settings.attention_bias, o_bias=settings.attention_bias)
         super().__init__(cfg, opts, layer_id, attn_backend)
@@ -165,7 +163,7 @@ class Llama4Attention(DecoderAttention):
 class Llama4DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + feed_forward(norm(.)) (MoE or dense)."""
 
-    def __init__(self, cfg: ModelConfig, settings: Llama4TextSettings, layer_id: int,
+    def __init__(self, cfg: DecoderDims, settings: Llama4TextSettings, layer_id: int,
                  attn_backend: BaseAttentionBackend):
         super().__init__()
         self.self_attn = Llama4Attention(cfg, settings, layer_id, attn_backend)
@@ -195,7 +193,7 @@ class Llama4RotaryEmbedding(nn.Module):
 
     inv_freq: torch.Tensor
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: DecoderDims):
         super().__init__()
         self.attention_scaling = 1.0
         if cfg.rope_type == "default":
@@ -220,7 +218,7 @@ class Llama4RotaryEmbedding(nn.Module):
 class Llama4DecoderModel(nn.Module):
     """Embedding table, decoder layers and final norm: `model.*` (transformers' Llama4TextModel)."""
 
-    def __init__(self, cfg: ModelConfig, opts: DecoderOptions, attn_backend: BaseAttentionBackend):
+    def __init__(self, cfg: DecoderDims, opts: DecoderOptions, attn_backend: BaseAttentionBackend):
         super().__init__()
         self.settings = Llama4TextSettings.from_text_config(cfg.hf_config.get_text_config())
         self.attn_backend = attn_backend

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.layers import cpu_kernels
+from tessera.platform import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -51,14 +51,14 @@ class RMSNorm(nn.Module):
 def _kernel_applies(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> bool:
     """[tokens, hidden] operands the CPU kernels take (cpu_kernels.takes); anything else: torch."""
     return (x.dim() == 2 and weight.shape == x.shape[1:] and (residual is None or residual.shape == x.shape)
-            and cpu_kernels.takes(x, residual, weight))
+            and cpu_kernels.takes("rmsnorm", x, residual, weight))
 
 
 def _cpu_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     out = torch.empty_like(x)
     summed = torch.empty_like(x) if residual is not None else None
-    cpu_kernels.call("tessera_rmsnorm_f32", x.data_ptr(), None if residual is None else residual.data_ptr(),
+    cpu_kernels.call("rmsnorm", x.data_ptr(), None if residual is None else residual.data_ptr(),
                      None if summed is None else summed.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0],
                      x.shape[1], eps, torch.get_num_threads())
     return out if residual is None else (out, summed)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessera.layers import cpu_kernels
+from tessera.platform import cpu_kernels
 
 
 class RotaryEmbedding(nn.Module):
@@ -81,14 +81,14 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def rotary_kernel(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
-    """apply_rotary as one pass of our C kernel (layers/cpu_rotary.c, bit-identical to the operators) instead
+    """apply_rotary as one pass of our C kernel (platform/csrc/cpu_rotary.c, bit-identical to the operators) instead
     of ~8 operators: float32 inference on a CPU, x [T, H, D] and cos, sin [T, D // 2] with any row and head
     strides but a contiguous last dim. None where it does not apply (the caller keeps torch's form)."""
     if not (x.dim() == 3 and cos.shape == sin.shape == (x.shape[0], x.shape[-1] // 2)
             and cos.stride() == sin.stride() and x.stride(-1) == cos.stride(-1) == 1
-            and all(t.is_cpu and t.dtype is torch.float32 for t in (x, cos, sin)) and cpu_kernels.takes()):
+            and cpu_kernels.takes("rotary") and cpu_kernels.host_f32_inference(x, cos, sin, contiguous=False)):
         return None
     out = torch.empty(x.shape, dtype=torch.float32)
-    cpu_kernels.call("tessera_rotary_f32", x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+    cpu_kernels.call("rotary", x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
                      cos.stride(0), out.data_ptr(), *x.shape, torch.get_num_threads())
     return out

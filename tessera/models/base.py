@@ -19,13 +19,13 @@ from torch import nn
 
 from tessera.models.config import KVLayout, ModelConfig
 from tessera.models.weights import WeightMapping
-from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
 
 if TYPE_CHECKING:
     from tessera.cache.kv_pool import TokenToKVPool
     from tessera.layers.attention import BaseAttentionBackend
-    from tessera.runner.forward_batch import ForwardBatch
-    from tessera.worker.forward_input import SamplingRow
+    from tessera.layers.forward_batch import ForwardBatch
+    from tessera.messages.worker import SamplingRow
 
 # An encoder: items of one modality -> one embedding [num_tokens, hidden] per item, in order.
 Encoder = Callable[[list[MultimodalDataItem]], list[torch.Tensor]]
@@ -82,6 +82,7 @@ class TesseraModel(nn.Module):
     ones override `encoders`; a family with another position scheme overrides prepare_step."""
 
     config: ModelConfig
+    attn_backend: BaseAttentionBackend  # set by build()
     # A decode step (one token per request, no media) runs on the device alone, planned from device tensors:
     # no host reads, no shapes that depend on values. The worker captures such steps in CUDA graphs
     # (worker/cuda_graph.py); a model opts in once its forward holds to that.
@@ -90,8 +91,11 @@ class TesseraModel(nn.Module):
     @classmethod
     def build(cls, config: ModelConfig, attn_backend: BaseAttentionBackend,
               language_model_only: bool = False) -> TesseraModel:
-        """The model on the current default device and dtype, parameters allocated but not initialised."""
-        return cls(config, attn_backend, language_model_only)  # type: ignore[call-arg]
+        """The model on the current default device and dtype, parameters allocated but not initialised;
+        `attn_backend` is kept as the model's (the worker reads its features)."""
+        model = cls(config, attn_backend, language_model_only)  # type: ignore[call-arg]
+        model.attn_backend = attn_backend
+        return model
 
     @classmethod
     @abstractmethod

@@ -19,8 +19,8 @@ from tessera.models.base import TesseraModel
 from tessera.models.config import KVLayout, ModelConfig
 from tessera.models.mm_embed import item_embeddings, merge_mm_embeddings
 from tessera.models.weights import WeightMapping
-from tessera.multimodal.items import MultimodalDataItem
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.messages.items import MultimodalDataItem
+from tessera.layers.forward_batch import ForwardBatch
 
 
 class CausalLM(TesseraModel):

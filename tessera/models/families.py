@@ -13,7 +13,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 
 IMAGE, VIDEO, AUDIO = Modality.IMAGE, Modality.VIDEO, Modality.AUDIO
 

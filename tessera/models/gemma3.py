@@ -29,8 +29,8 @@ from tessera.models.config import ModelConfig
 from tessera.models.hf_towers import build_transformers_tower
 from tessera.models.mm_embed import merge_mm_embeddings
 from tessera.models.weights import WeightMapping
-from tessera.multimodal.items import Modality, MultimodalDataItem
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.messages.items import Modality, MultimodalDataItem
+from tessera.layers.forward_batch import ForwardBatch
 
 
 class Gemma3MultiModalProjector(nn.Module):

@@ -13,7 +13,6 @@ All tiles of a step's images go through the tower in one call.
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 from torch import nn
@@ -27,16 +26,10 @@ from tessera.models.causal_lm import CausalLM
 from tessera.models.config import ModelConfig
 from tessera.models.hf_towers import build_transformers_tower
 from tessera.models.weights import WeightMapping
-from tessera.multimodal.items import Modality, MultimodalDataItem
+from tessera.messages.items import Modality, MultimodalDataItem
+from tessera.multimodal.geometry import tokens_per_tile
 
 VISION_TOWER = "transformers.models.llama4.modeling_llama4:Llama4VisionModel"
-
-
-def tokens_per_tile(vision_config: Any) -> int:
-    """Placeholder tokens one tile becomes: its patches after the pixel shuffle."""
-    size, patch = int(vision_config.image_size), int(vision_config.patch_size)
-    downsample = int(round(1.0 / float(vision_config.pixel_shuffle_ratio) ** 2))
-    return (size // patch) ** 2 // downsample
 
 
 class Llama4MultiModalProjector(nn.Module):

@@ -18,9 +18,10 @@ from tessera.layers.attention import BaseAttentionBackend
 from tessera.models.config import ModelConfig
 from tessera.models.llava import LlavaForConditionalGeneration
 from tessera.multimodal import anyres
-from tessera.multimodal.items import MultimodalDataItem
+from tessera.messages.items import MultimodalDataItem
+from tessera.multimodal.geometry import IMAGE_SIZES_KEY
 
-IMAGE_SIZES_KEY = "image_sizes"  # model_specific_data: the original (height, width), [1, 2] int64
+
 
 
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):

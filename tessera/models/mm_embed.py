@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from tessera.multimodal.items import MultimodalDataItem
+from tessera.messages.items import MultimodalDataItem
 
 
 class EmbeddingCountError(ValueError):

@@ -28,7 +28,7 @@ from tessera.models.hf_towers import build_transformers_tower
 from tessera.models.llava import LlavaMultiModalProjector
 from tessera.models.text_backbones import WrappedTextModel, wrapper_weight_mapping
 from tessera.models.weights import WeightMapping
-from tessera.multimodal.items import Modality, MultimodalDataItem
+from tessera.messages.items import Modality, MultimodalDataItem
 
 VISION_TOWER = "transformers.models.pixtral.modeling_pixtral:PixtralVisionModel"
 

@@ -23,17 +23,10 @@ from tessera.models.config import ModelConfig
 from tessera.models.hf_towers import build_transformers_tower
 from tessera.models.qwen2 import Qwen2ForCausalLM
 from tessera.models.weights import WeightMapping
-from tessera.multimodal.items import Modality, MultimodalDataItem
+from tessera.messages.items import Modality, MultimodalDataItem
+from tessera.multimodal.geometry import FEATURE_MASK_KEY, audio_output_len
 
-FEATURE_MASK_KEY = "feature_attention_mask"
 AUDIO_TOWER = "transformers.models.qwen2_audio.modeling_qwen2_audio:Qwen2AudioEncoder"
-
-
-def audio_output_len(num_frames: int) -> int:
-    """Audio tokens for `num_frames` valid mel frames: conv2 (stride 2) then the 2x average pool, the
-    arithmetic of transformers' `_get_feat_extract_output_lengths` and of Qwen2AudioProcessor."""
-    after_conv = (num_frames - 1) // 2 + 1
-    return (after_conv - 2) // 2 + 1
 
 
 class Qwen2AudioMultiModalProjector(nn.Module):

@@ -26,7 +26,7 @@ from tessera.models.hf_towers import (
 from tessera.models.qwen2 import Qwen2ForCausalLM
 from tessera.models.qwen2_vl_vision import Qwen2VisionTower
 from tessera.models.weights import WeightMapping
-from tessera.multimodal.items import Modality, MultimodalDataItem
+from tessera.messages.items import Modality, MultimodalDataItem
 
 
 class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):

@@ -30,7 +30,7 @@ from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError, merge_mm_embeddings
 from tessera.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from tessera.models.qwen3 import QWEN3_OPTIONS, qwen3_decoder_options
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.layers.forward_batch import ForwardBatch
 
 QWEN3_VL_MROPE_SECTION = (24, 20, 20)
 LayerHook = Callable[[torch.Tensor], torch.Tensor]

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tessera.layers import cpu_kernels
+from tessera.platform import cpu_kernels
+from tessera.platform.device import is_host, platform_of
 from tessera.layers.rotary import rotary_kernel
 
 
@@ -51,7 +52,7 @@ def plan_segments(cu_seqlens: torch.Tensor) -> SegmentPlan:
     lengths from across the batch into one call was measured 2x slower on a CPU (the copies cost more than
     the calls they save), so callers that want big batches put equal-length items next to each other."""
     bounds = cu_seqlens.tolist()  # one host read per tower call and cu_seqlens (cached by PlanCache)
-    cap = CPU_TOKENS_PER_CALL if cu_seqlens.device.type == "cpu" else 1 << 62
+    cap = CPU_TOKENS_PER_CALL if is_host(cu_seqlens.device) else 1 << 62
     calls: list[tuple[int, int, int]] = []
     for start, end in zip(bounds, bounds[1:]):
         seg_len = end - start
@@ -104,7 +105,8 @@ def _cuda_varlen_kernel():
 
 
 def uses_varlen_kernel(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and _cuda_varlen_kernel() is not None
+    return (platform_of(q.device).varlen_attention and q.dtype in (torch.float16, torch.bfloat16)
+            and _cuda_varlen_kernel() is not None)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: SegmentPlan,
@@ -176,7 +178,8 @@ def rotate_qk(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = qk.shape[-1] // 2
     # The towers repeat their angles over both halves (checked: ~50 us against ~15 ms of torch's form per block
     # over demo-vl's 64 images): then the decoder's one-pass kernel takes q and k as 2 x heads heads.
-    if (dtype is torch.float32 and qk.is_cpu and cpu_kernels.takes() and torch.equal(cos[:, :half], cos[:, half:])
+    if (cpu_kernels.takes("rotary") and cpu_kernels.host_f32_inference(qk, contiguous=False)
+            and torch.equal(cos[:, :half], cos[:, half:])
             and torch.equal(sin[:, :half], sin[:, half:])):
         out = rotary_kernel(qk.flatten(1, 2), cos[:, :half], sin[:, :half])
         if out is not None:

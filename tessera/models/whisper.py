@@ -29,9 +29,9 @@ from tessera.models.hf_towers import build_transformers_tower
 from tessera.models.mm_embed import item_embeddings
 from tessera.models.weights import WeightMapping
 from tessera.models.whisper_decoding import WhisperTokens
-from tessera.multimodal.items import Modality, MultimodalDataItem
-from tessera.runner.forward_batch import ForwardBatch
-from tessera.worker.forward_input import SamplingRow
+from tessera.messages.items import Modality, MultimodalDataItem
+from tessera.layers.forward_batch import ForwardBatch
+from tessera.messages.worker import SamplingRow
 
 ENCODER = "transformers.models.whisper.modeling_whisper:WhisperEncoder"
 _ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}

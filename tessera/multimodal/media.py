@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 from tessera.multimodal.media_source import MediaError, MediaLimits, read_media_bytes
 
 __all__ = ["MediaError", "MediaLimits", "VideoClip", "load_image", "load_video", "load_audio"]

@@ -12,7 +12,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 
 _MiB = 1 << 20
 

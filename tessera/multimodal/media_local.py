@@ -8,7 +8,7 @@ import os
 import stat
 import urllib.parse
 
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 from tessera.multimodal.media_limits import (
     MediaError,
     MediaLimits,

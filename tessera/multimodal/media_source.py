@@ -20,7 +20,7 @@ import os
 import re
 import urllib.parse
 
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 from tessera.multimodal.media_limits import MediaError, MediaLimits, check_size
 from tessera.multimodal.media_local import (
     file_uri_path,

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 
 __all__ = ["MultimodalSpecialTokens"]
 

@@ -25,7 +25,7 @@ from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
 from tessera.scheduler.batch import ScheduledBatch, ScheduledReq
 from tessera.scheduler.req import Req
-from tessera.worker.forward_input import SlotWrite, TokenSlotWrites
+from tessera.messages.worker import SlotWrite, TokenSlotWrites
 
 
 IN_BATCH_PREFIX_MIN = 32  # shorter shared spans are cheaper to recompute than a step's wait

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tessera.constrained.matcher import GrammarMatcher
-from tessera.multimodal.items import MultimodalInputs
-from tessera.sampling_params import SamplingParams
+from tessera.messages.items import MultimodalInputs
+from tessera.messages.sampling import SamplingParams
 
 
 def salted_key(salt: str, first: int) -> int:

@@ -7,38 +7,68 @@ sampled tokens, check stop conditions -> send incremental outputs -> release fin
 from __future__ import annotations
 
 import logging
-import traceback
+from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Protocol
 
+import torch
 import zmq
 
+from tessera import messages
 from tessera.config import ServerArgs
 from tessera.constrained.matcher import GrammarCompiler
-from tessera.distributed.tp_launch import TPGroupHandle
-from tessera.multimodal.items import Modality
-from tessera.scheduler import io
-from tessera.scheduler.cpu_threads import AdaptiveThreads, available_cores
+from tessera.messages.items import Modality
+from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
+from tessera.models.config import ModelConfig
+from tessera.platform.device import platform_of
+from tessera.platform.threads import AdaptiveThreads, available_cores
 from tessera.scheduler.req import Req
 from tessera.scheduler.step_input import build_forward_input
 from tessera.scheduler.summary import PeriodicSummary
 
 logger = logging.getLogger("tessera.scheduler")
-STARTUP_ERROR_LINGER_S = 60  # how long a scheduler that failed to start waits for the frontend to take its error
+
+
+class StepWorker(Protocol):
+    """What the scheduler asks of rank 0's model worker (worker/model_worker.py's ModelWorker)."""
+
+    info: WorkerInfo
+    device: torch.device
+    # Called between the parts of a long step, so the CPU thread policy can re-decide (None: nothing).
+    between_phases: Callable[[], object] | None
+
+    def execute(self, fi: ForwardInput) -> StepOutput: ...
+
+    def flush_cache(self) -> None: ...
+
+    def cache_stats(self) -> tuple[int, int, int]: ...
+
+
+class RankGroup(Protocol):
+    """The other tensor-parallel ranks (distributed/tp_launch.py's TPGroupHandle)."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    def broadcast(self, msg: tuple) -> None: ...
 
 
 class Scheduler:
     """Owns the request table, the page allocator, the radix tree and the cache keys; each step it hands a
-    ForwardInput to the model worker (in-process today) and applies the sampled tokens it returns."""
+    ForwardInput to the model worker and applies the sampled tokens it returns.
 
-    def __init__(self, args: ServerArgs, recv_endpoint: str, send_endpoint: str, dp_rank: int = 0):
+    The worker (rank 0's, in this process) and the handle of the other TP ranks are given: the scheduler
+    knows them only through `worker.info`, `worker.execute(ForwardInput) -> StepOutput` and its cache calls,
+    and `tp.broadcast(message)` (entrypoints/scheduler_process.py builds them)."""
+
+    def __init__(self, args: ServerArgs, recv_endpoint: str, send_endpoint: str, worker: StepWorker,
+                 config: ModelConfig, eos_ids: set[int], tp: RankGroup | None = None, dp_rank: int = 0):
         from transformers import AutoTokenizer
 
         from tessera.cache.allocator import PagedTokenAllocator
         from tessera.cache.kv_pool import ReqToTokenPool
         from tessera.cache.radix_cache import RadixCache
-        from tessera.models.config import ModelConfig, load_eos_token_ids
         from tessera.scheduler.policy import KVManager, SchedulePolicy
-        from tessera.worker.model_worker import ModelWorker
 
         self.args = args
         self.dp_rank = dp_rank
@@ -48,12 +78,12 @@ class Scheduler:
         self.send_sock = ctx.socket(zmq.PUSH)
         self.send_sock.connect(send_endpoint)
 
-        self.config = ModelConfig.load(args.model_path)
+        self.config = config
         self.model_cls = self.config.family.model_class()
-        self.eos_ids = load_eos_token_ids(args.model_path, self.config.hf_config)
+        self.eos_ids = eos_ids
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path or args.model_path)
-        self.tp: TPGroupHandle | None = TPGroupHandle(args) if args.tp_size > 1 else None
-        self.worker = ModelWorker(args, self.eos_ids, self.config)
+        self.tp = tp
+        self.worker = worker
         info = self.worker.info
         self.context_length = info.context_length
         # Scheduler-side KV bookkeeping lives on the host: the worker's device copy of the slot table is
@@ -66,9 +96,9 @@ class Scheduler:
         kv = KVManager(req_pool, allocator, self.tree, args.page_size, self.config.cross_attention_len)
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy)
         self.reqs: dict[str, Req] = {}
-        # Threads per step on a CPU (see cpu_threads.py); None: the fixed count set at process start.
+        # Threads per step on a CPU (see platform/threads.py); None: the fixed count set at process start.
         self.threads: AdaptiveThreads | None = None
-        if args.adaptive_threads and self.worker.device.type == "cpu":
+        if args.adaptive_threads and platform_of(self.worker.device).runs_on_host_cores:
             self.threads = AdaptiveThreads(available_cores())
             self.worker.between_phases = self.threads.before_step
         # Constrained requests whose grammar is compiling (off the loop): they join the policy when it is ready.
@@ -84,7 +114,7 @@ class Scheduler:
 
     # ---- messages -----------------------------------------------------------------------
     def handle(self, msg) -> None:
-        if isinstance(msg, io.TokenizedGenerateReq):
+        if isinstance(msg, messages.TokenizedGenerateReq):
             sp = msg.sampling_params
             req = Req(msg.rid, msg.input_ids, sp, msg.mm_inputs, msg.stream, msg.return_logprob,
                       cache_salt=msg.cache_salt)
@@ -105,7 +135,7 @@ class Scheduler:
                 self._admit_compiled()
             else:
                 self.policy.add(req)
-        elif isinstance(msg, io.AbortReq):
+        elif isinstance(msg, messages.AbortReq):
             req = self.reqs.pop(msg.rid, None)
             if req is not None:
                 waiting = self.grammar_waiting.pop(msg.rid, None)
@@ -115,14 +145,14 @@ class Scheduler:
                     self.policy.remove(req)
                 req.finished_reason = {"type": "abort", "message": "aborted by client"}
                 self._emit([self._output(req, req.finished_reason)])
-        elif isinstance(msg, io.FlushCacheReq):
+        elif isinstance(msg, messages.FlushCacheReq):
             if not self.reqs:
                 self.tree.reset()
                 if self.tp is not None:
                     self.tp.broadcast(("flush",))
                 self.worker.flush_cache()
-        elif isinstance(msg, io.GetStatsReq):
-            io.send(self.send_sock, self.stats())
+        elif isinstance(msg, messages.GetStatsReq):
+            messages.send(self.send_sock, self.stats())
         else:
             raise TypeError(f"unexpected message {type(msg).__name__}")
 
@@ -142,11 +172,11 @@ class Scheduler:
                 continue
             self.policy.add(req)
 
-    def stats(self) -> io.SchedulerStats:
+    def stats(self) -> messages.SchedulerStats:
         kv = self.policy.kv
         total = kv.allocator.num_pages * kv.allocator.page_size
         hits, misses, used = self.worker.cache_stats()
-        return io.SchedulerStats(
+        return messages.SchedulerStats(
             num_running=len(self.policy.running), num_waiting=len(self.policy.waiting) + len(self.grammar_waiting),
             kv_used_tokens=total - kv.allocator.num_free_tokens - self.tree.evictable_size(),
             kv_total_tokens=total, radix_cache_tokens=self.tree.total_size(),
@@ -161,9 +191,9 @@ class Scheduler:
         )
 
     # ---- stepping -------------------------------------------------------------------------
-    def _output(self, req: Req, finished: dict | None = None) -> io.ReqOutput:
+    def _output(self, req: Req, finished: dict | None = None) -> messages.ReqOutput:
         new = req.output_ids[req.num_sent :]
-        out = io.ReqOutput(
+        out = messages.ReqOutput(
             rid=req.rid, new_token_ids=new, finished_reason=finished,
             prompt_tokens=len(req.origin_input_ids), cached_tokens=req.cached_len,
             completion_tokens=len(req.output_ids),
@@ -174,9 +204,9 @@ class Scheduler:
         req.num_sent = len(req.output_ids)
         return out
 
-    def _emit(self, outputs: list[io.ReqOutput]) -> None:
+    def _emit(self, outputs: list[messages.ReqOutput]) -> None:
         if outputs:
-            io.send(self.send_sock, io.BatchOutput(outputs))
+            messages.send(self.send_sock, messages.BatchOutput(outputs))
 
     def _check_finished(self, req: Req) -> dict | None:
         sp, tok = req.sampling_params, req.output_ids[-1]
@@ -271,34 +301,10 @@ class Scheduler:
             # While only grammars are compiling, wake up often to admit them (the compile thread has no socket).
             events = dict(poller.poll(0 if busy else 2 if self.grammar_waiting else 1000))
             while events:
-                self.handle(io.recv(self.recv_sock))
+                self.handle(messages.recv(self.recv_sock))
                 events = dict(poller.poll(0))
             if self.grammar_waiting:
                 self._admit_compiled()
             self.step()
             self.summary.tick(self.stats, self.num_output_tokens, busy)
 
-
-def run_scheduler_process(args: ServerArgs, recv_endpoint: str, send_endpoint: str, ready_endpoint: str,
-                          dp_rank: int = 0) -> None:
-    """Entry point of the scheduler child process."""
-    logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s scheduler] %(message)s")
-    import torch
-
-    torch.manual_seed(args.random_seed)
-    torch.set_num_threads(args.worker_threads)
-    ready_ctx = zmq.Context()  # its own, so that term() below waits for this one message only
-    ready = ready_ctx.socket(zmq.PUSH)
-    ready.connect(ready_endpoint)
-    try:
-        scheduler = Scheduler(args, recv_endpoint, send_endpoint, dp_rank)
-    except Exception as e:  # report startup failures (bad checkpoint, ...) to the parent
-        first_line = (str(e).strip().splitlines() or [""])[0]
-        io.send(ready, io.SchedulerError(f"{type(e).__name__}: {first_line}", traceback.format_exc()))
-        # The frontend may not have bound its end yet (it loads its processor meanwhile): wait, bounded,
-        # until the message is out rather than exit with it still queued.
-        ready.close(linger=int(STARTUP_ERROR_LINGER_S * 1000))
-        ready_ctx.term()
-        return
-    io.send(ready, io.SchedulerReady(scheduler.worker.info))
-    scheduler.run_forever()

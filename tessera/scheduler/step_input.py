@@ -11,10 +11,10 @@ import torch
 from tessera.constrained.matcher import fill_bitmask, stop_closers
 from tessera.models.base import StepSegment, TesseraModel
 from tessera.models.config import ModelConfig
-from tessera.multimodal.items import MultimodalDataItem
+from tessera.messages.items import MultimodalDataItem
 from tessera.scheduler.batch import ScheduledBatch
 from tessera.scheduler.policy import KVManager
-from tessera.worker.forward_input import (
+from tessera.messages.worker import (
     CrossFill,
     ForwardInput,
     MMPlacement,

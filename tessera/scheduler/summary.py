@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
-from tessera.scheduler import io
+from tessera import messages
 
 logger = logging.getLogger("tessera.scheduler")
 INTERVAL_S = 10.0
@@ -27,7 +27,7 @@ class PeriodicSummary:
         if now - self._last < self.interval or not logger.isEnabledFor(logging.INFO):
             return
         if self._active:
-            s: io.SchedulerStats = stats_fn()
+            s: messages.SchedulerStats = stats_fn()
             dt = now - self._last
             prefill = (s.num_prefill_tokens_computed - self._last_prefill) / dt
             output = (num_output_tokens - self._last_output) / dt

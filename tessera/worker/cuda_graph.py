@@ -33,7 +33,8 @@ import torch
 
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.models.base import TesseraModel
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.layers.forward_batch import ForwardBatch
+from tessera.platform.device import platform_of
 
 logger = logging.getLogger("tessera.worker")
 
@@ -127,7 +128,7 @@ class DecodeGraphRunner:
         self.sizes = sizes
         self.mrope = mrope
         self.buffers = DecodeBuffers(sizes[-1], mrope, pad_row, req_to_token.device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, object] = {}  # bucket -> its captured graph (replay())
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> the graph's logits [bucket, vocab]
 
     @property
@@ -159,16 +160,8 @@ class DecodeGraphRunner:
         """Captures every bucket, largest first (the smaller ones reuse its memory pool). Each is run eagerly
         twice before its capture: Triton compiles and cuBLAS picks its kernels outside the graph. The buffers
         hold padding throughout, so these runs only write the dummy KV slot."""
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for bucket in reversed(self.sizes):
-                for _ in range(2):
-                    self.model(self.buffers.batch(bucket, self.req_to_token), self.pool)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self.outputs[bucket] = self.model(self.buffers.batch(bucket, self.req_to_token), self.pool)
-                self.graphs[bucket] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+        def step(bucket: int) -> None:
+            self.outputs[bucket] = self.model(self.buffers.batch(bucket, self.req_to_token), self.pool)
+
+        steps = {bucket: (lambda b=bucket: step(b)) for bucket in self.sizes}
+        self.graphs = platform_of(self.req_to_token.device).capture_graphs(steps, warmup=2)

@@ -18,21 +18,23 @@ from tessera.cache.kv_pool import TokenToKVPool
 from tessera.config import ServerArgs
 from tessera.distributed.encoder_dp import dp_sharded_encode
 from tessera.distributed.parallel_state import min_over_ranks, tp_group
-from tessera.layers.attention import get_attention_backend, resolve_attention_backend
+from tessera.layers.attention import resolve_attention_backend, uses_decode_mirror
 from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError
-from tessera.models.registry import load_model, resolve_device
-from tessera.multimodal.deferred import materializer_for
-from tessera.multimodal.items import Modality, MultimodalDataItem
-from tessera.runner.forward_batch import ForwardBatch
-from tessera.runner.sampler import Sampler, SamplingBatchInfo
+from tessera.models.registry import load_model
+from tessera.multimodal.materialize import materializer_for
+from tessera.messages.items import Modality, MultimodalDataItem
+from tessera.layers.forward_batch import ForwardBatch
+from tessera.worker.sampler import Sampler, SamplingBatchInfo
 from tessera.worker.cuda_graph import (
     DEFAULT_MAX_BS,
     DecodeGraphRunner,
     DecodeInputs,
     capture_batch_sizes,
 )
-from tessera.worker.forward_input import ForwardInput, StepOutput, WorkerInfo
+from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
+from tessera.platform import cpu_kernels
+from tessera.platform.device import platform_of, rank_device, resolve_device
 from tessera.worker.input_stager import InputStager
 from tessera.worker.masks import span_mask
 
@@ -68,8 +70,12 @@ class ModelWorker:
         self.args = args
         self.tp = tp_group()
         self.device = resolve_device(args.device)
-        if self.device.type == "cuda" and (self.tp.size > 1 or args.base_gpu_id):
-            self.device = torch.device("cuda", args.base_gpu_id + self.tp.rank)  # one GPU per rank
+        if self.tp.size > 1 or args.base_gpu_id:
+            self.device = rank_device(self.device, args.base_gpu_id + self.tp.rank)  # one accelerator per rank
+        self.platform = platform_of(self.device)
+        self.platform.bind(self.device)
+        # Built (or found in the cache) once, before the first step; what did not load is in the report.
+        self.cpu_kernels = cpu_kernels.load() if self.platform.runs_on_host_cores else {}
         backend_name = resolve_attention_backend(args.attention_backend, self.device)
         self.model, self.config = load_model(args.model_path, dtype=args.dtype, device=self.device,
                                              language_model_only=args.language_model_only,
@@ -78,7 +84,7 @@ class ModelWorker:
         self.context_length = args.context_length or self.config.max_position_embeddings
         layout = self.model.kv_layout
         bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
-        mem_info = torch.cuda.mem_get_info(self.device) if self.device.type == "cuda" else None
+        mem_info = self.platform.memory_info(self.device)
         size = min_over_ranks(kv_pool_tokens(args, bytes_per_token, mem_info), self.device)  # ranks must agree
         # The pool holds K/V in the model's dtype (bfloat16 models: half the bytes of float32); the bytes per
         # token reported below are read from its buffers, so a pool that kept another dtype shows.
@@ -99,11 +105,10 @@ class ModelWorker:
             self.device)
         self.sampler = Sampler(seed=args.random_seed)
         self.eos_token_ids = eos_token_ids
-        # The mirror measured faster on CPU (gathers are the bottleneck there); elsewhere it is off.
-        self.use_decode_mirror = not args.disable_decode_kv_mirror and self.device.type == "cpu"
+        self.use_decode_mirror = not args.disable_decode_kv_mirror and uses_decode_mirror(self.device)
         self._held: dict[str, dict[int, torch.Tensor]] = {}  # rid -> item hash -> embedding
         # Called between the parts of a long step (encoder chunks, then the language model): the scheduler's
-        # CPU thread policy (cpu_threads.py) re-decides there, so a step that began while the frontend was busy
+        # CPU thread policy (platform/threads.py) re-decides there, so a step that began while the frontend was busy
         # does not keep one core when that core frees up. None: nothing to call.
         self.between_phases: Callable[[], object] | None = None
         # Encoder-decoder models: rid -> its cross-attention K/V slots (device), from fill to release.
@@ -116,7 +121,8 @@ class ModelWorker:
                                attention_backend=backend_name, decode_kv_mirror=self.use_decode_mirror,
                                tp_size=self.tp.size,
                                num_parameters=sum(p.numel() for p in self.model.parameters()),
-                               cuda_graph_batch_sizes=tuple(self.graph_runner.sizes) if self.graph_runner else ())
+                               cuda_graph_batch_sizes=tuple(self.graph_runner.sizes) if self.graph_runner else (),
+                               cpu_kernels=self.cpu_kernels)
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def decode_graph_runner(self, max_bs: int) -> DecodeGraphRunner:
@@ -131,9 +137,9 @@ class ModelWorker:
         why_not = None
         if args.disable_cuda_graph:
             return None
-        if self.device.type != "cuda":
-            return None  # graphs are a CUDA feature; quietly off elsewhere
-        if "cuda_graph" not in get_attention_backend(backend_name).features:
+        if not self.platform.supports_graphs:
+            return None  # quietly off where the device has no graphs
+        if "cuda_graph" not in self.model.attn_backend.features:
             why_not = f"attention backend {backend_name} plans on the host"
         elif not type(self.model).cuda_graph_decode or self.encoder_decoder:
             why_not = f"{type(self.model).__name__} has host-side work in its decode step"
@@ -147,7 +153,7 @@ class ModelWorker:
             runner.capture()
         except Exception as e:  # a model whose decode cannot be captured still serves, eagerly
             logger.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
-            torch.cuda.synchronize(self.device)
+            self.platform.synchronize(self.device)
             return None
         logger.info("CUDA graphs captured for decode batch sizes %s", runner.sizes)
         return runner
@@ -209,7 +215,7 @@ class ModelWorker:
                 encoder = lambda its, enc=encoder: enc(self.materialize(its))  # noqa: E731
             if self.args.mm_enable_dp_encoder and self.tp.size > 1:  # each rank encodes a share, then all_gather
                 embeds = dp_sharded_encode(encoder, items, [it.num_tokens for it in items], self.dtype, self.device)
-            elif self.between_phases is not None and self.device.type == "cpu" and self.tp.size == 1:
+            elif self.between_phases is not None and self.platform.runs_on_host_cores and self.tp.size == 1:
                 # Chunks of a few items, the thread count re-decided before each: a CPU tower's per-item cost
                 # does not depend on the call's size (demo-vl's tower over 64 images: 0.669 / 0.684 / 0.711 s
                 # in calls of 16 / 29 / 64), while one call over a step's 50 images takes most of a second. One

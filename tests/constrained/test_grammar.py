@@ -13,8 +13,8 @@ from tessera.constrained.grammar import grammar_text, no_unlisted_properties
 from tessera.constrained.matcher import GrammarCompiler, bitmask_width, fill_bitmask
 from tessera.entrypoints.openai.errors import APIError
 from tessera.entrypoints.openai.response_format import constraint_from_openai
-from tessera.runner.sampler import Sampler, SamplingBatchInfo, unpack_bitmask
-from tessera.sampling_params import SamplingParams
+from tessera.worker.sampler import Sampler, SamplingBatchInfo, unpack_bitmask
+from tessera.messages.sampling import SamplingParams
 from tests.constrained.scene_schema import ANSWER_REGEX, SCENE_SCHEMA, validate_scene
 
 DEMO_VL = "tessera/assets/demo-vl"
@@ -176,7 +176,7 @@ def test_random_walk_is_reproducible_for_any_seed(compiler):
 
 
 def test_a_json_row_that_wants_eos_closes_instead_and_others_are_unchanged():
-    from tessera.runner.sampler import close_on_stop_intent
+    from tessera.worker.sampler import close_on_stop_intent
 
     vocab, eos, quote, bracket, letter = 8, 2, 3, 4, 5
     logits = torch.zeros(3, vocab)

@@ -7,7 +7,7 @@ import torch
 
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.attention import cpu_decode, get_attention_backend
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.layers.forward_batch import ForwardBatch
 
 HEAD_DIM, POOL_SIZE, MAX_CTX = 8, 200, 32
 

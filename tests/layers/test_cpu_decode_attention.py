@@ -1,4 +1,4 @@
-"""Decode attention through our C kernel over the paged pool (tessera/layers/cpu_decode_attention.c) against a
+"""Decode attention through our C kernel over the paged pool (tessera/platform/csrc/cpu_decode_attention.c) against a
 float64 reference: block and vector tails, query groups, sliding windows, scattered slots, one and two threads;
 and the backend taking it on random traffic."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tessera.cache.kv_pool import TokenToKVPool
-from tessera.layers import cpu_kernels
+from tessera.platform import cpu_kernels
 from tessera.layers.attention import cpu_decode
-from tests.layers.test_cpu_kernels import torch_threads
+from tests.platform.test_cpu_kernels import torch_threads
 from tests.layers.test_decode_mirror import Sim, random_traffic
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,

@@ -10,7 +10,7 @@ import torch
 
 from tessera.cache.kv_pool import ReqToTokenPool, TokenToKVPool
 from tessera.layers.attention import cpu_decode, get_attention_backend
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.layers.forward_batch import ForwardBatch
 from tests.layers.test_attention_backend import reference
 
 HEAD_DIM, LAYERS, HEADS, KV_HEADS = 8, 2, 4, 2

@@ -47,7 +47,7 @@ def test_text_positions_equal_for_plain_and_mrope():
 
 
 def test_rmsnorm_matches_hf_and_fuses_residual():
-    """torch's path (autograd on here, so the C kernel of tests/layers/test_cpu_kernels.py is not taken)."""
+    """torch's path (autograd on here, so the C kernel of tests/platform/test_cpu_kernels.py is not taken)."""
     g = torch.Generator().manual_seed(1)
     x, res, w = torch.randn(5, 32, generator=g), torch.randn(5, 32, generator=g), torch.randn(32, generator=g)
     ours, ref = RMSNorm(32, 1e-6), Qwen2VLRMSNorm(32, 1e-6)

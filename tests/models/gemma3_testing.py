@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from tessera.multimodal.items import Modality, MultimodalDataItem
+from tessera.messages.items import Modality, MultimodalDataItem
 from tests.models.fixture_checks import MIN_MARGIN, top2_margin  # noqa: F401  (re-exported to the tests)
 
 VOCAB, BOI_ID, EOI_ID, IMAGE_ID = 256, 250, 251, 252

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from tessera.multimodal.items import Modality, MultimodalDataItem
+from tessera.messages.items import Modality, MultimodalDataItem
 from tests.models.fixture_checks import (  # noqa: F401  (MIN_MARGIN, top2_margin: re-exported to the tests)
     MIN_MARGIN,
     check_greedy_depends_on_inputs,

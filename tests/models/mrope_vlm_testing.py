@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from tessera.multimodal.items import Modality, MultimodalDataItem
-from tessera.runner.mrope import decode_mrope_positions
+from tessera.messages.items import Modality, MultimodalDataItem
+from tests.models.mrope_reference import decode_mrope_positions
 from tests.models.fixture_checks import (
     MIN_MARGIN,
     check_greedy_depends_on_inputs,

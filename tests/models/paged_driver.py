@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.cache.kv_pool import ReqToTokenPool, TokenToKVPool
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.layers.forward_batch import ForwardBatch
 
 
 class PagedKV:

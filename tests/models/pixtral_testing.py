@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tessera.multimodal.items import Modality, MultimodalDataItem
+from tessera.messages.items import Modality, MultimodalDataItem
 from tests.models.rope_vlm_testing import VLPrompt
 
 VOCAB, IMG_ID, BREAK_ID, END_ID = 128, 120, 121, 122

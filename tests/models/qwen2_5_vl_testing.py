@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
 from tests.models.mrope_vlm_testing import MRopePrompt
 
 VOCAB, IMAGE_ID, VIDEO_ID, VSTART_ID, VEND_ID = 128, 120, 121, 122, 123

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.multimodal.items import Modality, MultimodalDataItem
+from tessera.messages.items import Modality, MultimodalDataItem
 from tests.models.mrope_vlm_testing import (  # noqa: F401  (shared by the M-RoPE families: re-exported)
     MRopePrompt,
     hf_positions,

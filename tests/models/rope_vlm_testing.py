@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tessera.multimodal.items import MultimodalDataItem
+from tessera.messages.items import MultimodalDataItem
 from tests.models.fixture_checks import MIN_MARGIN, top2_margin  # noqa: F401  (the families' tests take them from here)
 from tests.models.paged_driver import (
     PagedKV,

@@ -11,8 +11,9 @@ import torch
 from tessera.models.base import TesseraModel
 from tessera.models.config import ModelConfig
 from tessera.models.families import FAMILIES, UnsupportedArchitectureError, get_family
-from tessera.models.registry import get_model_class, load_model, resolve_dtype
-from tessera.multimodal.items import Modality
+from tessera.models.registry import get_model_class, load_model
+from tessera.platform.device import resolve_dtype
+from tessera.messages.items import Modality
 from tessera.multimodal.processors import registry as processors
 
 
@@ -72,11 +73,11 @@ def test_dtype_auto_follows_the_checkpoint(tmp_path) -> None:
     path = _tiny_qwen2(tmp_path, torch.bfloat16)
     model, config = load_model(path, "auto")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert resolve_dtype("auto", config, "cpu") == torch.bfloat16
+    assert resolve_dtype("auto", config.dtype, "cpu") == torch.bfloat16
     f16 = ModelConfig.load(path).__class__(**{**ModelConfig.load(path).__dict__, "dtype": "float16"})
-    assert resolve_dtype("auto", f16, "cpu") == torch.bfloat16  # CPU float16 is emulated: same size, native bf16
-    assert resolve_dtype("auto", f16, "cuda") == torch.float16
-    assert resolve_dtype("float32", config, "cpu") == torch.float32
+    assert resolve_dtype("auto", f16.dtype, "cpu") == torch.bfloat16  # CPU float16 is emulated: same size, native bf16
+    assert resolve_dtype("auto", f16.dtype, "cuda") == torch.float16
+    assert resolve_dtype("float32", config.dtype, "cpu") == torch.float32
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

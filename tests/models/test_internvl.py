@@ -165,7 +165,7 @@ def test_real_processor_checkpoint_matches_hf(tmp_path):
 
     from tessera.multimodal.media import MediaLimits
     from tessera.multimodal.processors.internvl import InternVLProcessor
-    from tessera.multimodal.processors.registry import create_processor
+    from tests.multimodal.processor_registry import create_processor
 
     path = make_tiny_internvl_checkpoint(tmp_path / "ckpt", SPECS["qwen3_tied"], max_patches=4, seed=3)
     hf_processor = AutoProcessor.from_pretrained(path)

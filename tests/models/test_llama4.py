@@ -245,7 +245,7 @@ def test_chunked_attention_and_nope_matter(case, monkeypatch):
 
 def test_chunk_masks_follow_absolute_positions():
     """A step of queries 6..12 over 13 keys with chunk 4: query p sees keys 4 * (p // 4) .. p."""
-    from tessera.runner.forward_batch import ForwardBatch
+    from tessera.layers.forward_batch import ForwardBatch
 
     fb = ForwardBatch(input_ids=torch.zeros(8, dtype=torch.long), positions=torch.arange(8),
                       out_cache_loc=torch.arange(8), req_pool_indices=torch.tensor([0, 1]),

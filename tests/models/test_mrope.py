@@ -6,8 +6,8 @@ import pytest
 import torch
 from qwen2_vl_testing import IMAGE_ID, MERGE, VIDEO_ID, VSTART_ID, build_prompt, hf_positions
 
-from tessera.multimodal.items import Modality
-from tessera.runner.mrope import compute_mrope_positions, decode_mrope_positions, text_mrope_positions
+from tessera.messages.items import Modality
+from tests.models.mrope_reference import compute_mrope_positions, decode_mrope_positions, text_mrope_positions
 
 SPECS = [
     [9],

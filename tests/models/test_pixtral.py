@@ -175,7 +175,7 @@ def test_real_processor_checkpoint_matches_hf(tmp_path):
 
     from tessera.multimodal.media import MediaLimits
     from tessera.multimodal.processors.pixtral import PixtralProcessor
-    from tessera.multimodal.processors.registry import create_processor
+    from tests.multimodal.processor_registry import create_processor
 
     path = make_tiny_pixtral_checkpoint(tmp_path / "ckpt", SPECS["llama_tied_layers"], seed=3)
     hf_processor = AutoProcessor.from_pretrained(path)

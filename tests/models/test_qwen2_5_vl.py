@@ -34,7 +34,7 @@ from qwen2_5_vl_testing import (
 
 from tessera.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
 from tessera.models.registry import load_model
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 
 PROMPTS = {
     "text": [12],
@@ -150,7 +150,7 @@ def test_real_processor_checkpoint_matches_hf(tmp_path):
 
     from tessera.multimodal.media import MediaLimits, VideoClip
     from tessera.multimodal.processors.qwen_vl import QwenVLProcessor
-    from tessera.multimodal.processors.registry import create_processor
+    from tests.multimodal.processor_registry import create_processor
 
     path = make_tiny_qwen2_5_vl_checkpoint(tmp_path / "ckpt", num_kv_heads=4, hidden=48, layers=3, heads=4,
                                            tie=True, vision_depth=3, fullatt_block_indexes=(0,), seed=3)

@@ -20,7 +20,7 @@ from tessera.models.qwen2_audio import Qwen2AudioForConditionalGeneration, audio
 from tessera.models.registry import load_model
 from tessera.multimodal.media import MediaLimits
 from tessera.multimodal.processors.base import ProcessorOutput
-from tessera.multimodal.processors.registry import create_processor
+from tests.multimodal.processor_registry import create_processor
 from tests.audio_testing import INSTRUCTION, build_tiny_audio_checkpoint, noise, speechlike, tone
 
 ATOL = 1e-4

@@ -7,8 +7,8 @@ import torch
 from qwen2_vl_testing import build_prompt, hf_positions, prompt_mm_embeds
 from paged_driver import PagedKV, Step, make_batch
 
-from tessera.multimodal.items import Modality
-from tessera.runner.mrope import decode_mrope_positions
+from tessera.messages.items import Modality
+from tests.models.mrope_reference import decode_mrope_positions
 
 ATOL = 1e-4
 PROMPTS = {
@@ -64,10 +64,11 @@ def test_greedy_decode_matches_hf_generate(vl_case, page_size):
 
 def test_greedy_decode_through_the_cpu_gemv_kernel_matches_hf(vl_case, monkeypatch):
     """The tiny fixture's weights are below the kernel's size threshold; lowered to 0, every decode projection
-    (one row) runs through tessera/layers/cpu_gemv.c."""
-    from tessera.layers import cpu_gemv, cpu_kernels
+    (one row) runs through tessera/platform/csrc/cpu_gemv.c."""
+    from tessera.layers import cpu_gemv
+    from tessera.platform import cpu_kernels
 
-    if cpu_kernels.library() is None:
+    if not cpu_kernels.available("gemv"):
         pytest.skip("no C compiler: the kernel is never built")
     calls = []
     real = cpu_gemv.gemv

@@ -39,7 +39,7 @@ from tessera.layers.rotary import RotaryEmbedding
 from tessera.models.mm_embed import EmbeddingCountError
 from tessera.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from tessera.models.registry import load_model
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 
 PROMPTS = {
     "text": [12],
@@ -180,7 +180,7 @@ def test_real_processor_checkpoint_matches_hf(tmp_path):
 
     from tessera.multimodal.media import MediaLimits, VideoClip
     from tessera.multimodal.processors.qwen3_vl import Qwen3VLProcessor as OurProcessor
-    from tessera.multimodal.processors.registry import create_processor
+    from tests.multimodal.processor_registry import create_processor
 
     path = make_tiny_qwen3_vl_checkpoint(tmp_path / "ckpt")
     hf_processor = AutoProcessor.from_pretrained(path)

@@ -15,7 +15,7 @@ from paged_driver import PagedKV, Step, make_batch
 
 from tessera.models.registry import load_model
 from tessera.models.whisper_decoding import TimedSegment, WhisperTokens, timed_segments
-from tessera.multimodal.items import Modality, MultimodalDataItem
+from tessera.messages.items import Modality, MultimodalDataItem
 from tests.audio_testing import noise, speechlike, tone
 from tests.whisper_testing import RATE, build_tiny_whisper_checkpoint
 

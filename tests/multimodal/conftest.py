@@ -44,7 +44,7 @@ def skeleton(tmp_path_factory: pytest.TempPathFactory) -> Skeleton:
 def processor_factory(hf_processor: Any, config: Any) -> Iterator[Callable[..., Any]]:
     """`make(**kwargs)`: create_processor over (hf_processor, config), offline limits unless given; every
     processor made is closed on exit (each owns a preprocessing pool)."""
-    from tessera.multimodal.processors.registry import create_processor
+    from tests.multimodal.processor_registry import create_processor
 
     made = []
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from tessera.multimodal.deferred import DeferredMaterializer
+from tessera.multimodal.materialize import DeferredMaterializer
 
 
 def noise_image(width: int, height: int, seed: int = 0) -> Image.Image:

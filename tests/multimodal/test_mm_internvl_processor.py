@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.multimodal.items import PAD_VALUE_BASE, Modality
+from tessera.messages.items import PAD_VALUE_BASE, Modality
 from tessera.multimodal.processors.internvl import InternVLProcessor
 from tests.models.internvl_testing import SPECS, make_tiny_internvl_checkpoint
 

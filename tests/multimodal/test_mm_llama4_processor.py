@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.multimodal.items import PAD_VALUE_BASE, Modality
+from tessera.messages.items import PAD_VALUE_BASE, Modality
 from tessera.multimodal.processors.llama4 import Llama4Processor
 from tests.models.llama4_testing import SPECS, make_tiny_llama4_checkpoint
 

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 from tessera.multimodal.media import MediaLimits
 from tessera.multimodal.processors.llava import LlavaNextProcessor, LlavaProcessor
-from tessera.multimodal.processors.registry import create_processor
+from tests.multimodal.processor_registry import create_processor
 from tests.models.llava_testing import SPECS, make_tiny_llava_checkpoint
 
 from .conftest import encode_png, scene_image

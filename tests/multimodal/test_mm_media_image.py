@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 from tessera.multimodal.media import MediaError, MediaLimits, load_image
 
 from .conftest import encode_png, scene_image

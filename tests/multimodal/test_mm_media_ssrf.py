@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 from tessera.multimodal.media_limits import MediaError, MediaLimits
 from tessera.multimodal.media_url import address_refusal, fetch_url
 

@@ -94,7 +94,7 @@ def test_qwen25_time_scaled_positions_match_hf(skeleton, qwen25):
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLModel
 
     from tessera.multimodal.media import MediaLimits, load_video
-    from tessera.multimodal.processors.registry import create_processor
+    from tests.multimodal.processor_registry import create_processor
 
     from .conftest import encode_mp4
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.multimodal.items import PAD_VALUE_BASE
+from tessera.messages.items import PAD_VALUE_BASE
 from tessera.multimodal.processors.pixtral import PixtralProcessor
 from tests.models.pixtral_testing import SPECS, make_tiny_pixtral_checkpoint
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 from tessera.multimodal.processors.assemble import ItemFeatures
 from tessera.multimodal.processors.base import ProcessorOutput
 from tessera.multimodal.processors.preprocess_cache import PreprocessCache

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 from tessera.multimodal.media import VideoClip
 from tessera.multimodal.processors.base import ProcessorOutput
 from tessera.multimodal.processors.qwen3_vl import frame_timestamps

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from tessera.models.qwen2_audio import audio_output_len
-from tessera.multimodal.items import PAD_VALUE_BASE, Modality
+from tessera.messages.items import PAD_VALUE_BASE, Modality
 from tessera.multimodal.media import MediaError, MediaLimits, load_audio
 from tessera.multimodal.processors.qwen_audio import QwenAudioProcessor
-from tessera.multimodal.processors.registry import architecture_of, create_processor, get_processor_class
+from tests.multimodal.processor_registry import architecture_of, create_processor, get_processor_class
 from tests.audio_testing import INSTRUCTION, RATE, build_tiny_audio_checkpoint, noise, speechlike, tone, wav_bytes
 
 

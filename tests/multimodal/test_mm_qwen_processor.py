@@ -9,11 +9,11 @@ import random
 import pytest
 import torch
 
-from tessera.multimodal.items import PAD_VALUE_BASE, Modality
+from tessera.messages.items import PAD_VALUE_BASE, Modality
 from tessera.multimodal.media import MediaError, MediaLimits
 from tessera.multimodal.processors.base import ProcessorOutput
 from tessera.multimodal.processors.qwen_vl import QwenVLProcessor
-from tessera.multimodal.processors.registry import architecture_of, get_processor_class
+from tests.multimodal.processor_registry import architecture_of, get_processor_class
 
 from .conftest import (
     chat_text,

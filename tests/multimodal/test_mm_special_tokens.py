@@ -7,7 +7,7 @@ import re
 import pytest
 
 from tessera.demo.build_vl import token_id
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 IMG, VID = "<|image_pad|>", "<|video_pad|>"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tessera.multimodal.media import MediaLimits
-from tessera.multimodal.processors.registry import create_processor
+from tests.multimodal.processor_registry import create_processor
 from tessera.multimodal.processors.whisper import WhisperAudioProcessor
 from tests.audio_testing import speechlike, tone
 from tests.whisper_testing import RATE, build_whisper_tokenizer

@@ -37,7 +37,7 @@ def test_images_need_neither_av_nor_soundfile():
         import tessera.entrypoints.http_server
         import tessera.demo.speech, tessera.demo.examples, tessera.bench.datasets
         from transformers import AutoConfig, AutoProcessor
-        from tessera.multimodal.processors.registry import create_processor
+        from tests.multimodal.processor_registry import create_processor
 
         limits = media.MediaLimits.offline()
         image = media.load_image({str(EXAMPLES / "scene.png")!r}, limits=limits)

@@ -10,7 +10,7 @@ import torch
 from tessera.cache.allocator import PagedTokenAllocator
 from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
-from tessera.sampling_params import SamplingParams
+from tessera.messages.sampling import SamplingParams
 from tessera.scheduler.policy import KVManager, SchedulePolicy
 from tessera.scheduler.req import Req
 

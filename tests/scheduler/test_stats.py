@@ -7,8 +7,8 @@ import dataclasses
 
 import torch
 
-from tessera.multimodal.items import DeferredImage, Modality, MultimodalDataItem
-from tessera.scheduler.io import SchedulerStats
+from tessera.messages.items import DeferredImage, Modality, MultimodalDataItem
+from tessera.messages import SchedulerStats
 
 
 def _stats(**changes) -> SchedulerStats:

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import logging
 
-from tessera.scheduler import io
+from tessera import messages
 from tessera.scheduler.summary import PeriodicSummary
 
 
-def stats(prefill: int) -> io.SchedulerStats:
+def stats(prefill: int) -> messages.SchedulerStats:
     import dataclasses
 
-    required = {f.name: 0 for f in dataclasses.fields(io.SchedulerStats)
+    required = {f.name: 0 for f in dataclasses.fields(messages.SchedulerStats)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    return io.SchedulerStats(**{**required, "num_running": 3, "num_waiting": 2, "kv_used_tokens": 512,
+    return messages.SchedulerStats(**{**required, "num_running": 3, "num_waiting": 2, "kv_used_tokens": 512,
                                 "kv_total_tokens": 2048, "radix_cache_tokens": 100,
                                 "num_prefill_tokens_computed": prefill})
 

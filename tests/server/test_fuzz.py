@@ -244,7 +244,7 @@ def test_n_is_checked_before_it_sizes_anything(n):
     """Regression (found by the fuzzing below): n is bounded before the requests are fanned out."""
     from tessera.entrypoints.openai.errors import APIError
     from tessera.entrypoints.openai.serving import OpenAIServing
-    from tessera.sampling_params import SamplingParams
+    from tessera.messages.sampling import SamplingParams
 
     serving = object.__new__(OpenAIServing)  # fan_out needs no engine
     with pytest.raises(APIError, match=r"n: must be an integer in \[1, 128\]"):

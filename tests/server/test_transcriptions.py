@@ -15,7 +15,7 @@ import numpy as np
 import openai
 import pytest
 
-from tessera.entrypoints.openai.transcriptions import cue_text, format_srt, format_vtt
+from tessera.entrypoints.openai.transcript_format import cue_text, format_srt, format_vtt
 from tests.audio_testing import RATE, build_tiny_audio_checkpoint, speechlike, wav_bytes
 from tests.server.server_process import ServerProcess
 

@@ -178,7 +178,7 @@ def test_concurrent_requests_free_every_kv_slot(server, client):
 
 def test_translation_needs_the_translate_task(hf):
     from tessera.entrypoints.openai.errors import APIError
-    from tessera.entrypoints.openai.transcriptions import TranscriptionRequest
+    from tessera.entrypoints.openai.transcript_format import TranscriptionRequest
     from tessera.entrypoints.openai.whisper_transcriptions import WhisperTranscriber
 
     tokens = hf[2]

@@ -18,7 +18,7 @@ from tessera.cache.allocator import PagedTokenAllocator
 from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
 from tessera.config import ServerArgs
-from tessera.sampling_params import SamplingParams
+from tessera.messages.sampling import SamplingParams
 from tessera.scheduler.policy import KVManager, SchedulePolicy
 from tessera.scheduler.req import Req
 from tessera.scheduler.step_input import build_forward_input

@@ -14,13 +14,13 @@ from tessera.cache.radix_cache import RadixCache
 from tessera.config import ServerArgs
 from tessera.models.base import StepSegment, TesseraModel
 from tessera.models.config import ModelConfig
-from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
-from tessera.sampling_params import SamplingParams
-from tessera.scheduler import io
+from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
+from tessera.messages.sampling import SamplingParams
+from tessera import messages
 from tessera.scheduler.policy import KVManager, SchedulePolicy
 from tessera.scheduler.req import Req
 from tessera.scheduler.step_input import build_forward_input
-from tessera.worker.forward_input import ForwardInput
+from tessera.messages.worker import ForwardInput
 from tessera.worker.masks import span_mask
 
 
@@ -64,7 +64,7 @@ def test_worker_slot_table_follows_the_journal_under_random_traffic() -> None:
     released: set[str] = set()
 
     def on_step(fi: ForwardInput, batch) -> None:
-        fi = io.decode(io.encode(fi))  # what another process (a TP rank) would receive
+        fi = messages.decode(messages.encode(fi))  # what another process (a TP rank) would receive
         for w in fi.slot_writes:
             worker_table.index_put_(w.positions(), w.slots)
         released.update(fi.released)
@@ -160,7 +160,7 @@ def test_a_worker_fed_decoded_messages_matches_one_fed_the_originals() -> None:
         policy.add(r)
     while (batch := policy.next_batch()) is not None:
         fi = build_forward_input(batch, info.config.family.model_class(), info.config, policy.kv)
-        a, b = local.execute(fi), remote.execute(io.decode(io.encode(fi)))
+        a, b = local.execute(fi), remote.execute(messages.decode(messages.encode(fi)))
         assert a.next_token_ids == b.next_token_ids
         tokens["local"] += a.next_token_ids
         for s in batch.reqs:
@@ -195,7 +195,7 @@ def test_worker_applies_slot_writes_in_order_when_a_row_is_written_twice() -> No
     message (a range write, then the decode batch's token write): the later write must win."""
     from types import SimpleNamespace
 
-    from tessera.worker.forward_input import SlotWrite, TokenSlotWrites
+    from tessera.messages.worker import SlotWrite, TokenSlotWrites
     from tessera.worker.model_worker import ModelWorker
 
     writes = [SlotWrite(1, 0, torch.tensor([5, 6, 7])), SlotWrite(2, 0, torch.tensor([8, 9])),

@@ -13,7 +13,7 @@ from typing import Any
 
 from tessera.entrypoints.openai.errors import APIError, param_of
 from tessera.entrypoints.openai.response_format import constraint_from_openai
-from tessera.sampling_params import SamplingParams
+from tessera.messages.sampling import SamplingParams
 
 # OpenAI name -> SamplingParams name; vLLM/SGLang extras pass through under their own names.
 _OPENAI_TO_SP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens", "n": "n",

@@ -18,8 +18,8 @@ from tessera.entrypoints.openai.errors import APIError
 from tessera.entrypoints.openai.protocol import renamed_error
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import TokenizerManager
-from tessera.sampling_params import SamplingParams
-from tessera.scheduler.io import TokenizedGenerateReq
+from tessera.messages.sampling import SamplingParams
+from tessera.messages import TokenizedGenerateReq
 
 MAX_N = 128  # choices per request, as OpenAI's API allows
 MAX_BATCH = 1024  # prompts in one batched request (/v1/completions, /generate): each becomes a request

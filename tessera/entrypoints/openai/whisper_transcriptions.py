@@ -26,16 +26,19 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from tessera.entrypoints.openai.errors import APIError
+from tessera.entrypoints.openai.transcript_format import (
+    TranscriptionRequest,
+    compression_ratio,
+    join_transcripts,
+    render,
+)
 from tessera.frontend.request import GenerateRequest
 from tessera.models.whisper_decoding import WhisperTokens, timed_segments
 from tessera.multimodal.audio_windows import AudioWindow
-from tessera.sampling_params import SamplingParams
+from tessera.messages.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from tessera.entrypoints.openai.transcriptions import (
-        TranscriptionRequest,
-        TranscriptionServing,
-    )
+    from tessera.entrypoints.openai.serving import OpenAIServing
 
 SEGMENT_FORMATS = ("verbose_json", "srt", "vtt")
 
@@ -51,14 +54,14 @@ class WhisperPlan:
 
 
 class WhisperTranscriber:
-    def __init__(self, serving: TranscriptionServing, tokens: WhisperTokens):
+    def __init__(self, serving: OpenAIServing, tokens: WhisperTokens):
         self.serving = serving
         self.tm = serving.tm
         self.tokens = tokens
         self.max_target_positions = self.tm.info.config.max_position_embeddings
 
     @classmethod
-    def of(cls, serving: TranscriptionServing) -> WhisperTranscriber | None:
+    def of(cls, serving: OpenAIServing) -> WhisperTranscriber | None:
         """The transcriber when the served model is an encoder-decoder (Whisper), else None."""
         config = serving.tm.info.config
         if not config.family.encoder_decoder:
@@ -119,7 +122,6 @@ class WhisperTranscriber:
 
     async def respond(self, request: Request, req: TranscriptionRequest, plan: WhisperPlan, samples: np.ndarray,
                       rate: int, windows: list[AudioWindow]) -> Response:
-        from tessera.entrypoints.openai.transcriptions import join_transcripts, render
 
         language = plan.language
         if language is None:
@@ -148,7 +150,6 @@ class WhisperTranscriber:
 
     def _segments(self, w: AudioWindow, ids: list[int], logprobs: list[float], rate: int, temperature: float,
                   first_id: int) -> list[dict]:
-        from tessera.entrypoints.openai.transcriptions import compression_ratio
 
         offset = w.start / rate
         lo, hi = w.seconds(rate)

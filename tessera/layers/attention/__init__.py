@@ -32,6 +32,12 @@ def resolve_attention_backend(name: str, device: torch.device | str) -> str:
     return "torch_native"
 
 
+def uses_decode_mirror(device: torch.device | str) -> bool:
+    """Whether torch_native keeps the decode K/V mirror (contiguous per-request K/V across decode steps): on a
+    CPU, where it measured faster than gathering from the pages; elsewhere the paged kernels read the pool."""
+    return torch.device(device).type == "cpu"
+
+
 def get_attention_backend(name: str) -> BaseAttentionBackend:
     """A fresh backend instance (backends hold per-step state, so each model gets its own)."""
     if name not in _BACKENDS:
@@ -42,4 +48,4 @@ def get_attention_backend(name: str) -> BaseAttentionBackend:
 
 
 __all__ = ["BaseAttentionBackend", "available_attention_backends", "get_attention_backend",
-           "resolve_attention_backend"]
+           "resolve_attention_backend", "uses_decode_mirror"]

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from tessera.cache.kv_pool import TokenToKVPool
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.layers.forward_batch import ForwardBatch
 
 
 class BaseAttentionBackend(ABC):

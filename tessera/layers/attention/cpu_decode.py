@@ -1,5 +1,5 @@
 """Decode attention in float32 on a CPU, reading the paged KV pool in place through our C kernel
-(tessera/layers/cpu_decode_attention.c).
+(tessera/platform/csrc/cpu_decode_attention.c).
 
 torch's ops need each request's K/V contiguous: the backend kept a second copy of them across steps (the decode
 mirror) and ran q k^T, softmax and p v over it as batched GEMMs of [G, D] x [D, L] tiles, ~3x the time reading
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from tessera.cache.kv_pool import TokenToKVPool
-from tessera.layers import cpu_kernels
+from tessera.platform import cpu_kernels
 
 MAX_HEAD_DIM = 512  # the kernel's accumulators are MAX_ROWS x MAX_HEAD_DIM floats on its stack
 MAX_GROUP = 16  # query heads per KV head (the kernel's MAX_ROWS)
@@ -29,7 +29,7 @@ def reads_pool(q: torch.Tensor, pool: TokenToKVPool) -> bool:
     return (q.dtype is torch.float32 and k.dtype is torch.float32 and k.is_cpu and q.is_cpu and k.is_contiguous()
             and q.shape[-1] == pool.head_dim and pool.head_dim % 8 == 0 and pool.head_dim <= MAX_HEAD_DIM
             and q.shape[1] % pool.num_kv_heads == 0 and q.shape[1] // pool.num_kv_heads <= MAX_GROUP
-            and cpu_kernels.takes())
+            and cpu_kernels.takes("decode_attention"))
 
 
 def paged_decode_attention(q: torch.Tensor, pool: TokenToKVPool, layer: int, slots: torch.Tensor,
@@ -43,7 +43,7 @@ def paged_decode_attention(q: torch.Tensor, pool: TokenToKVPool, layer: int, slo
     assert slots.dtype is torch.int64 and slots.stride(-1) == 1 and lens.dtype is torch.int64
     q = q.contiguous()
     out = torch.empty_like(q)
-    cpu_kernels.call("tessera_decode_attention_f32", q.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(),
+    cpu_kernels.call("decode_attention", q.data_ptr(), k.data_ptr(), v.data_ptr(), slots.data_ptr(),
                      slots.stride(0), lens.data_ptr(), out.data_ptr(), batch, kv_heads, group, head_dim, k.stride(0),
                      k.stride(1), scaling, window or 0, torch.get_num_threads())
     return out

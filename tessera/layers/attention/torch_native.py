@@ -20,7 +20,8 @@ from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.attention import cpu_decode
 from tessera.layers.attention.base import BaseAttentionBackend
 from tessera.layers.attention.decode_mirror import DecodeKVMirror, MirrorPlan
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.layers.forward_batch import ForwardBatch
+from tessera.platform.device import is_host
 
 
 @dataclass
@@ -268,7 +269,7 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     softmax, p v as three batched ops took 392-735 us on two threads. Only float32 on a CPU: in half precision
     the kernel's float32 accumulation is what transformers' numbers follow, and a GPU's kernels do well.
     """
-    if q.device.type != "cpu" or q.dtype != torch.float32 or q.shape[0] < MATMUL_DECODE_MIN_BATCH:
+    if not is_host(q.device) or q.dtype != torch.float32 or q.shape[0] < MATMUL_DECODE_MIN_BATCH:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(scaling)
     if mask is not None:  # one additive mask per step and mask, shared by every layer

@@ -19,7 +19,7 @@ import triton
 
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.attention.base import BaseAttentionBackend
-from tessera.runner.forward_batch import ForwardBatch
+from tessera.layers.forward_batch import ForwardBatch
 
 BLOCK_M = 32  # queries per extend program
 BLOCK_N = 32  # keys per inner step

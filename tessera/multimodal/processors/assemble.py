@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tessera.multimodal.items import DeferredImage, Modality, MultimodalDataItem, MultimodalInputs
+from tessera.messages.items import DeferredImage, Modality, MultimodalDataItem, MultimodalInputs
 from tessera.multimodal.special_tokens import (
     MultimodalSpecialTokens,
     check_placeholder_counts,

@@ -34,7 +34,7 @@ from typing import Any, ClassVar
 
 from tessera.multimodal.deferred import ImagePlan, defer_image
 from tessera.multimodal.hashing import hash_item
-from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
 from tessera.multimodal.media import (
     MediaLimits,
     VideoClip,

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import torch
 
 from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend
-from tessera.multimodal.items import Modality, MultimodalDataItem
+from tessera.messages.items import Modality, MultimodalDataItem
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.assemble import build_items
 from tessera.multimodal.processors.base import (

@@ -52,7 +52,7 @@ class ImageProcessorCall:
         return kwargs
 
     def image_processor_kwargs(self) -> dict[str, Any]:
-        from tessera.multimodal.items import Modality
+        from tessera.messages.items import Modality
 
         merged = merge_processor_kwargs(self.hf_processor, self.processor_kwargs_class,
                                         images_kwargs=self.hf_kwargs(Modality.IMAGE))  # type: ignore[attr-defined]

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend, size_field
-from tessera.multimodal.items import Modality, MultimodalDataItem
+from tessera.messages.items import Modality, MultimodalDataItem
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.assemble import runs
 from tessera.multimodal.processors.base import (
@@ -52,7 +52,7 @@ class Llama4Processor(ImageProcessorCall, BaseMultimodalProcessor):
     hashed_image_settings = ("size", "max_patches", "resize_to_max_canvas", "image_mean", "image_std", "resample")
 
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
-        from tessera.models.llama4 import tokens_per_tile
+        from tessera.multimodal.geometry import tokens_per_tile
 
         vision = hf_config.vision_config
         self.tile_shape = (int(getattr(vision, "num_channels", 3)), int(vision.image_size), int(vision.image_size))

@@ -23,10 +23,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from tessera.models.llava import LlavaImageGeometry
-from tessera.models.llava_next import IMAGE_SIZES_KEY
+from tessera.multimodal.geometry import IMAGE_SIZES_KEY, LlavaImageGeometry
 from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.base import (
     BaseMultimodalProcessor,

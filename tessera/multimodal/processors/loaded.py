@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 from tessera.multimodal.media import VideoClip
 
 __all__ = ["InputFormat", "LoadedMultimodalData", "as_list"]

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend, size_field
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.base import (
     BaseMultimodalProcessor,

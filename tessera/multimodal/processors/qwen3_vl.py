@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tessera.multimodal.hashing import hash_item
-from tessera.multimodal.items import Modality, MultimodalInputs
+from tessera.messages.items import Modality, MultimodalInputs
 from tessera.multimodal.media import VideoClip
 from tessera.multimodal.mrope import VisionSpan, compute_mrope_positions
 from tessera.multimodal.processors.base import (

@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from tessera.models.qwen2_audio import FEATURE_MASK_KEY, audio_output_len
-from tessera.multimodal.items import Modality
+from tessera.multimodal.geometry import FEATURE_MASK_KEY, audio_output_len
+from tessera.messages.items import Modality
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
 from tessera.multimodal.processors.base import (
     BaseMultimodalProcessor,

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 
 from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend
-from tessera.multimodal.items import Modality, MultimodalInputs
+from tessera.messages.items import Modality, MultimodalInputs
 from tessera.multimodal.media import VideoClip
 from tessera.multimodal.mrope import VisionSpan, compute_mrope_positions
 from tessera.multimodal.processors.assemble import as_tensor as _tensor

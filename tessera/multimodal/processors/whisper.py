@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from tessera.multimodal.hashing import hash_item
-from tessera.multimodal.items import Modality, MultimodalDataItem, MultimodalInputs
+from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
 from tessera.multimodal.processors.assemble import as_tensor
 from tessera.multimodal.processors.base import (
     BaseMultimodalProcessor,

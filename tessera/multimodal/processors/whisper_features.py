@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tessera.multimodal.items import Modality
+from tessera.messages.items import Modality
 
 EXTRACTOR_FIELDS = ("feature_size", "sampling_rate", "hop_length", "chunk_length", "n_fft", "n_samples",
                     "nb_max_frames", "padding_value", "dither")

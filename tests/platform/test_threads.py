@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tessera.config import ServerArgs
-from tessera.scheduler.cpu_threads import AdaptiveThreads, machine_busy_seconds
+from tessera.platform.threads import AdaptiveThreads, machine_busy_seconds
 
 
 class FakeMachine:

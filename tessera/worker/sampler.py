@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tessera.sampling_params import SamplingParams
+from tessera.messages.sampling import SamplingParams
 
 
 @dataclass

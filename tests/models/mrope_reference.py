@@ -1,4 +1,4 @@
-"""M-RoPE (Qwen2-VL) positions: the prompt's [3, L] positions and the delta that continues them.
+"""Test oracle: M-RoPE (Qwen2-VL) positions from input ids and grids, as transformers computes them.
 
 Text tokens advance all three rows together; a vision item of grid (t, h, w) occupies t*h*w/merge**2 tokens
 whose rows are (t index, h index, w index) offset by the position where the item starts. After a prompt,

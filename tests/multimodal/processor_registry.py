@@ -1,4 +1,4 @@
-"""Architecture -> multimodal processor class, read from the family table (tessera/models/families.py).
+"""Test helper: architecture -> multimodal processor class, read from the family table (tessera/models/families.py).
 
 Nothing is imported until a model of that architecture is served.
 """

@@ -1,5 +1,5 @@
 /* Eight float32 lanes through GCC/Clang vector extensions (AVX on x86, NEON pairs on Arm, whatever
- * -march=native offers), shared by the CPU kernels built in tessera/layers/cpu_kernels.py. */
+ * -march=native offers), shared by the CPU kernels built in tessera/platform/cpu_kernels.py. */
 #ifndef TESSERA_CPU_VEC_H
 #define TESSERA_CPU_VEC_H
 

@@ -5,7 +5,7 @@
  * ~28 GB/s read bandwidth. Here each OpenMP thread (torch's own pool: the library links the libgomp torch
  * has loaded) streams its share of w's rows once, in tiles of 4 rows x 2 rows of x, eight lanes per
  * accumulator (GCC/Clang vector extensions: AVX on x86, NEON on Arm, whatever -march=native offers).
- * Built by tessera/layers/cpu_kernels.py.
+ * Built by tessera/platform/cpu_kernels.py.
  */
 #include "cpu_vec.h"
 

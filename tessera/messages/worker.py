@@ -3,7 +3,7 @@
 ForwardInput holds everything a model worker needs for one step and nothing it must ask back for: token
 ids, positions, KV slots (the new tokens' slots plus the slot-table writes since the last step), per-request
 lengths, the media items to encode and where their embedding rows go, and the sampling parameters. It is
-a plain dataclass of tensors, ints and lists, encoded by scheduler/io's codec when it crosses a process
+a plain dataclass of tensors, ints and lists, encoded by messages/codec.py when it crosses a process
 (the same message is meant for every tensor-parallel rank). The worker answers with a StepOutput.
 """
 
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tessera.multimodal.items import MultimodalDataItem
-from tessera.sampling_params import SamplingParams
+from tessera.messages.items import MultimodalDataItem
+from tessera.messages.sampling import SamplingParams
 
 
 @dataclass
@@ -137,3 +137,5 @@ class WorkerInfo:
     tp_size: int = 1
     num_parameters: int = 0  # of this rank's model (its shard under tensor parallelism)
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch-size buckets replayed as CUDA graphs; () = off
+    # CPU kernels (platform/cpu_kernels.py): per kernel "loaded", or why not and what runs instead; {} off a CPU.
+    cpu_kernels: dict[str, str] = field(default_factory=dict)

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.runner.sampler import Sampler, SamplerOutput, SamplingBatchInfo, apply_penalties, mix_seed
-from tessera.sampling_params import SamplingParams
+from tessera.worker.sampler import Sampler, SamplerOutput, SamplingBatchInfo, apply_penalties, mix_seed
+from tessera.messages.sampling import SamplingParams
 
 
 def make_info(

@@ -1,4 +1,4 @@
-"""Our C kernels for the CPU (tessera/layers/cpu_kernels.py): the build and the few-row product (cpu_gemv.c)."""
+"""Our C kernels for the CPU (tessera/platform/cpu_kernels.py): the build and the few-row product (cpu_gemv.c)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tessera.layers import cpu_gemv, cpu_kernels
+from tessera.layers import cpu_gemv
+from tessera.platform import cpu_kernels
 from tessera.layers import linear as lin
 
 @contextlib.contextmanager
@@ -36,8 +37,8 @@ needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc")
 
 
 @needs_cc
-def test_the_kernel_is_built_and_loaded_where_a_compiler_is():
-    assert cpu_kernels.library() is not None
+def test_every_kernel_is_built_and_loaded_where_a_compiler_is():
+    assert cpu_kernels.load() == {name: "loaded" for name in cpu_kernels.KERNELS}
 
 
 @needs_cc
@@ -82,31 +83,59 @@ def test_linear_takes_the_kernel_exactly_for_few_rows_of_float32_inference(monke
     assert calls == [1, cpu_gemv.max_rows()]
 
 
+def _fresh_state(monkeypatch):
+    """A process that has not loaded the kernels yet."""
+    monkeypatch.setattr(cpu_kernels, "_functions", {})
+    monkeypatch.setattr(cpu_kernels, "_errors", {})
+    monkeypatch.setattr(cpu_kernels, "_loaded", False)
+
+
 @needs_cc
-def test_build_is_cached_per_source_and_reports_compiler_failures(tmp_path, monkeypatch):
-    lib = cpu_kernels.build(tmp_path)
+def test_build_is_cached_per_source_and_a_failure_is_remembered(tmp_path, monkeypatch):
+    lib = cpu_kernels.build("cpu_gemv.c", tmp_path)
     stamp = lib.stat().st_mtime_ns
-    assert cpu_kernels.build(tmp_path) == lib and lib.stat().st_mtime_ns == stamp  # not rebuilt
+    assert cpu_kernels.build("cpu_gemv.c", tmp_path) == lib and lib.stat().st_mtime_ns == stamp  # not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [lib.name]  # no temp files left behind
     monkeypatch.setenv("CC", "false")  # a compiler that fails
     monkeypatch.setattr(cpu_kernels, "FLAGS", (*cpu_kernels.FLAGS, "-DOTHER"))  # another key: must compile
     with pytest.raises(RuntimeError, match="false failed"):
-        cpu_kernels.build(tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [lib.name]
+        cpu_kernels.build("cpu_gemv.c", tmp_path)
+    failed = [p for p in tmp_path.iterdir() if p.suffix == ".failed"]
+    assert len(failed) == 1 and "false failed" in failed[0].read_text()
+    monkeypatch.setenv("CC", shutil.which("cc") or shutil.which("gcc"))  # a working compiler, the same key
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: "false")
+    with pytest.raises(RuntimeError, match="failed to build earlier"):  # not compiled again
+        cpu_kernels.build("cpu_gemv.c", tmp_path)
+
+
+@needs_cc
+def test_one_bad_source_disables_its_kernel_alone(tmp_path, monkeypatch, caplog):
+    _fresh_state(monkeypatch)
+    monkeypatch.setenv("TESSERA_KERNEL_CACHE", str(tmp_path))
+    bad = cpu_kernels.Kernel("cpu_does_not_exist.c", "nothing", (), "torch's operators")
+    monkeypatch.setattr(cpu_kernels, "KERNELS", {**cpu_kernels.KERNELS, "rmsnorm": bad})
+    with caplog.at_level("WARNING", logger=cpu_kernels.logger.name):
+        report = cpu_kernels.load()
+    assert report["rmsnorm"].startswith("unavailable") and report["rmsnorm"].endswith("instead: torch's operators")
+    assert all(report[name] == "loaded" for name in cpu_kernels.KERNELS if name != "rmsnorm")
+    assert [r.message for r in caplog.records if "rmsnorm" in r.message] and not cpu_kernels.available("rmsnorm")
+    assert cpu_kernels.load() == report  # once per process
 
 
 def test_disabled_or_without_a_compiler_every_product_stays_with_torch(monkeypatch):
+    _fresh_state(monkeypatch)
     monkeypatch.setenv("TESSERA_CPU_KERNELS", "0")
-    assert cpu_kernels._load() is None
+    assert all("TESSERA_CPU_KERNELS=0" in v for v in cpu_kernels.load().values())
+    _fresh_state(monkeypatch)
     monkeypatch.setenv("TESSERA_CPU_KERNELS", "1")
     monkeypatch.setenv("CC", "")
     monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
-    assert cpu_kernels._load() is None  # logged, not raised
-    monkeypatch.setattr(cpu_kernels, "_loaded", [None])
+    assert all("no C compiler" in v for v in cpu_kernels.load().values())  # logged, not raised
     with torch.inference_mode():
         x, w = torch.randn(1, 256), torch.randn(cpu_gemv.GEMV_MIN_WEIGHT // 256, 256)
         assert not cpu_gemv.applies(x, w, None)
         torch.testing.assert_close(lin.linear(x, w), F.linear(x, w))
+
 
 
 
@@ -165,7 +194,7 @@ def test_rotary_kernel_is_bit_identical_to_torchs_form(threads, tokens, heads, h
     calls = count_kernel_calls(monkeypatch)
     with torch_threads(threads), torch.inference_mode():
         got = rotary.apply_rotary(x, cos, sin)
-    assert calls == ["tessera_rotary_f32"] and torch.equal(got, want)
+    assert calls == ["rotary"] and torch.equal(got, want)
     assert rotary.apply_rotary(x.bfloat16(), cos.bfloat16(), sin.bfloat16()).dtype == torch.bfloat16  # torch's path
 
 
@@ -188,5 +217,5 @@ def test_silu_mul_kernel_matches_torch(threads, rows, d, monkeypatch):
         got = SiluAndMul()(x)
         assert SiluAndMul()(x.bfloat16()).dtype == torch.bfloat16  # torch's path
         assert SiluAndMul()(x[None]).shape == (1, rows, d)  # 3-D: torch's path
-    assert calls == ["tessera_silu_mul_f32"]
+    assert calls == ["silu_mul"]
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -30,7 +30,7 @@ MAX_ABS_LOGIT_BIAS = 100.0
 class SamplingParams:
     """Decoding controls for one request (and each of its `n` samples).
 
-    Semantics (shared with the sampler, see tessera/runner/sampler.py):
+    Semantics (shared with the sampler, see tessera/worker/sampler.py):
       temperature: 0 (or < SAMPLING_EPS) means greedy; otherwise logits are divided by it.
       top_k: -1 = off; otherwise keep the k most likely tokens.
       top_p: keep the smallest prefix of the sorted distribution whose mass reaches top_p; 1 = off.
@@ -119,7 +119,18 @@ class SamplingParams:
 
     def verify(self, vocab_size: int | None = None) -> None:
         """Raise ValueError, naming the field, for the first invalid value. `vocab_size`, when
-        given, bounds stop_token_ids. Accepts stop / stop_token_ids before or after normalize()."""
+        given, bounds stop_token_ids. Accepts stop / stop_token_ids before or after normalize().
+
+        A request passes several edges (the OpenAI layer checks early to name its own fields, the frontend
+        checks every request): the checks run once per content and vocabulary, a later call with nothing
+        changed returns at once."""
+        key = (vocab_size, repr([getattr(self, f.name) for f in fields(self)]))
+        if self.__dict__.get("_verified") == key:
+            return
+        self._check(vocab_size)
+        self.__dict__["_verified"] = key
+
+    def _check(self, vocab_size: int | None) -> None:
         for name in ("max_new_tokens", "top_k", "n", "top_logprobs_num", "min_new_tokens"):
             _check_int(name, getattr(self, name))
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):

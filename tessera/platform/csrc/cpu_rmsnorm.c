@@ -3,7 +3,7 @@
  *
  * x, residual (or NULL), w: [M, H], [M, H], [H]; h = x (+ residual), written to sum_out when residual is
  * given (the next layer's residual); out = w * (h * (1 / sqrt(mean(h^2) + eps))), transformers' order of the
- * multiplications. Built by tessera/layers/cpu_kernels.py.
+ * multiplications. Built by tessera/platform/cpu_kernels.py.
  */
 #include <math.h>
 

@@ -1,0 +1,26 @@
+"""The typed hand-offs between processes, at the ground floor: imported by the frontend, the scheduler and the
+workers, importing none of them.
+
+- items.py: media items and a request's multimodal inputs (what the processors produce);
+- sampling.py: SamplingParams;
+- frontend.py: frontend <-> scheduler (tokenized requests, aborts, stats, outputs, ready/error);
+- worker.py: scheduler -> worker (ForwardInput) and back (StepOutput), the worker's startup report;
+- codec.py: the one encoding every message crosses a process in.
+"""
+
+from tessera.messages.codec import decode, dumps, encode, loads, recv, recv_async, send, send_async
+from tessera.messages.frontend import (
+    AbortReq,
+    BatchOutput,
+    FlushCacheReq,
+    GetStatsReq,
+    ReqOutput,
+    SchedulerError,
+    SchedulerReady,
+    SchedulerStats,
+    TokenizedGenerateReq,
+)
+
+__all__ = ["AbortReq", "BatchOutput", "FlushCacheReq", "GetStatsReq", "ReqOutput", "SchedulerError",
+           "SchedulerReady", "SchedulerStats", "TokenizedGenerateReq", "decode", "dumps", "encode", "loads", "recv",
+           "recv_async", "send", "send_async"]

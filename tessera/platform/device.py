@@ -1,0 +1,169 @@
+"""The device layer: the one place that asks which kind of device a tensor or a worker is on.
+
+Everything else asks a `Platform` what it can do (pinned staging, graphs, its collective backend, its memory)
+instead of testing `device.type`. Adding a device kind (XPU, MPS, ROCm's HIP) is a subclass here plus the
+attention/ops choice in layers/attention; the rest of the engine is unchanged (vLLM's `current_platform`
+plays the same part).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class Platform:
+    """A device kind's answers. The base is the host (CPU): no pinned staging, no graphs, gloo."""
+
+    kind = "cpu"
+    dist_backend = "gloo"
+    # Host memory is what a pinned buffer would be: staging through one buys nothing.
+    pinned_staging = False
+    supports_graphs = False
+    varlen_attention = False  # packed variable-length attention kernels (vision towers) exist for this device
+    # The model's kernels run on the host's cores, so the scheduler's thread policy applies to them, and a
+    # worker's own preprocessing competes with its steps.
+    runs_on_host_cores = True
+    # float16 matmuls are emulated on CPUs: an `auto` float16 checkpoint runs in bfloat16 (same size, native).
+    auto_float16 = torch.bfloat16
+
+    def bind(self, device: torch.device) -> None:
+        """Makes `device` the process's current device (a rank on cuda:1 must not allocate on cuda:0)."""
+
+    def memory_info(self, device: torch.device) -> tuple[int, int] | None:
+        """(free, total) bytes of the device's memory, None where the engine does not size pools from it."""
+        return None
+
+    def synchronize(self, device: torch.device) -> None:
+        """Waits for the device's queued work."""
+
+    def collective_device(self, device: torch.device) -> torch.device:
+        """Where tensors for this platform's collective backend live."""
+        return torch.device("cpu")
+
+    def new_event(self) -> object | None:
+        """An event to record after an asynchronous copy (None: copies are synchronous here)."""
+        return None
+
+    def capture_graphs(self, fns: dict[int, Callable[[], None]], warmup: int = 2) -> dict[int, object]:
+        """One replayable graph per key, each recording one call of its function."""
+        raise RuntimeError(f"graphs are not supported on {self.kind}")
+
+
+class CudaPlatform(Platform):
+    kind = "cuda"
+    dist_backend = "nccl"
+    pinned_staging = True
+    supports_graphs = True
+    varlen_attention = True
+    runs_on_host_cores = False
+    auto_float16 = torch.float16
+
+    def bind(self, device: torch.device) -> None:
+        torch.cuda.set_device(device)
+
+    def memory_info(self, device: torch.device) -> tuple[int, int] | None:
+        return torch.cuda.mem_get_info(device)
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def collective_device(self, device: torch.device) -> torch.device:
+        return device
+
+    def new_event(self) -> object | None:
+        return torch.cuda.Event()
+
+    def capture_graphs(self, fns: dict[int, Callable[[], None]], warmup: int = 2) -> dict[int, object]:
+        """Captures on a side stream into one shared memory pool (graphs captured largest first can reuse
+        the pool's blocks for the smaller ones); each function is run `warmup` times eagerly first so lazy
+        initialisation (cuBLAS handles, Triton's compiles) happens outside the capture."""
+        graphs: dict[int, object] = {}
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for key in sorted(fns, reverse=True):
+                for _ in range(warmup):
+                    fns[key]()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    fns[key]()
+                graphs[key] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        return graphs
+
+
+_PLATFORMS: dict[str, Platform] = {"cpu": Platform(), "cuda": CudaPlatform()}
+
+
+def platform_of(device: torch.device | str) -> Platform:
+    """The platform of a device (or of the device a tensor is on: pass `t.device`)."""
+    kind = torch.device(device).type
+    if kind not in _PLATFORMS:
+        raise ValueError(f"device: {kind!r} is not supported (supported: {', '.join(sorted(_PLATFORMS))})")
+    return _PLATFORMS[kind]
+
+
+def is_host(device: torch.device | str) -> bool:
+    """Whether tensors on `device` already live in host memory (no copy needed to read or keep them)."""
+    return torch.device(device).type == "cpu"
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """"auto" -> cuda when available, else cpu; "cuda" without CUDA -> ValueError in one line."""
+    name = str(device)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not (name in ("cpu", "cuda") or (name.startswith("cuda:") and name[5:].isdigit())):
+        raise ValueError(f"device: expected auto, cpu or cuda[:N], got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
+        raise ValueError(f"device: {name!r} requested but no CUDA device is available ({build}); "
+                         "use --device cpu or --device auto")
+    return torch.device(name)
+
+
+def rank_device(device: torch.device, index: int) -> torch.device:
+    """The device of the rank whose accelerator index is `index` (ranks share the host when it is a CPU)."""
+    return device if is_host(device) else torch.device(device.type, index)
+
+
+def resolve_dtype(dtype: torch.dtype | str, checkpoint_dtype: str | None = None,
+                  device: torch.device | str = "cpu") -> torch.dtype:
+    """torch dtype, or "float32"/"float16"/"bfloat16", or "auto": the checkpoint's dtype (float32 when the
+    checkpoint records none), with float16 as the platform runs it (bfloat16 on a CPU)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        resolved = _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
+        return platform_of(device).auto_float16 if resolved == torch.float16 else resolved
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: {dtype!r}; choose one of {sorted(_DTYPES)} or 'auto'")
+    return _DTYPES[dtype]
+
+
+def to_host(value: torch.Tensor) -> torch.Tensor:
+    """A host copy of a tensor (pinned when it comes from an accelerator, so it can go back asynchronously);
+    the tensor itself when it already lives on the host."""
+    if is_host(value.device):
+        return value
+    if isinstance(value, torch.Tensor) and platform_of(value.device).pinned_staging:
+        return torch.empty(value.shape, dtype=value.dtype, pin_memory=True).copy_(value)
+    return value.to("cpu")
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters are allocated in the target dtype directly (no float32 copy of a large model)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
