@@ -70,11 +70,11 @@ class ModelWorker:
         self.device = resolve_device(args.device)
         if self.device.type == "cuda" and (self.tp.size > 1 or args.base_gpu_id):
             self.device = torch.device("cuda", args.base_gpu_id + self.tp.rank)  # one GPU per rank
-        backend_name = resolve_attention_backend(args.attention_backend, self.device)
         self.model, self.config = load_model(args.model_path, dtype=args.dtype, device=self.device,
                                              language_model_only=args.language_model_only,
-                                             attention_backend=backend_name, config=config)
+                                             attention_backend=args.attention_backend, config=config)
         self.dtype = next(self.model.parameters()).dtype
+        backend_name = resolve_attention_backend(args.attention_backend, self.device, self.dtype)  # load_model's
         self.context_length = args.context_length or self.config.max_position_embeddings
         layout = self.model.kv_layout
         bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
@@ -325,7 +325,7 @@ class ModelWorker:
         bucket = self._graph_bucket(fi, masks)
         if bucket is not None and self.graph_runner is not None:
             return self.graph_runner.forward(
-                DecodeInputs(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens), bucket)
+                DecodeInputs(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, fi.seq_lens), bucket)
         fb = ForwardBatch(
             input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
             req_pool_indices=req_pool_indices, seq_lens=seq_lens, extend_lens=extend_lens,
