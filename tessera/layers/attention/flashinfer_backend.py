@@ -78,7 +78,7 @@ class _Plan:
     fb: ForwardBatch
     decode: bool
     kv_indptr: torch.Tensor  # [B + 1] int32, device
-    kv_indices: torch.Tensor  # int32, device (at least kv_indptr[-1] elements)
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] int32, device
     last_page_len: torch.Tensor  # [B] int32 ones, device
     qo_indptr: torch.Tensor | None = None  # [B + 1] int32, device; prefill only
     custom_mask: torch.Tensor | None = None  # flattened bool masks of all requests; None = causal
@@ -165,6 +165,7 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         host_last = torch.ones(len(seq), dtype=torch.int32)
         masks = fb.custom_masks
         has_mask = masks is not None and any(m is not None for m in masks)
+        indices = indices[:-1]  # without the overflow element
         if all(e == 1 for e in ext) and not has_mask:
             return _Plan(fb, True, indptr, indices, last, host=(None, _cumsum_host(seq), host_last))
         qo_indptr = torch.zeros(len(ext) + 1, dtype=torch.int32, device=device)
@@ -251,7 +252,10 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         assert len(lens) == bs, (len(lens), bs)
         fill_kv_indices(fb.req_to_token, fb.req_pool_indices, fb.seq_lens, max(lens), g.indptr[:bs + 1], g.indices)
         host = (None, _cumsum_host(lens), torch.ones(bs, dtype=torch.int32)) if host_seq_lens is not None else None
-        plan = _Plan(fb, True, g.indptr[:bs + 1], g.indices[:-1], g.last_page_len[:bs], host=host, graph_bucket=bs)
+        # plan() copies the indices it is given into the wrapper's buffer (here: onto themselves), so it gets
+        # the used part only, not the whole buffer.
+        plan = _Plan(fb, True, g.indptr[:bs + 1], g.indices[:sum(lens)], g.last_page_len[:bs], host=host,
+                     graph_bucket=bs)
         for kind in self._kinds:
             self._plan_wrapper(plan, kind)
         self._graph_plan = plan
