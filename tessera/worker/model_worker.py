@@ -21,7 +21,7 @@ from tessera.distributed.parallel_state import min_over_ranks, tp_group
 from tessera.layers.attention import get_attention_backend, resolve_attention_backend
 from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError
-from tessera.models.registry import load_model, resolve_device
+from tessera.models.registry import load_model, resolve_device, resolve_dtype
 from tessera.multimodal.deferred import materializer_for
 from tessera.multimodal.items import Modality, MultimodalDataItem
 from tessera.runner.forward_batch import ForwardBatch
@@ -74,7 +74,9 @@ class ModelWorker:
                                              language_model_only=args.language_model_only,
                                              attention_backend=args.attention_backend, config=config)
         self.dtype = next(self.model.parameters()).dtype
-        backend_name = resolve_attention_backend(args.attention_backend, self.device, self.dtype)  # load_model's
+        # The backend load_model chose (auto's choice depends on the dtype it resolved).
+        backend_name = resolve_attention_backend(args.attention_backend, self.device,
+                                                 resolve_dtype(args.dtype, self.config, self.device))
         self.context_length = args.context_length or self.config.max_position_embeddings
         layout = self.model.kv_layout
         bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize

@@ -199,8 +199,11 @@ def test_auto_picks_flashinfer_on_cuda_when_importable(monkeypatch) -> None:
             (True, True, torch.float32, "triton"), (False, True, torch.float16, "triton"),
             (False, False, None, "torch_native")]:
         present = {"flashinfer": have_flashinfer, "triton": have_triton}
-        monkeypatch.setattr(importlib.util, "find_spec",
-                            lambda name, *a, p=present: (real("torch") if p[name] else None) if name in p else real(name))
+
+        def find_spec(name, *args, present=present):  # any spec stands for an installed package
+            return (real("torch") if present[name] else None) if name in present else real(name, *args)
+
+        monkeypatch.setattr(importlib.util, "find_spec", find_spec)
         assert resolve_attention_backend("auto", "cuda", dtype) == want
         assert resolve_attention_backend("auto", "cpu", dtype) == "torch_native"
         assert resolve_attention_backend("flashinfer", "cpu") == "flashinfer"
