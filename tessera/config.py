@@ -86,7 +86,8 @@ class ServerArgs:
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous
     random_seed: int = 0
     context_length: int | None = None
-    # auto: triton on CUDA (paged kernels, CUDA graphs for decode), torch_native elsewhere.
+    # auto: on CUDA flashinfer (float16/bfloat16, when installed) or triton, both with CUDA graphs for decode;
+    # torch_native elsewhere (layers/attention/__init__.py: resolve_attention_backend).
     attention_backend: str = "auto"
     # Decode steps replay CUDA graphs captured per batch-size bucket up to cuda_graph_max_bs (None: up to
     # max_running_requests, at most 160); larger batches, prefill chunks and steps with media run eagerly.

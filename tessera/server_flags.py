@@ -26,8 +26,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     # runtime
     "dtype": ("runtime", "weights and KV dtype: auto (the checkpoint's), float32, bfloat16, float16"),
     "device": ("runtime", "auto, cpu, cuda or cuda:N (auto picks CUDA when present)"),
-    "attention_backend": ("runtime", "attention kernels: auto (triton on CUDA, else torch_native), torch_native "
-                                     "or triton"),
+    "attention_backend": ("runtime", "attention kernels: auto (on CUDA flashinfer when installed "
+                                     "and the dtype is 16-bit, else triton; torch_native elsewhere), "
+                                     "torch_native, triton or flashinfer"),
     "disable_cuda_graph": ("runtime", "run decode steps eagerly instead of replaying CUDA graphs"),
     "cuda_graph_max_bs": ("runtime", "largest decode batch captured as a CUDA graph (default: "
                                      "max_running_requests, at most 160)"),

@@ -38,8 +38,11 @@ def load_model(
     cls = config.family.model_class()
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, config.dtype, dev)
-    attention_backend = resolve_attention_backend(attention_backend, dev)
+    attention_backend = resolve_attention_backend(attention_backend, dev, torch_dtype)
     backend = get_attention_backend(attention_backend)
+    if backend.dtypes is not None and torch_dtype not in backend.dtypes:
+        raise ValueError(f"attention_backend={attention_backend!r} runs {sorted(str(d) for d in backend.dtypes)}, "
+                         f"not dtype {torch_dtype}")
     # Per-layer sliding windows are a config fact too (Qwen2/Mistral may set them without their family needing it).
     needs = config.family.backend_needs | ({"sliding_window"} if any(config.sliding_windows) else set())
     if not needs <= backend.features:

@@ -49,8 +49,14 @@ class Platform:
         """An event to record after an asynchronous copy (None: copies are synchronous here)."""
         return None
 
-    def capture_graphs(self, fns: dict[int, Callable[[], None]], warmup: int = 2) -> dict[int, object]:
-        """One replayable graph per key, each recording one call of its function."""
+    def is_capturing(self) -> bool:
+        """Whether the current stream is recording a graph (planning must then not touch the host)."""
+        return False
+
+    def capture_graphs(self, fns: dict[int, Callable[[], None]], warmup: int = 2,
+                       before: Callable[[int], None] | None = None) -> dict[int, object]:
+        """One replayable graph per key, each recording one call of its function; `before(key)` runs ahead of
+        every call of fns[key], outside the capture."""
         raise RuntimeError(f"graphs are not supported on {self.kind}")
 
 
@@ -78,7 +84,11 @@ class CudaPlatform(Platform):
     def new_event(self) -> object | None:
         return torch.cuda.Event()
 
-    def capture_graphs(self, fns: dict[int, Callable[[], None]], warmup: int = 2) -> dict[int, object]:
+    def is_capturing(self) -> bool:
+        return torch.cuda.is_current_stream_capturing()
+
+    def capture_graphs(self, fns: dict[int, Callable[[], None]], warmup: int = 2,
+                       before: Callable[[int], None] | None = None) -> dict[int, object]:
         """Captures on a side stream into one shared memory pool (graphs captured largest first can reuse
         the pool's blocks for the smaller ones); each function is run `warmup` times eagerly first so lazy
         initialisation (cuBLAS handles, Triton's compiles) happens outside the capture."""
@@ -88,8 +98,11 @@ class CudaPlatform(Platform):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for key in sorted(fns, reverse=True):
-                for _ in range(warmup):
-                    fns[key]()
+                for _ in range(warmup + 1):  # the last `before` plans the captured run
+                    if before is not None:
+                        before(key)
+                    if _ < warmup:
+                        fns[key]()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
                     fns[key]()

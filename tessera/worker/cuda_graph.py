@@ -10,7 +10,8 @@ replaying it turns those launches into one. A graph replays fixed addresses and 
   request's (the pad row, all slot 0), so padding never touches a real request's KV;
 - the attention backend plans the batch from device tensors alone (ForwardBatch.decode_only; backends that
   can do so list "cuda_graph" in their features), and the ForwardBatch itself is built inside the capture,
-  so its derived tensors are recomputed on every replay;
+  so its derived tensors are recomputed on every replay; a backend that must plan on the host (FlashInfer)
+  does so in plan_graph_decode, called before every warm-up, capture and replay, outside the graph;
 - logits land in the graph's own output buffer; the first bs rows are the step's.
 
 The sampler runs outside the graph, on those rows. Its work depends on per-request settings that change from
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.cache.kv_pool import TokenToKVPool
+from tessera.layers.attention.base import BaseAttentionBackend
 from tessera.models.base import TesseraModel
 from tessera.layers.forward_batch import ForwardBatch
 from tessera.platform.device import platform_of
@@ -68,6 +70,7 @@ class DecodeInputs:
     out_cache_loc: torch.Tensor  # [bs] int64
     req_pool_indices: torch.Tensor  # [bs] int64
     seq_lens: torch.Tensor  # [bs] int64
+    host_seq_lens: list[int] | None = None  # seq_lens on the host when the caller has them (saves a read back)
 
     @property
     def batch_size(self) -> int:
@@ -130,6 +133,9 @@ class DecodeGraphRunner:
         self.buffers = DecodeBuffers(sizes[-1], mrope, pad_row, req_to_token.device)
         self.graphs: dict[int, object] = {}  # bucket -> its captured graph (replay())
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> the graph's logits [bucket, vocab]
+        # The model's attention backends (held by its modules, not submodules), for plan_graph_decode.
+        found = {id(b): b for m in model.modules() for b in vars(m).values() if isinstance(b, BaseAttentionBackend)}
+        self.backends = list(found.values())
 
     @property
     def captured(self) -> bool:
@@ -147,6 +153,8 @@ class DecodeGraphRunner:
         """Logits [bs, vocab] of the step (a view of the graph's output buffer when replayed: valid until
         the next step)."""
         self.buffers.load(inputs, bucket)
+        lens = inputs.host_seq_lens
+        self._plan(bucket, None if lens is None else list(lens) + [1] * (bucket - inputs.batch_size))
         graph = self.graphs.get(bucket)
         if graph is None:
             logits = self.model(self.buffers.batch(bucket, self.req_to_token), self.pool)
@@ -164,4 +172,11 @@ class DecodeGraphRunner:
             self.outputs[bucket] = self.model(self.buffers.batch(bucket, self.req_to_token), self.pool)
 
         steps = {bucket: (lambda b=bucket: step(b)) for bucket in self.sizes}
-        self.graphs = platform_of(self.req_to_token.device).capture_graphs(steps, warmup=2)
+        # Backends that plan on the host (FlashInfer) plan each bucket before every run, outside the graph.
+        self.graphs = platform_of(self.req_to_token.device).capture_graphs(
+            steps, warmup=2, before=lambda bucket: self._plan(bucket, [1] * bucket))
+
+    def _plan(self, bucket: int, host_seq_lens: list[int] | None) -> None:
+        fb = self.buffers.batch(bucket, self.req_to_token)
+        for backend in self.backends:
+            backend.plan_graph_decode(fb, self.sizes[-1], host_seq_lens)

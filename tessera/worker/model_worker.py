@@ -18,7 +18,7 @@ from tessera.cache.kv_pool import TokenToKVPool
 from tessera.config import ServerArgs
 from tessera.distributed.encoder_dp import dp_sharded_encode
 from tessera.distributed.parallel_state import min_over_ranks, tp_group
-from tessera.layers.attention import resolve_attention_backend, uses_decode_mirror
+from tessera.layers.attention import uses_decode_mirror
 from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError
 from tessera.models.registry import load_model
@@ -76,11 +76,11 @@ class ModelWorker:
         self.platform.bind(self.device)
         # Built (or found in the cache) once, before the first step; what did not load is in the report.
         self.cpu_kernels = cpu_kernels.load() if self.platform.runs_on_host_cores else {}
-        backend_name = resolve_attention_backend(args.attention_backend, self.device)
         self.model, self.config = load_model(args.model_path, dtype=args.dtype, device=self.device,
                                              language_model_only=args.language_model_only,
-                                             attention_backend=backend_name, config=config)
+                                             attention_backend=args.attention_backend, config=config)
         self.dtype = next(self.model.parameters()).dtype
+        backend_name = self.model.attn_backend.name  # what load_model resolved `auto` to (it needs the dtype)
         self.context_length = args.context_length or self.config.max_position_embeddings
         layout = self.model.kv_layout
         bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
@@ -331,7 +331,7 @@ class ModelWorker:
         bucket = self._graph_bucket(fi, masks)
         if bucket is not None and self.graph_runner is not None:
             return self.graph_runner.forward(
-                DecodeInputs(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens), bucket)
+                DecodeInputs(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, fi.seq_lens), bucket)
         fb = ForwardBatch(
             input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
             req_pool_indices=req_pool_indices, seq_lens=seq_lens, extend_lens=extend_lens,

@@ -14,6 +14,8 @@ _BACKENDS: dict[str, str] = {
     "torch_native": "tessera.layers.attention.torch_native:TorchNativeAttentionBackend",
     # Paged attention in Triton kernels (CUDA; on a CPU only under TRITON_INTERPRET=1, for tests).
     "triton": "tessera.layers.attention.triton_backend:TritonAttentionBackend",
+    # FlashInfer's kernels (CUDA, float16/bfloat16; `pip install 'tessera[cuda]'`).
+    "flashinfer": "tessera.layers.attention.flashinfer_backend:FlashInferAttentionBackend",
 }
 
 
@@ -21,13 +23,22 @@ def available_attention_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def resolve_attention_backend(name: str, device: torch.device | str) -> str:
-    """`auto`: triton on CUDA when triton is installed (its kernels read the paged pool directly and its decode
-    plan can be captured in a CUDA graph), torch_native elsewhere (CPU: the Triton kernels would only run in
-    the interpreter). Any other name is returned as it is."""
+def resolve_attention_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """`auto` on CUDA: flashinfer when flashinfer-python is installed and the model's dtype is float16 or
+    bfloat16 (None: not known yet, taken as such), as SGLang does; else triton when triton is installed (its
+    kernels read the paged pool directly, in any dtype). Both plan decode steps that a CUDA graph can replay.
+    torch_native elsewhere (CPU: the Triton kernels would only run in the interpreter). Any other name is
+    returned as it is."""
     if name != "auto":
         return name
-    if torch.device(device).type == "cuda" and importlib.util.find_spec("triton") is not None:
+    if torch.device(device).type != "cuda":
+        return "torch_native"
+    if importlib.util.find_spec("flashinfer") is not None:
+        from tessera.layers.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        if dtype is None or dtype in FlashInferAttentionBackend.dtypes:
+            return "flashinfer"
+    if importlib.util.find_spec("triton") is not None:
         return "triton"
     return "torch_native"
 
@@ -44,7 +55,9 @@ def get_attention_backend(name: str) -> BaseAttentionBackend:
         raise ValueError(f"attention_backend={name!r} is unknown; choose one of {available_attention_backends()}")
     module_name, cls_name = _BACKENDS[name].split(":")
     cls = getattr(importlib.import_module(module_name), cls_name)
-    return cls()
+    backend = cls()
+    backend.name = name
+    return backend
 
 
 __all__ = ["BaseAttentionBackend", "available_attention_backends", "get_attention_backend",

@@ -38,9 +38,20 @@ class BaseAttentionBackend(ABC):
     # What a backend does beyond causal paged attention; families list what they need (Family.backend_needs)
     # and load_model refuses a backend that lacks it.
     features: frozenset[str] = frozenset({"custom_mask", "sliding_window"})
+    # The dtypes of q and the KV pool the backend runs; None = any. load_model refuses a model outside them.
+    dtypes: frozenset[torch.dtype] | None = None
+
+    name = "unnamed"  # its registry name, set by get_attention_backend
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Prepares per-step state shared by all layers. Default: nothing to prepare."""
+
+    def plan_graph_decode(self, fb: ForwardBatch, max_bs: int, host_seq_lens: list[int] | None = None) -> None:
+        """Called by the CUDA-graph runner outside any captured region before each warm-up, capture and replay
+        of a bucket: `fb` is the decode_only batch over its static inputs (the model's forward then sees
+        another ForwardBatch object over the same tensors), max_bs its largest bucket, host_seq_lens the
+        step's lengths when known. A backend whose kernels must be planned on the host plans here; the default
+        does nothing (a backend that plans decode_only batches on the device inside the graph)."""
 
     @abstractmethod
     def forward(
