@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,24 +27,26 @@ from tessera.layers.forward_batch import ForwardBatch
 
 
 
-class DecoderDims(Protocol):
-    """The sizes and settings the shared blocks read: models/config.py's ModelConfig has them all, and the
-    layers need nothing else of the model."""
+@dataclass(frozen=True)
+class DecoderDims:
+    """The sizes and settings the shared blocks read: the layers need nothing else of the model.
+    models/config.py's ModelConfig extends it with what the rest of the engine reads."""
 
+    vocab_size: int
     hidden_size: int
     intermediate_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    vocab_size: int
     hidden_act: str
     rms_norm_eps: float
-    rope_type: str
+    rope_type: str  # rope_parameters.rope_type ("default", "mrope", ...)
     rope_theta: float
-    mrope_section: tuple[int, ...] | None
+    mrope_section: tuple[int, ...] | None  # set when the family's position scheme is "mrope"
+    # Per layer: the sliding window in tokens, or None for full attention.
     sliding_windows: tuple[int | None, ...]
-    hf_config: Any  # the transformers config, for what a family's blocks read beyond these
+    hf_config: Any  # the transformers config, for encoders, processors and what a family's blocks read
 
 # (checkpoint module, our fused module, shard id): checkpoints keep q/k/v and gate/up as separate tensors.
 STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (

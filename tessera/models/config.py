@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from tessera.layers.decoder import DecoderDims
 from tessera.models.families import Family, family_for_config
 
 
@@ -40,25 +41,13 @@ def _token_id(cfg: Any, *names: str) -> int | None:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(DecoderDims):
+    """The language model's sizes (DecoderDims, what the layers read) and the rest of the checkpoint's facts."""
+
     architecture: str
     model_type: str
     family: Family
     # ---- language model
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    hidden_act: str
-    rms_norm_eps: float
-    rope_type: str  # rope_parameters.rope_type ("default", "mrope", ...)
-    rope_theta: float
-    mrope_section: tuple[int, ...] | None  # set when the family's position scheme is "mrope"
-    # Per layer: the sliding window in tokens, or None for full attention.
-    sliding_windows: tuple[int | None, ...]
     final_logit_softcap: float | None
     tie_word_embeddings: bool
     max_position_embeddings: int
@@ -67,7 +56,6 @@ class ModelConfig:
     image_token_id: int | None
     video_token_id: int | None
     audio_token_id: int | None
-    hf_config: Any  # the transformers config, for encoders and processors
     # Encoder-decoder models: K/V entries of a request's cross-attention (its encoder output length); 0 otherwise.
     cross_attention_len: int = 0
     # generation_config.json as a dict ({} when absent): decoding rules some families read (Whisper's).

@@ -14,7 +14,7 @@ from tessera.models.families import FAMILIES, UnsupportedArchitectureError, get_
 from tessera.models.registry import get_model_class, load_model
 from tessera.platform.device import resolve_dtype
 from tessera.messages.items import Modality
-from tessera.multimodal.processors import registry as processors
+from tests.multimodal import processor_registry as processors
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
