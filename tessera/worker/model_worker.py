@@ -70,6 +70,12 @@ class ModelWorker:
         self.device = resolve_device(args.device)
         if self.device.type == "cuda" and (self.tp.size > 1 or args.base_gpu_id):
             self.device = torch.device("cuda", args.base_gpu_id + self.tp.rank)  # one GPU per rank
+        if self.device.type == "cuda":
+            # What names no device uses the current one: new streams and graph pools (the decode graphs),
+            # Triton launches, NCCL's buffers for broadcast_object; without this, a rank on cuda:1 runs them
+            # on cuda:0. This runs before the first collective (joining the group in init_tensor_parallel
+            # runs none).
+            torch.cuda.set_device(self.device)
         backend_name = resolve_attention_backend(args.attention_backend, self.device)
         self.model, self.config = load_model(args.model_path, dtype=args.dtype, device=self.device,
                                              language_model_only=args.language_model_only,
