@@ -26,6 +26,7 @@ tests/worker/test_graph_safety.py runs every family's padded decode forward (wor
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -83,21 +84,16 @@ class GraphSafetyError(RuntimeError):
 
 
 def _caller() -> str:
-    """The innermost frame outside torch, triton's launcher and this file: the code that made the call."""
+    """The innermost frame outside torch and this file, with its line: the code that made the call."""
     frame = sys._getframe(2)
-    while frame is not None:
-        name = os.path.abspath(frame.f_code.co_filename)
-        if not name.startswith(_TORCH_DIR) and name != _THIS_FILE and "contextlib" not in name:
-            break
+    while frame is not None and (frame.f_code.co_filename.startswith(_TORCH_DIR)
+                                 or os.path.abspath(frame.f_code.co_filename) == _THIS_FILE):
         frame = frame.f_back
     if frame is None:
         return "<no Python frame outside torch>"
-    import linecache
-
-    where = os.path.relpath(frame.f_code.co_filename) if frame.f_code.co_filename.startswith(os.getcwd()) else \
-        frame.f_code.co_filename
-    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-    return f"{where}:{frame.f_lineno} in {frame.f_code.co_name}: {line}"
+    path = frame.f_code.co_filename
+    shown = os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+    return f"{shown}:{frame.f_lineno} in {frame.f_code.co_name}: {linecache.getline(path, frame.f_lineno).strip()}"
 
 
 def _name(func: Any) -> str:
@@ -109,22 +105,37 @@ class _State:
     suspended = 0  # > 0 inside a kernel launch
 
 
-class _FunctionCheck(TorchFunctionMode):
+class _Check:
+    """What both modes share: the state a kernel launch suspends them through, and the raise. A mode's `why`
+    gives (the op's name, why a capture cannot record it), or None when it can."""
+
+    why: Callable[[Any, tuple, dict], tuple[str, str] | None]
+
     def __init__(self, state: _State):
         super().__init__()
         self.state = state
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def _run(self, func, args, kwargs):
         kwargs = kwargs or {}
-        if not self.state.suspended:
-            name, why = _FUNCTION_CHECKS.get(func, (_name(func), None))
-            if why is None and func in _FACTORIES and kwargs.get("device") is None:
-                why = _HOST + " (no device= given)"
-            if why is None and func is torch.Tensor.to and _to_host(args, kwargs):
-                why = _READS
-            if why is not None:
-                raise GraphSafetyError(f"{name} {why}, at {_caller()}")
+        found = None if self.state.suspended else self.why(func, args, kwargs)
+        if found is not None:
+            raise GraphSafetyError(f"{found[0]} {found[1]}, at {_caller()}")
         return func(*args, **kwargs)
+
+
+class _FunctionCheck(_Check, TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return self._run(func, args, kwargs)
+
+    @staticmethod
+    def why(func, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+        if func in _FUNCTION_CHECKS:
+            return _FUNCTION_CHECKS[func]
+        if func in _FACTORIES and kwargs.get("device") is None:
+            return _name(func), _HOST + " (no device= given)"
+        if func is torch.Tensor.to and _to_host(args, kwargs):
+            return "Tensor.to", _READS
+        return None
 
 
 def _to_host(args: tuple, kwargs: dict) -> bool:
@@ -134,23 +145,20 @@ def _to_host(args: tuple, kwargs: dict) -> bool:
     return any(isinstance(t, str) and t.startswith("cpu") for t in targets)
 
 
-class _DispatchCheck(TorchDispatchMode):
-    def __init__(self, state: _State):
-        super().__init__()
-        self.state = state
-
+class _DispatchCheck(_Check, TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not self.state.suspended:
-            why = _DISPATCH_CHECKS.get(func)
-            if why is None and func in _REPEAT_INTERLEAVE and kwargs.get("output_size") is None:
-                why = _SHAPE + " (give output_size)"
-            if why is None and func in _INDEXING and any(
-                    isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] or ()):
-                why = _SHAPE + " (boolean-mask indexing; use torch.where or masked_fill)"
-            if why is not None:
-                raise GraphSafetyError(f"{func} {why}, at {_caller()}")
-        return func(*args, **kwargs)
+        return self._run(func, args, kwargs)
+
+    @staticmethod
+    def why(func, args: tuple, kwargs: dict) -> tuple[str, str] | None:
+        if func in _DISPATCH_CHECKS:
+            return str(func), _DISPATCH_CHECKS[func]
+        if func in _REPEAT_INTERLEAVE and kwargs.get("output_size") is None:
+            return str(func), _SHAPE + " (give output_size)"
+        if func in _INDEXING and any(
+                isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] or ()):
+            return str(func), _SHAPE + " (boolean-mask indexing; use torch.where or masked_fill)"
+        return None
 
 
 def _kernel_launchers() -> list[tuple[type, str]]:
