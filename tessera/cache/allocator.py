@@ -32,16 +32,25 @@ class PagedTokenAllocator:
 
     def clear(self) -> None:
         """Marks every page free. Only valid when nobody (no request, no radix cache) holds slots."""
-        # The free list is a tensor so alloc is a slice and free is one cat: no per-slot Python work.
-        self._free_pages = torch.arange(self.num_pages, dtype=torch.int64, device=self.device)
+        # The free list is a FIFO queue in a ring buffer of num_pages entries (never more are free): alloc
+        # takes from the head, free appends at the tail, each O(pages moved) with no per-slot Python work.
+        # (Concatenating onto the list copied all of it per free: 25 ms for a 1024-token request at a
+        # 4M-token pool of pages of 1, against 0.25 ms now.)
+        self._ring = torch.arange(self.num_pages, dtype=torch.int64, device=self.device)
+        self._head = 0  # ring index of the oldest free page
+        self._num_free = self.num_pages
         # Mirrors the free list so double frees are caught with one vectorised lookup.
         self._page_is_free = torch.ones(self.num_pages, dtype=torch.bool, device=self.device)
+
+    def _ring_positions(self, start: int, count: int) -> torch.Tensor:
+        """Ring indices of `count` consecutive entries from ring index `start` (wrapping)."""
+        return torch.arange(start, start + count, dtype=torch.int64, device=self.device) % self.num_pages
 
     # ---- sizes -------------------------------------------------------------------------------------------
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free_pages)
+        return self._num_free
 
     @property
     def num_free_tokens(self) -> int:
@@ -62,10 +71,14 @@ class PagedTokenAllocator:
         """Takes `num_pages` pages off the free list: long tensor of page ids, or None (and nothing taken)
         when fewer are free."""
         assert num_pages >= 0, num_pages
-        if num_pages > len(self._free_pages):
+        if num_pages > self._num_free:
             return None
-        pages = self._free_pages[:num_pages]
-        self._free_pages = self._free_pages[num_pages:]
+        if self._head + num_pages <= self.num_pages:  # a copy: the ring's entries are overwritten by frees
+            pages = self._ring[self._head:self._head + num_pages].clone()
+        else:
+            pages = self._ring[self._ring_positions(self._head, num_pages)]
+        self._head = (self._head + num_pages) % self.num_pages
+        self._num_free -= num_pages
         self._page_is_free[pages] = False
         return pages
 
@@ -114,8 +127,10 @@ class PagedTokenAllocator:
         already_free = self._page_is_free[pages]
         assert not bool(already_free.any()), f"double free of page(s) {pages[already_free].tolist()}"
         self._page_is_free[pages] = True
-        self._free_pages = torch.cat((self._free_pages, pages))
+        self._ring[self._ring_positions(self._head + self._num_free, len(pages))] = pages
+        self._num_free += len(pages)
 
     def free_page_ids(self) -> torch.Tensor:
-        """A copy of the free list (page ids), for leak checks in tests and debugging."""
-        return self._free_pages.clone()
+        """A copy of the free list (page ids, in the order alloc takes them), for leak checks in tests and
+        debugging."""
+        return self._ring[self._ring_positions(self._head, self._num_free)]

@@ -53,11 +53,13 @@ class ScaledEmbedding(VocabParallelEmbedding):
     def __init__(self, vocab_size: int, hidden_size: int):
         tp = tp_group()
         super().__init__(vocab_size, hidden_size, tp.rank, tp.size)
-        self.scale = float(hidden_size) ** 0.5
+        # A float32 buffer, as transformers keeps it, cast to the table's dtype in forward: a device tensor,
+        # so a CUDA graph captures the multiply (a tensor made from the float there would be a host copy).
+        self.register_buffer("embed_scale", torch.tensor(float(hidden_size) ** 0.5, dtype=torch.float32),
+                             persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        scale = torch.tensor(self.scale, dtype=torch.float32).to(self.weight.dtype)
-        return super().forward(input_ids) * scale.to(self.weight.device)
+        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
 
 
 class Gemma3Attention(DecoderAttention):

@@ -70,6 +70,8 @@ class CudaPlatform(Platform):
     auto_float16 = torch.float16
 
     def bind(self, device: torch.device) -> None:
+        # What names no device uses the current one: new streams and graph pools, Triton launches, NCCL's
+        # buffers for broadcast_object; without this, a rank on cuda:1 runs them on cuda:0.
         torch.cuda.set_device(device)
 
     def memory_info(self, device: torch.device) -> tuple[int, int] | None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.messages.sampling import SamplingParams
+from tessera.platform.device import platform_of
 
 
 @dataclass
@@ -122,6 +123,14 @@ class SamplingBatchInfo:
 
         is_greedy = [p.is_greedy for p in params]
         top_ks = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
+        # Every row's knobs, made on the host and moved together (one copy on CUDA, see to_device_packed).
+        knobs = torch.tensor([[1.0 if g else p.temperature for p, g in zip(params, is_greedy)],
+                              [p.top_p for p in params], [p.min_p for p in params],
+                              [p.frequency_penalty for p in params], [p.presence_penalty for p in params],
+                              [p.repetition_penalty for p in params]], dtype=torch.float32)
+        knobs, top_ks_t, is_greedy_t = to_device_packed(
+            [knobs, torch.tensor(top_ks, dtype=torch.int64), torch.tensor(is_greedy, dtype=torch.bool)], device)
+        temperatures, top_ps, min_ps, frequency_penalties, presence_penalties, repetition_penalties = knobs
         freq_rows = [i for i, p in enumerate(params) if p.frequency_penalty != 0 or p.presence_penalty != 0]
         rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1]
         ban_rows: list[tuple[int, list[int]]] = []
@@ -156,14 +165,14 @@ class SamplingBatchInfo:
 
         return cls(
             vocab_size=vocab_size,
-            temperatures=floats([1.0 if g else p.temperature for p, g in zip(params, is_greedy)]).view(-1, 1),
-            top_ps=floats([p.top_p for p in params]),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=floats([p.min_p for p in params]),
-            frequency_penalties=floats([p.frequency_penalty for p in params]),
-            presence_penalties=floats([p.presence_penalty for p in params]),
-            repetition_penalties=floats([p.repetition_penalty for p in params]),
-            is_greedy=torch.tensor(is_greedy, dtype=torch.bool, device=device),
+            temperatures=temperatures.view(-1, 1),
+            top_ps=top_ps,
+            top_ks=top_ks_t,
+            min_ps=min_ps,
+            frequency_penalties=frequency_penalties,
+            presence_penalties=presence_penalties,
+            repetition_penalties=repetition_penalties,
+            is_greedy=is_greedy_t,
             output_token_counts=output_token_counts,
             seen_token_mask=seen_token_mask,
             banned_token_mask=banned_token_mask,
@@ -356,6 +365,31 @@ def filter_threshold(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
     num_kept = torch.where(info.top_ps >= 1.0, info.top_ks, num_kept).clamp(min=1)
     threshold = sorted_probs.gather(1, (num_kept - 1).unsqueeze(1))
     return torch.maximum(threshold, sorted_probs[:, :1] * info.min_ps.unsqueeze(1))
+
+
+def to_device_packed(parts: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """The host tensors `parts` on `device`, the same bits. To CUDA they travel in one non-blocking copy out
+    of one pinned buffer (one pageable copy each was a synchronous transfer each, ~8 per step); the device
+    tensors are views of its result."""
+    device = torch.device(device)
+    if not platform_of(device).pinned_staging:
+        return [p.to(device) for p in parts]
+    return pack_and_copy(parts, device, pin=True)
+
+
+def pack_and_copy(parts: Sequence[torch.Tensor], device: torch.device, pin: bool) -> list[torch.Tensor]:
+    """to_device_packed's copy: the parts' bytes laid end to end in one (pinned) host buffer, widest
+    elements first so every part starts at a multiple of its element size (a view of another dtype needs
+    that), copied once; each part is a view of the copy. A fresh buffer per call: torch's pinned-memory
+    cache hands a block out again only after the copies that read it have finished."""
+    order = sorted(range(len(parts)), key=lambda i: -parts[i].element_size())
+    host = torch.empty(sum(p.nbytes for p in parts), dtype=torch.uint8, pin_memory=pin)
+    starts, at = [0] * len(parts), 0
+    for i in order:
+        starts[i], at = at, at + parts[i].nbytes
+        host[starts[i]:at] = parts[i].contiguous().view(-1).view(torch.uint8)
+    flat = host.to(device, non_blocking=True)
+    return [flat[starts[i]:starts[i] + p.nbytes].view(p.dtype).view(p.shape) for i, p in enumerate(parts)]
 
 
 def mix_seed(seed: int, step: int) -> int:

@@ -179,3 +179,40 @@ def test_page_size_one_hands_out_distinct_slots():
     assert alloc.alloc_extend(5, int(b[-1]), 1) is None
     alloc.free(torch.cat((a, b)))
     assert alloc.num_free_tokens == 5
+
+
+def test_free_list_is_first_in_first_out_across_the_ring_wrap():
+    """Against a Python list: alloc takes the oldest free pages, free appends; thousands of random steps wrap
+    the ring buffer many times."""
+    import random
+
+    rng = random.Random(0)
+    alloc = PagedTokenAllocator(size=7 * 3, page_size=3)
+    free, held = list(range(7)), []
+    for _ in range(2000):
+        if held and rng.random() < 0.5:
+            batch = rng.sample(held, rng.randint(1, len(held)))
+            slots = alloc.pages_to_slots(torch.tensor(batch))[::2]  # some slots of each page name it
+            alloc.free(slots)
+            held = [p for p in held if p not in batch]
+            free += sorted(batch)  # a freed batch enters in page order
+        else:
+            n = rng.randint(0, 4)
+            pages = alloc.alloc_pages(n)
+            if n > len(free):
+                assert pages is None
+                continue
+            assert pages is not None and pages.tolist() == free[:n]
+            held += free[:n]
+            free = free[n:]
+        assert alloc.free_page_ids().tolist() == free and alloc.num_free_pages == len(free)
+
+
+def test_allocated_pages_keep_their_values_when_the_ring_is_reused():
+    alloc = PagedTokenAllocator(size=4, page_size=1)
+    a = alloc.alloc_pages(2)
+    alloc.alloc_pages(2)
+    alloc.free(alloc.pages_to_slots(a[1:]))  # written where a's entries were in the ring
+    assert a.tolist() == [0, 1]
+    b = alloc.alloc_pages(1)
+    assert b.tolist() == [1]

@@ -10,7 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.worker.sampler import Sampler, SamplerOutput, SamplingBatchInfo, apply_penalties, mix_seed
+from tessera.worker.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingBatchInfo,
+    apply_penalties,
+    mix_seed,
+    pack_and_copy,
+)
 from tessera.messages.sampling import SamplingParams
 
 
@@ -314,3 +321,29 @@ def test_logit_bias_is_added_before_the_min_tokens_ban() -> None:
 def test_logit_bias_is_verified(bias, needle) -> None:
     with pytest.raises(ValueError, match=needle):
         SamplingParams(logit_bias=bias).normalize().verify(8)
+
+
+def test_packed_copy_gives_the_same_bits_as_views_of_one_buffer() -> None:
+    """The CUDA path's packing (here into an unpinned buffer, copied to the CPU): every part comes back with its
+    dtype, shape and bits, whatever the order of element sizes, as a view of one tensor."""
+    parts = [torch.tensor([True, False, True]), torch.tensor([[0.1, -2.5e-8, 3.0], [7.0, 1e30, -0.0]]),
+             torch.tensor([5, -(2**40), 2**62]), torch.tensor([], dtype=torch.float32),
+             torch.arange(6, dtype=torch.int32).view(3, 2).t()]  # a non-contiguous one
+    out = pack_and_copy(parts, torch.device("cpu"), pin=False)
+    for got, want in zip(out, parts):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))  # bits
+    assert len({t.untyped_storage().data_ptr() for t in out}) == 1
+
+
+def test_sampling_knobs_match_the_params() -> None:
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05,
+                                                              frequency_penalty=0.5, presence_penalty=-0.25,
+                                                              repetition_penalty=1.3)]
+    info = make_info(params, 32)
+    assert info.temperatures.tolist() == [[1.0], [pytest.approx(0.7)]] and info.temperatures.shape == (2, 1)
+    assert info.top_ps.tolist() == [1.0, pytest.approx(0.9)] and info.top_ks.tolist() == [32, 5]
+    assert info.top_ks.dtype == torch.int64 and info.is_greedy.tolist() == [True, False]
+    assert info.min_ps.tolist() == [0.0, pytest.approx(0.05)]
+    assert info.frequency_penalties.tolist() == [0.0, 0.5] and info.presence_penalties.tolist() == [0.0, -0.25]
+    assert info.repetition_penalties.tolist() == [1.0, pytest.approx(1.3)]
