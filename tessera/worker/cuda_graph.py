@@ -19,8 +19,10 @@ have to cover with one variant per combination or with worst-case work on every 
 costs one argmax. Batches larger than the largest bucket, prefill and mixed steps, and steps with media run
 eagerly, as does everything off CUDA.
 
-`DecodeGraphRunner(capture=False)` runs the exact padded forward that a graph captures, eagerly: that is how
-the padding is tested on a CPU (tests/worker/test_cuda_graph.py) and the fallback when capture fails.
+An uncaptured DecodeGraphRunner runs the exact padded forward that a graph captures, eagerly: that is how
+the padding is tested on a CPU (tests/worker/test_cuda_graph.py). A failed capture is never silent:
+`try_capture` logs it as an error with its traceback and returns the reason, which the worker reports in
+/get_server_info (WorkerInfo.cuda_graph_status) before decoding eagerly.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ class DecodeGraphRunner:
         self.buffers = DecodeBuffers(sizes[-1], mrope, pad_row, req_to_token.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> the graph's logits [bucket, vocab]
+        self._capturing: int | None = None  # the bucket being captured, for the error message
 
     @property
     def captured(self) -> bool:
@@ -164,6 +167,7 @@ class DecodeGraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for bucket in reversed(self.sizes):
+                self._capturing = bucket
                 for _ in range(2):
                     self.model(self.buffers.batch(bucket, self.req_to_token), self.pool)
                 graph = torch.cuda.CUDAGraph()
@@ -172,3 +176,17 @@ class DecodeGraphRunner:
                 self.graphs[bucket] = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+
+    def try_capture(self) -> str | None:
+        """capture(); when it fails: an ERROR log line with the traceback, no graphs kept (a partial set would
+        replay some buckets and not others, hiding the failure), and the reason returned."""
+        try:
+            self.capture()
+        except Exception as e:  # any failure: the worker still serves, eagerly, and says why
+            self.graphs.clear()
+            self.outputs.clear()
+            message = " / ".join(line.strip() for line in str(e).splitlines() if line.strip())[:500]
+            reason = f"decode batch size {self._capturing}: {type(e).__name__}: {message}"
+            logger.error("CUDA graph capture failed at %s; decode runs eagerly", reason, exc_info=True)
+            return reason
+        return None

@@ -137,3 +137,5 @@ class WorkerInfo:
     tp_size: int = 1
     num_parameters: int = 0  # of this rank's model (its shard under tensor parallelism)
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch-size buckets replayed as CUDA graphs; () = off
+    # "captured", "off: <why>" or "capture failed, decode runs eagerly: <error>"
+    cuda_graph_status: str = ""
