@@ -137,5 +137,7 @@ class WorkerInfo:
     tp_size: int = 1
     num_parameters: int = 0  # of this rank's model (its shard under tensor parallelism)
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch-size buckets replayed as CUDA graphs; () = off
+    # "captured", "off: <why>" or "capture failed, decode runs eagerly: <error>"
+    cuda_graph_status: str = ""
     # CPU kernels (platform/cpu_kernels.py): per kernel "loaded", or why not and what runs instead; {} off a CPU.
     cpu_kernels: dict[str, str] = field(default_factory=dict)

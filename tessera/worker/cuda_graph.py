@@ -20,8 +20,10 @@ have to cover with one variant per combination or with worst-case work on every 
 costs one argmax. Batches larger than the largest bucket, prefill and mixed steps, and steps with media run
 eagerly, as does everything off CUDA.
 
-`DecodeGraphRunner(capture=False)` runs the exact padded forward that a graph captures, eagerly: that is how
-the padding is tested on a CPU (tests/worker/test_cuda_graph.py) and the fallback when capture fails.
+An uncaptured DecodeGraphRunner runs the exact padded forward that a graph captures, eagerly: that is how
+the padding is tested on a CPU (tests/worker/test_cuda_graph.py). A failed capture is never silent:
+`try_capture` logs it as an error with its traceback and returns the reason, which the worker reports in
+/get_server_info (WorkerInfo.cuda_graph_status) before decoding eagerly.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class DecodeGraphRunner:
         # The model's attention backends (held by its modules, not submodules), for plan_graph_decode.
         found = {id(b): b for m in model.modules() for b in vars(m).values() if isinstance(b, BaseAttentionBackend)}
         self.backends = list(found.values())
+        self._capturing: int | None = None  # the bucket being captured, for the error message
 
     @property
     def captured(self) -> bool:
@@ -174,9 +177,27 @@ class DecodeGraphRunner:
         steps = {bucket: (lambda b=bucket: step(b)) for bucket in self.sizes}
         # Backends that plan on the host (FlashInfer) plan each bucket before every run, outside the graph.
         self.graphs = platform_of(self.req_to_token.device).capture_graphs(
-            steps, warmup=2, before=lambda bucket: self._plan(bucket, [1] * bucket))
+            steps, warmup=2, before=self._before_run)
+
+    def _before_run(self, bucket: int) -> None:
+        self._capturing = bucket
+        self._plan(bucket, [1] * bucket)
 
     def _plan(self, bucket: int, host_seq_lens: list[int] | None) -> None:
         fb = self.buffers.batch(bucket, self.req_to_token)
         for backend in self.backends:
             backend.plan_graph_decode(fb, self.sizes[-1], host_seq_lens)
+
+    def try_capture(self) -> str | None:
+        """capture(); when it fails: an ERROR log line with the traceback, no graphs kept (a partial set would
+        replay some buckets and not others, hiding the failure), and the reason returned."""
+        try:
+            self.capture()
+        except Exception as e:  # any failure: the worker still serves, eagerly, and says why
+            self.graphs.clear()
+            self.outputs.clear()
+            message = " / ".join(line.strip() for line in str(e).splitlines() if line.strip())[:500]
+            reason = f"decode batch size {self._capturing}: {type(e).__name__}: {message}"
+            logger.error("CUDA graph capture failed at %s; decode runs eagerly", reason, exc_info=True)
+            return reason
+        return None

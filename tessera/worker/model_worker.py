@@ -114,6 +114,7 @@ class ModelWorker:
         # Encoder-decoder models: rid -> its cross-attention K/V slots (device), from fill to release.
         self.encoder_decoder = self.config.family.encoder_decoder
         self._cross_slots: dict[str, torch.Tensor] = {}
+        self.cuda_graph_status = ""  # set by _capture_decode_graphs
         self.graph_runner = self._capture_decode_graphs(backend_name)
         self.info = WorkerInfo(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
                                max_total_tokens=size, kv_bytes_per_token=self.kv_pool.bytes_per_token,
@@ -122,7 +123,7 @@ class ModelWorker:
                                tp_size=self.tp.size,
                                num_parameters=sum(p.numel() for p in self.model.parameters()),
                                cuda_graph_batch_sizes=tuple(self.graph_runner.sizes) if self.graph_runner else (),
-                               cpu_kernels=self.cpu_kernels)
+                               cpu_kernels=self.cpu_kernels, cuda_graph_status=self.cuda_graph_status)
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def decode_graph_runner(self, max_bs: int) -> DecodeGraphRunner:
@@ -132,29 +133,31 @@ class ModelWorker:
 
     def _capture_decode_graphs(self, backend_name: str) -> DecodeGraphRunner | None:
         """The decode graphs (see worker/cuda_graph.py), or None where they do not apply or capture failed:
-        every step then runs eagerly."""
+        every step then runs eagerly. Sets cuda_graph_status, which /get_server_info reports."""
         args = self.args
         why_not = None
         if args.disable_cuda_graph:
-            return None
-        if not self.platform.supports_graphs:
-            return None  # quietly off where the device has no graphs
-        if "cuda_graph" not in self.model.attn_backend.features:
+            why_not = "--disable-cuda-graph"
+        elif not self.platform.supports_graphs:
+            why_not = f"device {self.device.type}"
+        elif "cuda_graph" not in self.model.attn_backend.features:
             why_not = f"attention backend {backend_name} plans on the host"
         elif not type(self.model).cuda_graph_decode or self.encoder_decoder:
             why_not = f"{type(self.model).__name__} has host-side work in its decode step"
         elif self.tp.size > 1:
             why_not = "tensor parallelism (collectives are not captured)"
         if why_not:
-            logger.info("CUDA graphs off: %s", why_not)
+            self.cuda_graph_status = f"off: {why_not}"
+            if self.platform.supports_graphs:
+                logger.info("CUDA graphs off: %s", why_not)
             return None
         runner = self.decode_graph_runner(min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, args.max_running_requests))
-        try:
-            runner.capture()
-        except Exception as e:  # a model whose decode cannot be captured still serves, eagerly
-            logger.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
+        failure = runner.try_capture()  # logged there, as an error
+        if failure is not None:
+            self.cuda_graph_status = f"capture failed, decode runs eagerly: {failure}"
             self.platform.synchronize(self.device)
             return None
+        self.cuda_graph_status = "captured"
         logger.info("CUDA graphs captured for decode batch sizes %s", runner.sizes)
         return runner
 

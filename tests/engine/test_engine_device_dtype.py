@@ -37,6 +37,7 @@ def test_dtype_auto_runs_a_bfloat16_checkpoint_in_bfloat16(bf16_engine, scene_im
     # Decode CUDA graphs: buckets up to max_running_requests on CUDA, none elsewhere.
     assert list(info["effective"]["cuda_graph_batch_sizes"]) == ([1, 2, 4, 8] + list(range(16, 65, 8))
                                                            if torch.cuda.is_available() else [])
+    assert info["effective"]["cuda_graph_status"] == ("captured" if torch.cuda.is_available() else "off: device cpu")
     assert info["max_total_tokens"] == 2048 and info["stats"]["kv_total_tokens"] == 2048
     # The KV pool is bfloat16 too (read from its buffers): 2 (K, V) x layers x KV heads x head dim x 2 bytes.
     assert info["effective"]["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 2

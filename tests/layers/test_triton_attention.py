@@ -48,11 +48,9 @@ CASES = {
 }
 
 
-@pytest.mark.skipif(not RUNS_KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("window", [None, 4])
-def test_triton_matches_torch_native(heads, case, window) -> None:
+def _both_backends(heads, case, window, dtype=torch.float32, graph_plan=False):
+    """(torch_native's output in float32, triton's) on identical pools and batches. graph_plan: the batch
+    as the CUDA-graph runner hands it over (decode_only, int64 lengths and rows read on the device)."""
     import tests.layers.test_attention_backend as ref_module
 
     num_heads, num_kv_heads = heads
@@ -64,16 +62,50 @@ def test_triton_matches_torch_native(heads, case, window) -> None:
         outs = []
         for name in ("torch_native", "triton"):
             pool, fb, g = make_case(seq_lens, ext_lens, num_kv_heads, masks=masks, seed=3)
+            pool.k_buffers[0], pool.v_buffers[0] = pool.k_buffers[0].to(dtype), pool.v_buffers[0].to(dtype)
+            pool.dtype = dtype
             t = int(fb.extend_lens.sum())
-            q = torch.randn(t, num_heads, 8, generator=g)
-            k = torch.randn(t, num_kv_heads, 8, generator=g)
-            v = torch.randn(t, num_kv_heads, 8, generator=g)
+            q, k, v = (torch.randn(t, n, 8, generator=g).to(dtype) for n in (num_heads, num_kv_heads, num_kv_heads))
+            if name == "torch_native":  # the reference computes in float32 from the same rounded values
+                pool.k_buffers[0], pool.v_buffers[0] = pool.k_buffers[0].float(), pool.v_buffers[0].float()
+                pool.dtype = torch.float32
+                q, k, v = q.float(), k.float(), v.float()
+            elif graph_plan:
+                assert fb.seq_lens.dtype == fb.req_pool_indices.dtype == torch.int64
+                fb.decode_only = True
             backend = get_attention_backend(name)
             backend.init_forward_metadata(fb)
             outs.append(backend.forward(q, k, v, 0, fb, pool, 8**-0.5, window))
     finally:
         ref_module.MAX_CTX = old_ctx
-    torch.testing.assert_close(outs[1], outs[0], atol=2e-5, rtol=0)
+    return outs[0], outs[1]
+
+
+@pytest.mark.skipif(not RUNS_KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("window", [None, 4])
+def test_triton_matches_torch_native(heads, case, window) -> None:
+    ref, out = _both_backends(heads, case, window)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.skipif(not RUNS_KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("window", [None, 4])
+def test_decode_planned_as_the_cuda_graph_runner_plans_it(window) -> None:
+    """int64 lengths and rows straight from the device buffers (the sliding-window branch included)."""
+    ref, out = _both_backends((4, 2), "decode_ragged", window, graph_plan=True)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+
+
+@pytest.mark.skipif(not RUNS_KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("case", ["mixed", "span_masks", "decode_ragged"])
+def test_float16_matches_torch_native_in_float32(case) -> None:
+    """float16 inputs: the extend kernel's dots take them as loaded, accumulating in float32; the result is
+    within float16 rounding of the float32 reference over the same rounded inputs."""
+    ref, out = _both_backends((4, 2), case, 4, dtype=torch.float16)
+    assert out.dtype == torch.float16
+    torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
 
 
 @pytest.mark.skipif(not RUNS_KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")

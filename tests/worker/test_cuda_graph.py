@@ -7,6 +7,8 @@ On a CUDA machine the last test captures the graphs and compares replayed logits
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import subprocess
 import sys
@@ -22,8 +24,10 @@ from tessera.messages.sampling import SamplingParams
 from tessera.scheduler.policy import KVManager, SchedulePolicy
 from tessera.scheduler.req import Req
 from tessera.scheduler.step_input import build_forward_input
+from tessera.cache.kv_pool import TokenToKVPool
 from tessera.worker.cuda_graph import (
     DecodeBuffers,
+    DecodeGraphRunner,
     DecodeInputs,
     capture_batch_sizes,
     pick_bucket,
@@ -68,6 +72,79 @@ def test_buffers_pad_every_row_past_the_batch(mrope) -> None:
     assert fb.positions.tolist() == want_pos
     # The buffers are shared: a batch over a bucket is a view, so a graph captured over it sees new steps.
     assert fb.input_ids.data_ptr() == buf.input_ids.data_ptr()
+
+
+class _FakeCuda:
+    """torch.cuda's capture API without a GPU: torch.cuda.graph raises on the `fail_at`-th capture, as a
+    capture does when the model does something a graph cannot hold."""
+
+    def __init__(self, monkeypatch, fail_at: int):
+        self.captures = 0
+        stream = type("Stream", (), {"wait_stream": lambda self, other: None})()
+        for name, value in {"graph_pool_handle": lambda: None, "Stream": lambda: stream,
+                            "current_stream": lambda: stream, "stream": lambda s: contextlib.nullcontext(),
+                            "CUDAGraph": lambda: object(), "synchronize": lambda *a: None, "graph": self.graph}.items():
+            monkeypatch.setattr(torch.cuda, name, value)
+        self.fail_at = fail_at
+
+    @contextlib.contextmanager
+    def graph(self, graph, pool=None, stream=None):
+        self.captures += 1
+        if self.captures == self.fail_at:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+        yield
+
+
+def test_a_failed_capture_is_an_error_with_its_reason_and_keeps_no_graphs(monkeypatch, caplog) -> None:
+    fake = _FakeCuda(monkeypatch, fail_at=2)  # the largest bucket captures, the next one fails
+    req_to_token = torch.zeros(4, 16, dtype=torch.int64)
+    runs = []
+
+    def model(fb, pool):
+        runs.append(fb.batch_size)
+        return torch.zeros(fb.batch_size, 8)
+
+    runner = DecodeGraphRunner(model, TokenToKVPool(8, 1, 1, 4), req_to_token, [1, 2, 4], pad_row=3, mrope=False)
+    with caplog.at_level(logging.INFO, logger="tessera.worker"):
+        reason = runner.try_capture()
+    assert reason is not None and reason.startswith("decode batch size 2: RuntimeError: CUDA error: operation not")
+    assert "\n" not in reason and "more detail" in reason
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and reason in errors[0].getMessage() and errors[0].exc_info is not None
+    assert fake.captures == 2 and runs == [4, 4, 4, 2, 2]  # two warm-up runs before each capture
+    assert not runner.captured and runner.outputs == {}  # bucket 4's graph is dropped too
+    fake.fail_at = 0
+    assert runner.try_capture() is None and sorted(runner.graphs) == [1, 2, 4]
+
+
+def test_the_worker_reports_why_it_has_no_graphs(monkeypatch, caplog) -> None:
+    from tessera.frontend.model_info import ModelInfo
+    from tessera.models.config import load_eos_token_ids
+    from tessera.worker.model_worker import ModelWorker
+
+    args = ServerArgs.for_engine("demo-vl", max_total_tokens=512, max_running_requests=4, device="cpu",
+                                 attention_backend="triton")
+    info = ModelInfo.load(args)
+    worker = ModelWorker(args, load_eos_token_ids(args.model_path, info.hf_config), info.config)
+    assert worker.graph_runner is None and worker.info.cuda_graph_status == "off: device cpu"
+    assert worker.info.cuda_graph_batch_sizes == ()
+    # As on a GPU whose capture fails: the worker decodes eagerly and says why.
+    _FakeCuda(monkeypatch, fail_at=1)
+
+    def capture(runner) -> None:
+        runner._capturing = runner.sizes[-1]
+        with torch.cuda.graph(None):
+            pass
+
+    monkeypatch.setattr(DecodeGraphRunner, "capture", capture)
+    worker.device = torch.device("cuda")
+    with caplog.at_level(logging.ERROR, logger="tessera.worker"):
+        assert worker._capture_decode_graphs("triton") is None
+    assert worker.cuda_graph_status.startswith("capture failed, decode runs eagerly: decode batch size 4: "
+                                               "RuntimeError: CUDA error"), worker.cuda_graph_status
+    assert any(r.levelno == logging.ERROR for r in caplog.records)
+    worker.args = args.replace(disable_cuda_graph=True)
+    assert worker._capture_decode_graphs("triton") is None and worker.cuda_graph_status == "off: --disable-cuda-graph"
 
 
 def _policy(max_running: int) -> SchedulePolicy:
@@ -183,7 +260,7 @@ def test_replayed_graphs_equal_eager_on_cuda() -> None:
     graphs = ModelWorker(args, eos, info.config)
     eager = ModelWorker(args.replace(disable_cuda_graph=True), eos, info.config)
     assert graphs.graph_runner is not None and graphs.graph_runner.captured and eager.graph_runner is None
-    assert graphs.info.cuda_graph_batch_sizes == (1, 2, 4)
+    assert graphs.info.cuda_graph_batch_sizes == (1, 2, 4) and graphs.info.cuda_graph_status == "captured"
     policy = _policy(max_running=4)
     for r in _requests(info):
         policy.add(r)

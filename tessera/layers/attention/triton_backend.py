@@ -86,16 +86,16 @@ class TritonAttentionBackend(BaseAttentionBackend):
         r2t = fb.req_to_token
         if meta.all_decode:
             decode_kernel[(num_tokens, num_heads)](
-                q, k_buf, v_buf, out, r2t, meta.rows, meta.seq_lens, scaling, window,
+                q, k_buf, v_buf, out, r2t, meta.rows, meta.seq_lens, scaling, window, group,
                 q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), out.stride(0), out.stride(1),
-                r2t.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N)
+                r2t.stride(0), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N)
         else:
             grid = (meta.rows.shape[0], num_heads, triton.cdiv(meta.max_ext, BLOCK_M))
             extend_kernel[grid](
                 q, k_buf, v_buf, out, r2t, meta.rows, meta.seq_lens, meta.ext_lens, meta.ext_starts, meta.masks,
-                meta.mask_indptr, scaling, window, q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1),
-                out.stride(0), out.stride(1), r2t.stride(0), GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N)
+                meta.mask_indptr, scaling, window, group, q.stride(0), q.stride(1), k_buf.stride(0),
+                k_buf.stride(1), out.stride(0), out.stride(1), r2t.stride(0), HEAD_DIM=head_dim, BLOCK_D=block_d,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32)
         return out.reshape(num_tokens, num_heads * head_dim)
 
 

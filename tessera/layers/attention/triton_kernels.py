@@ -9,6 +9,10 @@ over blocks of keys in float32.
   request has a custom mask (a flattened bool [extend_len, seq_len] at mask_indptr[request], -1 = none).
 Both apply an optional sliding window (a query at position p sees keys > p - window).
 
+The GQA group, the window and the slot table's row stride are runtime values left unspecialised: one
+compiled kernel per dtype and head size serves every model shape and plan (fewer compiles at first use, and
+fewer for `python -m tessera.bench.gpu_compile` to check), at the cost of one integer division per program.
+
 Correctness runs on the CPU under TRITON_INTERPRET=1 (tests/layers/test_triton_attention.py); speed only
 means something on a GPU.
 """
@@ -19,15 +23,17 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def decode_kernel(Q, K, V, Out, ReqToToken, ReqRows, SeqLens, sm_scale, window,
+@triton.jit(do_not_specialize=["window", "group", "stride_rt"])
+def decode_kernel(Q, K, V, Out, ReqToToken, ReqRows, SeqLens, sm_scale, window, group,
                   stride_qb, stride_qh, stride_kt, stride_kh, stride_ob, stride_oh, stride_rt,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    kv_h = h // GROUP
-    seq = tl.load(SeqLens + b)
-    row = tl.load(ReqRows + b)
+    kv_h = h // group
+    # Fixed index types whether the plan holds int32 (eager) or int64 (the CUDA-graph buffers): `start` below
+    # is assigned in a runtime branch and must keep one type.
+    seq = tl.load(SeqLens + b).to(tl.int32)
+    row = tl.load(ReqRows + b).to(tl.int64)
     start = 0
     if window > 0:
         start = tl.maximum(seq - window, 0)
@@ -57,20 +63,23 @@ def decode_kernel(Q, K, V, Out, ReqToToken, ReqRows, SeqLens, sm_scale, window,
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window", "group", "stride_rt"])
 def extend_kernel(Q, K, V, Out, ReqToToken, ReqRows, SeqLens, ExtLens, ExtStarts, Masks, MaskIndptr,
-                  sm_scale, window, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_rt,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
+                  sm_scale, window, group, stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh,
+                  stride_rt, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    # IEEE (float32 inputs): exact float32 dots, as torch computes them. Otherwise the dots take the 16-bit
+    # inputs as loaded (tensor cores; a 16-bit tile cast to float32 first does not lower on sm_80/sm_90) and
+    # accumulate in float32; the softmax runs in float32 either way.
     b = tl.program_id(0)
     h = tl.program_id(1)
     mb = tl.program_id(2)
-    ext = tl.load(ExtLens + b)
+    ext = tl.load(ExtLens + b).to(tl.int32)
     if mb * BLOCK_M < ext:
-        kv_h = h // GROUP
-        seq = tl.load(SeqLens + b)
-        row = tl.load(ReqRows + b)
-        q_start = tl.load(ExtStarts + b)
+        kv_h = h // group
+        seq = tl.load(SeqLens + b).to(tl.int32)
+        row = tl.load(ReqRows + b).to(tl.int64)
+        q_start = tl.load(ExtStarts + b).to(tl.int32)
         mask_off = tl.load(MaskIndptr + b)
         prefix = seq - ext
         offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -79,7 +88,7 @@ def extend_kernel(Q, K, V, Out, ReqToToken, ReqRows, SeqLens, ExtLens, ExtStarts
         offs_d = tl.arange(0, BLOCK_D)
         d_mask = offs_d < HEAD_DIM
         q = tl.load(Q + (q_start + offs_m)[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                    mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                    mask=m_mask[:, None] & d_mask[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -93,8 +102,11 @@ def extend_kernel(Q, K, V, Out, ReqToToken, ReqRows, SeqLens, ExtLens, ExtStarts
             slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0)
             kv_off = slots[:, None] * stride_kt + kv_h * stride_kh + offs_d[None, :]
             kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+            k = tl.load(K + kv_off, mask=kv_mask, other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale
+            else:
+                s = tl.dot(q, tl.trans(k)) * sm_scale
             allowed = m_mask[:, None] & n_mask[None, :]
             if mask_off >= 0:
                 custom = tl.load(Masks + mask_off + offs_m[:, None] * seq + offs_n[None, :], mask=allowed, other=0)
@@ -108,8 +120,11 @@ def extend_kernel(Q, K, V, Out, ReqToToken, ReqRows, SeqLens, ExtLens, ExtStarts
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing allowed yet
             p = tl.exp(s - m_safe[:, None])
             alpha = tl.exp(m_i - m_safe)
-            v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            v = tl.load(V + kv_off, mask=kv_mask, other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
