@@ -14,7 +14,7 @@ from tessera.models.families import FAMILIES, UnsupportedArchitectureError, get_
 from tessera.models.registry import get_model_class, load_model
 from tessera.platform.device import resolve_dtype
 from tessera.messages.items import Modality
-from tessera.multimodal.processors import registry as processors
+from tests.multimodal import processor_registry as processors
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))
@@ -23,6 +23,9 @@ def test_every_family_row_resolves(name: str) -> None:
     arch = family.architecture
     assert issubclass(family.model_class(), TesseraModel)
     assert family.positions in ("rope", "mrope", "learned")
+    # An encoder-decoder row's model declares its cross-attention state, and its prefix cache is off.
+    has_state = family.model_class().request_state is not None
+    assert has_state == family.encoder_decoder == (not family.prefix_cache)
     if family.modalities:
         assert family.processor_class() is not None
         assert processors.get_processor_class(arch) is not None
