@@ -39,8 +39,9 @@ class ForwardBatch:
     host_seq_lens: list[int] | None = None
     host_extend_lens: list[int] | None = None
     host_req_pool_indices: list[int] | None = None
-    # Encoder-decoder models: each request's cross-attention K/V slots in the pool [B, cross_attention_len].
-    cross_slots: torch.Tensor | None = None
+    # Families with per-request state (models/request_state.py): each request's slots of it in the pool
+    # [B, extra_slots] (an encoder-decoder's cross-attention K/V). None: the family keeps none.
+    state_slots: torch.Tensor | None = None
     # Every request adds one token and attends causally (no custom masks, no media). Set by the CUDA-graph
     # runner, whose batches carry no host copies (a captured graph replays with other values): a backend that
     # supports graphs plans such a batch from its device tensors alone.

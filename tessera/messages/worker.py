@@ -62,13 +62,14 @@ class MMPlacement:
 
 
 @dataclass
-class CrossFill:
-    """Encoder-decoder models: request `req` of the step gets its cross-attention K/V (from `item`'s encoder
-    output) written at `slots` before the step, and keeps them until it is released."""
+class RequestStateFill:
+    """Families with per-request state (models/request_state.py, an encoder-decoder's cross-attention K/V):
+    request `req` of the step gets its state (from `item`'s encoder output) written at `slots` before the
+    step, and keeps it until it is released."""
 
     req: int
     item: MultimodalDataItem
-    slots: torch.Tensor  # [cross_attention_len] int64, host
+    slots: torch.Tensor  # [RequestState.extra_slots] int64, host
 
 
 @dataclass
@@ -101,8 +102,8 @@ class ForwardInput:
     prompt_done: list[str] = field(default_factory=list)
     # Requests that left (finished, aborted, retracted) since the last step: drop their state first.
     released: list[str] = field(default_factory=list)
-    # Encoder-decoder models: cross-attention K/V to fill before the step (requests just admitted).
-    cross_fills: list[CrossFill] = field(default_factory=list)
+    # Per-request state to fill before the step (requests just admitted; RequestStateFill).
+    state_fills: list[RequestStateFill] = field(default_factory=list)
     # Grammar bitmask, one row per SamplingRow (tessera/constrained): None when no row is constrained.
     vocab_mask: torch.Tensor | None = None  # [len(sampling), ceil(V / 32)] int32, host
     # JSON rows' closing tokens (sampler.close_on_stop_intent), -1 padded; None when no row has any.

@@ -1,7 +1,8 @@
 """The model contract: the one interface through which the scheduler, the worker and the loader use a model.
 
 A model is built from a ModelConfig (`build`), declares how checkpoint names map onto its parameters
-(`weight_mapping`), the shape of its K/V (`kv_layout`), its encoders per modality (`encoders`), and how a
+(`weight_mapping`), the shape of its K/V (`kv_layout`), its encoders per modality (`encoders`), any K/V it
+keeps per request beside its tokens' (`request_state`, an encoder-decoder's cross-attention), and how a
 step's tokens are positioned and masked (`prepare_step`, a classmethod: the scheduler calls it without the
 model, and its result travels in the ForwardInput). `forward(fb, pool)` returns the logits of the rows
 fb.logits_indices.
@@ -26,6 +27,7 @@ if TYPE_CHECKING:
     from tessera.layers.attention import BaseAttentionBackend
     from tessera.layers.forward_batch import ForwardBatch
     from tessera.messages.worker import SamplingRow
+    from tessera.models.request_state import RequestState
 
 # An encoder: items of one modality -> one embedding [num_tokens, hidden] per item, in order.
 Encoder = Callable[[list[MultimodalDataItem]], list[torch.Tensor]]
@@ -87,6 +89,12 @@ class TesseraModel(nn.Module):
     # no host reads, no shapes that depend on values. The worker captures such steps in CUDA graphs
     # (worker/cuda_graph.py); a model opts in once its forward holds to that.
     cuda_graph_decode: ClassVar[bool] = False
+    # Per-request K/V beside the tokens' own, filled from an encoder output (models/request_state.py):
+    # an encoder-decoder's cross-attention. None: the family keeps none (every decoder-only family).
+    request_state: ClassVar[RequestState | None] = None
+    # process_logits reads each row's prompt ids (SamplingRow.prompt_ids), which are otherwise sent only
+    # when a repetition penalty needs them.
+    process_logits_reads_prompt: ClassVar[bool] = False
 
     @classmethod
     def build(cls, config: ModelConfig, attn_backend: BaseAttentionBackend,
@@ -148,9 +156,3 @@ class TesseraModel(nn.Module):
         """The family's own decoding rules on the step's [B, V] logits (after penalties, before sampling), one
         row per SamplingRow. Default: none (Whisper suppresses tokens and pairs timestamps)."""
         return logits
-
-    def fill_cross_kv(self, encoder_outputs: list[torch.Tensor], slots: list[torch.Tensor],
-                      pool: TokenToKVPool) -> None:
-        """Encoder-decoder families: writes each request's cross-attention K/V (from its encoder output) at
-        its slots, for every layer."""
-        raise NotImplementedError(f"{type(self).__name__} is not an encoder-decoder model")

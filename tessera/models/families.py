@@ -35,15 +35,21 @@ class Family:
     # One architecture name can front several families (LLaVA with a CLIP or a Pixtral tower): a row with
     # vision_model_type serves only configs whose vision_config.model_type equals it.
     vision_model_type: str | None = None
-    # The decoder cross-attends to each request's encoder output (Whisper): the scheduler gives every request
-    # ModelConfig.cross_attention_len KV slots for it, and the prefix cache is off (the decoder's K/V depend
-    # on the audio, which the token ids do not show).
+    # The decoder cross-attends to each request's encoder output (Whisper): the request takes one media item
+    # and no placeholder tokens, its model class declares the cross-attention K/V as its request_state
+    # (models/request_state.py), and the prefix cache is off (the decoder's K/V depend on the audio, which
+    # the token ids do not show).
     encoder_decoder: bool = False
     notes: str = ""  # what the README's support table says is not supported
 
     @property
     def name(self) -> str:
         return self.architecture + (f" ({self.vision_model_type} vision)" if self.vision_model_type else "")
+
+    @property
+    def prefix_cache(self) -> bool:
+        """Whether requests with the same leading tokens may share their K/V (the radix cache)."""
+        return not self.encoder_decoder
 
     def model_class(self) -> type:
         return _import(self.model)

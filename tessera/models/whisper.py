@@ -6,9 +6,10 @@ embedding matrix (tied, as transformers ties `proj_out`) or proj_out when untied
 
 Cross-attention K/V live in the same paged KV pool as the self-attention K/V (same heads, same head size,
 one entry per decoder layer): a request owns `cross_attention_len` pool slots for them (the encoder output
-length, max_source_positions), filled once by `fill_cross_kv` from its encoder output when it is admitted and
-freed with its other KV (finish, abort, retraction). So they are counted by the same allocator that admission
-control budgets against. Each step, the decoder reads them at `fb.cross_slots` ([B, cross_attention_len]).
+length, max_source_positions), declared as the family's RequestState (WhisperCrossKV, models/request_state.py):
+filled once by `fill_cross_kv` from its encoder output when it is admitted and freed with its other KV (finish,
+abort, retraction). So they are counted by the same allocator that admission control budgets against. Each
+step, the decoder reads them at `fb.state_slots` ([B, cross_attention_len]).
 
 The encoder is transformers' `WhisperEncoder`: it takes exactly 2 * max_source_positions mel frames (the feature
 extractor's padded window) and has no padding mask, as in transformers.
@@ -27,6 +28,7 @@ from tessera.models.base import Encoder, TesseraModel
 from tessera.models.config import ModelConfig
 from tessera.models.hf_towers import build_transformers_tower
 from tessera.models.mm_embed import item_embeddings
+from tessera.models.request_state import RequestState
 from tessera.models.weights import WeightMapping
 from tessera.models.whisper_decoding import WhisperTokens
 from tessera.messages.items import Modality, MultimodalDataItem
@@ -80,10 +82,10 @@ class WhisperDecoderLayer(nn.Module):
 
     def _cross_attention(self, h: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
         """Each request's new tokens attend to all of its cross K/V (no mask: the encoder output is whole)."""
-        assert fb.cross_slots is not None, "an encoder-decoder step needs each request's cross-attention slots"
+        assert fb.state_slots is not None, "an encoder-decoder step needs each request's cross-attention slots"
         t = h.shape[0]
         q = (self.encoder_attn.q_proj(h) * self.scaling).view(t, self.num_heads, self.head_dim)
-        k, v = pool.gather(self.layer_id, fb.cross_slots, dtype=q.dtype)  # [B, L, H, D] each
+        k, v = pool.gather(self.layer_id, fb.state_slots, dtype=q.dtype)  # [B, L, H, D] each
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         ext, _, starts, _ = fb.host_plan()
         if all(n == 1 for n in ext):  # decode: one query per request, one batched call
@@ -120,7 +122,22 @@ class WhisperDecoder(nn.Module):
         return self.layer_norm(x)
 
 
+class WhisperCrossKV(RequestState):
+    """Each request's cross-attention K/V: one entry per encoder output row and decoder layer."""
+
+    def extra_slots(self, config: ModelConfig) -> int:
+        return config.cross_attention_len
+
+    def fill(self, model: TesseraModel, encoder_outputs: list[torch.Tensor], slots: list[torch.Tensor],
+             pool: TokenToKVPool) -> None:
+        assert isinstance(model, WhisperForConditionalGeneration)
+        model.fill_cross_kv(encoder_outputs, slots, pool)
+
+
 class WhisperForConditionalGeneration(TesseraModel):
+    request_state = WhisperCrossKV()
+    process_logits_reads_prompt = True  # the rules read the decoder prompt (language detection, <|notimestamps|>)
+
     def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend, language_model_only: bool = False):
         super().__init__()
         if language_model_only:

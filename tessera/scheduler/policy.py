@@ -39,11 +39,12 @@ class KVManager:
     """
 
     def __init__(self, req_pool: ReqToTokenPool, allocator: PagedTokenAllocator, tree: RadixCache, page_size: int,
-                 cross_attention_len: int = 0):
+                 extra_slots: int = 0):
         self.req_pool, self.allocator, self.tree, self.page_size = req_pool, allocator, tree, page_size
-        # Encoder-decoder models: every admitted request also holds this many slots for its cross-attention K/V.
-        self.cross_attention_len = cross_attention_len
-        self.cross_tokens = 0  # slots held for cross-attention K/V now (a /metrics gauge)
+        # Every admitted request also holds this many slots for its family's per-request state
+        # (RequestState.extra_slots: an encoder-decoder's cross-attention K/V); 0 for most families.
+        self.extra_slots = extra_slots
+        self.state_tokens = 0  # slots held for per-request state now (a /metrics gauge)
         self.prefix_hit_tokens = 0
         self.prefix_total_tokens = 0
         self._slot_writes: list[SlotWrite | TokenSlotWrites] = []
@@ -67,18 +68,18 @@ class KVManager:
         row = self.req_pool.alloc()
         if row is None:
             return False
-        if self.cross_attention_len:
+        if self.extra_slots:
             # Taken at admission, whole pages of their own (a virtual sequence from 0): the pool budget covers
             # them like any KV, and a request that cannot get them waits.
-            cross = self.allocator.alloc_extend(0, 0, self.cross_attention_len)
-            if cross is None:
-                self.tree.evict(self.cross_attention_len + self.page_size)
-                cross = self.allocator.alloc_extend(0, 0, self.cross_attention_len)
-            if cross is None:
+            state = self.allocator.alloc_extend(0, 0, self.extra_slots)
+            if state is None:
+                self.tree.evict(self.extra_slots + self.page_size)
+                state = self.allocator.alloc_extend(0, 0, self.extra_slots)
+            if state is None:
                 self.req_pool.free(row)
                 return False
-            req.cross_slots, req.cross_filled = cross, False
-            self.cross_tokens += int(cross.numel())
+            req.state_slots, req.state_filled = state, False
+            self.state_tokens += int(state.numel())
         req.req_pool_idx = row
         key = req.cache_key()
         # Leave at least one token to compute: its logits produce the next token.
@@ -140,10 +141,10 @@ class KVManager:
         row = req.req_pool_idx
         if row is None:
             return
-        if req.cross_slots is not None:
-            self.allocator.free(req.cross_slots)
-            self.cross_tokens -= int(req.cross_slots.numel())
-            req.cross_slots, req.cross_filled = None, False
+        if req.state_slots is not None:
+            self.allocator.free(req.state_slots)
+            self.state_tokens -= int(req.state_slots.numel())
+            req.state_slots, req.state_filled = None, False
         slots = self.req_pool.req_to_token[row, : max(req.kv_len, allocated_len or 0)].clone()
         self.tree.cache_finished_req(req.cache_key()[: req.kv_len], slots, req.prefix_len, req.last_node)
         self.req_pool.free(row)

@@ -48,10 +48,10 @@ class Req:
     _padded_prompt: list[int] | None = None
     # Token ranges that must be computed in one step (media attended bidirectionally); [] for most families.
     atomic_spans: list[tuple[int, int]] = field(default_factory=list)
-    # Encoder-decoder models: the pool slots of this request's cross-attention K/V while it is admitted, and
-    # whether a step has been sent that fills them (from its encoder output).
-    cross_slots: torch.Tensor | None = None
-    cross_filled: bool = False
+    # Families with per-request state (models/request_state.py): its pool slots while the request is
+    # admitted, and whether a step has been sent that fills them (from its encoder output).
+    state_slots: torch.Tensor | None = None
+    state_filled: bool = False
     # The output constraint's matcher (tessera/constrained), advanced with every output token; it has
     # consumed exactly output_ids, so it stays valid across retraction. None when decoding is free.
     grammar: GrammarMatcher | None = None

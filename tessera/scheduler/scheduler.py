@@ -90,10 +90,11 @@ class Scheduler:
         # kept in step by the ForwardInput's slot writes, so nothing here reads a device tensor.
         req_pool = ReqToTokenPool(args.max_running_requests + 1, info.context_length + 8)
         allocator = PagedTokenAllocator(info.max_total_tokens, args.page_size)
-        # An encoder-decoder's decoder K/V depend on the audio, which its token ids do not show: no prefix cache.
-        self.encoder_decoder = self.config.family.encoder_decoder
-        self.tree = RadixCache(allocator, args.page_size, disable=args.disable_radix_cache or self.encoder_decoder)
-        kv = KVManager(req_pool, allocator, self.tree, args.page_size, self.config.cross_attention_len)
+        prefix_cache = self.config.family.prefix_cache and not args.disable_radix_cache
+        self.tree = RadixCache(allocator, args.page_size, disable=not prefix_cache)
+        state = self.model_cls.request_state
+        kv = KVManager(req_pool, allocator, self.tree, args.page_size,
+                       state.extra_slots(self.config) if state is not None else 0)
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy)
         self.reqs: dict[str, Req] = {}
         # Threads per step on a CPU (see platform/threads.py); None: the fixed count set at process start.
@@ -182,7 +183,7 @@ class Scheduler:
             kv_total_tokens=total, radix_cache_tokens=self.tree.total_size(),
             prefix_hit_tokens=kv.prefix_hit_tokens, prefix_total_tokens=kv.prefix_total_tokens,
             encoder_cache_hits=hits, encoder_cache_misses=misses,
-            encoder_cache_bytes=used, cross_kv_used_tokens=kv.cross_tokens, num_forward_steps=self.num_forward_steps,
+            encoder_cache_bytes=used, cross_kv_used_tokens=kv.state_tokens, num_forward_steps=self.num_forward_steps,
             num_prefill_tokens_computed=self.num_prefill_tokens_computed,
             num_retractions=self.policy.num_retractions, num_steps_all_cores=self.num_steps_all_cores,
             dp_rank=self.dp_rank, mm_transport_bytes=dict(self.mm_transport_bytes),

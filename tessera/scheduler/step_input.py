@@ -15,9 +15,9 @@ from tessera.messages.items import MultimodalDataItem
 from tessera.scheduler.batch import ScheduledBatch
 from tessera.scheduler.policy import KVManager
 from tessera.messages.worker import (
-    CrossFill,
     ForwardInput,
     MMPlacement,
+    RequestStateFill,
     SamplingRow,
 )
 
@@ -61,15 +61,15 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         if s.samples:
             logits_rows.append(flat - 1)
             sp = req.sampling_params
-            # Encoder-decoder rules (Whisper's) read the decoder prompt; it is a few tokens.
-            wants_prompt = sp.repetition_penalty != 1 or config.family.encoder_decoder
+            wants_prompt = sp.repetition_penalty != 1 or model_cls.process_logits_reads_prompt
             sampling.append(SamplingRow(sp, req.output_ids, req.origin_input_ids if wants_prompt else []))
             grammars.append(req.grammar)
-    cross_fills = [CrossFill(i, s.req.mm_inputs.items[0], s.req.cross_slots)  # type: ignore[union-attr]
-                   for i, s in enumerate(batch.reqs) if s.req.cross_slots is not None and not s.req.cross_filled]
+    # A request's state comes from its one media item (the frontend admits exactly one for such families).
+    state_fills = [RequestStateFill(i, s.req.mm_inputs.items[0], s.req.state_slots)  # type: ignore[union-attr]
+                   for i, s in enumerate(batch.reqs) if s.req.state_slots is not None and not s.req.state_filled]
     writes, released = kv.take_pending()
-    for fill in cross_fills:
-        batch.reqs[fill.req].req.cross_filled = True
+    for fill in state_fills:
+        batch.reqs[fill.req].req.state_filled = True
     return ForwardInput(
         rids=[s.req.rid for s in batch.reqs],
         input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -81,6 +81,6 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         extend_lens=[s.end - s.start for s in batch.reqs],
         slot_writes=writes, logits_rows=logits_rows, sampling=sampling,
         mm_items=items, mm_placements=placements, bidirectional_spans=layout.bidirectional_spans,
-        prompt_done=prompt_done, released=released, cross_fills=cross_fills, vocab_mask=fill_bitmask(grammars),
+        prompt_done=prompt_done, released=released, state_fills=state_fills, vocab_mask=fill_bitmask(grammars),
         stop_closers=stop_closers(grammars),
     )

@@ -111,9 +111,10 @@ class ModelWorker:
         # CPU thread policy (platform/threads.py) re-decides there, so a step that began while the frontend was busy
         # does not keep one core when that core frees up. None: nothing to call.
         self.between_phases: Callable[[], object] | None = None
-        # Encoder-decoder models: rid -> its cross-attention K/V slots (device), from fill to release.
-        self.encoder_decoder = self.config.family.encoder_decoder
-        self._cross_slots: dict[str, torch.Tensor] = {}
+        # The family's per-request state (models/request_state.py; None: it keeps none), and each request's
+        # slots of it (device): rid -> slots, from fill to release.
+        self.request_state = type(self.model).request_state
+        self._state_slots: dict[str, torch.Tensor] = {}
         self.cuda_graph_status = ""  # set by _capture_decode_graphs
         self.graph_runner = self._capture_decode_graphs(backend_name)
         self.info = WorkerInfo(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
@@ -142,8 +143,10 @@ class ModelWorker:
             why_not = f"device {self.device.type}"
         elif "cuda_graph" not in self.model.attn_backend.features:
             why_not = f"attention backend {backend_name} plans on the host"
-        elif not type(self.model).cuda_graph_decode or self.encoder_decoder:
+        elif not type(self.model).cuda_graph_decode:
             why_not = f"{type(self.model).__name__} has host-side work in its decode step"
+        elif self.request_state is not None:
+            why_not = f"{type(self.model).__name__} reads per-request state the graph inputs do not carry"
         elif self.tp.size > 1:
             why_not = "tensor parallelism (collectives are not captured)"
         if why_not:
@@ -238,15 +241,16 @@ class ModelWorker:
                     out[i] = emb
         return out
 
-    def _fill_cross(self, fi: ForwardInput) -> torch.Tensor | None:
-        """Writes the cross-attention K/V of newly admitted requests (their encoder outputs: from the encoder
-        cache, or one encoder call for all misses) and returns every request's cross slots [B, L]."""
-        if not self.encoder_decoder:
+    def _fill_request_state(self, fi: ForwardInput) -> torch.Tensor | None:
+        """Writes the per-request state of newly admitted requests (from their items' encoder outputs: the
+        encoder cache, or one encoder call per modality for the misses) and returns every request's state
+        slots [B, extra_slots]; None when the family keeps no such state."""
+        if self.request_state is None:
             return None
-        if fi.cross_fills:
+        if fi.state_fills:
             outputs: dict[int, torch.Tensor] = {}
             misses: dict[int, MultimodalDataItem] = {}
-            for fill in fi.cross_fills:
+            for fill in fi.state_fills:
                 item = fill.item
                 cached = item.precomputed_embedding if item.precomputed_embedding is not None else \
                     self.encoder_cache.get(item.hash)
@@ -254,19 +258,22 @@ class ModelWorker:
                     misses.setdefault(item.hash, item)
                 else:
                     outputs[item.hash] = cached
-            if misses:
-                encoder = self.encoders[Modality.AUDIO]
-                for item, out in zip(misses.values(), encoder(list(misses.values()))):
-                    if out.shape[0] != self.config.cross_attention_len:
-                        raise EmbeddingCountError(f"audio: encoder output has {out.shape[0]} rows, the decoder "
-                                                  f"cross-attends to {self.config.cross_attention_len}")
+            rows = self.request_state.extra_slots(self.config)
+            by_modality: dict[Modality, list[MultimodalDataItem]] = {}
+            for item in misses.values():
+                by_modality.setdefault(item.modality, []).append(item)
+            for modality, items in by_modality.items():
+                for item, out in zip(items, self.encoders[modality](items)):
+                    if out.shape[0] != rows:
+                        raise EmbeddingCountError(f"{modality.value}: encoder output has {out.shape[0]} rows, the "
+                                                  f"model's per-request state takes {rows}")
                     self.encoder_cache.put(item.hash, out)
                     outputs[item.hash] = out
-            slots = [fill.slots.to(self.device) for fill in fi.cross_fills]
-            self.model.fill_cross_kv([outputs[f.item.hash] for f in fi.cross_fills], slots, self.kv_pool)
-            for fill, s in zip(fi.cross_fills, slots):
-                self._cross_slots[fi.rids[fill.req]] = s
-        return torch.stack([self._cross_slots[rid] for rid in fi.rids])
+            slots = [fill.slots.to(self.device) for fill in fi.state_fills]
+            self.request_state.fill(self.model, [outputs[f.item.hash] for f in fi.state_fills], slots, self.kv_pool)
+            for fill, s in zip(fi.state_fills, slots):
+                self._state_slots[fi.rids[fill.req]] = s
+        return torch.stack([self._state_slots[rid] for rid in fi.rids])
 
     def _custom_masks(self, fi: ForwardInput) -> list[torch.Tensor | None] | None:
         if fi.bidirectional_spans is None:
@@ -305,7 +312,7 @@ class ModelWorker:
     def _graph_bucket(self, fi: ForwardInput, masks: list[torch.Tensor | None] | None) -> int | None:
         """The CUDA-graph bucket of a pure decode step (one token per request, each sampled, no media, no
         custom mask); None when the step runs eagerly."""
-        if self.graph_runner is None or fi.mm_placements or masks is not None or fi.cross_fills:
+        if self.graph_runner is None or fi.mm_placements or masks is not None or fi.state_fills:
             return None
         if fi.num_tokens != len(fi.seq_lens) or fi.logits_rows != list(range(fi.num_tokens)):
             return None
@@ -317,7 +324,7 @@ class ModelWorker:
         """The step's model forward: its logits [len(fi.logits_rows), vocab]."""
         for rid in fi.released:
             self._held.pop(rid, None)
-            self._cross_slots.pop(rid, None)
+            self._state_slots.pop(rid, None)
         writes = self._slot_write_parts(fi)
         (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, extend_lens, logits_rows,
          *staged_writes) = self.stager.to_device(
@@ -326,7 +333,7 @@ class ModelWorker:
         self._apply_slot_writes(fi, staged_writes)
         masks = self._custom_masks(fi)
         mm_rows, mm_embeds = self._mm_embeds(fi)
-        cross_slots = self._fill_cross(fi)
+        state_slots = self._fill_request_state(fi)
         if mm_embeds is not None and self.between_phases is not None:
             self.between_phases()
         for rid in fi.prompt_done:  # embeddings are only needed until the prompt's KV exists
@@ -342,7 +349,7 @@ class ModelWorker:
             mm_embed_rows=mm_rows, mm_embeds=mm_embeds, custom_masks=masks,
             req_generations=fi.req_generations if self.use_decode_mirror else None,
             host_seq_lens=fi.seq_lens, host_extend_lens=fi.extend_lens, host_req_pool_indices=fi.req_pool_indices,
-            cross_slots=cross_slots,
+            state_slots=state_slots,
         )
         return self.model(fb, self.kv_pool)
 

@@ -23,6 +23,9 @@ def test_every_family_row_resolves(name: str) -> None:
     arch = family.architecture
     assert issubclass(family.model_class(), TesseraModel)
     assert family.positions in ("rope", "mrope", "learned")
+    # An encoder-decoder row's model declares its cross-attention state, and its prefix cache is off.
+    has_state = family.model_class().request_state is not None
+    assert has_state == family.encoder_decoder == (not family.prefix_cache)
     if family.modalities:
         assert family.processor_class() is not None
         assert processors.get_processor_class(arch) is not None

@@ -74,16 +74,17 @@ def test_prefill_logits_match_hf(whisper, page_size):
         enc = ours.encode_audio([MultimodalDataItem(Modality.AUDIO, i, [], feature=f) for i, f in enumerate(feats)])
         torch.testing.assert_close(torch.stack(enc), hf.model.encoder(feats).last_hidden_state, atol=ATOL, rtol=0)
         cross_rows = [kv.new_request() for _ in prompts]
-        cross = [kv.extend(r, config.cross_attention_len) for r in cross_rows]
-        ours.fill_cross_kv(enc, cross, kv.pool)
+        state = type(ours).request_state  # the engine's path: the family's hook, as the worker calls it
+        cross = [kv.extend(r, state.extra_slots(config)) for r in cross_rows]
+        state.fill(ours, enc, cross, kv.pool)
         rows = [kv.new_request() for _ in prompts]
         # Prefill all but the last token, then one decode step each: both cross-attention paths.
         fb = make_batch(kv, [Step(r, torch.tensor(p[:-1]), torch.arange(len(p) - 1), all_logits=True)
                              for r, p in zip(rows, prompts)])
-        fb.cross_slots = torch.stack(cross)
+        fb.state_slots = torch.stack(cross)
         prefill = ours(fb, kv.pool)
         fb = make_batch(kv, [Step(r, torch.tensor(p[-1:]), torch.tensor([len(p) - 1])) for r, p in zip(rows, prompts)])
-        fb.cross_slots = torch.stack(cross)
+        fb.state_slots = torch.stack(cross)
         decode = ours(fb, kv.pool)
         n0 = len(prompts[0]) - 1
         for b, p in enumerate(prompts):

@@ -16,10 +16,10 @@ from tessera.scheduler.req import Req
 
 
 def make_policy(pool_tokens: int, page_size: int = 1, chunk: int = 16, max_running: int = 8,
-                disable_cache: bool = False, cross_len: int = 0) -> SchedulePolicy:
+                disable_cache: bool = False, extra_slots: int = 0) -> SchedulePolicy:
     alloc = PagedTokenAllocator(pool_tokens, page_size)
     tree = RadixCache(alloc, page_size, disable=disable_cache)
-    kv = KVManager(ReqToTokenPool(max_running + 1, 512), alloc, tree, page_size, cross_len)
+    kv = KVManager(ReqToTokenPool(max_running + 1, 512), alloc, tree, page_size, extra_slots)
     return SchedulePolicy(kv, max_running, chunk)
 
 
@@ -117,23 +117,23 @@ def test_cross_attention_slots_are_taken_at_admission_and_freed_on_retraction(pa
     """Encoder-decoder requests hold 40 cross-attention slots each: three fit the pool at admission, but not
     with their growing decoder K/V, so the newest is retracted (its cross slots freed and refilled later)."""
     policy = make_policy(pool_tokens=160, page_size=page_size, chunk=64, max_running=4, disable_cache=True,
-                         cross_len=40)
+                         extra_slots=40)
     reqs = [make_req(f"r{i}", [100 + i] * 4, max_new=12) for i in range(4)]
     for r in reqs:
         policy.add(r)
     fills = {r.rid: 0 for r in reqs}
     while (batch := policy.next_batch()) is not None:
-        running = [r for r in policy.running if r.cross_slots is not None]
+        running = [r for r in policy.running if r.state_slots is not None]
         assert len(running) == len(policy.running) <= 3  # a fourth's 40 slots do not fit
-        held = [r.cross_slots for r in running] + [policy.kv.req_pool.req_to_token[r.req_pool_idx, :r.kv_len]
+        held = [r.state_slots for r in running] + [policy.kv.req_pool.req_to_token[r.req_pool_idx, :r.kv_len]
                                                    for r in running]
         flat = torch.cat(held).tolist()
         assert len(flat) == len(set(flat)), "cross and decoder slots never overlap"
-        assert policy.kv.cross_tokens == 40 * len(running)
+        assert policy.kv.state_tokens == 40 * len(running)
         for s in batch.reqs:
-            if not s.req.cross_filled:  # what build_forward_input does with a CrossFill
+            if not s.req.state_filled:  # what build_forward_input does with a RequestStateFill
                 fills[s.req.rid] += 1
-                s.req.cross_filled = True
+                s.req.state_filled = True
             if s.samples:
                 s.req.output_ids.append(1000 + len(s.req.output_ids))
                 if len(s.req.output_ids) >= 12:
@@ -141,7 +141,7 @@ def test_cross_attention_slots_are_taken_at_admission_and_freed_on_retraction(pa
                     s.req.finished_reason = {"type": "length"}
     assert all(r.finished for r in reqs) and policy.num_retractions > 0
     assert sum(fills.values()) == len(reqs) + policy.num_retractions  # refilled once per re-admission
-    assert policy.kv.cross_tokens == 0 and all(r.cross_slots is None for r in reqs)
+    assert policy.kv.state_tokens == 0 and all(r.state_slots is None for r in reqs)
     assert_no_leak(policy)
 
 
