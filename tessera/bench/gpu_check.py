@@ -167,7 +167,7 @@ def parity(path: Path, plan: Plan, dtype: str, n: int = 8) -> dict:
     image spans), then the first two again (prefix-cache hits)."""
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
-    from tessera import Engine
+    from tessera.entrypoints.engine import Engine
 
     torch_dtype = getattr(torch, dtype)
     processor = AutoProcessor.from_pretrained(path)
@@ -233,7 +233,7 @@ def hf_decode_ms(model, tokenizer, prompts: list[str], n: int, device: str) -> f
 def decode_speed(path: Path, plan: Plan, bandwidth: float, budget_left: Callable[[], float]) -> dict:
     from transformers import AutoTokenizer, Qwen2VLForConditionalGeneration
 
-    from tessera import Engine
+    from tessera.entrypoints.engine import Engine
 
     dtype = "float32" if plan.device == "cpu" else "bfloat16"
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -45,9 +45,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    import tessera
+    from tessera.entrypoints.engine import Engine
 
-    with tessera.Engine(args.model_path, show_progress=False) as engine:
+    with Engine(args.model_path, show_progress=False) as engine:
         print("| batch | free ms/step | regex ms/step (overhead) | json_schema ms/step (overhead) |")
         print("|---:|---:|---:|---:|")
         for b in args.batch_sizes:

@@ -16,8 +16,8 @@ class SiluAndMul(nn.Module):
     of a silu pass, a product pass and a temporary; within ~1e-7 relative of torch's silu (another exp)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1 and x.is_cpu and x.dtype is torch.float32
-                and cpu_kernels.takes("silu_mul")):
+        if (x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1
+                and cpu_kernels.takes("silu_mul") and cpu_kernels.host_f32_inference(x, contiguous=False)):
             m, d = x.shape[0], x.shape[1] // 2
             out = torch.empty(m, d, dtype=torch.float32)
             cpu_kernels.call("silu_mul", x.data_ptr(), x.stride(0), out.data_ptr(), m, d,

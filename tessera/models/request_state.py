@@ -21,7 +21,6 @@ import torch
 
 if TYPE_CHECKING:
     from tessera.cache.kv_pool import TokenToKVPool
-    from tessera.models.base import TesseraModel
     from tessera.models.config import ModelConfig
 
 
@@ -34,7 +33,7 @@ class RequestState(ABC):
         fills them."""
 
     @abstractmethod
-    def fill(self, model: TesseraModel, encoder_outputs: list[torch.Tensor], slots: list[torch.Tensor],
+    def fill(self, model: torch.nn.Module, encoder_outputs: list[torch.Tensor], slots: list[torch.Tensor],
              pool: TokenToKVPool) -> None:
         """Writes each request's state (from its encoder output [extra_slots, d], on any device) at its slots
         ([extra_slots] int64, on the model's device), for every layer that reads it."""

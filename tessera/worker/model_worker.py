@@ -140,7 +140,7 @@ class ModelWorker:
         if args.disable_cuda_graph:
             why_not = "--disable-cuda-graph"
         elif not self.platform.supports_graphs:
-            why_not = f"device {self.device.type}"
+            why_not = f"device {self.platform.kind}"
         elif "cuda_graph" not in self.model.attn_backend.features:
             why_not = f"attention backend {backend_name} plans on the host"
         elif not type(self.model).cuda_graph_decode:

@@ -26,7 +26,7 @@ def reads_pool(q: torch.Tensor, pool: TokenToKVPool) -> bool:
     """Whether the kernel takes this step's decode attention: q [tokens, heads, D] and the pool in float32 on
     a CPU, in inference (the kernel records no autograd graph), a head size and grouping it handles."""
     k = pool.k_buffers[0]
-    return (q.dtype is torch.float32 and k.dtype is torch.float32 and k.is_cpu and q.is_cpu and k.is_contiguous()
+    return (cpu_kernels.host_f32_inference(q, contiguous=False) and cpu_kernels.host_f32_inference(k)
             and q.shape[-1] == pool.head_dim and pool.head_dim % 8 == 0 and pool.head_dim <= MAX_HEAD_DIM
             and q.shape[1] % pool.num_kv_heads == 0 and q.shape[1] // pool.num_kv_heads <= MAX_GROUP
             and cpu_kernels.takes("decode_attention"))
