@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib
 import importlib.util
 import json
 import os
@@ -48,23 +49,32 @@ import torch
 from tessera.bench import gpu_sections as sec
 from tessera.bench.gpu_report import MET, markdown, targets
 
-# Module -> the package that provides it: what the sections (and the `tessera serve` they start) import.
-NEEDED_MODULES = {"transformers": "transformers", "safetensors": "safetensors", "tokenizers": "tokenizers",
-                  "numpy": "numpy", "PIL": "pillow", "zmq": "pyzmq", "fastapi": "fastapi", "starlette": "starlette",
-                  "pydantic": "pydantic", "uvicorn": "uvicorn", "python_multipart": "python-multipart",
-                  "httpx": "httpx", "openai": "openai", "prometheus_client": "prometheus-client",
-                  "llguidance": "llguidance"}
+# What the sections import, and what `tessera serve` (the serving section's subprocess) imports at start.
+ENTRY_MODULES = ("tessera.entrypoints.engine", "tessera.entrypoints.http_server", "tessera.bench.offline",
+                 "tessera.bench.hf_baseline", "tessera.bench.serving", "tessera.bench.report", "tessera.demo.build_vl",
+                 "transformers.models.qwen2_vl.modeling_qwen2_vl", "safetensors", "httpx")
+PIP_NAMES = {"PIL": "pillow", "zmq": "pyzmq", "yaml": "pyyaml", "opentelemetry": "opentelemetry-api",
+             "multipart": "python-multipart", "python_multipart": "python-multipart", "annotated_doc": "annotated-doc",
+             "pydantic_core": "pydantic-core", "typing_inspection": "typing-inspection",
+             "prometheus_client": "prometheus-client"}
 
 
-def preflight(device: str) -> dict:
-    """The modules the sections need, found without importing them; raises naming what is missing."""
-    needed = {**NEEDED_MODULES, **({"triton": "triton"} if device.startswith("cuda") else {})}
-    missing = sorted(pkg for mod, pkg in needed.items() if importlib.util.find_spec(mod) is None)
+def preflight(device: str, modules: tuple[str, ...] | None = None) -> dict:
+    """Imports what the sections and `tessera serve` need, once each; raises naming the packages missing (the
+    first one missing per module: a carried wheel installed without its dependencies shows up here)."""
+    modules = ENTRY_MODULES if modules is None else modules
+    missing: dict[str, str] = {}  # package -> the module that needed it
+    for name in (*modules, *(("triton",) if device.startswith("cuda") else ())):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            top = (e.name or name).split(".")[0]
+            missing.setdefault(PIP_NAMES.get(top, top.replace("_", "-")), name)
     if missing:
-        raise RuntimeError(f"missing Python packages: {' '.join(missing)} (carry their wheels: "
-                           f"EXTRA_WHEELS=\"{' '.join(missing)}\" ../shared/gpu/fetch-wheels.sh)")
-    return {"found": sorted(needed), "optional": {m: importlib.util.find_spec(m) is not None
-                                                   for m in ("torchvision", "av", "flash_attn")}}
+        raise RuntimeError(f"missing Python packages: {', '.join(f'{p} (for {m})' for p, m in missing.items())}; "
+                           f"carry their wheels: EXTRA_WHEELS=\"{' '.join(missing)}\" ../shared/gpu/fetch-wheels.sh")
+    return {"imported": list(modules), "optional": {m: importlib.util.find_spec(m) is not None
+                                                     for m in ("torchvision", "av", "flash_attn")}}
 
 
 def _write(out_dir: Path, report: dict) -> None:
@@ -117,7 +127,8 @@ def run(out_dir: Path, plan: sec.Plan, work_dir: Path, log: Callable[[str], Any]
             try:
                 report["sections"][name] = {"result": fn()}
             except Exception as e:  # one broken section must not hide the others' figures
-                report["sections"][name] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+                report["sections"][name] = {"error": f"{type(e).__name__}: {e}",
+                                            "trace": traceback.format_exc()[-3000:]}
             finally:
                 _free_device_memory(plan.device)
             s = report["sections"][name]

@@ -31,8 +31,8 @@ DRY_SIZES = {"2b": (128, 2, 2, 1, 256, 2, 64, 2), "7b": (128, 2, 4, 2, 256, 2, 6
 # Seconds a section (to start) or a part of one needs on an H200: estimates from the sizes (weights
 # written and read at a few GB/s, a 7B-sized engine's start with its graph captures, HF's eager generate).
 # The dry run needs none.
-NEEDS_S = {"preflight": 0, "bandwidth": 0, "checkpoints": 60, "parity_fp32": 30, "parity_bf16": 30, "decode_7b": 60, "decode_2b": 40,
-           "offline_a_7b": 90, "serving_7b": 90,
+NEEDS_S = {"preflight": 0, "bandwidth": 0, "checkpoints": 60, "parity_fp32": 30, "parity_bf16": 30, "decode_7b": 60,
+           "decode_2b": 40, "offline_a_7b": 90, "serving_7b": 90,
            "checkpoint tiny": 5, "checkpoint 7b": 60, "checkpoint 2b": 20, "parity case": 5, "Tessera decode": 5,
            "HF batch 1": 25, "HF largest batch": 15, "offline tessera": 40, "offline hf": 60, "serving stop": 35}
 
@@ -340,8 +340,7 @@ def decode_speed(path: Path, plan: Plan, bandwidth: float, budget: Budget) -> di
     hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, dtype)).to(plan.device).eval()
     tokenizer.padding_side = "left"
 
-    @torch.no_grad()
-    def hf_run(prompt_list: list[str]) -> Callable[[int], Any]:
+    def hf_run(prompt_list: list[str]) -> Callable[[int], Any]:  # generate runs without grad on its own
         enc = tokenizer(prompt_list, return_tensors="pt", padding=True).to(plan.device)
         return lambda k: hf.generate(**enc, max_new_tokens=k, min_new_tokens=k, do_sample=False, pad_token_id=0)
 

@@ -104,6 +104,7 @@ def test_the_budget_cuts_inside_a_section_and_the_rest_is_skipped(tmp_path, monk
 
     monkeypatch.setattr(gpu_sections, "build_checkpoint", fake_build)
     monkeypatch.setattr("tessera.demo.build_vl.build_skeleton", lambda path: None)
+    monkeypatch.setattr(gpu_check, "ENTRY_MODULES", ("json",))  # the imports are the dry run's to check
     monkeypatch.setitem(gpu_sections.NEEDS_S, "bandwidth", 25)  # more than the 20 s left: no 2 GiB copy here
     # The real sizes' estimates: with 20 s left the 7b checkpoint (60 s) and parity (30 s) do not fit.
     plan = Plan.make("cpu", tiny=False, budget_s=150)
@@ -159,11 +160,14 @@ def test_the_graph_report_is_read_defensively(effective, captured, reason) -> No
 
 def test_the_command_refuses_a_work_dir_inside_out(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit):
-        gpu_check.main(["--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "out" / "ckpt"), "--device", "cpu"])
+        gpu_check.main(["--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "out" / "ckpt"),
+                        "--device", "cpu"])
     assert "--work-dir" in capsys.readouterr().err and not (tmp_path / "out").exists()
 
 
-def test_preflight_names_what_is_missing(monkeypatch) -> None:
-    monkeypatch.setitem(gpu_check.NEEDED_MODULES, "no_such_module_here", "no-such-package")
-    with pytest.raises(RuntimeError, match="no-such-package"):
-        gpu_check.preflight("cpu")
+def test_preflight_names_what_is_missing(tmp_path, monkeypatch) -> None:
+    # A carried wheel installed without one of its dependencies: importing it names the one that is absent.
+    (tmp_path / "carried_pkg.py").write_text("import no_such_dependency_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"no-such-dependency-here \(for carried_pkg\)"):
+        gpu_check.preflight("cpu", ("json", "carried_pkg"))
