@@ -159,7 +159,6 @@ def run(out_dir: Path, plan: sec.Plan, work_dir: Path, log: Callable[[str], Any]
     return report
 
 
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m tessera.bench.gpu_check", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.md (kept small)")
