@@ -38,7 +38,7 @@ from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.attention.base import BaseAttentionBackend
 from tessera.models.base import TesseraModel
 from tessera.layers.forward_batch import ForwardBatch
-from tessera.platform.device import platform_of
+from tessera.platform.device import Platform, platform_of
 
 logger = logging.getLogger("tessera.worker")
 
@@ -127,16 +127,18 @@ class DecodeGraphRunner:
     once `capture()` succeeded, else the same padded forward eagerly."""
 
     def __init__(self, model: TesseraModel, pool: TokenToKVPool, req_to_token: torch.Tensor, sizes: list[int],
-                 pad_row: int, mrope: bool):
+                 pad_row: int, mrope: bool, platform: Platform | None = None):
         assert not req_to_token[pad_row].any(), "the padding row of the slot table must hold only slot 0"
         self.model, self.pool, self.req_to_token = model, pool, req_to_token
+        self.platform = platform or platform_of(req_to_token.device)  # what captures the graphs
         self.sizes = sizes
         self.mrope = mrope
         self.buffers = DecodeBuffers(sizes[-1], mrope, pad_row, req_to_token.device)
         self.graphs: dict[int, object] = {}  # bucket -> its captured graph (replay())
         self.outputs: dict[int, torch.Tensor] = {}  # bucket -> the graph's logits [bucket, vocab]
         # The model's attention backends (held by its modules, not submodules), for plan_graph_decode.
-        found = {id(b): b for m in model.modules() for b in vars(m).values() if isinstance(b, BaseAttentionBackend)}
+        modules = model.modules() if isinstance(model, torch.nn.Module) else ()
+        found = {id(b): b for m in modules for b in vars(m).values() if isinstance(b, BaseAttentionBackend)}
         self.backends = list(found.values())
         self._capturing: int | None = None  # the bucket being captured, for the error message
 
@@ -176,7 +178,7 @@ class DecodeGraphRunner:
 
         steps = {bucket: (lambda b=bucket: step(b)) for bucket in self.sizes}
         # Backends that plan on the host (FlashInfer) plan each bucket before every run, outside the graph.
-        self.graphs = platform_of(self.req_to_token.device).capture_graphs(
+        self.graphs = self.platform.capture_graphs(
             steps, warmup=2, before=self._before_run)
 
     def _before_run(self, bucket: int) -> None:

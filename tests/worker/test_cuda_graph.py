@@ -23,6 +23,7 @@ from tessera.config import ServerArgs
 from tessera.messages.sampling import SamplingParams
 from tessera.scheduler.policy import KVManager, SchedulePolicy
 from tessera.scheduler.req import Req
+from tessera.platform.device import platform_of
 from tessera.scheduler.step_input import build_forward_input
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.worker.cuda_graph import (
@@ -104,7 +105,8 @@ def test_a_failed_capture_is_an_error_with_its_reason_and_keeps_no_graphs(monkey
         runs.append(fb.batch_size)
         return torch.zeros(fb.batch_size, 8)
 
-    runner = DecodeGraphRunner(model, TokenToKVPool(8, 1, 1, 4), req_to_token, [1, 2, 4], pad_row=3, mrope=False)
+    runner = DecodeGraphRunner(model, TokenToKVPool(8, 1, 1, 4), req_to_token, [1, 2, 4], pad_row=3, mrope=False,
+                               platform=platform_of("cuda"))  # its capture API faked above
     with caplog.at_level(logging.INFO, logger="tessera.worker"):
         reason = runner.try_capture()
     assert reason is not None and reason.startswith("decode batch size 2: RuntimeError: CUDA error: operation not")
@@ -138,6 +140,7 @@ def test_the_worker_reports_why_it_has_no_graphs(monkeypatch, caplog) -> None:
 
     monkeypatch.setattr(DecodeGraphRunner, "capture", capture)
     worker.device = torch.device("cuda")
+    worker.platform = platform_of(worker.device)
     with caplog.at_level(logging.ERROR, logger="tessera.worker"):
         assert worker._capture_decode_graphs("triton") is None
     assert worker.cuda_graph_status.startswith("capture failed, decode runs eagerly: decode batch size 4: "
