@@ -17,6 +17,18 @@ def load_state(work_dir: Path) -> dict[str, Any] | None:
     return torch.load(ckpt, weights_only=False) if ckpt.exists() else None
 
 
+def resume(work_dir: Path, **parts: Any) -> tuple[int, list[dict], dict[str, Any] | None]:
+    """(step, log, state) of the state last saved in work_dir, each of `parts` (a module or an optimizer, named
+    by its key in the state) loaded from it; (0, [], None) for a fresh run."""
+    state = load_state(work_dir)
+    if state is None:
+        return 0, [], None
+    for key, part in parts.items():
+        part.load_state_dict(state[key])
+    print(f"resumed at step {state['step']}", flush=True)
+    return state["step"], state["log"], state
+
+
 def save_state(work_dir: Path, state: dict[str, Any], log: list[dict]) -> None:
     """work_dir/ckpt.pt (`state` and the log), replaced atomically so that a killed run resumes from the last
     complete one, and the log again as work_dir/log.json for reading."""

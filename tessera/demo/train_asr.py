@@ -32,7 +32,7 @@ import torch
 from tessera.demo import speech
 from tessera.demo.build_asr import build_processor_files, build_skeleton
 from tessera.demo.checkpoint import save_checkpoint
-from tessera.demo.runs import load_state, out_of_time, save_state
+from tessera.demo.runs import out_of_time, resume, save_state
 from tessera.models.qwen2_audio import audio_output_len
 
 IGNORE = -100
@@ -221,13 +221,7 @@ def main() -> None:
     batcher = Batcher(processor)
     model = Qwen2AudioForConditionalGeneration(config)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    step, log = 0, []
-    state = load_state(args.work_dir)
-    if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        step, log = state["step"], state["log"]
-        print(f"resumed at step {step}", flush=True)
+    step, log, _ = resume(args.work_dir, model=model, opt=opt)
 
     def lr_at(s: int) -> float:
         if s >= args.steps:  # the silence phase: its own short warmup and cosine

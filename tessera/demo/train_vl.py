@@ -48,7 +48,7 @@ from tessera.demo import scenes
 from tessera.demo.attention_probe import AttentionProbe, binding_targets
 from tessera.demo.build_vl import build_processor_files, build_skeleton
 from tessera.demo.checkpoint import save_checkpoint
-from tessera.demo.runs import load_state, out_of_time, save_state
+from tessera.demo.runs import out_of_time, resume, save_state
 
 IGNORE = -100
 NUM_XBINS = 8
@@ -308,13 +308,7 @@ def main() -> None:
             groups.append({"params": rest, "scale": 1.0})
         return torch.optim.AdamW(groups, lr=0.0, betas=(0.9, 0.98), weight_decay=0.01)
 
-    step, log = 0, []
-    state = load_state(args.work_dir)
-    if state is not None:
-        model.load_state_dict(state["model"])
-        aux.load_state_dict(state["aux"])
-        step, log = state["step"], state["log"]
-        print(f"resumed at step {step}", flush=True)
+    step, log, state = resume(args.work_dir, model=model, aux=aux)
     stage = 1 if step < args.vision_steps else 2
     opt = optimizer(stage)
     if state is not None and state.get("stage") == stage:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from tessera.demo.runs import load_state, out_of_time, report, save_state
+from tessera.demo.runs import load_state, out_of_time, report, resume, save_state
 
 
 def test_state_round_trips_and_the_log_is_readable(tmp_path) -> None:
@@ -21,6 +21,16 @@ def test_state_round_trips_and_the_log_is_readable(tmp_path) -> None:
     assert torch.equal(state["model"]["w"], torch.zeros(2))
     assert json.loads((tmp_path / "log.json").read_text()) == log
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt", "log.json"]  # no temporary left behind
+
+
+def test_resume_loads_each_part(tmp_path, capsys) -> None:
+    assert resume(tmp_path, model=torch.nn.Linear(2, 2)) == (0, [], None)
+    saved, fresh = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    save_state(tmp_path, {"model": saved.state_dict(), "step": 7}, [{"step": 7}])
+    step, log, state = resume(tmp_path, model=fresh)
+    assert (step, log) == (7, [{"step": 7}]) and state is not None
+    assert torch.equal(fresh.weight, saved.weight)
+    assert "resumed at step 7" in capsys.readouterr().out
 
 
 def test_out_of_time_only_past_the_budget(capsys) -> None:
