@@ -19,6 +19,14 @@ def _rate(text: str) -> float:
     return rate
 
 
+def _report(summary: str, result: dict, output_json: str | None) -> None:
+    """A command's summary on stdout, and its full result as JSON at --output-json when given."""
+    print(summary)
+    if output_json:
+        with open(output_json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
 def _json_obj(text: str) -> dict:
     try:
         value = json.loads(text)
@@ -126,10 +134,7 @@ def _cmd_offline(ns: argparse.Namespace) -> int:
                         num_requests=ns.num_requests, max_output_len=ns.max_output_len, decode_len=ns.decode_len,
                         hf_batch_size=ns.hf_batch_size, engine_args=ns.engine_args, dtype=ns.dtype)
     result = run_offline(cfg)
-    print(format_summary(result))
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    _report(format_summary(result), result, ns.output_json)
     return 0
 
 
@@ -162,10 +167,7 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
     result = run_profile(ProfileConfig(model_path=ns.model_path, batch_size=ns.batch_size,
                                        context_len=ns.context_len, steps=ns.steps,
                                        no_mirror=ns.disable_decode_kv_mirror))
-    print(format_profile(result))
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    _report(format_profile(result), result, ns.output_json)
     return 0
 
 
@@ -214,10 +216,7 @@ def _cmd_soak(ns: argparse.Namespace) -> int:
                          distinct_prompts=ns.distinct_prompts,
                          timeout_s=ns.timeout, api_key=ns.api_key)
         result = run_soak(cfg)
-    print(format_result(result))
-    if ns.output_json:
-        with open(ns.output_json, "w") as f:
-            json.dump(dataclasses.asdict(result), f, indent=2)
+    _report(format_result(result), dataclasses.asdict(result), ns.output_json)
     return 0 if result.ok else 1
 
 

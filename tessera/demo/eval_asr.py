@@ -10,13 +10,13 @@ grammar synthesised with espeak-ng from a seed never used in training (training 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
 import torch
 
 from tessera.demo import speech
+from tessera.demo.runs import report
 
 HELD_OUT_SEED = 20_261_129
 
@@ -78,10 +78,7 @@ def main() -> None:
               "with_silence": padded,
               "errors": [{"ref": r, "hyp": h} for r, h in zip(refs, hyps) if r != h][:20],
               "seconds": round(time.time() - t0, 1)}
-    print(json.dumps(result, indent=2))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.output_json)
 
 
 if __name__ == "__main__":

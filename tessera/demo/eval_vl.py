@@ -9,13 +9,13 @@ Exact match per question type on images and videos from a seed never used in tra
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 
 import torch
 
 from tessera.demo import scenes
+from tessera.demo.runs import report
 
 HELD_OUT_SEED = 20_261_129
 
@@ -74,10 +74,7 @@ def main() -> None:
     acc = accuracy(samples, answers)
     result = {"model_path": args.model_path, "images": args.images, "videos": args.videos,
               "seed": HELD_OUT_SEED, "accuracy": acc, "seconds": round(time.time() - t0, 1)}
-    print(json.dumps(result, indent=2))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.output_json)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch
 from tessera.demo import speech
 from tessera.demo.build_asr import build_processor_files, build_skeleton
 from tessera.demo.checkpoint import save_checkpoint
+from tessera.demo.runs import out_of_time, resume, save_state
 from tessera.models.qwen2_audio import audio_output_len
 
 IGNORE = -100
@@ -220,14 +221,7 @@ def main() -> None:
     batcher = Batcher(processor)
     model = Qwen2AudioForConditionalGeneration(config)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
-    step, log = 0, []
-    ckpt = args.work_dir / "ckpt.pt"
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        step, log = state["step"], state["log"]
-        print(f"resumed at step {step}", flush=True)
+    step, log, _ = resume(args.work_dir, model=model, opt=opt)
 
     def lr_at(s: int) -> float:
         if s >= args.steps:  # the silence phase: its own short warmup and cosine
@@ -239,10 +233,7 @@ def main() -> None:
         return args.lr * (0.02 + 0.98 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
 
     def checkpoint() -> None:
-        tmp = ckpt.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log}, tmp)
-        tmp.rename(ckpt)
-        (args.work_dir / "log.json").write_text(json.dumps(log, indent=1))
+        save_state(args.work_dir, {"model": model.state_dict(), "opt": opt.state_dict(), "step": step}, log)
 
     total = args.steps + args.silence_steps
     last = min(total, args.stop_step or total)
@@ -274,8 +265,7 @@ def main() -> None:
             save_model(model, args.out)
         if step % args.save_every == 0:
             checkpoint()
-        if (time.time() - t_start) / 60 > args.max_minutes:
-            print("time budget reached; saving", flush=True)
+        if out_of_time(t_start, args.max_minutes):
             break
     checkpoint()
     save_model(model, args.out)

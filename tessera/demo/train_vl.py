@@ -48,6 +48,7 @@ from tessera.demo import scenes
 from tessera.demo.attention_probe import AttentionProbe, binding_targets
 from tessera.demo.build_vl import build_processor_files, build_skeleton
 from tessera.demo.checkpoint import save_checkpoint
+from tessera.demo.runs import out_of_time, resume, save_state
 
 IGNORE = -100
 NUM_XBINS = 8
@@ -307,14 +308,7 @@ def main() -> None:
             groups.append({"params": rest, "scale": 1.0})
         return torch.optim.AdamW(groups, lr=0.0, betas=(0.9, 0.98), weight_decay=0.01)
 
-    step, log = 0, []
-    ckpt = args.work_dir / "ckpt.pt"
-    state = torch.load(ckpt, weights_only=False) if ckpt.exists() else None
-    if state is not None:
-        model.load_state_dict(state["model"])
-        aux.load_state_dict(state["aux"])
-        step, log = state["step"], state["log"]
-        print(f"resumed at step {step}", flush=True)
+    step, log, state = resume(args.work_dir, model=model, aux=aux)
     stage = 1 if step < args.vision_steps else 2
     opt = optimizer(stage)
     if state is not None and state.get("stage") == stage:
@@ -333,11 +327,8 @@ def main() -> None:
         return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, p))))
 
     def checkpoint() -> None:
-        tmp = ckpt.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "aux": aux.state_dict(), "opt": opt.state_dict(),
-                    "step": step, "stage": stage, "log": log}, tmp)
-        tmp.rename(ckpt)
-        (args.work_dir / "log.json").write_text(json.dumps(log, indent=1))
+        save_state(args.work_dir, {"model": model.state_dict(), "aux": aux.state_dict(), "opt": opt.state_dict(),
+                                   "step": step, "stage": stage}, log)
 
     captured: dict[str, torch.Tensor] = {}
     model.model.visual.merger.register_forward_hook(lambda m, i, o: captured.__setitem__("merged", o))
@@ -389,8 +380,7 @@ def main() -> None:
             print("eval", json.dumps(row), flush=True)
         if step % args.save_every == 0:
             checkpoint()
-        if (time.time() - t_start) / 60 > args.max_minutes:
-            print("time budget reached; saving", flush=True)
+        if out_of_time(t_start, args.max_minutes):
             break
     checkpoint()
     if stage == 2:

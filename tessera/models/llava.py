@@ -18,13 +18,11 @@ from torch import nn
 
 from tessera.layers.attention import BaseAttentionBackend
 from tessera.layers.linear import Linear
-from tessera.models.base import Encoder
 from tessera.models.causal_lm import CausalLM
 from tessera.models.config import ModelConfig
 from tessera.models.hf_towers import build_transformers_tower
-from tessera.models.text_backbones import WrappedTextModel, wrapper_weight_mapping
-from tessera.models.weights import WeightMapping
-from tessera.messages.items import Modality, MultimodalDataItem
+from tessera.models.text_backbones import WrappedTextModel
+from tessera.messages.items import MultimodalDataItem
 from tessera.multimodal.geometry import VISION_TOWERS, LlavaImageGeometry
 
 class LlavaMultiModalProjector(nn.Module):
@@ -62,20 +60,6 @@ class LlavaForConditionalGeneration(WrappedTextModel, CausalLM):
             self.multi_modal_projector = LlavaMultiModalProjector(
                 int(vision.hidden_size) * num_layers, config.hidden_size, str(hf_config.projector_hidden_act),
                 bool(getattr(hf_config, "multimodal_projector_bias", True)))
-
-
-    @classmethod
-    def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
-        return wrapper_weight_mapping(config.tie_word_embeddings, language_model_only,
-                                      ("vision_tower.", "multi_modal_projector."),
-                                      cls.extra_prefix_rules(language_model_only))
-
-    @classmethod
-    def extra_prefix_rules(cls, language_model_only: bool) -> tuple[tuple[str, str | None], ...]:
-        return ()
-
-    def encoders(self) -> dict[Modality, Encoder]:
-        return {} if self.vision_tower is None else {Modality.IMAGE: self.get_image_feature}
 
     # ---- image encoding ---------------------------------------------------------------------------------
 

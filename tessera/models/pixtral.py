@@ -21,14 +21,12 @@ import torch
 from torch import nn
 
 from tessera.layers.attention import BaseAttentionBackend
-from tessera.models.base import Encoder
 from tessera.models.causal_lm import CausalLM
 from tessera.models.config import ModelConfig
 from tessera.models.hf_towers import build_transformers_tower
 from tessera.models.llava import LlavaMultiModalProjector
-from tessera.models.text_backbones import WrappedTextModel, wrapper_weight_mapping
-from tessera.models.weights import WeightMapping
-from tessera.messages.items import Modality, MultimodalDataItem
+from tessera.models.text_backbones import WrappedTextModel
+from tessera.messages.items import MultimodalDataItem
 
 VISION_TOWER = "transformers.models.pixtral.modeling_pixtral:PixtralVisionModel"
 
@@ -57,15 +55,6 @@ class PixtralLlavaForConditionalGeneration(WrappedTextModel, CausalLM):
             self.multi_modal_projector = LlavaMultiModalProjector(
                 int(vision.hidden_size) * len(self.feature_layers), config.hidden_size,
                 str(hf.projector_hidden_act), bool(getattr(hf, "multimodal_projector_bias", True)))
-
-
-    @classmethod
-    def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
-        return wrapper_weight_mapping(config.tie_word_embeddings, language_model_only,
-                                      ("vision_tower.", "multi_modal_projector."))
-
-    def encoders(self) -> dict[Modality, Encoder]:
-        return {} if self.vision_tower is None else {Modality.IMAGE: self.get_image_feature}
 
     # ---- image encoding ---------------------------------------------------------------------------------
 

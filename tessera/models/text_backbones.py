@@ -1,7 +1,8 @@
-"""The decoder options of the text models that multimodal families wrap (InternVL, Pixtral/LLaVA).
+"""The LLaVA-style wrappers (LLaVA, InternVL, Pixtral): a vision tower and a projector over a text model.
 
-A wrapper's language model is whatever its `text_config.model_type` says; these are the differences the
-shared decoder blocks need to know. Anything else is refused by name rather than run wrongly.
+A wrapper's language model is whatever its `text_config.model_type` says; the decoder options are the differences
+the shared decoder blocks need to know. Anything else is refused by name rather than run wrongly. The
+wrappers also share their checkpoint names and their one encoder.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.layers.decoder import STACKED_PARAMS, DecoderOptions
+from tessera.messages.items import Modality
+from tessera.models.base import Encoder
+from tessera.models.config import ModelConfig
 from tessera.models.weights import WeightMapping
 
 
@@ -33,14 +37,32 @@ def decoder_options_for(text_config: Any) -> DecoderOptions:
 
 
 class WrappedTextModel:
-    """Mixin for a multimodal family (a CausalLM subclass) whose language model is whatever its text_config
-    names: the decoder options come from the text config (CausalLM reads them after setting self.config)."""
+    """Mixin for a LLaVA-style family (a CausalLM subclass): `vision_tower` and `multi_modal_projector` (None
+    with language_model_only) over a language model that is whatever its text_config names. The decoder
+    options come from the text config (CausalLM reads them after setting self.config); images are encoded by
+    the subclass's `get_image_feature`."""
 
     config: Any
+    vision_tower: Any
+    get_image_feature: Encoder
 
     @property
     def decoder_options(self) -> DecoderOptions:
         return decoder_options_for(self.config.hf_config.get_text_config())
+
+    @classmethod
+    def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
+        return wrapper_weight_mapping(config.tie_word_embeddings, language_model_only,
+                                      ("vision_tower.", "multi_modal_projector."),
+                                      cls.extra_prefix_rules(language_model_only))
+
+    @classmethod
+    def extra_prefix_rules(cls, language_model_only: bool) -> tuple[tuple[str, str | None], ...]:
+        """Checkpoint-name rules of a subclass's own modules, after the wrapper's."""
+        return ()
+
+    def encoders(self) -> dict[Modality, Encoder]:
+        return {} if self.vision_tower is None else {Modality.IMAGE: self.get_image_feature}
 
 
 def wrapper_weight_mapping(tied: bool, language_model_only: bool, modules: tuple[str, ...],

@@ -17,9 +17,11 @@ channels are mixed down to mono by averaging before resampling.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,40 +213,48 @@ def _check_video_pixels(n: int, width: int, height: int, limits: MediaLimits) ->
         )
 
 
-def _decode_video(data: bytes, limits: MediaLimits, **sampling: int | float | None) -> VideoClip:
-    av = _import_av("decoding a video")
+@contextlib.contextmanager
+def _first_stream(data: bytes, kind: str, containers: str, purpose: str) -> Iterator[tuple[Any, Any, Any]]:
+    """(av, container, stream): PyAV's first `kind` ("video" or "audio") stream of `data`, opened among
+    `containers` only. FFmpeg errors of any kind inside the block are bad input: MediaError."""
+    av = _import_av(purpose)
     try:
-        with av.open(io.BytesIO(data), options={"format_whitelist": VIDEO_CONTAINERS}) as container:
-            if not container.streams.video:
-                raise MediaError("media has no video stream")
-            stream = container.streams.video[0]
-            rate = stream.average_rate or stream.guessed_rate
-            source_fps = float(rate) if rate else None
-            total = stream.frames
-            if total <= 0:  # some containers do not record a count: count packets without decoding
-                with av.open(io.BytesIO(data), options={"format_whitelist": VIDEO_CONTAINERS}) as probe:
-                    total = sum(1 for p in probe.demux(probe.streams.video[0]) if p.size)
-            if total <= 0:
-                raise MediaError("video has no frames (empty or truncated)")
-            if total > limits.max_video_source_frames:
-                raise MediaError(f"video has {total} frames, over the limit of {limits.max_video_source_frames}")
-            indices = sample_frame_indices(total, source_fps=source_fps, limit=limits.max_video_frames, **sampling)
-            _check_video_pixels(len(indices), stream.codec_context.width or 1, stream.codec_context.height or 1,
-                                limits)
-            wanted, last = set(indices), indices[-1]
-            frames: list[Image.Image] = []
-            decoded = 0
-            for frame in container.decode(stream):
-                if decoded in wanted:
-                    _check_image_size(frame.width, frame.height, limits)
-                    frames.append(frame.to_image())
-                decoded += 1
-                if decoded > last:
-                    break
+        with av.open(io.BytesIO(data), options={"format_whitelist": containers}) as container:
+            streams = getattr(container.streams, kind)
+            if not streams:
+                raise MediaError(f"media has no {kind} stream")
+            yield av, container, streams[0]
     except MediaError:
         raise
     except Exception as e:  # noqa: BLE001 - FFmpeg errors of any kind are bad input
-        raise MediaError(f"corrupt, truncated or unsupported video data: {type(e).__name__}: {e}") from e
+        raise MediaError(f"corrupt, truncated or unsupported {kind} data: {type(e).__name__}: {e}") from e
+
+
+def _decode_video(data: bytes, limits: MediaLimits, **sampling: int | float | None) -> VideoClip:
+    with _first_stream(data, "video", VIDEO_CONTAINERS, "decoding a video") as (av, container, stream):
+        rate = stream.average_rate or stream.guessed_rate
+        source_fps = float(rate) if rate else None
+        total = stream.frames
+        if total <= 0:  # some containers do not record a count: count packets without decoding
+            with av.open(io.BytesIO(data), options={"format_whitelist": VIDEO_CONTAINERS}) as probe:
+                total = sum(1 for p in probe.demux(probe.streams.video[0]) if p.size)
+        if total <= 0:
+            raise MediaError("video has no frames (empty or truncated)")
+        if total > limits.max_video_source_frames:
+            raise MediaError(f"video has {total} frames, over the limit of {limits.max_video_source_frames}")
+        indices = sample_frame_indices(total, source_fps=source_fps, limit=limits.max_video_frames, **sampling)
+        _check_video_pixels(len(indices), stream.codec_context.width or 1, stream.codec_context.height or 1,
+                            limits)
+        wanted, last = set(indices), indices[-1]
+        frames: list[Image.Image] = []
+        decoded = 0
+        for frame in container.decode(stream):
+            if decoded in wanted:
+                _check_image_size(frame.width, frame.height, limits)
+                frames.append(frame.to_image())
+            decoded += 1
+            if decoded > last:
+                break
     if len(frames) < len(indices):
         raise MediaError(f"video is truncated or corrupt: decoded {decoded} of {total} declared frames")
     if len({im.size for im in frames}) != 1:
@@ -328,30 +338,21 @@ def _decode_audio_soundfile(data: bytes, limits: MediaLimits) -> tuple[np.ndarra
 
 
 def _decode_audio_pyav(data: bytes, limits: MediaLimits) -> tuple[np.ndarray, int]:
-    av = _import_av("decoding this audio")
-    try:
-        with av.open(io.BytesIO(data), options={"format_whitelist": AUDIO_CONTAINERS}) as container:
-            if not container.streams.audio:
-                raise MediaError("media has no audio stream")
-            stream = container.streams.audio[0]
-            rate = int(stream.rate or 0)
-            if container.duration is not None and container.duration / 1e6 > limits.max_audio_seconds:
-                _check_duration(int(container.duration / 1e6 * max(rate, 1)), max(rate, 1), limits)
-            # Planar float at the native rate and layout; channels are averaged below.
-            to_float = av.AudioResampler(format="fltp")
-            chunks: list[np.ndarray] = []
-            num_samples = 0
-            for frame in container.decode(stream):
-                for f in to_float.resample(frame):
-                    arr = f.to_ndarray()
-                    chunks.append(arr.mean(axis=0))
-                    num_samples += arr.shape[1]
-                    rate = f.sample_rate
-                _check_duration(num_samples, max(rate, 1), limits)
-    except MediaError:
-        raise
-    except Exception as e:  # noqa: BLE001 - FFmpeg errors of any kind are bad input
-        raise MediaError(f"corrupt, truncated or unsupported audio data: {type(e).__name__}: {e}") from e
+    with _first_stream(data, "audio", AUDIO_CONTAINERS, "decoding this audio") as (av, container, stream):
+        rate = int(stream.rate or 0)
+        if container.duration is not None and container.duration / 1e6 > limits.max_audio_seconds:
+            _check_duration(int(container.duration / 1e6 * max(rate, 1)), max(rate, 1), limits)
+        # Planar float at the native rate and layout; channels are averaged below.
+        to_float = av.AudioResampler(format="fltp")
+        chunks: list[np.ndarray] = []
+        num_samples = 0
+        for frame in container.decode(stream):
+            for f in to_float.resample(frame):
+                arr = f.to_ndarray()
+                chunks.append(arr.mean(axis=0))
+                num_samples += arr.shape[1]
+                rate = f.sample_rate
+            _check_duration(num_samples, max(rate, 1), limits)
     if not chunks:
         raise MediaError("audio has no decodable samples (empty or truncated)")
     return np.concatenate(chunks), rate

@@ -200,32 +200,30 @@ class _RedirectHandler(urllib.request.HTTPRedirectHandler):
         # Checked here, before urllib's own scheme check, so the refusal is a 400 that says why.
         location = headers.get("Location") or headers.get("URI") or ""
         newurl = urllib.parse.urljoin(req.full_url, location)
-        parsed = parse_url(newurl)
-        if parsed.scheme.lower() not in ("http", "https"):
+        if parse_url(newurl).scheme.lower() not in ("http", "https"):
             raise MediaError(f"URL redirected to a non-http(s) location {newurl[:200]!r}; refused")
-        try:
-            host = parsed.hostname
-        except ValueError as e:
-            raise MediaError(f"URL redirected to a malformed location {newurl[:200]!r}: {e}") from e
-        if not host:
-            raise MediaError(f"URL redirected to a location without a host {newurl[:200]!r}; refused")
-        self.fetch.check_host(host)
+        self.fetch.check_host(_host_of(newurl, "URL redirected to a location"))
         return super().http_error_302(req, fp, code, msg, headers)
 
     http_error_301 = http_error_303 = http_error_307 = http_error_308 = http_error_302
+
+
+def _host_of(url: str, what: str) -> str:
+    """The host `url` names; MediaError, saying `what` the URL is, when it is malformed or names none."""
+    try:
+        host = parse_url(url).hostname
+    except ValueError as e:
+        raise MediaError(f"{what} {url[:200]!r} is malformed: {e}") from e
+    if not host:
+        raise MediaError(f"{what} {url[:200]!r} has no host; refused")
+    return host
 
 
 def fetch_url(url: str, *, modality: Modality, limits: MediaLimits) -> bytes:
     """GET `url` under the limits: byte cap enforced while streaming, whole-download deadline."""
     cap = limits.max_bytes_for(modality)
     timeout = limits.url_timeout_for(modality)
-    parsed = parse_url(url)
-    try:
-        hostname = parsed.hostname
-    except ValueError as e:
-        raise MediaError(f"malformed URL {url[:200]!r}: {e}") from e
-    if not hostname:
-        raise MediaError(f"URL {url[:200]!r} has no host")
+    hostname = _host_of(url, "URL")
     timed_out = MediaError(f"fetching {modality.value} URL timed out after {timeout:g} s", status=422)
     with _Fetch(limits, timeout) as fetch:
         fetch.check_host(hostname)

@@ -10,6 +10,10 @@ from typing import Any, ClassVar
 
 import torch
 
+from tessera.messages.items import Modality
+from tessera.multimodal.processors.split import SplitByInputFormat
+from tessera.multimodal.special_tokens import MultimodalSpecialTokens
+
 
 def merge_processor_kwargs(hf_processor: Any, kwargs_class: str, **kwargs: Any) -> dict[str, dict]:
     """hf_processor._merge_kwargs(...): its defaults, the saved settings, then `kwargs`. Transformers < 5.23
@@ -29,16 +33,22 @@ def merge_processor_kwargs(hf_processor: Any, kwargs_class: str, **kwargs: Any) 
     return hf_processor._merge_kwargs(cls, tokenizer_init_kwargs=init_kwargs, **kwargs)
 
 
-class ImageProcessorCall:
+class ImageProcessorCall(SplitByInputFormat):
     """Mixin for a BaseMultimodalProcessor that runs the HF image processor itself, with the kwargs the HF
     processor would merge (its defaults, the saved settings, then the request's), and tokenizes the prompt
     unexpanded: the subclass's expand_placeholders then lays out the image tokens exactly as HF's text
     replacement does. (InternVL's processor refuses calls without text, and cache misses need exactly that.)"""
 
+    supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.IMAGE})
     processor_kwargs_class: ClassVar[str]  # "module:Class" of the HF processor's kwargs (see merge_processor_kwargs)
     # Image-processor settings that shape the features: hashed with each item (a changed setting is a new item).
     hashed_image_settings: ClassVar[tuple[str, ...]] = ()
     hf_processor: Any
+    hf_config: Any
+
+    def build_special_tokens(self) -> MultimodalSpecialTokens:
+        return MultimodalSpecialTokens(image_token=self.hf_processor.image_token,
+                                       image_token_id=getattr(self.hf_config, "image_token_id", None))
 
     def extra_image_kwargs(self) -> dict[str, Any]:
         return {}
@@ -52,8 +62,6 @@ class ImageProcessorCall:
         return kwargs
 
     def image_processor_kwargs(self) -> dict[str, Any]:
-        from tessera.messages.items import Modality
-
         merged = merge_processor_kwargs(self.hf_processor, self.processor_kwargs_class,
                                         images_kwargs=self.hf_kwargs(Modality.IMAGE))  # type: ignore[attr-defined]
         return {**merged["images_kwargs"], **self.extra_image_kwargs(), "return_tensors": "pt"}

@@ -14,19 +14,15 @@ InternVL processor refuses calls without text and drops `num_patches`, which spl
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend, size_field
 from tessera.messages.items import Modality
+from tessera.multimodal.processors.assemble import ItemFeatures
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
-from tessera.multimodal.processors.base import (
-    BaseMultimodalProcessor,
-    InputFormat,
-    ItemFeatures,
-    LoadedMultimodalData,
-)
+from tessera.multimodal.processors.base import BaseMultimodalProcessor
 from tessera.multimodal.processors.hf_compat import ImageProcessorCall
-from tessera.multimodal.special_tokens import MultimodalSpecialTokens
+from tessera.multimodal.processors.split import as_tensors
 
 __all__ = ["InternVLProcessor"]
 
@@ -34,7 +30,6 @@ __all__ = ["InternVLProcessor"]
 class InternVLProcessor(ImageProcessorCall, BaseMultimodalProcessor):
     """InternVLForConditionalGeneration (images)."""
 
-    supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.IMAGE})
     processor_kwargs_class = "transformers.models.internvl.processing_internvl:InternVLProcessorKwargs"
     hashed_image_settings = ("size", "crop_to_patches", "min_patches", "max_patches", "image_mean", "image_std")
 
@@ -55,12 +50,6 @@ class InternVLProcessor(ImageProcessorCall, BaseMultimodalProcessor):
         self.start_image_id = int(tokenizer.convert_tokens_to_ids(hf_processor.start_image_token))
         self.end_image_id = int(tokenizer.convert_tokens_to_ids(hf_processor.end_image_token))
         super().__init__(hf_processor, hf_config, *args, **kwargs)
-
-    def build_special_tokens(self) -> MultimodalSpecialTokens:
-        return MultimodalSpecialTokens(image_token=self.hf_processor.image_token,
-                                       image_token_id=getattr(self.hf_config, "image_token_id", None))
-
-    # ------------------------------------------------------------ HF calls
 
     # ------------------------------------------------------------ placeholders
 
@@ -109,7 +98,8 @@ class InternVLProcessor(ImageProcessorCall, BaseMultimodalProcessor):
 
     # ------------------------------------------------------------ splitting
 
-    def _split_tiles(self, data: Mapping[str, Any], what: str, num_items: int | None) -> list[ItemFeatures]:
+    def split_fields(self, data: Mapping[str, Any], what: str, num_items: int | None) -> list[ItemFeatures]:
+        """{'pixel_values': tiles, 'num_patches': tiles per image}."""
         if data.get("pixel_values") is None or data.get("num_patches") is None:
             raise ValueError(f"{what} image data needs 'pixel_values' and 'num_patches'")
         tiles = _tensor(data["pixel_values"], "pixel_values")
@@ -124,22 +114,12 @@ class InternVLProcessor(ImageProcessorCall, BaseMultimodalProcessor):
         return [ItemFeatures(Modality.IMAGE, n * self.image_seq_length, feature=chunk.clone())
                 for n, chunk in zip(counts, tiles.split(counts))]
 
-    def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
-        return self._split_tiles(hf_output, "the image processor's output", len(loaded.images))
-
-    def split_preprocessed(self, modality: Modality, data: Mapping[str, Any],
-                           input_format: InputFormat) -> list[ItemFeatures]:
-        """processor_output: {'pixel_values': tiles, 'num_patches': tiles per image}; precomputed_embedding:
-        {'feature': [num_tokens, hidden] or a list of them, one per image}."""
-        if input_format is InputFormat.PROCESSOR_OUTPUT:
-            return self._split_tiles(data, "processor_output", None)
+    def split_embeddings(self, data: Mapping[str, Any]) -> list[ItemFeatures]:
+        """{'feature': [num_tokens, hidden] or a list of them, one per image}."""
         if data.get("feature") is None:
             raise ValueError("precomputed_embedding image data needs 'feature' (projected tile tokens)")
-        feature = data["feature"]
-        chunks = ([_tensor(f, "feature") for f in feature] if isinstance(feature, (list, tuple))
-                  else [_tensor(feature, "feature")])
         out = []
-        for chunk in chunks:
+        for chunk in as_tensors(data["feature"], "feature"):
             if (chunk.ndim != 2 or chunk.shape[1] != self.embed_dim or chunk.shape[0] % self.image_seq_length
                     or chunk.shape[0] == 0 or not chunk.is_floating_point()):
                 raise ValueError(f"precomputed image feature has shape {tuple(chunk.shape)}; the language model "

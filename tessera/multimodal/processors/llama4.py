@@ -22,21 +22,17 @@ processed without text (preprocessing-cache misses).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend, size_field
 from tessera.messages.items import Modality, MultimodalDataItem
+from tessera.multimodal.processors.assemble import ItemFeatures, runs
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
-from tessera.multimodal.processors.assemble import runs
-from tessera.multimodal.processors.base import (
-    BaseMultimodalProcessor,
-    InputFormat,
-    ItemFeatures,
-    LoadedMultimodalData,
-)
+from tessera.multimodal.processors.base import BaseMultimodalProcessor
 from tessera.multimodal.processors.hf_compat import ImageProcessorCall
+from tessera.multimodal.processors.split import embedding_chunks
 from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 __all__ = ["Llama4Processor"]
@@ -47,7 +43,6 @@ RATIO_KEY = "aspect_ratio"
 class Llama4Processor(ImageProcessorCall, BaseMultimodalProcessor):
     """Llama4ForConditionalGeneration (images)."""
 
-    supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.IMAGE})
     processor_kwargs_class = "transformers.models.llama4.processing_llama4:Llama4ProcessorKwargs"
     hashed_image_settings = ("size", "max_patches", "resize_to_max_canvas", "image_mean", "image_std", "resample")
 
@@ -81,8 +76,6 @@ class Llama4Processor(ImageProcessorCall, BaseMultimodalProcessor):
 
     def build_special_tokens(self) -> MultimodalSpecialTokens:
         return MultimodalSpecialTokens(image_token=self.hf_processor.fake_image_token)
-
-    # ------------------------------------------------------------ HF calls
 
     # ------------------------------------------------------------ placeholders
 
@@ -174,7 +167,8 @@ class Llama4Processor(ImageProcessorCall, BaseMultimodalProcessor):
             raise ValueError(f"aspect_ratios {ratios} must be positive tile counts")
         return [(int(r), int(c)) for r, c in ratios]
 
-    def _split_tiles(self, data: Mapping[str, Any], what: str, num_items: int | None) -> list[ItemFeatures]:
+    def split_fields(self, data: Mapping[str, Any], what: str, num_items: int | None) -> list[ItemFeatures]:
+        """{'pixel_values': tiles of all images, 'aspect_ratios': [rows, cols] per image}."""
         grids = self._ratios(data, what)
         if num_items is not None and len(grids) != num_items:
             raise ValueError(f"{what} has aspect_ratios for {len(grids)} images, expected {num_items}")
@@ -191,33 +185,11 @@ class Llama4Processor(ImageProcessorCall, BaseMultimodalProcessor):
                              model_specific_data={RATIO_KEY: torch.tensor(list(g))})
                 for n, g, chunk in zip(counts, grids, tiles.split(counts))]
 
-    def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
-        return self._split_tiles(hf_output, "the image processor's output", len(loaded.images))
-
-    def split_preprocessed(self, modality: Modality, data: Mapping[str, Any],
-                           input_format: InputFormat) -> list[ItemFeatures]:
-        """processor_output: {'pixel_values': tiles of all images, 'aspect_ratios': [rows, cols] per image};
-        precomputed_embedding: {'feature': [tokens, hidden] or a list, one per image, 'aspect_ratios'}."""
-        what = input_format.value
-        if input_format is InputFormat.PROCESSOR_OUTPUT:
-            return self._split_tiles(data, what, None)
-        grids = self._ratios(data, what)
+    def split_embeddings(self, data: Mapping[str, Any]) -> list[ItemFeatures]:
+        """{'feature': [tokens, hidden] or a list, one per image, 'aspect_ratios'}."""
+        grids = self._ratios(data, "precomputed_embedding")
         tokens = [self.num_tiles(g) * self.tokens_per_tile for g in grids]
-        if data.get("feature") is None:
-            raise ValueError("precomputed_embedding image data needs 'feature' (projected tile embeddings)")
-        feature = data["feature"]
-        if isinstance(feature, (list, tuple)):
-            chunks = [_tensor(f, "feature") for f in feature]
-        else:
-            emb = _tensor(feature, "feature")
-            if emb.ndim != 2 or emb.shape[0] != sum(tokens):
-                raise ValueError(f"precomputed image feature has shape {tuple(emb.shape)}; aspect_ratios need "
-                                 f"[{sum(tokens)}, hidden]")
-            chunks = [c.clone() for c in emb.split(tokens)]
-        if len(chunks) != len(tokens) or any(c.ndim != 2 or c.shape[0] != n or c.shape[1] != self.embed_dim
-                                             or not c.is_floating_point() for c, n in zip(chunks, tokens)):
-            raise ValueError(f"precomputed image features have shapes {[tuple(c.shape) for c in chunks]}; "
-                             f"aspect_ratios need {tokens} floating-point rows of {self.embed_dim} values")
+        chunks = embedding_chunks(data, tokens, self.embed_dim, "aspect_ratios", "projected tile embeddings")
         return [ItemFeatures(Modality.IMAGE, n, precomputed_embedding=c,
                              model_specific_data={RATIO_KEY: torch.tensor(list(g))})
                 for c, n, g in zip(chunks, tokens, grids)]

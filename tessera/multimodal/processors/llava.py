@@ -26,13 +26,10 @@ import torch
 from tessera.multimodal.geometry import IMAGE_SIZES_KEY, LlavaImageGeometry
 from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend
 from tessera.messages.items import Modality
+from tessera.multimodal.processors.assemble import ItemFeatures
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
-from tessera.multimodal.processors.base import (
-    BaseMultimodalProcessor,
-    InputFormat,
-    ItemFeatures,
-    LoadedMultimodalData,
-)
+from tessera.multimodal.processors.base import BaseMultimodalProcessor
+from tessera.multimodal.processors.split import SplitByInputFormat, as_tensors
 from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 __all__ = ["LlavaProcessor", "LlavaNextProcessor"]
@@ -43,7 +40,7 @@ _IMAGE_PROCESSOR_FIELDS = ("size", "crop_size", "image_grid_pinpoints", "image_m
                            "do_convert_rgb")
 
 
-class LlavaProcessor(BaseMultimodalProcessor):
+class LlavaProcessor(SplitByInputFormat, BaseMultimodalProcessor):
     """LlavaForConditionalGeneration (CLIP/SigLIP tower)."""
 
     supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.IMAGE})
@@ -110,25 +107,11 @@ class LlavaProcessor(BaseMultimodalProcessor):
 
     # ------------------------------------------------------------ splitting
 
-    def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
-        if not loaded.images:
-            return []
-        items = self._split_pixels(hf_output, "HF processor output")
-        assert len(items) == len(loaded.images), f"HF processor returned {len(items)} images for {len(loaded.images)}"
-        return items
-
-    def split_preprocessed(self, modality: Modality, data: Mapping[str, Any],
-                           input_format: InputFormat) -> list[ItemFeatures]:
-        assert modality is Modality.IMAGE
-        if input_format is InputFormat.PROCESSOR_OUTPUT:
-            return self._split_pixels(data, "processor_output")
-        return self._split_embeddings(data)
-
     def _crop_shape(self) -> tuple[int, int, int]:
         g = self.geometry
         return g.num_channels, g.image_size, g.image_size
 
-    def _split_pixels(self, data: Mapping[str, Any], what: str) -> list[ItemFeatures]:
+    def split_fields(self, data: Mapping[str, Any], what: str, num_items: int | None) -> list[ItemFeatures]:
         if data.get("pixel_values") is None:
             raise ValueError(f"{what} image data needs 'pixel_values'")
         pixels = _tensor(data["pixel_values"], "pixel_values")
@@ -144,18 +127,13 @@ class LlavaProcessor(BaseMultimodalProcessor):
     def _embedding_chunks(self, data: Mapping[str, Any]) -> list[torch.Tensor]:
         if data.get("feature") is None:
             raise ValueError("precomputed_embedding image data needs 'feature' (projected image features)")
-        feature = data["feature"]
-        if isinstance(feature, (list, tuple)):
-            chunks = [_tensor(f, "feature") for f in feature]
-        else:
-            emb = _tensor(feature, "feature")
-            chunks = list(emb) if emb.ndim == 3 else [emb]
+        chunks = as_tensors(data["feature"], "feature", batch_ndim=3)
         if any(c.ndim != 2 or c.shape[1] != self.embed_dim or not c.is_floating_point() for c in chunks):
             raise ValueError(f"precomputed image features have shapes {[tuple(c.shape) for c in chunks]}; the "
                              f"language model takes floating-point [num_tokens, {self.embed_dim}] per image")
         return chunks
 
-    def _split_embeddings(self, data: Mapping[str, Any]) -> list[ItemFeatures]:
+    def split_embeddings(self, data: Mapping[str, Any]) -> list[ItemFeatures]:
         chunks = self._embedding_chunks(data)
         n = self.geometry.tokens_per_tile
         if any(c.shape[0] != n for c in chunks):
@@ -193,15 +171,10 @@ class LlavaNextProcessor(LlavaProcessor):
             raise ValueError(f"{IMAGE_SIZES_KEY} {sizes.tolist()}: expected {count} positive (height, width) rows")
         return [(int(h), int(w)) for h, w in sizes.tolist()]
 
-    def _split_pixels(self, data: Mapping[str, Any], what: str) -> list[ItemFeatures]:
+    def split_fields(self, data: Mapping[str, Any], what: str, num_items: int | None) -> list[ItemFeatures]:
         if data.get("pixel_values") is None:
             raise ValueError(f"{what} image data needs 'pixel_values'")
-        value = data["pixel_values"]
-        if isinstance(value, (list, tuple)):
-            per_image = [_tensor(v, "pixel_values") for v in value]
-        else:
-            pixels = _tensor(value, "pixel_values")
-            per_image = list(pixels) if pixels.ndim == 5 else [pixels]
+        per_image = as_tensors(data["pixel_values"], "pixel_values", batch_ndim=5)
         crop = self._crop_shape()
         out = []
         for i, (tiles, size) in enumerate(zip(per_image, self._sizes(data, len(per_image), what))):
@@ -215,7 +188,7 @@ class LlavaNextProcessor(LlavaProcessor):
                                     model_specific_data={IMAGE_SIZES_KEY: torch.tensor([size], dtype=torch.long)}))
         return out
 
-    def _split_embeddings(self, data: Mapping[str, Any]) -> list[ItemFeatures]:
+    def split_embeddings(self, data: Mapping[str, Any]) -> list[ItemFeatures]:
         chunks = self._embedding_chunks(data)
         sizes = self._sizes(data, len(chunks), "precomputed_embedding")
         out = []

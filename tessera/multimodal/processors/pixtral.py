@@ -16,22 +16,18 @@ misses); the prompt's single [IMG] placeholders are expanded here, token for tok
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
 
 from tessera.multimodal.deferred import SHAPE_NEUTRAL_KWARGS, ImagePlan, is_pil_backend, size_field
 from tessera.messages.items import Modality
+from tessera.multimodal.processors.assemble import ItemFeatures
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
-from tessera.multimodal.processors.base import (
-    BaseMultimodalProcessor,
-    InputFormat,
-    ItemFeatures,
-    LoadedMultimodalData,
-)
+from tessera.multimodal.processors.base import BaseMultimodalProcessor
 from tessera.multimodal.processors.hf_compat import ImageProcessorCall
-from tessera.multimodal.special_tokens import MultimodalSpecialTokens
+from tessera.multimodal.processors.split import embedding_chunks
 
 __all__ = ["PixtralProcessor"]
 
@@ -41,7 +37,6 @@ SIZES_KEY = "image_sizes"
 class PixtralProcessor(ImageProcessorCall, BaseMultimodalProcessor):
     """LlavaForConditionalGeneration with a Pixtral vision config (images)."""
 
-    supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.IMAGE})
     processor_kwargs_class = "transformers.models.pixtral.processing_pixtral:PixtralProcessorKwargs"
     hashed_image_settings = ("size", "image_mean", "image_std", "resample")
 
@@ -58,10 +53,6 @@ class PixtralProcessor(ImageProcessorCall, BaseMultimodalProcessor):
         self.break_id = int(tokenizer.convert_tokens_to_ids(hf_processor.image_break_token))
         self.end_id = int(tokenizer.convert_tokens_to_ids(hf_processor.image_end_token))
         super().__init__(hf_processor, hf_config, *args, **kwargs)
-
-    def build_special_tokens(self) -> MultimodalSpecialTokens:
-        return MultimodalSpecialTokens(image_token=self.hf_processor.image_token,
-                                       image_token_id=getattr(self.hf_config, "image_token_id", None))
 
     # ------------------------------------------------------------ HF calls
 
@@ -111,7 +102,11 @@ class PixtralProcessor(ImageProcessorCall, BaseMultimodalProcessor):
                                  f"patch size {p}")
         return [(int(h), int(w)) for h, w in sizes]
 
-    def _split_pixels(self, data: Mapping[str, Any], what: str, num_items: int | None) -> list[ItemFeatures]:
+    def _num_tokens(self, height: int, width: int) -> int:
+        return (height // self.patch_size) * (width // self.patch_size)
+
+    def split_fields(self, data: Mapping[str, Any], what: str, num_items: int | None) -> list[ItemFeatures]:
+        """{'pixel_values': [N, C, H, W] (padded) or a list of [C, h, w], 'image_sizes'}."""
         sizes = self._sizes(data, what)
         if num_items is not None and len(sizes) != num_items:
             raise ValueError(f"{what} has {SIZES_KEY} for {len(sizes)} images, expected {num_items}")
@@ -129,7 +124,7 @@ class PixtralProcessor(ImageProcessorCall, BaseMultimodalProcessor):
                 raise ValueError(f"pixel_values image of shape {tuple(im.shape)} ({im.dtype}) does not hold a "
                                  f"{h}x{w} image of {self.num_channels} floating-point channels")
             # clone(): the crop would otherwise drag the whole padded batch along when the item is sent on.
-            out.append(ItemFeatures(Modality.IMAGE, (h // self.patch_size) * (w // self.patch_size),
+            out.append(ItemFeatures(Modality.IMAGE, self._num_tokens(h, w),
                                     feature=im[:, :h, :w].clone(),
                                     model_specific_data={SIZES_KEY: torch.tensor([[h, w]])}))
         return out
@@ -150,36 +145,14 @@ class PixtralProcessor(ImageProcessorCall, BaseMultimodalProcessor):
         stand_in = np.broadcast_to(np.uint8(0), (self.num_channels, height, width))
         h, w = get_resize_output_image_size(stand_in, size=(longest, longest), patch_size=(ph, pw),
                                             input_data_format="channels_first")
-        return ImagePlan((h // self.patch_size) * (w // self.patch_size), {SIZES_KEY: torch.tensor([[h, w]])},
+        return ImagePlan(self._num_tokens(h, w), {SIZES_KEY: torch.tensor([[h, w]])},
                          self.num_channels * h * w * 4)
 
-    def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
-        return self._split_pixels(hf_output, "the image processor's output", len(loaded.images))
-
-    def split_preprocessed(self, modality: Modality, data: Mapping[str, Any],
-                           input_format: InputFormat) -> list[ItemFeatures]:
-        """processor_output: {'pixel_values': [N, C, H, W] (padded) or a list of [C, h, w], 'image_sizes'};
-        precomputed_embedding: {'feature': [sum of tokens, hidden] or a list, one per image, 'image_sizes'}."""
-        what = input_format.value
-        if input_format is InputFormat.PROCESSOR_OUTPUT:
-            return self._split_pixels(data, what, None)
-        sizes = self._sizes(data, what)
-        tokens = [(h // self.patch_size) * (w // self.patch_size) for h, w in sizes]
-        if data.get("feature") is None:
-            raise ValueError("precomputed_embedding image data needs 'feature' (projected patch embeddings)")
-        feature = data["feature"]
-        if isinstance(feature, (list, tuple)):
-            chunks = [_tensor(f, "feature") for f in feature]
-        else:
-            emb = _tensor(feature, "feature")
-            if emb.ndim != 2 or emb.shape[0] != sum(tokens):
-                raise ValueError(f"precomputed image feature has shape {tuple(emb.shape)}; {SIZES_KEY} needs "
-                                 f"[{sum(tokens)}, hidden]")
-            chunks = [c.clone() for c in emb.split(tokens)]
-        if len(chunks) != len(tokens) or any(c.ndim != 2 or c.shape[0] != n or c.shape[1] != self.embed_dim
-                                             or not c.is_floating_point() for c, n in zip(chunks, tokens)):
-            raise ValueError(f"precomputed image features have shapes {[tuple(c.shape) for c in chunks]}; "
-                             f"{SIZES_KEY} needs {tokens} floating-point rows of {self.embed_dim} values")
+    def split_embeddings(self, data: Mapping[str, Any]) -> list[ItemFeatures]:
+        """{'feature': [sum of tokens, hidden] or a list, one per image, 'image_sizes'}."""
+        sizes = self._sizes(data, "precomputed_embedding")
+        tokens = [self._num_tokens(h, w) for h, w in sizes]
+        chunks = embedding_chunks(data, tokens, self.embed_dim, SIZES_KEY, "projected patch embeddings")
         return [ItemFeatures(Modality.IMAGE, n, precomputed_embedding=c,
                              model_specific_data={SIZES_KEY: torch.tensor([[h, w]])})
                 for c, n, (h, w) in zip(chunks, tokens, sizes)]

@@ -11,28 +11,23 @@ chunk-sized windows before it gets here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from tessera.multimodal.geometry import FEATURE_MASK_KEY, audio_output_len
 from tessera.messages.items import Modality
+from tessera.multimodal.processors.assemble import ItemFeatures
 from tessera.multimodal.processors.assemble import as_tensor as _tensor
-from tessera.multimodal.processors.base import (
-    BaseMultimodalProcessor,
-    InputFormat,
-    ItemFeatures,
-    LoadedMultimodalData,
-)
+from tessera.multimodal.processors.base import BaseMultimodalProcessor, LoadedMultimodalData
 from tessera.multimodal.processors.whisper_features import WhisperFeatures
+from tessera.multimodal.processors.split import SplitByInputFormat, as_tensors
 from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 __all__ = ["QwenAudioProcessor"]
 
-class QwenAudioProcessor(WhisperFeatures, BaseMultimodalProcessor):
+class QwenAudioProcessor(WhisperFeatures, SplitByInputFormat, BaseMultimodalProcessor):
     """Qwen2AudioForConditionalGeneration."""
-
-    supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.AUDIO})
 
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
         # What the encoder accepts, also checked on caller-supplied tensors here.
@@ -68,21 +63,7 @@ class QwenAudioProcessor(WhisperFeatures, BaseMultimodalProcessor):
 
     # ------------------------------------------------------------ splitting
 
-    def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
-        if not loaded.audios:
-            return []
-        items = self._split_features(hf_output, "HF processor output")
-        assert len(items) == len(loaded.audios), f"HF processor returned {len(items)} clips for {len(loaded.audios)}"
-        return items
-
-    def split_preprocessed(self, modality: Modality, data: Mapping[str, Any],
-                           input_format: InputFormat) -> list[ItemFeatures]:
-        assert modality is Modality.AUDIO
-        if input_format is InputFormat.PROCESSOR_OUTPUT:
-            return self._split_features(data, "processor_output")
-        return self._split_embeddings(data)
-
-    def _split_features(self, data: Mapping[str, Any], what: str) -> list[ItemFeatures]:
+    def split_fields(self, data: Mapping[str, Any], what: str, num_items: int | None) -> list[ItemFeatures]:
         for key in ("input_features", FEATURE_MASK_KEY):
             if data.get(key) is None:
                 raise ValueError(f"{what} audio data needs {key!r}")
@@ -111,13 +92,12 @@ class QwenAudioProcessor(WhisperFeatures, BaseMultimodalProcessor):
                                     model_specific_data={FEATURE_MASK_KEY: mask.view(1, -1).clone()}))
         return out
 
-    def _split_embeddings(self, data: Mapping[str, Any]) -> list[ItemFeatures]:
+    def split_embeddings(self, data: Mapping[str, Any]) -> list[ItemFeatures]:
         """`feature`: one [num_tokens, hidden] encoder output, or a list of them (one per clip)."""
         feature = data.get("feature")
         if feature is None:
             raise ValueError("precomputed_embedding audio data needs 'feature' (projected encoder output)")
-        chunks = [_tensor(f, "feature") for f in feature] if isinstance(feature, (list, tuple)) else [
-            _tensor(feature, "feature")]
+        chunks = as_tensors(feature, "feature")
         for i, c in enumerate(chunks):
             while c.ndim > 2 and c.shape[0] == 1:
                 c = c[0]

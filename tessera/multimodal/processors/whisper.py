@@ -10,7 +10,7 @@ checkpoints), as HF's short-form generate takes them; /v1/audio/transcriptions c
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from tessera.multimodal.hashing import hash_item
 from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
@@ -30,8 +30,6 @@ __all__ = ["WhisperAudioProcessor"]
 
 class WhisperAudioProcessor(WhisperFeatures, BaseMultimodalProcessor):
     """WhisperForConditionalGeneration."""
-
-    supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.AUDIO})
 
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
         self.check_extractor(hf_processor.feature_extractor, hf_config)  # Whisper's config is the encoder's too

@@ -8,7 +8,7 @@ content.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from tessera.messages.items import Modality
 
@@ -19,6 +19,7 @@ EXTRACTOR_FIELDS = ("feature_size", "sampling_rate", "hop_length", "chunk_length
 class WhisperFeatures:
     """Mixin for a BaseMultimodalProcessor whose hf_processor has a WhisperFeatureExtractor."""
 
+    supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.AUDIO})
     hf_processor: Any
     num_mel_bins: int
     num_frames: int
