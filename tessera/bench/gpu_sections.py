@@ -338,7 +338,6 @@ def decode_speed(path: Path, plan: Plan, bandwidth: float, budget: Budget) -> di
     big = max(map(int, out["tessera_step_ms"]), default=None)
     if big and budget.allows(f"HF batch {big}", plan.needs("HF largest batch")):
         out["hf_step_ms"][str(big)] = _step_ms(hf_run(prompts[:big]), min(plan.decode_tokens, 16), plan.device)
-    del hf
     return out
 
 
