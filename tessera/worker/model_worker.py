@@ -34,8 +34,7 @@ from tessera.worker.cuda_graph import (
 )
 from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.platform import cpu_kernels
-from tessera.platform.device import platform_of, rank_device, resolve_device
-from tessera.worker.input_stager import InputStager
+from tessera.platform.device import platform_of, rank_device, resolve_device, to_device_packed
 from tessera.worker.masks import span_mask
 
 logger = logging.getLogger("tessera.worker")
@@ -96,7 +95,6 @@ class ModelWorker:
         self.req_to_token = torch.zeros((args.max_running_requests + 2, self.context_length + 8),
                                         dtype=torch.int64, device=self.device)
         self.pad_row = args.max_running_requests + 1
-        self.stager = InputStager(self.device)
         self.encoder_cache = EncoderCache(args.mm_cache_size_mb * 1024 * 1024, args.keep_mm_feature_on_device)
         self.encoders = self.model.encoders()
         # Images the frontend sent as raw pixels are preprocessed here, by whichever rank encodes them.
@@ -327,9 +325,9 @@ class ModelWorker:
             self._state_slots.pop(rid, None)
         writes = self._slot_write_parts(fi)
         (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, extend_lens, logits_rows,
-         *staged_writes) = self.stager.to_device(
-            [fi.input_ids, fi.positions, fi.out_cache_loc, fi.req_pool_indices, fi.seq_lens, fi.extend_lens,
-             fi.logits_rows, *writes])
+         *staged_writes) = to_device_packed(
+            [_int64(p) for p in (fi.input_ids, fi.positions, fi.out_cache_loc, fi.req_pool_indices, fi.seq_lens,
+                                 fi.extend_lens, fi.logits_rows, *writes)], self.device)
         self._apply_slot_writes(fi, staged_writes)
         masks = self._custom_masks(fi)
         mm_rows, mm_embeds = self._mm_embeds(fi)
@@ -371,3 +369,8 @@ class ModelWorker:
             top = [list(zip(ids_l[i][:r.params.top_logprobs_num], vals_l[i][:r.params.top_logprobs_num]))
                    for i, r in enumerate(rows)]
         return StepOutput(next_ids, logprobs, top)
+
+
+def _int64(part: torch.Tensor | list[int]) -> torch.Tensor:
+    """A step input as an int64 host tensor (the messages carry tensors or lists of ints)."""
+    return part.to(torch.int64) if isinstance(part, torch.Tensor) else torch.tensor(part, dtype=torch.int64)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.messages.sampling import SamplingParams
-from tessera.platform.device import platform_of
+from tessera.platform.device import to_device_packed
 
 
 @dataclass
@@ -365,31 +365,6 @@ def filter_threshold(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
     num_kept = torch.where(info.top_ps >= 1.0, info.top_ks, num_kept).clamp(min=1)
     threshold = sorted_probs.gather(1, (num_kept - 1).unsqueeze(1))
     return torch.maximum(threshold, sorted_probs[:, :1] * info.min_ps.unsqueeze(1))
-
-
-def to_device_packed(parts: Sequence[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
-    """The host tensors `parts` on `device`, the same bits. To CUDA they travel in one non-blocking copy out
-    of one pinned buffer (one pageable copy each was a synchronous transfer each, ~8 per step); the device
-    tensors are views of its result."""
-    device = torch.device(device)
-    if not platform_of(device).pinned_staging:
-        return [p.to(device) for p in parts]
-    return pack_and_copy(parts, device, pin=True)
-
-
-def pack_and_copy(parts: Sequence[torch.Tensor], device: torch.device, pin: bool) -> list[torch.Tensor]:
-    """to_device_packed's copy: the parts' bytes laid end to end in one (pinned) host buffer, widest
-    elements first so every part starts at a multiple of its element size (a view of another dtype needs
-    that), copied once; each part is a view of the copy. A fresh buffer per call: torch's pinned-memory
-    cache hands a block out again only after the copies that read it have finished."""
-    order = sorted(range(len(parts)), key=lambda i: -parts[i].element_size())
-    host = torch.empty(sum(p.nbytes for p in parts), dtype=torch.uint8, pin_memory=pin)
-    starts, at = [0] * len(parts), 0
-    for i in order:
-        starts[i], at = at, at + parts[i].nbytes
-        host[starts[i]:at] = parts[i].contiguous().view(-1).view(torch.uint8)
-    flat = host.to(device, non_blocking=True)
-    return [flat[starts[i]:starts[i] + p.nbytes].view(p.dtype).view(p.shape) for i, p in enumerate(parts)]
 
 
 def mix_seed(seed: int, step: int) -> int:

@@ -16,7 +16,6 @@ from tessera.worker.sampler import (
     SamplingBatchInfo,
     apply_penalties,
     mix_seed,
-    pack_and_copy,
 )
 from tessera.messages.sampling import SamplingParams
 
@@ -321,19 +320,6 @@ def test_logit_bias_is_added_before_the_min_tokens_ban() -> None:
 def test_logit_bias_is_verified(bias, needle) -> None:
     with pytest.raises(ValueError, match=needle):
         SamplingParams(logit_bias=bias).normalize().verify(8)
-
-
-def test_packed_copy_gives_the_same_bits_as_views_of_one_buffer() -> None:
-    """The CUDA path's packing (here into an unpinned buffer, copied to the CPU): every part comes back with its
-    dtype, shape and bits, whatever the order of element sizes, as a view of one tensor."""
-    parts = [torch.tensor([True, False, True]), torch.tensor([[0.1, -2.5e-8, 3.0], [7.0, 1e30, -0.0]]),
-             torch.tensor([5, -(2**40), 2**62]), torch.tensor([], dtype=torch.float32),
-             torch.arange(6, dtype=torch.int32).view(3, 2).t()]  # a non-contiguous one
-    out = pack_and_copy(parts, torch.device("cpu"), pin=False)
-    for got, want in zip(out, parts):
-        assert got.dtype == want.dtype and got.shape == want.shape
-        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))  # bits
-    assert len({t.untyped_storage().data_ptr() for t in out}) == 1
 
 
 def test_sampling_knobs_match_the_params() -> None:

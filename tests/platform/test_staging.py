@@ -1,0 +1,38 @@
+"""to_device_packed: a step's inputs (and the sampler's per-row settings) keep their dtypes, shapes and bits on
+the device, moved in one copy through pinned memory where the platform stages that way."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.platform.device import pack_and_copy, platform_of, to_device_packed
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_parts_keep_shape_and_values(device) -> None:
+    assert platform_of(device).pinned_staging == (device == "cuda")
+    for step in range(3):
+        n = 10 if step < 2 else 6000
+        parts = [torch.arange(n) + step, torch.arange(3 * n).view(3, n), torch.tensor([step, 7, 9]),
+                 torch.zeros(0, dtype=torch.int64), torch.tensor([5], dtype=torch.int32)]
+        out = to_device_packed(parts, device)
+        assert [t.device.type for t in out] == [device] * 5
+        assert [t.dtype for t in out] == [p.dtype for p in parts]
+        assert [tuple(t.shape) for t in out] == [(n,), (3, n), (3,), (0,), (1,)]
+        assert all(torch.equal(t.cpu(), p) for t, p in zip(out, parts))
+
+
+def test_packed_copy_gives_the_same_bits_as_views_of_one_buffer() -> None:
+    """The pinned path's packing (here into an unpinned buffer, copied to the CPU): every part comes back with its
+    dtype, shape and bits, whatever the order of element sizes, as a view of one tensor."""
+    parts = [torch.tensor([True, False, True]), torch.tensor([[0.1, -2.5e-8, 3.0], [7.0, 1e30, -0.0]]),
+             torch.tensor([5, -(2**40), 2**62]), torch.tensor([], dtype=torch.float32),
+             torch.arange(6, dtype=torch.int32).view(3, 2).t()]  # a non-contiguous one
+    out = pack_and_copy(parts, torch.device("cpu"), pin=False)
+    for got, want in zip(out, parts):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))  # bits
+    assert len({t.untyped_storage().data_ptr() for t in out}) == 1
