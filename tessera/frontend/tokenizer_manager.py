@@ -402,7 +402,7 @@ class TokenizerManager:
                     if out.finished_reason.get("unavailable"):
                         raise EngineUnavailable(out.finished_reason["message"])
                     raise RequestFailed(out.finished_reason["message"])
-                delta = state.detok.add(out.new_token_ids, finished=finished)
+                delta = state.detok.add(out.new_token_ids, out.finished_reason)
                 if finished:
                     state.finished = True
                     result = self._result(state, out, delta)
