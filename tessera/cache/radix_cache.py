@@ -118,11 +118,14 @@ class RadixCache:
         `last_node` ends exactly at the match. Marks the matched path as recently used."""
         if self.disable:
             return MatchResult(self._empty_slots(), self.root)
-        key = list(key[: len(key) // self.page_size * self.page_size])
-        now = next(self._clock)
-        node = self.root
-        values: list[torch.Tensor] = []
-        pos = 0
+        path = self._walk(list(key[: len(key) // self.page_size * self.page_size]), next(self._clock))
+        slots = torch.cat([n.value for n in path]) if path else self._empty_slots()
+        return MatchResult(slots, path[-1] if path else self.root)
+
+    def _walk(self, key: list[int], now: int) -> list[TreeNode]:
+        """The nodes along the longest cached prefix of `key` (whole pages), each marked used at `now`. An
+        edge the prefix ends inside is split, so the last node ends exactly at the prefix."""
+        node, pos, path = self.root, 0, []
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -133,12 +136,11 @@ class RadixCache:
             if is_partial:
                 child = self._split(child, matched)
             assert child.value is not None
-            values.append(child.value)
+            path.append(child)
             node, pos = child, pos + matched
             if is_partial:
                 break
-        slots = torch.cat(values) if values else self._empty_slots()
-        return MatchResult(slots, node)
+        return path
 
     # ---- mutation ----------------------------------------------------------------------------------------
 
@@ -155,20 +157,9 @@ class RadixCache:
         aligned = len(key) // self.page_size * self.page_size
         key = list(key[:aligned])
         now = next(self._clock)
-        node = self.root
-        pos = 0
-        while pos < aligned:
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            child.last_access_time = now
-            matched = self._match_len(child.key, key, pos)
-            is_partial = matched < len(child.key)
-            if is_partial:
-                child = self._split(child, matched)
-            node, pos = child, pos + matched
-            if is_partial:
-                break
+        path = self._walk(key, now)
+        node = path[-1] if path else self.root
+        pos = sum(len(n.key) for n in path)
         if pos < aligned:
             # Clone: callers pass a view of req_to_token, whose row is reused by the next request.
             leaf = TreeNode(key=key[pos:], value=slots[pos:aligned].clone(), parent=node, last_access_time=now)

@@ -34,6 +34,7 @@ from tessera.entrypoints.playground import add_playground_routes
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import TokenizerManager
 from tessera.messages.sampling import SamplingParams
+from tessera.models.config import ModelConfig
 
 logger = logging.getLogger("tessera.server")
 WATCH_INTERVAL_S = 0.1
@@ -42,8 +43,9 @@ FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 
 
 class ServerState:
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: ServerArgs, config: ModelConfig | None = None):
         self.args = args
+        self.config = config  # the checkpoint's, when launch_server has read it (the frontend reads it once)
         self.tm: TokenizerManager | None = None
         self.serving: OpenAIServing | None = None
         self.transcriptions: TranscriptionServing | None = None
@@ -66,7 +68,7 @@ class ServerState:
         tm = None
         try:
             loop = asyncio.get_running_loop()
-            tm = await loop.run_in_executor(None, TokenizerManager, self.args)
+            tm = await loop.run_in_executor(None, TokenizerManager, self.args, self.config)
             await tm.start()
             tm.on_request_done = self._request_done
             self.tm, self.serving = tm, OpenAIServing(tm, self.args.model_name)
@@ -132,8 +134,8 @@ def log_startup_summary(args: ServerArgs, tm: TokenizerManager) -> None:
                 "off" if args.disable_radix_cache else "on")
 
 
-def create_app(args: ServerArgs) -> FastAPI:
-    state = ServerState(args)
+def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
+    state = ServerState(args, config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -311,11 +313,9 @@ def create_app(args: ServerArgs) -> FastAPI:
 
 
 def launch_server(args: ServerArgs) -> int:
-    from tessera.models.config import ModelConfig
-
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
-    ModelConfig.load(args.model_path)  # an unsupported architecture is a one-line error now, not a 503 later
-    return asyncio.run(_serve(args))
+    config = ModelConfig.load(args.model_path)  # an unsupported architecture is a one-line error now, not a 503 later
+    return asyncio.run(_serve(args, config))
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -336,10 +336,10 @@ def check_port_free(host: str, port: int) -> None:
                              f"--port") from None
 
 
-async def _serve(args: ServerArgs) -> int:
+async def _serve(args: ServerArgs, config: ModelConfig) -> int:
     """Loads the model, then opens the socket: "listening" is said only once requests can be served."""
     check_port_free(args.host, args.port)  # before minutes of loading, not after
-    app = create_app(args)
+    app = create_app(args, config)
     state: ServerState = app.state.tessera
     logger.info("loading %s (%s)", args.model_name, args.model_path)
     loop = asyncio.get_running_loop()

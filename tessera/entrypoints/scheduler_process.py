@@ -25,12 +25,12 @@ STARTUP_ERROR_LINGER_S = 60  # how long a scheduler that failed to start waits f
 def build_scheduler(args: ServerArgs, recv_endpoint: str, send_endpoint: str, dp_rank: int = 0):
     """The replica's ranks, worker and scheduler."""
     from tessera.distributed.tp_launch import TPGroupHandle
-    from tessera.models.config import ModelConfig, load_eos_token_ids
+    from tessera.models.config import ModelConfig, eos_token_ids
     from tessera.scheduler.scheduler import Scheduler
     from tessera.worker.model_worker import ModelWorker
 
     config = ModelConfig.load(args.model_path)
-    eos_ids = load_eos_token_ids(args.model_path, config.hf_config)
+    eos_ids = eos_token_ids(config)
     tp = TPGroupHandle(args) if args.tp_size > 1 else None
     worker = ModelWorker(args, eos_ids, config)
     return Scheduler(args, recv_endpoint, send_endpoint, worker, config, eos_ids, tp, dp_rank)

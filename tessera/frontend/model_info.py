@@ -21,12 +21,13 @@ class ModelInfo:
     vocab_size: int
 
     @classmethod
-    def load(cls, args: ServerArgs) -> ModelInfo:
-        """Reads the checkpoint's config once; an architecture outside the family table fails here, at
+    def load(cls, args: ServerArgs, config: ModelConfig | None = None) -> ModelInfo:
+        """The tokenizer and processor of the checkpoint whose config is `config` (read here when the
+        process has not read it yet); an architecture outside the family table fails at that read, at
         startup, with the supported ones listed (UnsupportedArchitectureError, a ValueError)."""
         from transformers import AutoProcessor, AutoTokenizer
 
-        config = ModelConfig.load(args.model_path)
+        config = config or ModelConfig.load(args.model_path)
         processor = None
         if config.family.processor is not None:
             processor = AutoProcessor.from_pretrained(args.tokenizer_path or args.model_path)

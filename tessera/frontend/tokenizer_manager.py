@@ -32,6 +32,7 @@ from tessera.frontend.scheduler_procs import launch_schedulers
 from tessera.version import __version__ as tessera_version
 from tessera import messages
 from tessera.messages.worker import WorkerInfo
+from tessera.models.config import ModelConfig
 from tessera.platform.launch import stop_processes
 
 logger = logging.getLogger("tessera")
@@ -83,7 +84,8 @@ class FrontendStats:
 
 
 class TokenizerManager:
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: ServerArgs, config: ModelConfig | None = None):
+        """config: the checkpoint's, when this process has read it already."""
         self.args = args
         self.executor: ThreadPoolExecutor | None = None
         self.preprocess_pool = None  # --mm-preprocess-workers: media preprocessing in worker processes
@@ -93,7 +95,7 @@ class TokenizerManager:
         # (tokenizer, processor) on another core; start() then waits for them.
         self._procs: list[subprocess.Popen] = launch_schedulers(args, self._endpoint)
         try:
-            self.info = ModelInfo.load(args)
+            self.info = ModelInfo.load(args, config)
             self.tokenizer = self.info.tokenizer
             self.mm_processor = self.info.make_mm_processor()
             self.executor = preprocess_executor(PREPROCESS_THREADS)
@@ -402,7 +404,7 @@ class TokenizerManager:
                     if out.finished_reason.get("unavailable"):
                         raise EngineUnavailable(out.finished_reason["message"])
                     raise RequestFailed(out.finished_reason["message"])
-                delta = state.detok.add(out.new_token_ids, finished=finished)
+                delta = state.detok.add(out.new_token_ids, out.finished_reason)
                 if finished:
                     state.finished = True
                     result = self._result(state, out, delta)

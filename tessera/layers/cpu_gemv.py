@@ -1,14 +1,10 @@
-"""Few-row float32 products on the CPU through cpu_gemv.c (built by cpu_kernels.py).
+"""Few-row float32 products on the CPU through cpu_gemv.c (built by platform/cpu_kernels.py).
 
-A batch-1 decode step of bench-medium spent ~21 of its ~27 ms in its 48 projections, reading 389 MB of
-weights at ~18 GB/s through oneDNN (MKL: ~13); this machine reads memory at ~28 GB/s. The C kernel streams
-each weight once on torch's own OpenMP threads. Per-call medians (2-vCPU AMD EPYC, 2 threads, bench-medium's
-12 layers x 4 projections, weights read from memory): 1 row 19.1 -> 13.3 ms (oneDNN -> this), 2 rows 36.3 ->
-18.1, 8 rows 37.4 -> 26.8, 16 rows 53.6 -> 49.1. Inside whole decode steps (one process alternating blocks of
-20 steps, 2 threads) it kept winning past the 8 rows first chosen from isolated calls: demo-vl batch 12 6.19 ->
-4.34 ms per step with the limit at 16, batch 32 12.50 -> 10.27 at 32, batch 48 16.60 -> 15.46 at 64, batch 64
-level; bench-medium batch 16 78.1 -> 70.8, batch 32 113.0 -> 109.2. On one thread it loses from 32 rows
-(demo-vl batch 32 17.4 -> 18.5 ms, batch 48 21.0 -> 22.6): hence max_rows().
+With few rows a product is bound by reading its weight, which oneDNN and MKL do well below the memory's
+bandwidth; the C kernel streams each weight once on torch's own OpenMP threads. The row limits are where it
+stopped winning inside whole decode steps (on one thread it loses from 32 rows: hence max_rows()). Figures:
+docs/benchmarks.md, "C kernels for few-row products and RMSNorm" and, for the limits, "Decode attention over
+the pool's pages, rotary and SwiGLU in C".
 """
 
 from __future__ import annotations

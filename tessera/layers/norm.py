@@ -18,9 +18,8 @@ class RMSNorm(nn.Module):
 
     Float32 inference on a CPU over [tokens, hidden] goes through our C kernel (cpu_rmsnorm.c) where it is
     built: torch's CPU path is about ten operators per call, and a decode step is bound by such overheads
-    (one process alternating both, blocks of 20 steps: demo-vl batch 1 4.52 -> 4.08 ms per step, batch 64
-    21.0 -> 19.5, bench-medium batch 1 27.7 -> 25.0). Its sum of squares runs in another order, so it matches
-    transformers to ~1e-6, not bit for bit; the residual sum is the same single add.
+    (figures: docs/benchmarks.md, "C kernels for few-row products and RMSNorm"). Its sum of squares runs in
+    another order, so it matches transformers to ~1e-6, not bit for bit; the residual sum is the same single add.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
@@ -31,7 +30,7 @@ class RMSNorm(nn.Module):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One call for the same float32 ops (bit-identical to the lines below, tested): a small model's decode
-            # step is bound by per-op overhead (demo-vl at batch 32, CPU: 86 -> 52 us per norm, the step ~2%).
+            # step is bound by per-op overhead (docs/benchmarks.md, "RMSNorm in float32 is one F.rms_norm call").
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -21,6 +21,7 @@ from torch import nn
 from tessera.models.config import KVLayout, ModelConfig
 from tessera.models.weights import WeightMapping
 from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
+from tessera.multimodal.mrope import generated_positions, segment_mrope_positions
 
 if TYPE_CHECKING:
     from tessera.cache.kv_pool import TokenToKVPool
@@ -58,21 +59,9 @@ def rope_positions(seg: StepSegment) -> torch.Tensor:
 
 
 def mrope_positions(seg: StepSegment) -> torch.Tensor:
-    """M-RoPE positions [3, end - start]: the prompt's from the processor, generated tokens continue them
-    at index + mrope_position_delta on all three rows."""
     mm = seg.mm_inputs
-    delta = mm.mrope_position_delta if mm is not None else 0
-    parts = []
-    if seg.start < seg.prompt_len:
-        stop = min(seg.end, seg.prompt_len)
-        if mm is not None and mm.mrope_positions is not None:
-            parts.append(mm.mrope_positions[:, seg.start:stop])
-        else:
-            parts.append(torch.arange(seg.start, stop, dtype=torch.long).expand(3, -1))
-    if seg.end > seg.prompt_len:
-        lo = max(seg.start, seg.prompt_len)
-        parts.append(torch.arange(lo + delta, seg.end + delta, dtype=torch.long).expand(3, -1))
-    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    return segment_mrope_positions(seg.start, seg.end, seg.prompt_len, mm.mrope_positions if mm is not None else None,
+                                   mm.mrope_position_delta if mm is not None else 0)
 
 
 # Learned absolute positions (Whisper) index their table with the token index, as 1-D RoPE does.
@@ -138,7 +127,7 @@ class TesseraModel(nn.Module):
         for seg in segments:
             if seg.start >= seg.prompt_len:
                 delta = seg.mm_inputs.mrope_position_delta if mrope and seg.mm_inputs is not None else 0
-                run.extend(range(seg.start + delta, seg.end + delta))
+                run.extend(generated_positions(seg.start, seg.end, delta))
             else:
                 flush()
                 pieces.append(position_fn(seg))

@@ -71,6 +71,8 @@ class ModelConfig(DecoderDims):
 
     @classmethod
     def load(cls, model_path: str | Path) -> ModelConfig:
+        """The checkpoint's config.json and generation_config.json, each read once: a process loads its
+        ModelConfig once and hands it to whatever else needs the checkpoint's settings."""
         from transformers import AutoConfig
 
         config = cls.from_hf(AutoConfig.from_pretrained(str(model_path)))
@@ -167,11 +169,12 @@ def _sliding_windows(text: Any) -> tuple[int | None, ...]:
     return (None,) * num_layers
 
 
-def load_eos_token_ids(model_path: str | Path, hf_config: Any) -> set[int]:
-    """EOS ids from generation_config.json and the text config (either may list several)."""
+def eos_token_ids(config: ModelConfig) -> set[int]:
+    """EOS ids from generation_config.json and the text config (either may list several), as ModelConfig.load
+    read them: no file is read again."""
     ids: set[int] = set()
-    gen = Path(model_path) / "generation_config.json"
-    candidates = [json.loads(gen.read_text()).get("eos_token_id")] if gen.exists() else []
+    hf_config = config.hf_config
+    candidates = [config.generation_config.get("eos_token_id")]
     text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     candidates.append(getattr(text, "eos_token_id", None))
     for c in candidates:

@@ -36,10 +36,9 @@ from tessera.multimodal.processors.assemble import ItemFeatures
 __all__ = ["ImagePlan", "defer_image", "to_chw_uint8", "is_pil_backend",
            "SHAPE_NEUTRAL_KWARGS", "size_field", "DEFER_MIN_FEATURE_BYTES"]
 
-# The server's floor for deferring (see the module docstring). Measured on demo-vl, offline workload a (64
-# images resized to ~224x224, 2 cores): deferring them all added 0.17 s of CPU time to the scheduler process
-# (2.58 -> 2.75 s) and saved the frontend 0.25 s that it spends in parallel. Issue 17's payload case (four
-# 1536x1024 images at max_pixels 1572864: ~35 MiB of features each) is far above it.
+# The server's floor for deferring on a CPU (see the module docstring): below it, the scheduler process's
+# extra work costs more than the socket copy it saves, while the large images deferral exists for (~35 MiB of
+# features each) are far above it. Figures: docs/benchmarks.md, "Small images stay eager: the deferral floor".
 DEFER_MIN_FEATURE_BYTES = 2 << 20
 
 # Image-processor kwargs that change pixel values but never the processed shape: a plan may ignore them.

@@ -1,4 +1,4 @@
-"""Qwen2-VL multimodal rotary positions (M-RoPE) for one prompt.
+"""Qwen2-VL multimodal rotary positions (M-RoPE): a prompt's, and any step's tokens of a request.
 
 Contract (identical to transformers 5.x `Qwen2VLModel.get_rope_index` for one unpadded
 sequence whose vision items are separated by text, as chat templates always do):
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["VisionSpan", "compute_mrope_positions"]
+__all__ = ["VisionSpan", "compute_mrope_positions", "generated_positions", "segment_mrope_positions"]
 
 
 @dataclass(frozen=True)
@@ -69,3 +69,27 @@ def compute_mrope_positions(seq_len: int, spans: Sequence[VisionSpan],
     positions = torch.cat(pieces, dim=1).to(torch.long)
     delta = int(positions.max()) + 1 - seq_len
     return positions, delta
+
+
+def generated_positions(start: int, end: int, delta: int) -> range:
+    """Positions (the same on all three axes) of generated tokens with sequence indices start..end-1:
+    the prompt's positions continued at index + delta."""
+    return range(start + delta, end + delta)
+
+
+def segment_mrope_positions(start: int, end: int, prompt_len: int, prompt_positions: torch.Tensor | None,
+                            delta: int) -> torch.Tensor:
+    """Positions [3, end - start] (int64) of sequence tokens [start, end) of a request whose prompt has
+    prompt_len tokens: the prompt's from `prompt_positions` ([3, prompt_len]; None: a text prompt, its
+    index on all three axes), generated tokens at generated_positions."""
+    parts = []
+    if start < prompt_len:
+        stop = min(end, prompt_len)
+        if prompt_positions is not None:
+            parts.append(prompt_positions[:, start:stop])
+        else:
+            parts.append(torch.arange(start, stop, dtype=torch.long).expand(3, -1))
+    if end > prompt_len:
+        gen = generated_positions(max(start, prompt_len), end, delta)
+        parts.append(torch.arange(gen.start, gen.stop, dtype=torch.long).expand(3, -1))
+    return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]

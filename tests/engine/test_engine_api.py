@@ -81,6 +81,23 @@ def test_stop_token_and_string(engine):
         assert s["meta_info"]["finish_reason"]["type"] == "stop"
 
 
+def test_streamed_stop_string_is_cut_and_never_sent(engine):
+    """The scheduler matches the stop string; the stream holds back its beginning and ends before it."""
+    sp = {"temperature": 0, "max_new_tokens": 12, "ignore_eos": True}
+    base = engine.generate("Hello there", sp)
+    text, ids = base["text"], base["output_ids"]
+    # A stop string across a token boundary: its first character is streamable before the second arrives.
+    ends = [len(engine.tokenizer.decode(ids[: j + 1])) for j in range(len(ids) // 3, len(ids) - 1)]
+    k = next(e - 1 for e in ends if 0 < e < len(text) and not any(c.isspace() for c in text[e - 1 : e + 1])
+             and text.find(text[e - 1 : e + 1]) == e - 1)
+    stop = text[k : k + 2]
+    chunks = list(engine.generate("Hello there", {**sp, "stop": [stop]}, stream=True))
+    assert "".join(c["delta"] for c in chunks) == chunks[-1]["text"] == text[:k]
+    assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    kept = engine.generate("Hello there", {**sp, "stop": [stop], "no_stop_trim": True})
+    assert kept["text"] == text[: k + 2]
+
+
 def test_logprobs(engine):
     out = engine.generate("Hello", {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True,
                                     "top_logprobs_num": 3}, return_logprob=True)

@@ -28,12 +28,20 @@ def tok() -> ByteTokenizer:
 
 
 def _stream(tok, text: str, stop=None, step: int = 1) -> tuple[list[str], IncrementalDetokenizer]:
+    """Streams `text` as the scheduler would: the output ends at the chunk where a stop string is
+    complete (reported as matched), else at the end of the text."""
     ids = tok.encode(text)
     d = IncrementalDetokenizer(tok, stop=stop)
     deltas = []
     for i in range(0, len(ids), step):
         chunk = ids[i : i + step]
-        deltas.append(d.add(chunk, finished=i + step >= len(ids)))
+        seen = tok.decode(ids[: i + step])
+        matched = next((s for s in stop or [] if s in seen), None)
+        last = matched is not None or i + step >= len(ids)
+        reason = ({"type": "stop", "matched": matched} if matched is not None else {"type": "length"}) if last else None
+        deltas.append(d.add(chunk, reason))
+        if last:
+            break
     return deltas, d
 
 
@@ -46,9 +54,10 @@ def test_stream_never_splits_characters(tok, text: str) -> None:
     assert d.output_text == text
 
 
-def test_stop_string_is_cut_and_held_back(tok) -> None:
-    deltas, d = _stream(tok, "the answer is red. STOP and more", stop=["STOP"])
-    assert "".join(deltas) == "the answer is red. "
+@pytest.mark.parametrize("step", [1, 3])
+def test_stop_string_is_cut_and_held_back(tok, step: int) -> None:
+    deltas, d = _stream(tok, "the answer is red. STOP and more", stop=["STOP"], step=step)
+    assert "".join(deltas) == d.output_text == "the answer is red. "
     assert d.stopped
     # Nothing that later turned out to be part of the stop string was ever released.
     assert all("S" not in x for x in deltas)
@@ -62,5 +71,21 @@ def test_partial_stop_released_when_not_matched(tok) -> None:
 def test_keep_stop_leaves_the_matched_stop_string(tok) -> None:
     ids = tok.encode("the answer is red. STOP and more")
     d = IncrementalDetokenizer(tok, stop=["STOP", "red"], keep_stop=True)
-    text = "".join(d.add([i]) for i in ids)
-    assert text == d.output_text == "the answer is red" and d.stopped  # the earliest match ends it
+    end = len(tok.encode("the answer is red"))
+    text = "".join(d.add([i]) for i in ids[: end - 1]) + d.add(ids[end - 1 : end + 3], {"type": "stop", "matched": "red"})
+    assert text == d.output_text == "the answer is red" and d.stopped
+
+
+def test_the_detokenizer_does_not_match_stop_strings_itself(tok) -> None:
+    """The scheduler matches stop strings (it has to stop generating): a stop string in text the
+    scheduler did not report (here: a length finish) is not cut, and one that is reported is cut
+    even when this decoding shows it only at the end."""
+    ids = tok.encode("a STOP b")
+    d = IncrementalDetokenizer(tok, stop=["STOP"])
+    released = "".join(d.add([i]) for i in ids[:-1]) + d.add(ids[-1:], {"type": "length"})
+    assert released == d.output_text == "a STOP b" and not d.stopped
+    d = IncrementalDetokenizer(tok, stop=["STOP"])
+    assert d.add(ids, {"type": "stop", "matched": "STOP"}) == "a " and d.stopped
+    # A stop token id (not a string) cuts nothing.
+    d = IncrementalDetokenizer(tok, stop=["STOP"])
+    assert d.add(ids, {"type": "stop", "matched": 7}) == "a STOP b"

@@ -130,3 +130,17 @@ def test_qwen25_time_scaled_positions_match_hf(skeleton, qwen25):
     steps = out.mm_inputs.mrope_positions[0, s:e].unique().diff()
     assert steps.numel() > 0 and bool((steps > 1).all())  # frames spaced by real time, not by one
     proc.close()
+
+
+def test_a_segment_across_the_prompt_end_continues_at_index_plus_delta() -> None:
+    from tests.models.mrope_reference import text_mrope_positions
+
+    from tessera.multimodal.mrope import segment_mrope_positions
+
+    prompt, delta = compute_mrope_positions(6, [VisionSpan(1, (1, 4, 4))], spatial_merge_size=2)
+    assert delta == -2
+    seg = segment_mrope_positions(3, 9, 6, prompt, delta)
+    assert torch.equal(seg, torch.cat([prompt[:, 3:], text_mrope_positions(6, 3, delta)], dim=1))
+    assert torch.equal(segment_mrope_positions(7, 8, 6, prompt, delta), text_mrope_positions(7, 1, delta))
+    # A text prompt (no positions from the processor): its index on all three axes.
+    assert segment_mrope_positions(1, 4, 3, None, 0).tolist() == [[1, 2, 3]] * 3

@@ -195,13 +195,13 @@ def run_padded_against_eager(attention_backend: str, with_image: bool = True) ->
     """Drives two workers through the same scheduler steps: one eager, one whose decode steps run the padded
     forward a graph captures. Asserts equal logits every step; returns the padded steps' batch sizes."""
     from tessera.frontend.model_info import ModelInfo
-    from tessera.models.config import load_eos_token_ids
+    from tessera.models.config import eos_token_ids
     from tessera.worker.model_worker import ModelWorker
 
     args = ServerArgs.for_engine("demo-vl", max_total_tokens=2048, max_running_requests=4, device="cpu",
                                  attention_backend=attention_backend)
     info = ModelInfo.load(args)
-    eos = load_eos_token_ids(args.model_path, info.hf_config)
+    eos = eos_token_ids(info.config)
     eager, padded = ModelWorker(args, eos, info.config), ModelWorker(args, eos, info.config)
     padded.use_decode_mirror = False  # as on CUDA, where graphs run
     padded.graph_runner = padded.decode_graph_runner(max_bs=4)  # buckets 1, 2, 4: a batch of 3 gets a pad row
@@ -253,13 +253,13 @@ def test_padded_decode_with_triton_kernels() -> None:
 def test_replayed_graphs_equal_eager_on_cuda() -> None:
     """Never run on a GPU so far (none at hand when it was written)."""
     from tessera.frontend.model_info import ModelInfo
-    from tessera.models.config import load_eos_token_ids
+    from tessera.models.config import eos_token_ids
     from tessera.worker.model_worker import ModelWorker
 
     args = ServerArgs.for_engine("demo-vl", max_total_tokens=2048, max_running_requests=4, device="cuda",
                                  attention_backend="triton", dtype="float32")
     info = ModelInfo.load(args)
-    eos = load_eos_token_ids(args.model_path, info.hf_config)
+    eos = eos_token_ids(info.config)
     graphs = ModelWorker(args, eos, info.config)
     eager = ModelWorker(args.replace(disable_cuda_graph=True), eos, info.config)
     assert graphs.graph_runner is not None and graphs.graph_runner.captured and eager.graph_runner is None

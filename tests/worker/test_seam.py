@@ -138,7 +138,7 @@ def test_a_worker_fed_decoded_messages_matches_one_fed_the_originals() -> None:
     wire codec (as a tensor-parallel rank would). Same tokens, and the image is encoded once per worker."""
     from tessera.config import ASSETS_DIR
     from tessera.frontend.model_info import ModelInfo
-    from tessera.models.config import load_eos_token_ids
+    from tessera.models.config import eos_token_ids
     from tessera.worker.model_worker import ModelWorker
 
     args = ServerArgs.for_engine("demo-vl", max_total_tokens=2048, max_running_requests=4)
@@ -150,7 +150,7 @@ def test_a_worker_fed_decoded_messages_matches_one_fed_the_originals() -> None:
         out = processor.process(prompt=prompt, image_data=[str(ASSETS_DIR / "examples" / "scene.png")])
     finally:
         processor.close()
-    eos = load_eos_token_ids(args.model_path, info.hf_config)
+    eos = eos_token_ids(info.config)
     local, remote = ModelWorker(args, eos, info.config), ModelWorker(args, eos, info.config)
     policy = _policy(pool_tokens=2048, page_size=1, chunk=32, max_running=4)  # the image spans several chunks
     reqs = [Req(f"q{i}", list(out.input_ids), SamplingParams(max_new_tokens=6, temperature=0), out.mm_inputs)

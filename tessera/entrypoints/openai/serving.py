@@ -10,6 +10,7 @@ endpoints themselves live beside this file (chat.py, completions.py, transcripti
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -58,7 +59,7 @@ class OpenAIServing:
         for i in range(sp.n):
             # A seed that is not an int is left for SamplingParams' check to refuse (a 400 naming it), not added to.
             seed = sp.seed + i if isinstance(sp.seed, int) and not isinstance(sp.seed, bool) else sp.seed
-            params = SamplingParams(**{**sp.__dict__, "n": 1, "seed": seed})
+            params = dataclasses.replace(sp, n=1, seed=seed)  # fields only: not the verification memo
             reqs.append(GenerateRequest(sampling_params=params, **base))
         return reqs
 
