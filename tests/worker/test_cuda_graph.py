@@ -121,13 +121,13 @@ def test_a_failed_capture_is_an_error_with_its_reason_and_keeps_no_graphs(monkey
 
 def test_the_worker_reports_why_it_has_no_graphs(monkeypatch, caplog) -> None:
     from tessera.frontend.model_info import ModelInfo
-    from tessera.models.config import load_eos_token_ids
+    from tessera.models.config import eos_token_ids
     from tessera.worker.model_worker import ModelWorker
 
     args = ServerArgs.for_engine("demo-vl", max_total_tokens=512, max_running_requests=4, device="cpu",
                                  attention_backend="triton")
     info = ModelInfo.load(args)
-    worker = ModelWorker(args, load_eos_token_ids(args.model_path, info.hf_config), info.config)
+    worker = ModelWorker(args, eos_token_ids(info.config), info.config)
     assert worker.graph_runner is None and worker.info.cuda_graph_status == "off: device cpu"
     assert worker.info.cuda_graph_batch_sizes == ()
     # As on a GPU whose capture fails: the worker decodes eagerly and says why.
