@@ -61,7 +61,8 @@ class Engine:
     # ---- request building ---------------------------------------------------------------------
     @staticmethod
     def _build_requests(prompt, sampling_params, input_ids, image_data, video_data, audio_data,
-                        return_logprob, stream, video_kwargs=None) -> tuple[list[GenerateRequest], bool]:
+                        return_logprob, stream, video_kwargs=None,
+                        logprob_start_len: int = -1) -> tuple[list[GenerateRequest], bool]:
         is_batch = isinstance(prompt, list) or (
             isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
         if not is_batch:
@@ -85,7 +86,8 @@ class Engine:
             params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp or {})
             params.normalize()
             base = dict(text=text, input_ids=ids, image_data=img, video_data=vid, audio_data=aud,
-                        return_logprob=return_logprob, stream=stream, video_kwargs=video_kwargs)
+                        return_logprob=return_logprob, stream=stream, video_kwargs=video_kwargs,
+                        logprob_start_len=logprob_start_len)
             if params.n == 1:
                 reqs.append(GenerateRequest(sampling_params=params, **base))
             else:  # n samples: independent requests sharing the prompt (and so its KV)
@@ -123,14 +125,17 @@ class Engine:
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list | None = None,
                  input_ids: list[int] | list[list[int]] | None = None, image_data: Any = None,
                  video_data: Any = None, audio_data: Any = None, return_logprob: bool = False,
-                 stream: bool = False, video_kwargs: dict | None = None) -> dict | list[dict] | Iterator[dict]:
+                 stream: bool = False, video_kwargs: dict | None = None,
+                 logprob_start_len: int = -1) -> dict | list[dict] | Iterator[dict]:
         """Generates for one prompt (returns a dict) or a batch (returns a list of dicts).
 
         With stream=True (single prompt only) returns an iterator of cumulative output dicts.
         video_kwargs: how videos are sampled, e.g. {"num_frames": 8} (as the server's media_io_kwargs.video).
+        logprob_start_len: SGLang's; >= 0 also returns meta_info["input_token_logprobs"] (and
+        "input_top_logprobs" with top_logprobs_num) for the prompt tokens from that position on.
         """
         reqs, is_batch = self._build_requests(prompt, sampling_params, input_ids, image_data, video_data,
-                                              audio_data, return_logprob, stream, video_kwargs)
+                                              audio_data, return_logprob, stream, video_kwargs, logprob_start_len)
         if stream:
             if len(reqs) != 1:
                 raise ValueError("stream: streaming takes a single prompt with n=1")
@@ -163,9 +168,10 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None,
                              video_data=None, audio_data=None, return_logprob: bool = False,
-                             stream: bool = False) -> dict | list[dict] | AsyncIterator[dict]:
+                             stream: bool = False, logprob_start_len: int = -1
+                             ) -> dict | list[dict] | AsyncIterator[dict]:
         reqs, is_batch = self._build_requests(prompt, sampling_params, input_ids, image_data, video_data,
-                                              audio_data, return_logprob, stream)
+                                              audio_data, return_logprob, stream, None, logprob_start_len)
         if stream:
             if len(reqs) != 1:
                 raise ValueError("stream: streaming takes a single prompt with n=1")

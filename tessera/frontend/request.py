@@ -19,6 +19,8 @@ class GenerateRequest:
     audio_data: list[Any] | None = None
     stream: bool = False
     return_logprob: bool = False
+    # SGLang's: >= 0 also returns the prompt tokens' logprobs from this position on (-1: none).
+    logprob_start_len: int = -1
     # OpenAI semantics when max_tokens is omitted: as many as the context leaves room for.
     auto_max_new_tokens: bool = False
     # vLLM's cache_salt: only requests with the same salt share prefix-cache entries.
@@ -35,6 +37,9 @@ class GenerateRequest:
         if self.input_ids is not None:
             if not isinstance(self.input_ids, list) or not all(isinstance(i, int) for i in self.input_ids):
                 raise ValueError("input_ids: expected a list of integers")
+        if isinstance(self.logprob_start_len, bool) or not isinstance(self.logprob_start_len, int) or \
+                self.logprob_start_len < -1:
+            raise ValueError(f"logprob_start_len: must be an integer >= -1, got {self.logprob_start_len!r}")
         for name in ("image_data", "video_data", "audio_data"):
             val = getattr(self, name)
             if val is not None and not isinstance(val, list):

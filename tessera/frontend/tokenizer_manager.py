@@ -26,6 +26,7 @@ from tessera.config import ServerArgs
 from tessera.frontend.detokenizer import IncrementalDetokenizer
 from tessera.frontend.dispatcher import Dispatcher
 from tessera.frontend.model_info import ModelInfo
+from tessera.frontend.prompt_checks import check_lengths
 from tessera.frontend.preprocess_threads import preprocess_executor
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.scheduler_procs import launch_schedulers
@@ -63,6 +64,7 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
+    input_logprobs: dict = field(default_factory=dict)  # meta_info's input_token_logprobs / input_top_logprobs
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -326,29 +328,9 @@ class TokenizerManager:
             bad = [i for i in input_ids if not 0 <= i < self.info.vocab_size]
             if bad:
                 raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
-        if not input_ids:
-            raise ValueError("prompt: empty prompt (no tokens)")
-        config = self.info.config
-        if config.family.encoder_decoder and (mm_inputs is None or len(mm_inputs.items) != 1):
-            raise ValueError(f"audio_data: {config.architecture} decodes one audio clip per request; give exactly "
-                             "one")
-        if req.auto_max_new_tokens:
-            sp.max_new_tokens = max(0, min(self.context_length, self.max_total_tokens) - len(input_ids))
-        if len(input_ids) >= self.context_length:
-            raise ValueError(f"prompt: {len(input_ids)} tokens does not fit the context length {self.context_length}")
-        if len(input_ids) + sp.max_new_tokens > self.context_length:  # OpenAI and vLLM refuse; never cap silently
-            raise ValueError(
-                f"max_new_tokens: the context length is {self.context_length} tokens; the prompt has "
-                f"{len(input_ids)} and {sp.max_new_tokens} more were asked for (at most "
-                f"{self.context_length - len(input_ids)} fit)")
-        cross = config.cross_attention_len  # an encoder-decoder request's cross-attention K/V share the pool
-        if len(input_ids) + sp.max_new_tokens + cross > self.max_total_tokens:
-            held = f" + cross-attention K/V ({cross})" if cross else ""
-            raise ValueError(
-                f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({sp.max_new_tokens}){held} exceeds "
-                f"the KV pool ({self.max_total_tokens} tokens)")
+        check_lengths(req, input_ids, mm_inputs, self.info.config, self.context_length, self.max_total_tokens)
         return messages.TokenizedGenerateReq(req.rid, input_ids, sp, mm_inputs, req.stream, req.return_logprob,
-                                       cache_salt=req.cache_salt)
+                                             req.logprob_start_len, cache_salt=req.cache_salt)
 
     async def tokenize(self, req: GenerateRequest) -> messages.TokenizedGenerateReq:
         """Validates and preprocesses req (media loaded, prompt tokenized) without sending it anywhere.
@@ -398,6 +380,9 @@ class TokenizerManager:
                     state.logprobs.extend(out.new_logprobs)
                 if out.new_top_logprobs:  # SGLang's order in outputs: (logprob, token id), as output_token_logprobs
                     state.top_logprobs.extend([[(lp, tid) for tid, lp in top] for top in out.new_top_logprobs])
+                if out.input_token_logprobs is not None:
+                    state.input_logprobs = {"input_token_logprobs": out.input_token_logprobs,
+                                            "input_top_logprobs": out.input_top_logprobs}
                 finished = out.finished_reason is not None
                 if finished and out.finished_reason["type"] == "error":
                     state.finished = True
@@ -440,6 +425,7 @@ class TokenizerManager:
             meta["output_token_logprobs"] = list(zip(state.logprobs, state.output_ids))
             if state.top_logprobs:
                 meta["output_top_logprobs"] = state.top_logprobs
+        meta.update(state.input_logprobs)
         return {"text": state.detok.output_text, "delta": delta, "output_ids": list(state.output_ids),
                 "meta_info": meta}
 

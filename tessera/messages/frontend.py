@@ -19,6 +19,8 @@ class TokenizedGenerateReq:
     mm_inputs: MultimodalInputs | None = None
     stream: bool = False
     return_logprob: bool = False
+    # SGLang's logprob_start_len: >= 0 asks the prompt tokens' logprobs from that position on; -1: none.
+    logprob_start_len: int = -1
     # Requests with different salts never share prefix-cache entries (vLLM's cache_salt).
     cache_salt: str | None = None
 
@@ -94,6 +96,10 @@ class ReqOutput:
     completion_tokens: int = 0
     new_logprobs: list[float] | None = None
     new_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # Prompt logprobs, once (with the first output after the prompt's prefill), in SGLang's order: per prompt
+    # token from logprob_start_len, (logprob or None for the first token, token id); alternatives (logprob, id).
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
 
 
 @dataclass

@@ -82,6 +82,18 @@ class SamplingRow:
 
 
 @dataclass
+class PromptLogprobRows:
+    """Prompt log-probabilities asked of this step for request `req`: flat rows [row, row + len(targets))
+    predict `targets`, its prompt tokens first_token, first_token + 1, ...; `top` alternatives per row."""
+
+    req: int
+    row: int
+    first_token: int
+    targets: list[int]
+    top: int = 0
+
+
+@dataclass
 class ForwardInput:
     rids: list[str]  # per request
     input_ids: torch.Tensor  # [T] int64, requests' new tokens flattened in order
@@ -108,6 +120,8 @@ class ForwardInput:
     vocab_mask: torch.Tensor | None = None  # [len(sampling), ceil(V / 32)] int32, host
     # JSON rows' closing tokens (sampler.close_on_stop_intent), -1 padded; None when no row has any.
     stop_closers: torch.Tensor | None = None  # [len(sampling), K] int64, host
+    # Rows whose logits give prompt log-probabilities (only requests that ask; see worker/prompt_logprobs.py).
+    prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -116,11 +130,13 @@ class ForwardInput:
 
 @dataclass
 class StepOutput:
-    """One entry per SamplingRow, in order."""
+    """One entry per SamplingRow, in order; the prompt_* lists have one entry per PromptLogprobRows."""
 
     next_token_ids: list[int]
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[list[float]] = field(default_factory=list)  # per entry: one logprob per target
+    prompt_top_logprobs: list[list[list[tuple[int, float]]]] = field(default_factory=list)  # per entry, per row
 
 
 @dataclass(frozen=True)

@@ -82,8 +82,12 @@ class KVManager:
             self.state_tokens += int(state.numel())
         req.req_pool_idx = row
         key = req.cache_key()
-        # Leave at least one token to compute: its logits produce the next token.
-        match = self.tree.match_prefix(key[: req.seq_len - 1])
+        # Leave at least one token to compute: its logits produce the next token. A request that asks for
+        # prompt logprobs matches no further than their first row (SGLang's logprob_start_len handling).
+        limit = req.seq_len - 1
+        if req.wants_input_logprobs and not req.input_logprobs_done:
+            limit = min(limit, req.input_logprob_rows()[0])
+        match = self.tree.match_prefix(key[:limit])
         n = int(match.slots.numel())
         cut = next((lo for lo, hi in req.atomic_spans if lo < n < hi), None)
         if cut is not None:  # a cached prefix may not end inside a span that must be computed whole

@@ -29,6 +29,8 @@ class Req:
     stream: bool = False
     return_logprob: bool = False
     cache_salt: str | None = None
+    # SGLang's logprob_start_len: >= 0 asks the prompt logprobs of tokens from there on (-1: none).
+    logprob_start_len: int = -1
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_ids: list[int] = field(default_factory=list)
@@ -45,6 +47,12 @@ class Req:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     stop_token_ids: set[int] = field(default_factory=set)
+    # Prompt logprobs by token, from logprob_start_len (the first prompt token's stays None: nothing predicts
+    # it); written by position, so a chunk computed again after a retraction overwrites the same values.
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    input_logprobs_done: bool = False  # every asked prompt row was computed
+    input_logprobs_sent: bool = False
     _padded_prompt: list[int] | None = None
     # Token ranges that must be computed in one step (media attended bidirectionally); [] for most families.
     atomic_spans: list[tuple[int, int]] = field(default_factory=list)
@@ -67,6 +75,15 @@ class Req:
             return prompt[start:end]
         out = self.output_ids[max(start - len(prompt), 0):end - len(prompt)]
         return prompt[start:] + out if start < len(prompt) else out
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return 0 <= self.logprob_start_len < len(self.origin_input_ids)
+
+    def input_logprob_rows(self) -> tuple[int, int]:
+        """Prompt positions [lo, hi) whose logits give the asked prompt logprobs (row p predicts token p + 1);
+        a cached prefix must end by lo, since a cached row has no logits."""
+        return max(self.logprob_start_len, 1) - 1, len(self.origin_input_ids) - 1
 
     @property
     def seq_len(self) -> int:

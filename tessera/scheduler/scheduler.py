@@ -129,7 +129,10 @@ class Scheduler:
         if isinstance(msg, messages.TokenizedGenerateReq):
             sp = msg.sampling_params
             req = Req(msg.rid, msg.input_ids, sp, msg.mm_inputs, msg.stream, msg.return_logprob,
-                      cache_salt=msg.cache_salt)
+                      cache_salt=msg.cache_salt, logprob_start_len=msg.logprob_start_len)
+            if req.wants_input_logprobs:
+                n = len(req.origin_input_ids) - req.logprob_start_len
+                req.input_logprobs, req.input_top_logprobs = [None] * n, [None] * n
             for item in msg.mm_inputs.items if msg.mm_inputs is not None else ():
                 self.mm_transport_bytes[item.modality.value] += item.transport_bytes
                 self.mm_items["deferred" if item.deferred is not None else "eager"] += 1
@@ -138,7 +141,7 @@ class Scheduler:
             req.stop_token_ids = set(sp.stop_token_ids or [])
             if not sp.ignore_eos:
                 req.stop_token_ids |= self.eos_ids
-            if sp.max_new_tokens == 0:
+            if sp.max_new_tokens == 0 and not req.wants_input_logprobs:  # with them: a prefill, no token
                 self._emit([self._output(req, finished={"type": "length", "length": 0})])
                 return
             self.reqs[req.rid] = req
@@ -213,6 +216,13 @@ class Scheduler:
         if req.return_logprob:
             out.new_logprobs = req.logprobs[req.num_sent :]
             out.new_top_logprobs = req.top_logprobs[req.num_sent :] or None
+        if req.input_logprobs_done and not req.input_logprobs_sent:
+            req.input_logprobs_sent = True
+            ids = req.origin_input_ids[req.logprob_start_len:]
+            out.input_token_logprobs = list(zip(req.input_logprobs, ids))
+            if req.sampling_params.top_logprobs_num:
+                out.input_top_logprobs = [None if top is None else [(lp, tid) for tid, lp in top]
+                                          for top in req.input_top_logprobs]
         req.num_sent = len(req.output_ids)
         return out
 
@@ -264,10 +274,17 @@ class Scheduler:
                 self.num_prefill_tokens_computed += s.end - s.start
                 if not self.tree.disable:
                     self.policy.kv.cache_prefill(s.req)
+        self._take_prompt_logprobs(batch, fi, result)
         outputs = []
         sampled = [s.req for s in batch.reqs if s.samples]
         self.num_output_tokens += len(sampled)
         for i, (req, token) in enumerate(zip(sampled, result.next_token_ids)):
+            if req.sampling_params.max_new_tokens == 0:  # ran for its prompt logprobs only
+                req.finished_reason = {"type": "length", "length": 0}
+                self.policy.finish(req)
+                self.reqs.pop(req.rid, None)
+                outputs.append(self._output(req, req.finished_reason))
+                continue
             req.output_ids.append(token)
             if req.grammar is not None and not req.grammar.accept(token):
                 # Cannot happen while the sampler applies the mask; fail loudly rather than emit invalid output.
@@ -292,6 +309,21 @@ class Scheduler:
                 outputs.append(self._output(req))
         self._emit(outputs)
         return True
+
+    @staticmethod
+    def _take_prompt_logprobs(batch, fi: ForwardInput, result: StepOutput) -> None:
+        """Stores the step's prompt logprobs by prompt position; a request whose last asked row was in the
+        step has them all."""
+        for entry, values, tops in zip(fi.prompt_logprob_rows, result.prompt_logprobs,
+                                       result.prompt_top_logprobs or [[]] * len(result.prompt_logprobs)):
+            req = batch.reqs[entry.req].req
+            at = entry.first_token - req.logprob_start_len
+            req.input_logprobs[at:at + len(values)] = values
+            if tops:
+                req.input_top_logprobs[at:at + len(tops)] = tops
+        for s in batch.reqs:
+            if s.req.wants_input_logprobs and s.end >= s.req.input_logprob_rows()[1]:
+                s.req.input_logprobs_done = True
 
     def _fail(self, batch, message: str) -> None:
         outputs = []

@@ -17,6 +17,7 @@ from tessera.scheduler.policy import KVManager
 from tessera.messages.worker import (
     ForwardInput,
     MMPlacement,
+    PromptLogprobRows,
     RequestStateFill,
     SamplingRow,
 )
@@ -37,6 +38,7 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
     placements: list[MMPlacement] = []
     prompt_done: list[str] = []
     grammars = []  # per SamplingRow: the request's GrammarMatcher or None
+    prompt_rows: list[PromptLogprobRows] = []
     flat = 0
     for i, s in enumerate(batch.reqs):
         req = s.req
@@ -57,6 +59,13 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
                     item_row += hi - lo
             if s.end >= prompt_len:
                 prompt_done.append(req.rid)
+        if req.wants_input_logprobs and not req.input_logprobs_done:
+            lo, hi = req.input_logprob_rows()
+            lo, hi = max(lo, s.start), min(hi, s.end)
+            if lo < hi:
+                prompt_rows.append(PromptLogprobRows(i, flat + lo - s.start, lo + 1,
+                                                     req.origin_input_ids[lo + 1:hi + 1],
+                                                     req.sampling_params.top_logprobs_num))
         flat += s.end - s.start
         if s.samples:
             logits_rows.append(flat - 1)
@@ -82,5 +91,5 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         slot_writes=writes, logits_rows=logits_rows, sampling=sampling,
         mm_items=items, mm_placements=placements, bidirectional_spans=layout.bidirectional_spans,
         prompt_done=prompt_done, released=released, state_fills=state_fills, vocab_mask=fill_bitmask(grammars),
-        stop_closers=stop_closers(grammars),
+        stop_closers=stop_closers(grammars), prompt_logprob_rows=prompt_rows,
     )

@@ -36,6 +36,7 @@ from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.platform import cpu_kernels
 from tessera.platform.device import platform_of, rank_device, resolve_device, to_device_packed
 from tessera.worker.masks import span_mask
+from tessera.worker.prompt_logprobs import extra_logits_rows, prompt_logprobs
 
 logger = logging.getLogger("tessera.worker")
 
@@ -310,7 +311,8 @@ class ModelWorker:
     def _graph_bucket(self, fi: ForwardInput, masks: list[torch.Tensor | None] | None) -> int | None:
         """The CUDA-graph bucket of a pure decode step (one token per request, each sampled, no media, no
         custom mask); None when the step runs eagerly."""
-        if self.graph_runner is None or fi.mm_placements or masks is not None or fi.state_fills:
+        if self.graph_runner is None or fi.mm_placements or masks is not None or fi.state_fills or \
+                fi.prompt_logprob_rows:
             return None
         if fi.num_tokens != len(fi.seq_lens) or fi.logits_rows != list(range(fi.num_tokens)):
             return None
@@ -319,7 +321,7 @@ class ModelWorker:
     # ---- the step ---------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, fi: ForwardInput) -> torch.Tensor:
-        """The step's model forward: its logits [len(fi.logits_rows), vocab]."""
+        """The step's model forward: its logits [len(fi.logits_rows) + prompt logprob rows, vocab]."""
         for rid in fi.released:
             self._held.pop(rid, None)
             self._state_slots.pop(rid, None)
@@ -327,7 +329,8 @@ class ModelWorker:
         (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, extend_lens, logits_rows,
          *staged_writes) = to_device_packed(
             [_int64(p) for p in (fi.input_ids, fi.positions, fi.out_cache_loc, fi.req_pool_indices, fi.seq_lens,
-                                 fi.extend_lens, fi.logits_rows, *writes)], self.device)
+                                 fi.extend_lens, fi.logits_rows + extra_logits_rows(fi.prompt_logprob_rows),
+                                 *writes)], self.device)
         self._apply_slot_writes(fi, staged_writes)
         masks = self._custom_masks(fi)
         mm_rows, mm_embeds = self._mm_embeds(fi)
@@ -354,8 +357,13 @@ class ModelWorker:
     @torch.inference_mode()
     def execute(self, fi: ForwardInput) -> StepOutput:
         logits = self.forward(fi)
-        if not fi.sampling or self.tp.rank != 0:  # only rank 0 samples
+        if self.tp.rank != 0:  # only rank 0 samples
             return StepOutput([])
+        prompt_lp, prompt_top = prompt_logprobs(logits[len(fi.logits_rows):], fi.prompt_logprob_rows) \
+            if fi.prompt_logprob_rows else ([], [])
+        if not fi.sampling:
+            return StepOutput([], prompt_logprobs=prompt_lp, prompt_top_logprobs=prompt_top)
+        logits = logits[:len(fi.logits_rows)]
         rows = fi.sampling
         info = SamplingBatchInfo.build([r.params for r in rows], logits.shape[-1], [r.output_ids for r in rows],
                                        [r.prompt_ids for r in rows], eos_token_ids=self.eos_token_ids,
@@ -368,7 +376,7 @@ class ModelWorker:
             ids_l, vals_l = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
             top = [list(zip(ids_l[i][:r.params.top_logprobs_num], vals_l[i][:r.params.top_logprobs_num]))
                    for i, r in enumerate(rows)]
-        return StepOutput(next_ids, logprobs, top)
+        return StepOutput(next_ids, logprobs, top, prompt_lp, prompt_top)
 
 
 def _int64(part: torch.Tensor | list[int]) -> torch.Tensor:

@@ -1,0 +1,41 @@
+"""A tokenized request checked against the model and the server's limits before it is sent.
+
+Every failure is a ValueError whose message starts with the field at fault (the HTTP layer renames it
+to the field the user sent).
+"""
+
+from __future__ import annotations
+
+from tessera.frontend.request import GenerateRequest
+from tessera.messages.items import MultimodalInputs
+from tessera.models.config import ModelConfig
+
+
+def check_lengths(req: GenerateRequest, input_ids: list[int], mm_inputs: MultimodalInputs | None,
+                  config: ModelConfig, context_length: int, max_total_tokens: int) -> None:
+    """The prompt and its max_new_tokens fit the context and the KV pool (an omitted max_tokens becomes what
+    is left), and logprob_start_len falls inside the prompt."""
+    sp = req.sampling_params
+    if not input_ids:
+        raise ValueError("prompt: empty prompt (no tokens)")
+    if config.family.encoder_decoder and (mm_inputs is None or len(mm_inputs.items) != 1):
+        raise ValueError(f"audio_data: {config.architecture} decodes one audio clip per request; give exactly "
+                         "one")
+    if req.logprob_start_len >= len(input_ids):
+        raise ValueError(f"logprob_start_len: {req.logprob_start_len} is not inside the prompt of "
+                         f"{len(input_ids)} tokens")
+    if req.auto_max_new_tokens:
+        sp.max_new_tokens = max(0, min(context_length, max_total_tokens) - len(input_ids))
+    if len(input_ids) >= context_length:
+        raise ValueError(f"prompt: {len(input_ids)} tokens does not fit the context length {context_length}")
+    if len(input_ids) + sp.max_new_tokens > context_length:  # OpenAI and vLLM refuse; never cap silently
+        raise ValueError(
+            f"max_new_tokens: the context length is {context_length} tokens; the prompt has "
+            f"{len(input_ids)} and {sp.max_new_tokens} more were asked for (at most "
+            f"{context_length - len(input_ids)} fit)")
+    cross = config.cross_attention_len  # an encoder-decoder request's cross-attention K/V share the pool
+    if len(input_ids) + sp.max_new_tokens + cross > max_total_tokens:
+        held = f" + cross-attention K/V ({cross})" if cross else ""
+        raise ValueError(
+            f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({sp.max_new_tokens}){held} exceeds "
+            f"the KV pool ({max_total_tokens} tokens)")
