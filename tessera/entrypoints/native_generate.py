@@ -1,7 +1,8 @@
 """SGLang's native /generate: one prompt or a batch, SGLang's request fields and output shape.
 
 Logprob entries are SGLang's (logprob, token_id, text-or-None); text only with return_text_in_logprobs.
-Prompt (input) logprobs are not computed: a logprob_start_len other than -1 is refused.
+With return_logprob, logprob_start_len >= 0 adds the prompt tokens' logprobs from that position on
+(input_token_logprobs; the first prompt token's is None) and, with top_logprobs_num, input_top_logprobs.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def _per_prompt(body: dict, name: str, n: int, batch: bool) -> list[Any]:
         if len(value) != n:
             raise APIError(f"sampling_params: a list needs one entry per prompt ({n})", param="sampling_params")
         return value
-    if value is None or name == "sampling_params" or name in ("return_logprob", "top_logprobs_num"):
+    if value is None or name == "sampling_params" or name in ("return_logprob", "top_logprobs_num",
+                                                              "logprob_start_len"):
         return [value] * n
     raise APIError(f"{name}: a batch of {n} prompts needs a list of {n} entries", param=name)
 
@@ -59,8 +61,6 @@ async def generate(serving: OpenAIServing, request: Request, body: dict):
     if unknown:
         raise APIError(f"{unknown[0]}: unknown or unsupported field (accepted: {', '.join(sorted(ACCEPTED))})",
                        param=unknown[0])
-    if body.get("logprob_start_len") not in (None, -1):
-        raise APIError("logprob_start_len: prompt (input) logprobs are not computed; use -1", param="logprob_start_len")
     modalities = body.get("modalities")
     if modalities is not None and (not isinstance(modalities, list)
                                    or not all(isinstance(m, str) and m in MODALITIES for m in modalities)):
@@ -69,7 +69,8 @@ async def generate(serving: OpenAIServing, request: Request, body: dict):
     check_batch(len(prompts), "text" if body.get("text") is not None else "input_ids")
     n = len(prompts)
     columns = {name: _per_prompt(body, name, n, batch) for name in
-               ("sampling_params", "image_data", "video_data", "audio_data", "return_logprob", "top_logprobs_num")}
+               ("sampling_params", "image_data", "video_data", "audio_data", "return_logprob", "top_logprobs_num",
+                "logprob_start_len")}
     stream = bool(body.get("stream"))
     with_text = bool(body.get("return_text_in_logprobs"))
     reqs: list[GenerateRequest] = []
@@ -84,9 +85,14 @@ async def generate(serving: OpenAIServing, request: Request, body: dict):
         salt = body.get("cache_salt")
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise APIError("cache_salt: must be a non-empty string", param="cache_salt")
+        return_logprob = bool(columns["return_logprob"][k] or sp.top_logprobs_num)
+        start = columns["logprob_start_len"][k]
+        if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < -1):
+            raise APIError(f"logprob_start_len: must be an integer >= -1, got {start!r}", param="logprob_start_len")
         base = dict(**prompt, image_data=columns["image_data"][k], video_data=columns["video_data"][k],
                     audio_data=columns["audio_data"][k], stream=stream, cache_salt=salt,
-                    return_logprob=bool(columns["return_logprob"][k] or sp.top_logprobs_num))
+                    return_logprob=return_logprob,
+                    logprob_start_len=start if return_logprob and start is not None else -1)
         reqs += serving.fan_out(base, sp)
     if body.get("rid") is not None:
         rids = body["rid"] if isinstance(body["rid"], list) else [body["rid"]]
@@ -104,9 +110,15 @@ async def generate(serving: OpenAIServing, request: Request, body: dict):
         if "output_top_logprobs" in meta:
             meta["output_top_logprobs"] = [[_entry(serving, lp, tid, with_text) for lp, tid in top]
                                            for top in meta["output_top_logprobs"]]
+        if "input_token_logprobs" in meta:
+            meta["input_token_logprobs"] = [_entry(serving, lp, tid, with_text)
+                                            for lp, tid in meta["input_token_logprobs"]]
+            meta["input_top_logprobs"] = [top and [_entry(serving, lp, tid, with_text) for lp, tid in top]
+                                          for top in meta["input_top_logprobs"] or []]
         if out["meta_info"].get("output_token_logprobs") is not None:
             meta.setdefault("output_top_logprobs", [])
-            meta["input_token_logprobs"], meta["input_top_logprobs"] = [], []
+            meta.setdefault("input_token_logprobs", [])
+            meta.setdefault("input_top_logprobs", [])
         result = {"text": out["text"], "output_ids": out["output_ids"], "meta_info": meta}
         if len(reqs) > 1:
             result["index"] = index

@@ -147,8 +147,6 @@ def test_completions_logprobs_token_prompts_and_echo(base, client):
                                               temperature=0, stream=True))
     tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert tokens == lp.tokens
-    r = httpx.post(f"{base}/v1/completions", timeout=30, json={"prompt": "Hi", "echo": True, "logprobs": 1})
-    assert_400(r, "echo", "prompt logprobs")
 
 
 def test_native_generate_takes_sglang_fields(base):
@@ -167,8 +165,8 @@ def test_native_generate_takes_sglang_fields(base):
     ids = httpx.post(f"{base}/generate", timeout=60, json={
         "input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 1}, "stream": False}).json()
     assert len(ids) == 2
-    assert_400(httpx.post(f"{base}/generate", timeout=30, json={"text": "Hi", "logprob_start_len": 0}),
-               "logprob_start_len")
+    assert_400(httpx.post(f"{base}/generate", timeout=30, json={"text": "Hi", "return_logprob": True,
+                                                                "logprob_start_len": "0"}), "logprob_start_len")
     lines = []
     with httpx.stream("POST", f"{base}/generate", timeout=60, json={
             "text": "Hi", "stream": True, "sampling_params": {"max_new_tokens": 3}}) as s:

@@ -1,6 +1,8 @@
 """/v1/completions: prompts (text, token ids or batches of either), echo and legacy logprobs.
 
-Each prompt fans out into n requests; usage counts a prompt once however many samples share it.
+Each prompt fans out into n requests; usage counts a prompt once however many samples share it. With echo
+and logprobs the prompt tokens' logprobs come first (computed in the prefill, logprob_start_len 0), the first
+one null as OpenAI's; a stream sends the echoed prompt with them in its first chunk.
 """
 
 from __future__ import annotations
@@ -42,14 +44,12 @@ async def create_completion(serving: OpenAIServing, request: Request, body: dict
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise APIError("echo: must be a boolean", param="echo")
-    if echo and sp.logprobs:
-        raise APIError("echo: with logprobs it needs prompt logprobs, which Tessera does not compute",
-                       param="echo")
     reqs: list[GenerateRequest] = []
     echoes: list[str] = []
     for p in prompts:
         new = serving.fan_out(dict(**p, return_logprob=bool(sp.logprobs), stream=opts.stream,
-                                   cache_salt=cache_salt_of(body)), sp)
+                                   cache_salt=cache_salt_of(body),
+                                   logprob_start_len=0 if echo and sp.logprobs else -1), sp)
         reqs += new
         text = p.get("text")
         if echo and text is None:
@@ -63,7 +63,8 @@ async def create_completion(serving: OpenAIServing, request: Request, body: dict
     choices = []
     for i, out in enumerate(outs):
         choices.append({"index": i, "text": echoes[i] + out["text"],
-                        "logprobs": _completion_logprobs(serving, out, 0, len(echoes[i])) if sp.logprobs else None,
+                        "logprobs": _with_prompt(serving, out, _completion_logprobs(serving, out, 0, len(echoes[i])))
+                        if sp.logprobs else None,
                         "finish_reason": finish_reason(out["meta_info"]),
                         "matched_stop": matched_stop(out["meta_info"])})
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": serving.model_name,
@@ -71,16 +72,31 @@ async def create_completion(serving: OpenAIServing, request: Request, body: dict
 
 
 def _completion_logprobs(serving: OpenAIServing, out: dict, start: int, offset: int) -> dict:
-    """OpenAI's legacy logprobs for output tokens [start:]: each top_logprobs entry holds the
-    `logprobs` most likely tokens and the sampled one (so logprobs=0 still gives one entry)."""
+    """OpenAI's legacy logprobs for output tokens [start:], their text offsets from `offset`."""
     meta = out["meta_info"]
-    pairs = meta.get("output_token_logprobs", [])[start:]
-    tops = meta.get("output_top_logprobs", [])[start:]
+    return _legacy_logprobs(serving, meta.get("output_token_logprobs", [])[start:],
+                            meta.get("output_top_logprobs", [])[start:], offset)
+
+
+def _with_prompt(serving: OpenAIServing, out: dict, logprobs: dict) -> dict:
+    """`logprobs` (of output tokens) preceded by the prompt tokens' when the request echoed them."""
+    meta = out["meta_info"]
+    if "input_token_logprobs" not in meta:
+        return logprobs
+    prompt = _legacy_logprobs(serving, meta["input_token_logprobs"], meta.get("input_top_logprobs") or [], 0)
+    return {key: prompt[key] + logprobs[key] for key in prompt}
+
+
+def _legacy_logprobs(serving: OpenAIServing, pairs: list, tops: list, offset: int) -> dict:
+    """Each top_logprobs entry holds the `logprobs` most likely tokens and the chosen one (so logprobs=0
+    still gives one entry); a token nothing predicts (the first of a prompt) has null for both."""
     tokens = [serving.token_text(t) for _, t in pairs]
     top_logprobs, text_offset = [], []
     for k, (lp, tid) in enumerate(pairs):
-        entry = {serving.token_text(t): v for v, t in (tops[k] if k < len(tops) else [])}
-        entry.setdefault(tokens[k], lp)
+        entry = None
+        if lp is not None:
+            entry = {serving.token_text(t): v for v, t in ((tops[k] if k < len(tops) else None) or [])}
+            entry.setdefault(tokens[k], lp)
         top_logprobs.append(entry)
         text_offset.append(offset)
         offset += len(tokens[k])
@@ -96,8 +112,10 @@ async def _completion_stream(serving: OpenAIServing, reqs, tokenized, rid: str, 
     def chunk(i: int, text: str, finish: str | None = None, logprobs=None, meta: dict | None = None) -> str:
         return writer(i, {"text": text}, finish, logprobs, meta)
 
+    # Echoed prompts go first, except those with prompt logprobs: they travel with their first output.
+    pending = {i: text for i, text in enumerate(echoes) if text and reqs[i].logprob_start_len >= 0}
     for i, text in enumerate(echoes):
-        if text:
+        if text and i not in pending:
             yield chunk(i, text)
     metas: dict[int, dict] = {}
     sent_tokens: dict[int, int] = {}
@@ -110,8 +128,12 @@ async def _completion_stream(serving: OpenAIServing, reqs, tokenized, rid: str, 
             lp = _completion_logprobs(serving, out, sent_tokens.get(i, 0), offsets[i])
             sent_tokens[i] = len(meta.get("output_token_logprobs", []))
             offsets[i] += sum(len(t) for t in lp["tokens"])
-        if out["delta"] or finish or (lp and lp["tokens"]):
-            yield chunk(i, out["delta"], finish, lp, meta)
+        text = out["delta"]
+        if i in pending and "input_token_logprobs" in meta:
+            text = pending.pop(i) + text
+            lp = _with_prompt(serving, out, lp)
+        if text or finish or (lp and lp["tokens"]):
+            yield chunk(i, text, finish, lp, meta)
         if finish is not None:
             metas[i] = meta
     for tail in writer.end(metas, num_prompts):

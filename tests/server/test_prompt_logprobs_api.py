@@ -1,0 +1,107 @@
+"""Prompt logprobs over HTTP: /v1/completions echo x logprobs (stream or not, text or token ids, n 1 or 2)
+in the shapes SGLang's and vLLM's own tests assert, max_tokens 0 with echo, and SGLang's /generate
+input_token_logprobs; the values are the engine's (tests/engine/test_prompt_logprobs.py checks them on HF)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+PROMPT = "The circle is red and the square is"
+
+
+@pytest.fixture(scope="module")
+def client(vl_server):
+    return openai.OpenAI(base_url=f"{vl_server.base_url}/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(client, vl_server) -> list[int]:
+    r = httpx.post(f"{vl_server.base_url}/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
+def check_echo_logprobs(lp, num_prompt: int, num_out: int, logprobs: int) -> None:
+    """vLLM's test_echo_logprob_completion and SGLang's run_completion, on the merged (streamed) pieces."""
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == \
+        num_prompt + num_out
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    for top in lp.top_logprobs[1:]:
+        assert max(logprobs, 1) <= len(top) <= logprobs + 1
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("as_ids", [False, True])
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("echo,logprobs", [(True, 1), (True, None), (False, 2), (False, None)])
+def test_completion_echo_logprobs_matrix(client, prompt_ids, stream, as_ids, n, echo, logprobs):
+    prompt = prompt_ids if as_ids else PROMPT
+    kw = dict(model="demo-vl", prompt=prompt, max_tokens=3, temperature=0, n=n, echo=echo, logprobs=logprobs,
+              extra_body={"ignore_eos": True})
+    if not stream:
+        choices = client.completions.create(**kw).choices
+        texts = {c.index: c.text for c in choices}
+        lps = {c.index: c.logprobs for c in choices}
+    else:
+        texts, lps, first = {}, {}, set()
+        for chunk in client.completions.create(**kw, stream=True):
+            for c in chunk.choices:
+                if c.index not in first:
+                    first.add(c.index)
+                    if echo:  # SGLang's stream test: the first chunk starts with the prompt
+                        assert c.text.startswith(PROMPT)
+                texts[c.index] = texts.get(c.index, "") + c.text
+                if logprobs is not None:  # every chunk carries tokens (SGLang reads tokens[0])
+                    assert c.logprobs is not None and isinstance(c.logprobs.tokens[0], str)
+                    merged = lps.setdefault(c.index, {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                                      "text_offset": []})
+                    for key in merged:
+                        merged[key] += getattr(c.logprobs, key)
+        lps = {i: SimpleNamespace(**m) for i, m in lps.items()} if logprobs else lps
+    assert sorted(texts) == list(range(n))
+    for i in range(n):
+        assert texts[i].startswith(PROMPT) == echo
+        if logprobs is None:
+            assert lps.get(i) is None
+        elif echo:
+            check_echo_logprobs(lps[i], len(prompt_ids), 3, logprobs)
+        else:
+            assert len(lps[i].tokens) == 3 and lps[i].token_logprobs[0] is not None
+
+
+def test_echo_prompt_logprobs_agree_across_shapes_and_max_tokens_zero(client, prompt_ids):
+    full = client.completions.create(model="demo-vl", prompt=PROMPT, max_tokens=2, temperature=0, echo=True,
+                                     logprobs=2).choices[0].logprobs
+    only = client.completions.create(model="demo-vl", prompt=[prompt_ids, prompt_ids[:4]], max_tokens=0, echo=True,
+                                     logprobs=2)
+    assert [c.text for c in only.choices] == [PROMPT, client.completions.create(
+        model="demo-vl", prompt=[prompt_ids[:4]], max_tokens=0, echo=True).choices[0].text]
+    lp = only.choices[0].logprobs
+    assert lp.tokens == full.tokens[:len(prompt_ids)]
+    assert lp.token_logprobs[1:] == pytest.approx(full.token_logprobs[1:len(prompt_ids)], abs=1e-5)
+    assert len(only.choices[1].logprobs.tokens) == 4 and only.usage.completion_tokens == 0
+
+
+def test_native_generate_input_logprobs(vl_server, prompt_ids):
+    body = {"input_ids": prompt_ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+            "return_logprob": True, "top_logprobs_num": 2, "return_text_in_logprobs": True}
+    r = httpx.post(f"{vl_server.base_url}/generate", json={**body, "logprob_start_len": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == prompt_ids
+    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
+    for (lp, _, text), top in zip(meta["input_token_logprobs"][1:], meta["input_top_logprobs"][1:]):
+        assert isinstance(text, str) and len(top) == 2 and top[0][0] >= top[1][0] and lp <= top[0][0] + 1e-6
+    later = httpx.post(f"{vl_server.base_url}/generate", json={**body, "logprob_start_len": 3}, timeout=60).json()
+    assert later["meta_info"]["input_token_logprobs"] == meta["input_token_logprobs"][3:]
+    plain = httpx.post(f"{vl_server.base_url}/generate", json=body, timeout=60).json()["meta_info"]
+    assert plain["input_token_logprobs"] == [] and plain["input_top_logprobs"] == []
+    bad = httpx.post(f"{vl_server.base_url}/generate", json={**body, "logprob_start_len": len(prompt_ids)},
+                     timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprob_start_len", bad.text
