@@ -105,3 +105,34 @@ def test_native_generate_input_logprobs(vl_server, prompt_ids):
     bad = httpx.post(f"{vl_server.base_url}/generate", json={**body, "logprob_start_len": len(prompt_ids)},
                      timeout=60)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprob_start_len", bad.text
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_chat_stream_logprobs_chunk_shapes_with_an_image(client, vl_media_dir, n):
+    """SGLang's run_chat_completion_stream: after each choice's role chunk, every chunk before its finish
+    carries content and logprobs with exactly top_logprobs alternatives; none has neither content nor
+    finish_reason."""
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": str(vl_media_dir / "scene.png")}},
+        {"type": "text", "text": "What color is the circle? Describe the picture."}]}]
+    stream = client.chat.completions.create(model="demo-vl", messages=messages, max_tokens=12, n=n, temperature=1.0,
+                                            seed=3, logprobs=True, top_logprobs=5, stream=True)
+    first, finished, tokens, texts = set(), {}, {}, {}
+    for chunk in stream:
+        c = chunk.choices[0]
+        if c.index not in first:
+            first.add(c.index)
+            assert c.delta.role == "assistant"
+            continue
+        if c.finish_reason is not None:
+            finished[c.index] = finished.get(c.index, 0) + 1
+        else:
+            assert isinstance(c.delta.content, str) and c.delta.content
+            assert c.logprobs and c.logprobs.content
+            assert all(len(t.top_logprobs) == 5 and isinstance(t.top_logprobs[0].token, str)
+                       for t in c.logprobs.content)
+        if c.logprobs:
+            tokens[c.index] = tokens.get(c.index, 0) + len(c.logprobs.content)
+        texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+    assert finished == {i: 1 for i in range(n)}
+    assert sorted(tokens) == list(range(n)) and all(0 < t <= 12 for t in tokens.values())

@@ -159,13 +159,14 @@ async def _chat_stream(serving: OpenAIServing, reqs, tokenized, rid: str, create
     metas: dict[int, dict] = {}
     sent_tokens: dict[int, int] = {}
     num_calls: dict[int, int] = {}
+    # Logprobs of tokens whose text is still held back (a partial character, a possible stop string) wait
+    # for the chunk that carries their text: no chunk has neither content nor finish_reason (OpenAI's shape).
+    held: dict[int, list] = {}
     async for i, out in serving.merged_stream(reqs, tokenized):
         meta = out["meta_info"]
-        lp = None
         if reqs[i].return_logprob:
-            lp = _chat_logprobs(serving, out, sent_tokens.get(i, 0))
+            held.setdefault(i, []).extend(_chat_logprobs(serving, out, sent_tokens.get(i, 0))["content"])
             sent_tokens[i] = len(meta.get("output_token_logprobs", []))
-            lp = lp if lp["content"] else None
         finish = finish_reason(meta)
         content, calls = out["delta"], []
         if plan is not None:
@@ -183,13 +184,15 @@ async def _chat_stream(serving: OpenAIServing, reqs, tokenized, rid: str, create
         if calls:
             delta["tool_calls"] = stream_deltas(calls, num_calls.get(i, 0))
             num_calls[i] = num_calls.get(i, 0) + len(calls)
-        if delta or lp:
-            yield chunk(i, delta, None, lp, meta)
+        if delta:
+            lp = held.pop(i, None)
+            yield chunk(i, delta, None, {"content": lp} if lp else None, meta)
         if finish is not None:
             metas[i] = meta
             if finish == "stop" and num_calls.get(i) and plan is not None and plan.choice != "named":
                 finish = "tool_calls"
-            yield chunk(i, {}, finish, None, meta)
+            lp = held.pop(i, None)
+            yield chunk(i, {}, finish, {"content": lp} if lp else None, meta)
     for tail in writer.end(metas):
         yield tail
 
