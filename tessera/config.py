@@ -68,6 +68,8 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None
+    api_key_file: str | None = None  # the key in a file (or TESSERA_API_KEY): not on the command line
+    max_queued_requests: int | None = None  # generations waiting beyond the running slots; more: HTTP 503
     # Model / runtime
     # "auto": the checkpoint's dtype (float32 when it records none; float16 becomes bfloat16 on CPU).
     dtype: str = "auto"
@@ -165,6 +167,9 @@ class ServerArgs:
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_queued_requests is not None and (not isinstance(self.max_queued_requests, int)
+                                                     or self.max_queued_requests < 0):
+            raise ValueError(f"max_queued_requests: must be an integer >= 0, got {self.max_queued_requests!r}")
         if self.max_total_tokens is not None and (not isinstance(self.max_total_tokens, int)
                                                   or self.max_total_tokens < 2 * self.page_size):
             raise ValueError(f"max_total_tokens: must hold at least two pages, got {self.max_total_tokens!r}")

@@ -77,6 +77,10 @@ FLAGS: dict[str, tuple[str, str]] = {
     "port": ("server", "port to listen on"),
     "max_request_body_mb": ("server", "largest request body in MiB (inline media included); larger: HTTP 413"),
     "api_key": ("server", "require 'Authorization: Bearer KEY' (not on /health and /metrics, as SGLang)"),
+    "api_key_file": ("server", "read the API key from this file (the environment's TESSERA_API_KEY also works), "
+                               "so it is not in the server's command line"),
+    "max_queued_requests": ("server", "generations allowed to wait beyond the running slots (max_running_requests x "
+                                      "dp_size); more get HTTP 503 with Retry-After (default: no limit)"),
     "log_level": ("server", "debug, info, warning, error (debug also prints tracebacks of CLI errors)"),
     "enable_metrics": ("server", "serve Prometheus metrics at /metrics (false: /metrics answers 404)"),
     "disable_tqdm": ("server", "no progress bars (weight loading; Engine.generate batches)"),

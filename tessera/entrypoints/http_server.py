@@ -23,7 +23,7 @@ from tessera.version import __version__ as tessera_version
 from tessera.config import ServerArgs
 from tessera.entrypoints import native_generate
 from tessera.entrypoints.metrics import Metrics
-from tessera.entrypoints.middleware import ServerMiddleware, observe_generation
+from tessera.entrypoints.middleware import ServerMiddleware, api_key_of, observe_generation
 from tessera.entrypoints.openai import tokenization
 from tessera.entrypoints.openai.chat import create_chat_completion
 from tessera.entrypoints.openai.completions import create_completion
@@ -72,6 +72,7 @@ class ServerState:
             await tm.start()
             tm.on_request_done = self._request_done
             self.tm, self.serving = tm, OpenAIServing(tm, self.args.model_name)
+            self.serving.on_overload = self.metrics.rejected.labels(self.args.model_name).inc
             self.transcriptions = TranscriptionServing(self.serving)
             log_startup_summary(self.args, tm)
         except BaseException as e:
@@ -150,7 +151,8 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
     app = FastAPI(title="Tessera", lifespan=lifespan)
     app.state.tessera = state
 
-    app.add_middleware(ServerMiddleware, api_key=args.api_key, max_body_bytes=args.max_request_body_mb << 20,
+    api_key = api_key_of(args.api_key, args.api_key_file)
+    app.add_middleware(ServerMiddleware, api_key=api_key, max_body_bytes=args.max_request_body_mb << 20,
                        count=lambda path, status: state.metrics.requests.labels(args.model_name, path,
                                                                                 str(status)).inc())
 
@@ -165,7 +167,7 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.message, exc.status, exc.param, exc.type)
+        return error_response(exc.message, exc.status, exc.param, exc.type, headers=exc.headers)
 
     @app.exception_handler(ValueError)
     async def _value_error(request: Request, exc: ValueError):
@@ -203,7 +205,7 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
             raise APIError(not_ready_reason(), status=503)
         return state.serving
 
-    add_playground_routes(app, api_key_required=bool(args.api_key))
+    add_playground_routes(app, api_key_required=bool(api_key))
 
     @app.get("/health")
     async def health():
@@ -314,6 +316,7 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
 
 def launch_server(args: ServerArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    api_key_of(args.api_key, args.api_key_file)  # an unreadable key file is a one-line error before the model loads
     config = ModelConfig.load(args.model_path)  # an unsupported architecture is a one-line error now, not a 503 later
     return asyncio.run(_serve(args, config))
 

@@ -13,6 +13,8 @@ class Metrics:
         r, labels = self.registry, ["model_name"]
         self.model_name = model_name
         self.requests = Counter("tessera_requests", "Finished requests", ["model_name", "endpoint", "status"], registry=r)
+        self.rejected = Counter("tessera_rejected_requests", "Requests refused with 503 because more generations "
+                                "than --max-queued-requests were waiting", labels, registry=r)
         self.prompt_tokens = Counter("tessera_prompt_tokens", "Prompt tokens processed", labels, registry=r)
         self.generation_tokens = Counter("tessera_generation_tokens", "Tokens generated", labels, registry=r)
         self.cached_tokens = Counter("tessera_cached_prompt_tokens", "Prompt tokens served from the prefix cache",

@@ -8,7 +8,9 @@ client's disconnect from it, so a request whose client went away would keep its 
 from __future__ import annotations
 
 import contextvars
+import hmac
 import logging
+import os
 import re
 import time
 import uuid
@@ -21,6 +23,24 @@ logger = logging.getLogger("tessera.access")
 OPEN_PATHS = ("/health", "/metrics")  # as SGLang: probes and Prometheus scrape without the API key
 QUIET_PATHS = ("/health", "/metrics")  # probed every few seconds: their access lines only at debug level
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+API_KEY_ENV = "TESSERA_API_KEY"
+
+
+def api_key_of(api_key: str | None, api_key_file: str | None) -> str | None:
+    """The key requests must bear: --api-key, else the file's content (its surrounding whitespace dropped),
+    else $TESSERA_API_KEY; None: no key. The last two keep it out of the process list."""
+    if api_key and api_key_file:
+        raise ValueError("api_key_file: give either --api-key or --api-key-file, not both")
+    if api_key_file:
+        try:
+            with open(api_key_file, encoding="utf-8") as f:
+                key = f.read().strip()
+        except OSError as e:
+            raise ValueError(f"api_key_file: cannot read {api_key_file}: {e.strerror}") from None
+        if not key:
+            raise ValueError(f"api_key_file: {api_key_file} is empty")
+        return key
+    return api_key or os.environ.get(API_KEY_ENV) or None
 
 
 @dataclass
@@ -65,7 +85,8 @@ class BodyTooLarge(Exception):
 
 class ServerMiddleware:
     def __init__(self, app, *, api_key: str | None, count=None, max_body_bytes: int | None = None):
-        self.app, self.api_key, self.max_body = app, api_key, max_body_bytes
+        self.app, self.max_body = app, max_body_bytes
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
         self.count = count  # callable(path, status) for the Prometheus request counter, or None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -107,9 +128,9 @@ class ServerMiddleware:
             return message
 
         try:
-            if self.api_key and not (path.startswith(OPEN_PATHS) or is_public(path)) and method != "OPTIONS":
-                auth = headers.get(b"authorization", b"").decode("latin-1")
-                if auth != f"Bearer {self.api_key}":
+            if self.expected and not (path.startswith(OPEN_PATHS) or is_public(path)) and method != "OPTIONS":
+                # Constant time: how long the comparison takes says nothing about how much of the key matched.
+                if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                     await _send_json(send_wrapper, error_body("invalid API key", 401), 401)
                     return
             declared = headers.get(b"content-length", b"")

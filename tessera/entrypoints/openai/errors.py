@@ -16,9 +16,10 @@ _TRACEBACK = re.compile(r"\s*Traceback \(most recent call last\):.*", re.S)
 
 
 class APIError(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None, type_: str | None = None):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, type_: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.message, self.status, self.param = message, status, param
+        self.message, self.status, self.param, self.headers = message, status, param, headers
         self.type = type_ or {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}.get(
             status, "invalid_request_error" if 400 <= status < 500 else "server_error")
 

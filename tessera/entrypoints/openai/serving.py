@@ -25,6 +25,7 @@ from tessera.messages import TokenizedGenerateReq
 MAX_N = 128  # choices per request, as OpenAI's API allows
 MAX_BATCH = 1024  # prompts in one batched request (/v1/completions, /generate): each becomes a request
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
+RETRY_AFTER_S = 1  # an overloaded server's Retry-After: about one batch of requests finishing
 
 
 def check_batch(size: int, param: str) -> None:
@@ -44,6 +45,8 @@ class OpenAIServing:
         info = tm.info
         proc_template = getattr(info.hf_processor, "chat_template", None) if info.hf_processor is not None else None
         self.chat_template = proc_template or getattr(info.tokenizer, "chat_template", None)
+        self.preparing = 0  # generations admitted and being tokenized (not yet in tm.states)
+        self.on_overload = None  # called for each request refused by --max-queued-requests (metrics)
 
     def check_model(self, body: dict) -> None:
         name = body.get("model")
@@ -65,10 +68,30 @@ class OpenAIServing:
 
     async def prepare(self, reqs: list[GenerateRequest], names: dict[str, str]) -> list[TokenizedGenerateReq]:
         """Validates and tokenizes every request before anything is sent (or any byte answered)."""
+        self._admit(len(reqs))
+        self.preparing += len(reqs)
         try:
             return list(await asyncio.gather(*(self.tm.tokenize(r) for r in reqs)))
         except ValueError as e:
             raise renamed_error(e, names) from None
+        finally:
+            self.preparing -= len(reqs)
+
+    def _admit(self, n: int) -> None:
+        """--max-queued-requests (SGLang's): beyond the running slots of every replica, at most that many
+        generations wait; a request that would make more wait is refused before any work (503, Retry-After).
+        Counted in the frontend (generations sent and not finished, plus those being tokenized), so what is
+        admitted is never slowed by the check."""
+        args = self.tm.args
+        if args.max_queued_requests is None:
+            return
+        waiting = len(self.tm.states) + self.preparing - args.max_running_requests * args.dp_size
+        if waiting + n > args.max_queued_requests:
+            if self.on_overload is not None:
+                self.on_overload()
+            raise APIError(f"server overloaded: {max(waiting, 0)} generations are waiting (--max-queued-requests "
+                           f"{args.max_queued_requests}); retry later", status=503,
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def collect_all(self, request: Request, reqs: list[GenerateRequest],
                           tokenized: list[TokenizedGenerateReq]) -> list[dict]:

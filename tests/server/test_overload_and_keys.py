@@ -1,0 +1,91 @@
+"""--max-queued-requests: past the running slots plus the queue, a request gets 503 with Retry-After in
+OpenAI's error shape, counted in /metrics, while every admitted request finishes in full; the API key read
+from TESSERA_API_KEY or --api-key-file (never needed on the command line)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import httpx
+import pytest
+
+from tessera.entrypoints.middleware import API_KEY_ENV, api_key_of
+from tests.server.server_process import ServerProcess
+
+KEY = "env-sekret-42"
+RUNNING, QUEUED, SENT, TOKENS = 2, 2, 10, 48
+
+
+@pytest.fixture(scope="module")
+def server():
+    old = os.environ.get(API_KEY_ENV)
+    os.environ[API_KEY_ENV] = KEY  # the server process inherits it; nothing on its command line
+    try:
+        srv = ServerProcess("--model-path", "demo-vl", "--max-running-requests", str(RUNNING),
+                            "--max-queued-requests", str(QUEUED))
+    finally:
+        if old is None:
+            os.environ.pop(API_KEY_ENV)
+        else:
+            os.environ[API_KEY_ENV] = old
+    yield srv
+    srv.stop()
+
+
+def test_overload_is_a_503_with_retry_after_and_admitted_requests_finish(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.base_url, headers=auth, timeout=120) as c:
+            body = {"prompt": "Once upon a time", "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+            return await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(SENT)))
+
+    replies = asyncio.run(burst())
+    ok = [r for r in replies if r.status_code == 200]
+    refused = [r for r in replies if r.status_code == 503]
+    assert len(ok) + len(refused) == SENT, [r.status_code for r in replies]
+    assert RUNNING + QUEUED >= len(ok) >= 1 and refused  # never more admitted than the slots and the queue
+    assert all(r.json()["usage"]["completion_tokens"] == TOKENS for r in ok)  # admitted: served in full
+    assert len({r.json()["choices"][0]["text"] for r in ok}) == 1
+    for r in refused:
+        assert r.headers["retry-after"].isdigit()
+        err = r.json()["error"]
+        assert err["code"] == 503 and err["type"] == "service_unavailable" and "max-queued-requests" in err["message"]
+    metrics = httpx.get(f"{server.base_url}/metrics", timeout=30).text
+    line = next(ln for ln in metrics.splitlines() if ln.startswith("tessera_rejected_requests_total"))
+    assert float(line.split()[-1]) == len(refused)
+    # Once the burst is over the server admits again.
+    again = httpx.post(f"{server.base_url}/v1/completions", headers=auth, timeout=60,
+                       json={"prompt": "Hi", "max_tokens": 2})
+    assert again.status_code == 200, again.text
+
+
+def test_api_key_from_the_environment(server):
+    url = f"{server.base_url}/v1/completions"
+    body = {"prompt": "Hi", "max_tokens": 1}
+    assert httpx.post(url, json=body, timeout=30).status_code == 401
+    assert httpx.post(url, json=body, timeout=30, headers={"Authorization": f"Bearer {KEY}x"}).status_code == 401
+    assert httpx.post(url, json=body, timeout=30, headers={"Authorization": f"Bearer {KEY[:-1]}"}).status_code == 401
+    assert httpx.post(url, json=body, timeout=30, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200  # probes need no key
+    info = httpx.get(f"{server.base_url}/get_server_info", timeout=30, headers={"Authorization": f"Bearer {KEY}"})
+    assert KEY not in info.text
+
+
+def test_api_key_sources(tmp_path, monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    assert api_key_of(None, None) is None
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert api_key_of(None, None) == "from-env"
+    assert api_key_of("from-flag", None) == "from-flag"
+    f = tmp_path / "key"
+    f.write_text("from-file\n")
+    assert api_key_of(None, str(f)) == "from-file"  # the file wins over the environment, its newline dropped
+    with pytest.raises(ValueError, match="api_key_file: give either"):
+        api_key_of("from-flag", str(f))
+    f.write_text("  \n")
+    with pytest.raises(ValueError, match="api_key_file: .* is empty"):
+        api_key_of(None, str(f))
+    with pytest.raises(ValueError, match="api_key_file: cannot read"):
+        api_key_of(None, str(tmp_path / "missing"))
