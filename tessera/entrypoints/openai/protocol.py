@@ -47,7 +47,8 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "guided_decoding_backend": (None, "the constrained-decoding backend is fixed (llguidance)"),
     "guided_whitespace_pattern": (None, "JSON output is compact; a whitespace pattern is not supported"),
     "structural_tag": (None, "structural tags are not supported; use response_format, regex, ebnf or json_schema"),
-    "prompt_logprobs": (None, "prompt (input) logprobs are not computed by Tessera"),
+    "prompt_logprobs": (None, "vLLM's prompt_logprobs is not supported; prompt logprobs come with echo + logprobs "
+                               "(/v1/completions) or logprob_start_len (/generate)"),
     "use_beam_search": (False, "beam search is not supported"),
     "functions": (None, "the legacy functions API is not supported; use tools"),
     "function_call": (None, "the legacy functions API is not supported; use tool_choice"),
