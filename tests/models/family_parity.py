@@ -109,6 +109,13 @@ class FamilyCase(ABC):
             self.embeds[key] = rows, embeds
         return self.embeds[key]
 
+    def build(self, seeded: Seeded) -> Any:
+        return self.prompt(seeded.parts, seeded.seed)
+
+    def text_rms(self, prompt: Any) -> torch.Tensor:
+        """The RMS of text embeddings that media embeddings must match."""
+        return self.ours.model.embed_tokens.weight.pow(2).mean().sqrt()
+
     def positions(self, prompt: Any, lo: int, hi: int) -> torch.Tensor:
         return torch.arange(lo, hi)
 
@@ -141,7 +148,7 @@ class FamilyCase(ABC):
         deterministic and HF generate's (`hf_generate(prompt)`). Returns the decode prompt's tokens."""
         base = self.prompt(decode_parts, seed=0)
         _, embeds = self.mm_embeds(base)
-        text_rms = self.ours.model.embed_tokens.weight.pow(2).mean().sqrt()
+        text_rms = self.text_rms(base)
         for level in embeds.split(self.ours.config.hidden_size, dim=-1):  # the main rows, then any extra levels
             ratio = float(level.pow(2).mean().sqrt() / text_rms)
             assert 0.5 < ratio < 2, f"image embeddings are {ratio:.2f}x the text embeddings' RMS"

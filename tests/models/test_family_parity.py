@@ -16,6 +16,7 @@ import torch
 
 from tessera.models.registry import load_model
 from tests.models import (
+    gemma3_testing,
     internvl_testing,
     pixtral_testing,
 )
@@ -24,6 +25,7 @@ from tests.models.family_parity import ATOL, FamilyCase, FamilyFixture, media_em
 from tests.models.fixture_checks import MIN_MARGIN, top2_margin
 
 FAMILIES: dict[str, FamilyFixture] = {
+    "gemma3": gemma3_testing.FIXTURE,
     "internvl": internvl_testing.FIXTURE,
     "pixtral": pixtral_testing.FIXTURE,
 }
@@ -63,7 +65,7 @@ def test_prefill_logits_match_hf(case, prompt_name):
 @pytest.mark.parametrize("case,page_size", each_case(lambda fx: fx.decode_page_sizes), indirect=["case"])
 def test_greedy_decode_matches_hf(case, page_size):
     fx = case.row
-    prompt = case.prompt(fx.decode.parts, fx.decode.seed)
+    prompt = case.build(fx.decode)
     ref, margin = case.hf_greedy(prompt, fx.decode_new)
     assert margin > MIN_MARGIN
     assert our_greedy(case, [prompt], fx.decode_new, page_size)[0] == [ref]
@@ -72,7 +74,7 @@ def test_greedy_decode_matches_hf(case, page_size):
 @pytest.mark.parametrize("case,_", each_case(), indirect=["case"])
 def test_requests_of_mixed_lengths_in_one_batch_match_hf(case, _):
     """Prompts with and without media prefilled in one forward (last logits HF's), then decoded together."""
-    prompts = [case.prompt(p.parts, p.seed) for p in case.row.batch]
+    prompts = [case.build(p) for p in case.row.batch]
     refs = [case.hf_greedy(p, 6) for p in prompts]
     assert min(m for _, m in refs) > MIN_MARGIN
     tokens, logits = our_greedy(case, prompts, 6, page_size=4)
@@ -86,7 +88,7 @@ def test_chunked_prefill_matches_hf(case, i):
     """Chunks smaller than an image, so chunk boundaries fall inside media spans (or, where a family keeps
     spans whole, chunks stop before them)."""
     c = case.row.chunked[i]
-    prompt = case.prompt(c.parts, c.seed)
+    prompt = case.build(c)
     chunk = c.chunk(case.spec)
     assert any(it.num_tokens > chunk for it in prompt.items), "the chunk must be smaller than an image"
     torch.testing.assert_close(our_logits(case, prompt, c.page_size, chunk), case.hf_logits(prompt), atol=ATOL,
@@ -99,7 +101,7 @@ def test_prefix_cache_hit_matches_hf(case, cut):
     family's cut: after the media or inside them), extends the rest, and both then decode in one batch."""
     fx = case.row
     page_size, shared_of = fx.prefix_cuts[cut]
-    a, b = case.prompt(fx.prefix.parts, fx.prefix.seed), case.prompt(fx.prefix.parts, fx.prefix.seed)
+    a, b = case.build(fx.prefix), case.build(fx.prefix)
     b.input_ids[-6:] = torch.tensor([11, 22, 33, 44, 55, 66])
     shared = shared_of(case, a)
     assert torch.equal(a.input_ids[:shared], b.input_ids[:shared]) and not torch.equal(a.input_ids, b.input_ids)
@@ -112,7 +114,7 @@ def test_prefix_cache_hit_matches_hf(case, cut):
 
 @pytest.mark.parametrize("case,_", each_case(), indirect=["case"])
 def test_media_features_match_hf_in_one_tower_call_per_modality(case, _, monkeypatch):
-    items = [it for p in case.row.tower for it in case.prompt(p.parts, p.seed).items]
+    items = [it for p in case.row.tower for it in case.build(p).items]
     calls = []
     tower = getattr(case.ours, case.tower_attr)
     monkeypatch.setattr(tower, "forward", lambda *a, _f=tower.forward, **k: calls.append(1) or _f(*a, **k))
@@ -128,7 +130,7 @@ def test_media_features_match_hf_in_one_tower_call_per_modality(case, _, monkeyp
 def test_language_model_only_loads_without_the_tower(case, _):
     ours, _ = load_model(case.path, torch.float32, language_model_only=True)
     assert getattr(ours, case.tower_attr) is None and ours.encoders() == {}
-    prompt = case.prompt(case.row.text.parts, case.row.text.seed)
+    prompt = case.build(case.row.text)
     torch.testing.assert_close(our_logits(case, prompt, model=ours), case.hf_logits(prompt), atol=ATOL, rtol=0)
 
 
