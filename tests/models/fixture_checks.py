@@ -22,18 +22,35 @@ def top2_margin(logits: torch.Tensor) -> float:
     return float((top[..., 0] - top[..., 1]).min())
 
 
-def hf_stepped_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:
+def hf_stepped_greedy(hf, inputs: dict, num_new: int,
+                      step_kwargs: Callable[[dict, int], dict] | None = None) -> tuple[list[int], float]:
     """Greedy tokens of HF's model stepped with its own KV cache (prefill with `inputs`, then one token per
-    forward), and the smallest top-2 logit margin over those steps."""
+    forward, with `step_kwargs(inputs, i)` besides the token at step i: a grown attention mask, explicit
+    positions), and the smallest top-2 logit margin over those steps."""
     tokens, margins = [], []
     with torch.inference_mode():
         out = hf(**inputs, use_cache=True)
-        for _ in range(num_new):
+        for i in range(num_new):
             logits = out.logits[0, -1]
             margins.append(top2_margin(logits))
             tokens.append(int(logits.argmax()))
-            out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+            extra = step_kwargs(inputs, i) if step_kwargs else {}
+            out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True, **extra)
     return tokens, min(margins)
+
+
+def grown_mask(inputs: dict, step: int) -> dict:
+    """step_kwargs for models that want the prompt's attention mask grown by one column per decoded token."""
+    mask = inputs["attention_mask"]
+    return {"attention_mask": torch.cat([mask, torch.ones(1, step + 1, dtype=mask.dtype)], dim=1)}
+
+
+def hf_generate(hf, inputs: dict, num_new: int, **kw) -> list[int]:
+    """transformers' own greedy generate, no stop token."""
+    with torch.inference_mode():
+        out = hf.generate(**inputs, max_new_tokens=num_new, do_sample=False, pad_token_id=0, eos_token_id=None,
+                          **kw)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 def prompt_variants(build: Callable[[], Any], num_text: int = 4) -> tuple[Any, Any, Any]:

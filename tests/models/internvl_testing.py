@@ -14,6 +14,7 @@ last layer is rescaled so image embeddings are text-sized.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,9 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.rope_vlm_testing import VLPrompt
+from tests.models.family_parity import Chunked, FamilyFixture, Seeded
+from tests.models.fixture_checks import hf_generate
+from tests.models.rope_vlm_testing import RopeVLCase, VLPrompt
 
 VOCAB, IMAGE_ID, START_ID, END_ID = 128, 120, 121, 122
 
@@ -154,8 +157,66 @@ def build_prompt(spec: TinySpec, parts: list, seed: int = 0) -> VLPrompt:
             modality=Modality.IMAGE, hash=len(items), offsets=[(len(ids), len(ids) + n)],
             feature=torch.randn(num_tiles, 3, spec.image_size, spec.image_size, generator=g)))
         ids += [IMAGE_ID] * n + [END_ID]
-    extra = {"pixel_values": torch.cat([it.feature for it in items])} if items else {}
-    return VLPrompt(torch.tensor(ids), items, extra)
+    return VLPrompt(torch.tensor(ids), items)
+
+
+# ---------------------------------------------------------------- the parity suite's row
+
+class InternVLCase(RopeVLCase):
+    def prompt(self, parts: list, seed: int = 0) -> VLPrompt:
+        return build_prompt(self.spec, parts, seed)
+
+    def hf_pixels(self, items: list[MultimodalDataItem]) -> dict[str, Any]:
+        return {"pixel_values": torch.cat([it.feature for it in items])} if items else {}
+
+    def hf_media_features(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        ref = self.hf.model.get_image_features(self.hf_pixels(items)["pixel_values"]).pooler_output
+        return [ref.reshape(-1, ref.shape[-1])]
+
+
+PROMPTS = {
+    "text": [12],
+    "one_tile": [5, ("image", 1), 4],
+    "tiles_and_thumbnail": [3, ("image", 5), 2],  # a 2x2 grid + thumbnail
+    "two_images": [3, ("image", 3), 2, ("image", 1), 3],
+}
+DECODE_PROMPT = [3, ("image", 3), 2, ("image", 1), 4]
+
+
+def load_case(name: str, path: Path) -> InternVLCase:
+    from tessera.models.internvl import InternVLForConditionalGeneration
+    from tessera.models.registry import load_model
+
+    spec = SPECS[name]
+    hf = build_tiny_internvl(path, spec)
+    ours, config = load_model(path, torch.float32)
+    assert isinstance(ours, InternVLForConditionalGeneration)
+    assert config.tie_word_embeddings == spec.tie
+    case = InternVLCase(spec, hf, ours, path)
+    case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate(hf, case.hf_inputs(p), 8))
+    return case
+
+
+def _prefix_shared(page_size: int) -> Callable[[InternVLCase, VLPrompt], int]:
+    """Page size 1: just after </img>; 4: a page-aligned cut inside the image."""
+    def shared(case: InternVLCase, a: VLPrompt) -> int:
+        image_end = 5 + 2 * case.spec.tokens_per_tile  # </img>
+        cut = image_end + 1 if page_size == 1 else (image_end - 2) // page_size * page_size
+        assert cut > 5
+        return cut
+    return shared
+
+
+FIXTURE = FamilyFixture(
+    specs=tuple(SPECS), load_case=load_case, build=lambda path, name: build_tiny_internvl(path, SPECS[name]),
+    bytes_spec="llama_bias", prompts=PROMPTS, text=Seeded(PROMPTS["text"], 8), decode=Seeded(DECODE_PROMPT, 3),
+    batch=(Seeded(PROMPTS["text"], 4), Seeded(PROMPTS["two_images"], 5), Seeded(PROMPTS["one_tile"], 6)),
+    # Chunks smaller than one tile's tokens, so every image is split across several chunks.
+    chunked=tuple(Chunked([5, ("image", 3), 1, ("image", 1), 4], 6, lambda spec: spec.tokens_per_tile - 1, page)
+                  for page in (1, 4)),
+    prefix=Seeded([4, ("image", 2), 6], 7), prefix_cuts={f"page{p}": (p, _prefix_shared(p)) for p in (1, 4)},
+    tower=(Seeded([2, ("image", 5), 1, ("image", 2), 1], 2),),
+)
 
 
 # ---------------------------------------------------------------- full checkpoint directory

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.rope_vlm_testing import VLPrompt
+from tests.models.family_parity import Chunked, FamilyFixture, Seeded
+from tests.models.fixture_checks import hf_generate
+from tests.models.rope_vlm_testing import RopeVLCase, VLPrompt
 
 VOCAB, IMG_ID, BREAK_ID, END_ID = 128, 120, 121, 122
 
@@ -153,7 +155,7 @@ def build_prompt(spec: TinySpec, parts: list, seed: int = 0) -> VLPrompt:
         items.append(MultimodalDataItem(modality=Modality.IMAGE, hash=len(items), offsets=offsets,
                                         feature=torch.randn(3, h, w, generator=g),
                                         model_specific_data={"image_sizes": torch.tensor([[h, w]])}))
-    return VLPrompt(torch.tensor(ids), items, hf_image_inputs(items))
+    return VLPrompt(torch.tensor(ids), items)
 
 
 def hf_image_inputs(items: list[MultimodalDataItem]) -> dict[str, Any]:
@@ -164,6 +166,65 @@ def hf_image_inputs(items: list[MultimodalDataItem]) -> dict[str, Any]:
     for b, (it, (h, w)) in enumerate(zip(items, sizes)):
         batch[b, :, :h, :w] = it.feature
     return {"pixel_values": batch, "image_sizes": torch.tensor(sizes)}
+
+
+# ---------------------------------------------------------------- the parity suite's row
+
+class PixtralCase(RopeVLCase):
+    def prompt(self, parts: list, seed: int = 0) -> VLPrompt:
+        return build_prompt(self.spec, parts, seed)
+
+    def hf_pixels(self, items: list[MultimodalDataItem]) -> dict[str, Any]:
+        return hf_image_inputs(items)
+
+    def hf_media_features(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        """Each image encoded alone (ours packs them in one sequence whose block mask keeps them apart)."""
+        return [self.hf.model.get_image_features(it.feature[None], image_sizes=torch.tensor(
+            [list(it.feature.shape[1:])])).pooler_output[0] for it in items]
+
+
+PROMPTS = {  # ("image", (rows, cols)) in patches
+    "text": [12],
+    "square": [5, ("image", (3, 3)), 4],
+    "wide": [3, ("image", (2, 7)), 2],
+    "tall": [2, ("image", (6, 2)), 3],
+    "one_patch": [4, ("image", (1, 1)), 2],
+    "two_sizes": [3, ("image", (4, 3)), 2, ("image", (2, 5)), 3],
+}
+DECODE_PROMPT = [3, ("image", (3, 4)), 2, ("image", (2, 2)), 4]
+
+
+def load_case(name: str, path: Path) -> PixtralCase:
+    from tessera.models.pixtral import PixtralLlavaForConditionalGeneration
+    from tessera.models.registry import load_model
+
+    spec = SPECS[name]
+    hf = build_tiny_pixtral(path, spec)
+    ours, config = load_model(path, torch.float32)
+    assert isinstance(ours, PixtralLlavaForConditionalGeneration)
+    assert config.family.vision_model_type == "pixtral" and config.tie_word_embeddings == spec.tie
+    assert config.head_dim == spec.head_dim
+    assert config.sliding_windows == (spec.sliding_window,) * spec.layers  # Mistral slides every layer
+    case = PixtralCase(spec, hf, ours, path)
+    case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate(hf, case.hf_inputs(p), 8))
+    return case
+
+
+FIXTURE = FamilyFixture(
+    specs=tuple(SPECS), load_case=load_case, build=lambda path, name: build_tiny_pixtral(path, SPECS[name]),
+    bytes_spec="llama_tied_layers", prompts=PROMPTS, text=Seeded(PROMPTS["text"], 8),
+    decode=Seeded(DECODE_PROMPT, 3),
+    batch=(Seeded(PROMPTS["text"], 4), Seeded(PROMPTS["two_sizes"], 5), Seeded(PROMPTS["tall"], 6)),
+    # Chunks of 5 tokens: every image (12 and 10 [IMG] tokens with their breaks) spans several chunks, and chunk
+    # boundaries fall inside rows and on [IMG_BREAK] tokens.
+    chunked=tuple(Chunked([5, ("image", (3, 4)), 1, ("image", (2, 5)), 4], 6, lambda spec: 5, page)
+                  for page in (1, 4)),
+    # Page size 1: one past [IMG_END]; 4: a cut inside the image.
+    prefix=Seeded([4, ("image", (3, 3)), 6], 7),
+    prefix_cuts={"page1": (1, lambda case, a: 4 + 3 * 4), "page4": (4, lambda case, a: 8)},
+    # Images of three sizes from two prompts.
+    tower=(Seeded([2, ("image", (5, 3)), 1, ("image", (1, 6)), 1], 2), Seeded([1, ("image", (2, 2)), 1], 3)),
+)
 
 
 # ---------------------------------------------------------------- full checkpoint directory

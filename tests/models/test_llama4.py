@@ -34,6 +34,7 @@ from paged_driver import (
     decode_step,
     make_batch,
     share_prefix,
+    check_text_prefill_and_decode,
 )
 
 from tessera.layers.llama4_decoder import chunk_masks
@@ -293,16 +294,4 @@ def test_text_only_llama4_for_causal_lm_matches_hf(tmp_path):
     ours, config = load_model(tmp_path, torch.float32)
     assert isinstance(ours, Llama4ForCausalLM) and config.rope_type == "llama3"
     ids = torch.randint(0, 120, (14,), generator=g)
-    with torch.inference_mode():
-        ref = hf(input_ids=ids[None]).logits[0]
-        ref_tokens = hf.generate(input_ids=ids[None], attention_mask=torch.ones(1, 14, dtype=torch.long),
-                                 max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)[0, 14:]
-        kv = PagedKV(ours.lm_config, page_size=4)
-        row = kv.new_request()
-        logits = ours(make_batch(kv, [Step(row, ids, torch.arange(14), all_logits=True)]), kv.pool)
-        torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
-        tokens, last = [], logits[-1]
-        for _ in range(6):
-            tokens.append(int(last.argmax()))
-            last = ours(make_batch(kv, [decode_step(kv, row, last)]), kv.pool)[-1]
-    assert tokens == ref_tokens.tolist()
+    check_text_prefill_and_decode(hf, ours, ids, 6)
