@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.fixture_checks import check_greedy_depends_on_inputs, hf_stepped_greedy, prompt_variants
+from tests.models.fixture_checks import MIN_MARGIN, check_greedy_depends_on_inputs, hf_stepped_greedy, prompt_variants
 from tests.models.paged_driver import (
     PagedKV,
     Step,
@@ -79,9 +79,12 @@ class FamilyCase(ABC):
         """What HF's cached forward takes for decode step `step` besides the token and the cache."""
         return {}
 
+    def hf_greedy_of(self, inputs: dict, prompt: Any, num_new: int) -> tuple[list[int], float]:
+        """HF's stepped greedy tokens and smallest top-2 margin on HF inputs `inputs` laid out as `prompt`."""
+        return hf_stepped_greedy(self.hf, inputs, num_new, lambda inputs, i: self.hf_step_kwargs(prompt, inputs, i))
+
     def hf_greedy_uncached(self, prompt: Any, num_new: int) -> tuple[list[int], float]:
-        return hf_stepped_greedy(self.hf, self.hf_inputs(prompt), num_new,
-                                 lambda inputs, i: self.hf_step_kwargs(prompt, inputs, i))
+        return self.hf_greedy_of(self.hf_inputs(prompt), prompt, num_new)
 
     def hf_greedy(self, prompt: Any, num_new: int) -> tuple[list[int], float]:
         """HF's greedy tokens stepped with its own KV cache and the smallest top-2 margin, memoised."""
@@ -110,7 +113,8 @@ class FamilyCase(ABC):
         return self.embeds[key]
 
     def build(self, seeded: Seeded) -> Any:
-        return self.prompt(seeded.parts, seeded.seed)
+        parts = seeded.parts(self.spec) if callable(seeded.parts) else seeded.parts
+        return self.prompt(parts, seeded.seed)
 
     def text_rms(self, prompt: Any) -> torch.Tensor:
         """The RMS of text embeddings that media embeddings must match."""
@@ -160,7 +164,7 @@ class FamilyCase(ABC):
 
 @dataclass(frozen=True)
 class Seeded:
-    parts: Parts
+    parts: Parts | Callable[[Any], Parts]  # or spec -> parts, where the layout depends on the spec
     seed: int
 
 
@@ -236,3 +240,14 @@ def prefix_hit(case: FamilyCase, a: Any, b: Any, shared: int, page_size: int,
         share_prefix(kv, ra, rb, shared)
         lb = case.ours(make_batch(kv, [case.extend_step(rb, b, shared, all_logits=True)]), kv.pool)
     return lb, decode_together(case, kv, [ra, rb], [a, b], [la, lb[-1]], num_new)
+
+
+def check_processed_prompt_matches_hf(case: FamilyCase, prompt: Any, hf_inputs: dict, num_new: int = 6) -> None:
+    """Our model on our processor's output `prompt` gives HF's logits and greedy tokens on HF's processor
+    output `hf_inputs`."""
+    ref_tokens, margin = case.hf_greedy_of(hf_inputs, prompt, num_new)
+    assert margin > MIN_MARGIN
+    with torch.inference_mode():
+        ref = case.hf(**hf_inputs).logits[0]
+    torch.testing.assert_close(our_logits(case, prompt, page_size=2), ref, atol=ATOL, rtol=0)
+    assert our_greedy(case, [prompt], num_new, page_size=2)[0] == [ref_tokens]

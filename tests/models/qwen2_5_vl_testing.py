@@ -10,7 +10,8 @@ Two entry points build checkpoints:
 Both make fixtures that can fail (see shared/design/FAMILY-FIXTURES.md): norm weights and biases are random
 (HF starts them at 1 and 0), and the vision merger's output is rescaled so image embeddings are text-sized.
 
-The prompt, HF references and parity checks it shares with Qwen2-VL and Qwen3-VL are in mrope_vlm_testing.py.
+The prompt, HF's positions and the parity suite's case it shares with Qwen2-VL and Qwen3-VL are in
+mrope_vlm_testing.py; its FIXTURE is the parity suite's row.
 Other test directories import it as `tests.models.qwen2_5_vl_testing`.
 """
 
@@ -24,7 +25,9 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
-from tests.models.mrope_vlm_testing import MRopePrompt
+from tests.models.family_parity import Chunked, FamilyFixture, Seeded
+from tests.models.fixture_checks import hf_generate
+from tests.models.mrope_vlm_testing import PREFIX, PREFIX_CUTS, MRopeCase, MRopePrompt
 
 VOCAB, IMAGE_ID, VIDEO_ID, VSTART_ID, VEND_ID = 128, 120, 121, 122, 123
 PATCH, MERGE, TEMPORAL_PATCH = 14, 2, 2
@@ -185,14 +188,52 @@ def our_positions(prompt: Prompt, tokens_per_second: float = TOKENS_PER_SECOND) 
     return mm.mrope_positions, mm.mrope_position_delta
 
 
-# ---------------------------------------------------------------- references
+# ---------------------------------------------------------------- the parity suite's row
 
-def hf_generate(hf, inputs: dict, num_new: int) -> list[int]:
-    """transformers' own greedy generate (see mrope_vlm_testing.hf_greedy for where its decode positions
-    differ)."""
-    with torch.inference_mode():
-        out = hf.generate(**inputs, max_new_tokens=num_new, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+class Qwen2_5VLCase(MRopeCase):
+    def prompt(self, parts: list, seed: int = 0) -> Prompt:
+        return build_prompt(parts, seed)
+
+    def our_positions(self, prompt: Prompt) -> tuple[torch.Tensor, int]:
+        return our_positions(prompt)
+
+
+PROMPTS = {
+    "text": [12],
+    "square_image": [5, ("image", (1, 8, 8)), 4],  # 4x4 merged: 4 windows (gqa), 1 padded window (mha)
+    "nonsquare_image": [3, ("image", (1, 6, 14)), 2],  # 3x7 merged: windows padded on both axes
+    "two_images": [3, ("image", (1, 8, 12)), 2, ("image", (1, 4, 6)), 3],
+    "video": [4, ("video", (4, 4, 6), 0.75), 3],  # temporal step 2 x 0.75 = 1.5 positions per grid
+    "image_and_long_video": [2, ("image", (1, 2, 2)), 1, ("video", (6, 4, 4), 1.25), 3],  # step 2.5, t > h, w
+}
+DECODE_PROMPT = [3, ("image", (1, 8, 12)), 2, ("video", (4, 4, 6), 0.75), 4]
+
+
+def load_case(name: str, path: Path) -> Qwen2_5VLCase:
+    from tessera.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+    from tessera.models.registry import load_model
+
+    spec = SPECS[name]
+    hf = build_tiny_qwen2_5_vl(path, spec)
+    ours, config = load_model(path, torch.float32)
+    assert isinstance(ours, Qwen2_5_VLForConditionalGeneration)
+    assert config.mrope_section == spec.mrope_section and config.tie_word_embeddings == spec.tie
+    case = Qwen2_5VLCase(spec, hf, ours, path)
+    case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate(hf, p.hf_inputs(), 8))
+    return case
+
+
+FIXTURE = FamilyFixture(
+    specs=tuple(SPECS), load_case=load_case, build=lambda path, name: build_tiny_qwen2_5_vl(path, SPECS[name]),
+    bytes_spec="gqa", prompts=PROMPTS, text=Seeded([12], 8), decode=Seeded(DECODE_PROMPT, 3),
+    batch=(Seeded(PROMPTS["two_images"], 4), Seeded(PROMPTS["image_and_long_video"], 5)),
+    # Chunks of 7 tokens; the image spans rows 6..29 and the video 33..44, so chunk boundaries 7, 14, 21, 28 and
+    # 35, 42 fall inside media spans.
+    chunked=tuple(Chunked([5, ("image", (1, 8, 12)), 1, ("video", (2, 4, 6), 0.75), 4], 6, lambda spec: 7, page)
+                  for page in (1, 4)),
+    prefix=PREFIX, prefix_cuts=PREFIX_CUTS,
+    tower=(Seeded([2, ("image", (1, 8, 12)), 1, ("image", (1, 6, 14)), 1, ("video", (2, 4, 6), 1.0)], 2),),
+)
 
 
 # ---------------------------------------------------------------- full checkpoint directory

@@ -36,17 +36,3 @@ class RopeVLCase(FamilyCase):
     def hf_step_kwargs(self, prompt: VLPrompt, inputs: dict, step: int) -> dict:
         return {"position_ids": torch.tensor([[len(prompt) + step]])}
 
-
-def check_processed_prompt_matches_hf(case: RopeVLCase, prompt: VLPrompt, hf_inputs: dict, num_new: int = 6) -> None:
-    """Our model on our processor's output `prompt` gives HF's logits and greedy tokens on HF's processor
-    output `hf_inputs`."""
-    from tests.models.family_parity import ATOL, our_greedy, our_logits
-    from tests.models.fixture_checks import MIN_MARGIN, hf_stepped_greedy
-
-    ref_tokens, margin = hf_stepped_greedy(case.hf, hf_inputs, num_new,
-                                           lambda inputs, i: case.hf_step_kwargs(prompt, inputs, i))
-    assert margin > MIN_MARGIN
-    with torch.inference_mode():
-        ref = case.hf(**hf_inputs).logits[0]
-    torch.testing.assert_close(our_logits(case, prompt, page_size=2), ref, atol=ATOL, rtol=0)
-    assert our_greedy(case, [prompt], num_new, page_size=2)[0] == [ref_tokens]

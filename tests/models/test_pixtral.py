@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 from pixtral_testing import SPECS, PixtralCase, load_hf_reference, make_tiny_pixtral_checkpoint
-from rope_vlm_testing import VLPrompt, check_processed_prompt_matches_hf
+from rope_vlm_testing import VLPrompt
 
 from tessera.models.registry import load_model
+from tests.models.family_parity import check_processed_prompt_matches_hf
 
 
 def test_real_processor_checkpoint_matches_hf(tmp_path):
