@@ -12,7 +12,7 @@ so tests of several page sizes share them.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -32,6 +32,17 @@ from tests.models.paged_driver import (
 
 ATOL = 1e-4
 Parts = list  # a family's prompt description: ints (random text tokens) and media tuples of its own shape
+
+
+def media_parts(parts: Parts, seed: int, ids: list[int], text_below: int = 100) -> Iterator[tuple[Any, torch.Generator]]:
+    """Walks a prompt's parts: appends n random text ids (< text_below) to `ids` for an int n, and yields every
+    other part with the prompt's generator, so that the same parts and seed give the same prompt."""
+    g = torch.Generator().manual_seed(seed)
+    for part in parts:
+        if isinstance(part, int):
+            ids += torch.randint(0, text_below, (part,), generator=g).tolist()
+        else:
+            yield part, g
 
 
 def prompt_key(prompt: Any) -> tuple:

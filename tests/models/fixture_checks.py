@@ -16,6 +16,23 @@ import torch
 MIN_MARGIN = 1e-3  # 10x the parity tests' 1e-4 tolerance: a greedy choice made by less is float noise, not a test
 
 
+def save_random_model(path, model_cls, config, seed: int, make_can_fail: Callable[[Any], None],
+                      attn_implementation: str | None = "eager", eos: int | None = None, pad: int | None = None):
+    """HF's `model_cls` of `config` drawn from `seed`, made able to fail in place (`make_can_fail(model)`), in
+    eval mode, saved to `path` with, when `eos` is given, a generation config as complete checkpoints have one.
+    Returns the model."""
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = model_cls._from_config(config, **kw).eval()
+    make_can_fail(model)
+    if eos is not None:
+        model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(path)
+    return model
+
+
 def top2_margin(logits: torch.Tensor) -> float:
     """Smallest gap between the best and second-best logit over the rows of `logits` [..., V]."""
     top = logits.float().topk(2, dim=-1).values

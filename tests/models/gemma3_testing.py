@@ -28,8 +28,14 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.family_parity import ATOL, Chunked, FamilyCase, FamilyFixture, Seeded
-from tests.models.fixture_checks import MIN_MARGIN, grown_mask, hf_generate, top2_margin  # noqa: F401
+from tests.models.family_parity import ATOL, Chunked, FamilyCase, FamilyFixture, Seeded, media_parts
+from tests.models.fixture_checks import (  # noqa: F401  (MIN_MARGIN, top2_margin: re-exported to the tests)
+    MIN_MARGIN,
+    grown_mask,
+    hf_generate,
+    save_random_model,
+    top2_margin,
+)
 
 VOCAB, BOI_ID, EOI_ID, IMAGE_ID = 256, 250, 251, 252
 CHAT_TEMPLATE = (
@@ -142,12 +148,8 @@ def build_tiny_gemma3(path: str | Path, spec: TinySpec, attn_implementation: str
     """The HF reference model (eval mode), also saved to `path` (config + safetensors only)."""
     from transformers import Gemma3ForConditionalGeneration
 
-    torch.manual_seed(spec.seed)
-    hf = Gemma3ForConditionalGeneration._from_config(tiny_gemma3_config(spec),
-                                                     attn_implementation=attn_implementation).eval()
-    make_fixture_can_fail_(hf, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, Gemma3ForConditionalGeneration, tiny_gemma3_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec.seed), attn_implementation)
 
 
 # ---------------------------------------------------------------- prompts
@@ -175,14 +177,9 @@ def build_prompt(spec: list, tokens_per_image: int, image_size: int, seed: int =
     """spec parts: int n = n random text tokens (ids < 240); ("image", num_crops) = the original image and
     num_crops crops, each <boi> + tokens_per_image image tokens + <eoi>, with random pixels. Same spec and
     seed -> same prompt."""
-    g = torch.Generator().manual_seed(seed)
     ids: list[int] = []
     items = []
-    for part in spec:
-        if isinstance(part, int):
-            ids += torch.randint(0, 240, (part,), generator=g).tolist()
-            continue
-        _, num_crops = part
+    for (_, num_crops), g in media_parts(spec, seed, ids, text_below=240):
         offsets = []
         for _ in range(1 + num_crops):
             ids.append(BOI_ID)
@@ -373,7 +370,6 @@ def make_tiny_gemma3_checkpoint(path: str | Path, spec: TinySpec | None = None, 
         Gemma3ForConditionalGeneration,
         Gemma3ImageProcessor,
         Gemma3Processor,
-        GenerationConfig,
     )
 
     from tessera.config import ASSETS_DIR
@@ -391,11 +387,8 @@ def make_tiny_gemma3_checkpoint(path: str | Path, spec: TinySpec | None = None, 
     cfg = tiny_gemma3_config(spec, vocab_size=(len(tok) + 63) // 64 * 64, boi=tok.boi_token_id,
                              eoi=tok.eoi_token_id, image=tok.image_token_id, eos_token_id=eos, pad_token_id=pad,
                              bos_token_id=None)
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration._from_config(cfg).eval()
-    make_fixture_can_fail_(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    model.save_pretrained(path)
+    save_random_model(path, Gemma3ForConditionalGeneration, cfg, seed, lambda m: make_fixture_can_fail_(m, seed),
+                      None, eos, pad)
     return path
 
 

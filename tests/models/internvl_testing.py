@@ -22,8 +22,8 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.family_parity import Chunked, FamilyFixture, Seeded
-from tests.models.fixture_checks import hf_generate
+from tests.models.family_parity import Chunked, FamilyFixture, Seeded, media_parts
+from tests.models.fixture_checks import hf_generate, save_random_model
 from tests.models.rope_vlm_testing import RopeVLCase, VLPrompt
 
 VOCAB, IMAGE_ID, START_ID, END_ID = 128, 120, 121, 122
@@ -132,25 +132,16 @@ def build_tiny_internvl(path: str | Path, spec: TinySpec):
     """The HF reference model (eval mode, eager attention), also saved to `path` (config + safetensors)."""
     from transformers import InternVLForConditionalGeneration
 
-    torch.manual_seed(spec.seed)
-    hf = InternVLForConditionalGeneration._from_config(tiny_internvl_config(spec),
-                                                       attn_implementation="eager").eval()
-    make_fixture_can_fail_(hf, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, InternVLForConditionalGeneration, tiny_internvl_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec.seed))
 
 
 def build_prompt(spec: TinySpec, parts: list, seed: int = 0) -> VLPrompt:
     """parts: int n = n random text tokens (ids < 100); ("image", num_tiles) = <img>, the tiles' context tokens,
     </img>, with random tiles. Same parts and seed -> same prompt."""
-    g = torch.Generator().manual_seed(seed)
     ids: list[int] = []
     items = []
-    for part in parts:
-        if isinstance(part, int):
-            ids += torch.randint(0, 100, (part,), generator=g).tolist()
-            continue
-        num_tiles = part[1]
+    for (_, num_tiles), g in media_parts(parts, seed, ids):
         n = num_tiles * spec.tokens_per_tile
         ids.append(START_ID)
         items.append(MultimodalDataItem(
@@ -238,7 +229,7 @@ def make_tiny_internvl_checkpoint(path: str | Path, spec: TinySpec = SPECS["qwen
     widths and tower; the vocabulary is the tokenizer's), a GotOcr2ImageProcessor tiling images into
     spec.image_size tiles (min_patches..max_patches, thumbnail), an InternVLProcessor with
     image_seq_length = spec.tokens_per_tile, the chat template, and generation_config (eos <|im_end|>)."""
-    from transformers import (GenerationConfig, GotOcr2ImageProcessor, InternVLForConditionalGeneration,
+    from transformers import (GotOcr2ImageProcessor, InternVLForConditionalGeneration,
                               InternVLProcessor, InternVLVideoProcessor)
 
     path = Path(path)
@@ -253,11 +244,8 @@ def make_tiny_internvl_checkpoint(path: str | Path, spec: TinySpec = SPECS["qwen
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     cfg = tiny_internvl_config(spec, vocab_size=(len(tok) + 63) // 64 * 64, image_token_id=tok.context_image_token_id,
                                bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
-    torch.manual_seed(seed)
-    model = InternVLForConditionalGeneration._from_config(cfg).eval()
-    make_fixture_can_fail_(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    model.save_pretrained(path)
+    save_random_model(path, InternVLForConditionalGeneration, cfg, seed, lambda m: make_fixture_can_fail_(m, seed),
+                      None, eos, pad)
     return path
 
 

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.family_parity import ATOL, Chunked, FamilyCase, FamilyFixture, Seeded
-from tests.models.fixture_checks import grown_mask, hf_generate
+from tests.models.family_parity import ATOL, Chunked, FamilyCase, FamilyFixture, Seeded, media_parts
+from tests.models.fixture_checks import grown_mask, hf_generate, save_random_model
 
 VOCAB = 128
 IMAGE_START, IMAGE_END, IMAGE_MARK, PATCH_ID, TILE_X, TILE_Y = 120, 121, 122, 123, 124, 125
@@ -137,11 +137,8 @@ def build_tiny_llama4(path: str | Path, spec: TinySpec):
     from transformers import Llama4ForConditionalGeneration
 
     patch_hf_forward()
-    torch.manual_seed(spec.seed)
-    hf = Llama4ForConditionalGeneration._from_config(tiny_llama4_config(spec), attn_implementation="eager").eval()
-    make_fixture_can_fail_(hf, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, Llama4ForConditionalGeneration, tiny_llama4_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec.seed))
 
 
 # ---------------------------------------------------------------- prompts
@@ -183,14 +180,9 @@ def image_token_layout(grid: tuple[int, int], tokens_per_tile: int) -> tuple[lis
 def build_prompt(parts: list, spec: TinySpec, seed: int = 0) -> Prompt:
     """parts: int n = n random text tokens (ids < 120); ("image", rows, cols) = an image of that tile grid (plus
     the global image when rows * cols > 1) with random pixels. Same parts and seed -> same prompt."""
-    g = torch.Generator().manual_seed(seed)
     ids: list[int] = []
     items = []
-    for part in parts:
-        if isinstance(part, int):
-            ids += torch.randint(0, 120, (part,), generator=g).tolist()
-            continue
-        _, rows, cols = part
+    for (_, rows, cols), g in media_parts(parts, seed, ids, text_below=120):
         layout, runs = image_token_layout((rows, cols), spec.tokens_per_tile)
         base = len(ids)
         ids += layout
@@ -358,7 +350,6 @@ def make_tiny_llama4_checkpoint(path: str | Path, spec: TinySpec | None = None, 
     and config + model.safetensors from `spec` (default SPECS["gqa_chunked"]) made to be able to fail."""
     from transformers import (
         AutoTokenizer,
-        GenerationConfig,
         Llama4ForConditionalGeneration,
         Llama4ImageProcessor,
         Llama4Processor,
@@ -382,11 +373,8 @@ def make_tiny_llama4_checkpoint(path: str | Path, spec: TinySpec | None = None, 
                              boi=ids["<|image_start|>"], eoi=ids["<|image_end|>"], eos_token_id=eos,
                              pad_token_id=pad, bos_token_id=None)
     patch_hf_forward()
-    torch.manual_seed(seed)
-    model = Llama4ForConditionalGeneration._from_config(cfg, attn_implementation="eager").eval()
-    make_fixture_can_fail_(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    model.save_pretrained(path)
+    save_random_model(path, Llama4ForConditionalGeneration, cfg, seed, lambda m: make_fixture_can_fail_(m, seed),
+                      eos=eos, pad=pad)
     return path
 
 

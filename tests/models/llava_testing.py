@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.family_parity import Chunked, FamilyCase, FamilyFixture, Seeded
-from tests.models.fixture_checks import hf_generate
+from tests.models.family_parity import Chunked, FamilyCase, FamilyFixture, Seeded, media_parts
+from tests.models.fixture_checks import hf_generate, save_random_model
 
 VOCAB, IMAGE_ID = 128, 120
 
@@ -169,11 +169,8 @@ def make_fixture_can_fail_(hf: torch.nn.Module, spec: TinySpec, seed: int) -> No
 
 def build_tiny_llava(path: str | Path, spec: TinySpec, attn_implementation: str = "eager"):
     """The HF reference model (eval mode), also saved to `path` (config + safetensors only)."""
-    torch.manual_seed(spec.seed)
-    hf = hf_model_class(spec)._from_config(tiny_llava_config(spec), attn_implementation=attn_implementation).eval()
-    make_fixture_can_fail_(hf, spec, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, hf_model_class(spec), tiny_llava_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec, spec.seed), attn_implementation)
 
 
 # ---------------------------------------------------------------- prompts
@@ -208,14 +205,10 @@ def build_prompt(spec: TinySpec, parts: list, seed: int = 0) -> Prompt:
     from tessera.models.llava import LlavaImageGeometry
 
     geometry = LlavaImageGeometry.from_config(tiny_llava_config(spec))
-    g = torch.Generator().manual_seed(seed)
     ids: list[int] = []
     items = []
-    for part in parts:
-        if isinstance(part, int):
-            ids += torch.randint(0, 100, (part,), generator=g).tolist()
-            continue
-        size = tuple(part[1])
+    for (_, size), g in media_parts(parts, seed, ids):
+        size = tuple(size)
         num = geometry.num_image_tokens(size)
         start = len(ids)
         ids += [IMAGE_ID] * num
@@ -244,7 +237,6 @@ def make_tiny_llava_checkpoint(path: str | Path, spec: TinySpec | str = "llama",
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
-        GenerationConfig,
         LlavaNextImageProcessor,
         LlavaNextProcessor,
         LlavaProcessor,
@@ -275,11 +267,8 @@ def make_tiny_llava_checkpoint(path: str | Path, spec: TinySpec | str = "llama",
     if not weights:
         cfg.save_pretrained(path)
         return path
-    torch.manual_seed(spec.seed)
-    model = hf_model_class(spec)._from_config(cfg).eval()
-    make_fixture_can_fail_(model, spec, spec.seed)
-    model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
-    model.save_pretrained(path)
+    save_random_model(path, hf_model_class(spec), cfg, spec.seed, lambda m: make_fixture_can_fail_(m, spec, spec.seed),
+                      None, ids["<|im_end|>"], ids["<|endoftext|>"])
     return path
 
 

@@ -17,7 +17,14 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.family_parity import FamilyCase, Seeded, check_processed_prompt_matches_hf, media_embeds, prompt_key
+from tests.models.family_parity import (
+    FamilyCase,
+    Seeded,
+    check_processed_prompt_matches_hf,
+    media_embeds,
+    media_parts,
+    prompt_key,
+)
 from tests.models.mrope_reference import decode_mrope_positions
 from tests.models.paged_driver import PagedKV, Step
 
@@ -70,6 +77,37 @@ class ProcessedPrompt:
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def mm_types(ids: list[int], image_id: int, video_id: int) -> torch.Tensor:
+    """mm_token_type_ids of `ids`: 1 on image pads, 2 on video pads, 0 elsewhere."""
+    return torch.tensor([1 if i == image_id else 2 if i == video_id else 0 for i in ids])
+
+
+def build_span_prompt(parts: list, seed: int, prompt_cls: type, patch_dim: int, ids_of: tuple[int, int, int, int],
+                      merge: int = 2) -> Any:
+    """Qwen2-VL's and Qwen2.5-VL's layout. parts: int n = n random text tokens (ids < 100); ("image", (t, h, w))
+    or ("video", (t, h, w)[, seconds per temporal grid step]) = <vision_start>, t*h*w/merge^2 pads,
+    <vision_end>, with random pixel rows. `ids_of`: the image, video, start and end token ids. Same parts and
+    seed -> same prompt."""
+    image_id, video_id, start_id, end_id = ids_of
+    ids: list[int] = []
+    items = []
+    for part, g in media_parts(parts, seed, ids):
+        kind, (t, h, w) = part[0], part[1]
+        num = t * h * w // merge**2
+        is_image = kind == "image"
+        ids.append(start_id)
+        start = len(ids)
+        ids += [image_id if is_image else video_id] * num + [end_id]
+        msd = {("image_grid_thw" if is_image else "video_grid_thw"): torch.tensor([[t, h, w]])}
+        if len(part) > 2:
+            msd["second_per_grid_ts"] = torch.tensor([float(part[2])])
+        items.append(MultimodalDataItem(
+            modality=Modality.IMAGE if is_image else Modality.VIDEO, hash=len(items), offsets=[(start, start + num)],
+            feature=torch.randn(t * h * w, patch_dim, generator=g), model_specific_data=msd,
+        ))
+    return prompt_cls(torch.tensor(ids), mm_types(ids, image_id, video_id), items)
 
 
 def hf_positions(hf, prompt: MRopePrompt) -> tuple[torch.Tensor, int]:

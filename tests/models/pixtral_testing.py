@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.family_parity import Chunked, FamilyFixture, Seeded
-from tests.models.fixture_checks import hf_generate
+from tests.models.family_parity import Chunked, FamilyFixture, Seeded, media_parts
+from tests.models.fixture_checks import hf_generate, save_random_model
 from tests.models.rope_vlm_testing import RopeVLCase, VLPrompt
 
 VOCAB, IMG_ID, BREAK_ID, END_ID = 128, 120, 121, 122
@@ -122,11 +122,8 @@ def build_tiny_pixtral(path: str | Path, spec: TinySpec):
     """The HF reference model (eval mode, eager attention), also saved to `path` (config + safetensors)."""
     from transformers import LlavaForConditionalGeneration
 
-    torch.manual_seed(spec.seed)
-    hf = LlavaForConditionalGeneration._from_config(tiny_pixtral_config(spec), attn_implementation="eager").eval()
-    make_fixture_can_fail_(hf, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, LlavaForConditionalGeneration, tiny_pixtral_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec.seed))
 
 
 def image_ids(rows: int, cols: int) -> list[int]:
@@ -140,14 +137,9 @@ def image_ids(rows: int, cols: int) -> list[int]:
 def build_prompt(spec: TinySpec, parts: list, seed: int = 0) -> VLPrompt:
     """parts: int n = n random text tokens (ids < 100); ("image", (rows, cols)) = an image of rows x cols
     patches with random pixels. HF gets the images padded into one batch with their image_sizes."""
-    g = torch.Generator().manual_seed(seed)
     ids: list[int] = []
     items = []
-    for part in parts:
-        if isinstance(part, int):
-            ids += torch.randint(0, 100, (part,), generator=g).tolist()
-            continue
-        rows, cols = part[1]
+    for (_, (rows, cols)), g in media_parts(parts, seed, ids):
         start = len(ids)
         ids += image_ids(rows, cols)
         offsets = [(start + r * (cols + 1), start + r * (cols + 1) + cols) for r in range(rows)]
@@ -244,7 +236,7 @@ def make_tiny_pixtral_checkpoint(path: str | Path, spec: TinySpec = SPECS["mistr
     """Writes a complete random Pixtral-LLaVA checkpoint to `path` and returns it: the model of `spec` (its
     vocabulary is the tokenizer's), a PixtralImageProcessor capping the longest edge at spec.max_image with
     spec.patch patches, a PixtralProcessor, the chat template, and generation_config (eos <|im_end|>)."""
-    from transformers import GenerationConfig, LlavaForConditionalGeneration, PixtralImageProcessor, PixtralProcessor
+    from transformers import LlavaForConditionalGeneration, PixtralImageProcessor, PixtralProcessor
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -257,11 +249,8 @@ def make_tiny_pixtral_checkpoint(path: str | Path, spec: TinySpec = SPECS["mistr
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     cfg = tiny_pixtral_config(spec, vocab_size=(len(tok) + 63) // 64 * 64, image_token_id=tok.image_token_id,
                               bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration._from_config(cfg).eval()
-    make_fixture_can_fail_(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    model.save_pretrained(path)
+    save_random_model(path, LlavaForConditionalGeneration, cfg, seed, lambda m: make_fixture_can_fail_(m, seed),
+                      None, eos, pad)
     return path
 
 

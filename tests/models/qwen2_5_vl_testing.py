@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
-from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
+from tessera.messages.items import Modality, MultimodalInputs
 from tests.models.family_parity import Chunked, FamilyFixture, Seeded
-from tests.models.fixture_checks import hf_generate
-from tests.models.mrope_vlm_testing import PREFIX, PREFIX_CUTS, MRopeCase, MRopePrompt
+from tests.models.fixture_checks import hf_generate, save_random_model
+from tests.models.mrope_vlm_testing import PREFIX, PREFIX_CUTS, MRopeCase, MRopePrompt, build_span_prompt
 
 VOCAB, IMAGE_ID, VIDEO_ID, VSTART_ID, VEND_ID = 128, 120, 121, 122, 123
 PATCH, MERGE, TEMPORAL_PATCH = 14, 2, 2
@@ -123,12 +123,8 @@ def build_tiny_qwen2_5_vl(path: str | Path, spec: TinySpec, attn_implementation:
     """The HF reference model (eval mode), also saved to `path` (config + safetensors only)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    torch.manual_seed(spec.seed)
-    hf = Qwen2_5_VLForConditionalGeneration._from_config(tiny_qwen2_5_vl_config(spec),
-                                                          attn_implementation=attn_implementation).eval()
-    make_fixture_can_fail_(hf, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, Qwen2_5_VLForConditionalGeneration, tiny_qwen2_5_vl_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec.seed), attn_implementation)
 
 
 # ---------------------------------------------------------------- prompts
@@ -144,36 +140,10 @@ class Prompt(MRopePrompt):
         return {"second_per_grid_ts": self.second_per_grid_ts()}
 
 
-def build_prompt(spec: list, seed: int = 0) -> Prompt:
-    """spec parts: int n = n random text tokens (ids < 100); ("image", (t, h, w)) or ("video", (t, h, w), second_per_grid) = a <vision_start>..<vision_end> span with
-    random pixel rows. Same spec and seed -> same prompt."""
-    g = torch.Generator().manual_seed(seed)
-    ids: list[int] = []
-    types: list[int] = []
-    items = []
-    for part in spec:
-        if isinstance(part, int):
-            ids += torch.randint(0, 100, (part,), generator=g).tolist()
-            types += [0] * part
-            continue
-        kind, (t, h, w) = part[0], part[1]
-        num = t * h * w // MERGE**2
-        is_image = kind == "image"
-        ids.append(VSTART_ID)
-        types.append(0)
-        start = len(ids)
-        ids += [IMAGE_ID if is_image else VIDEO_ID] * num
-        types += [1 if is_image else 2] * num
-        ids.append(VEND_ID)
-        types.append(0)
-        msd = {("image_grid_thw" if is_image else "video_grid_thw"): torch.tensor([[t, h, w]])}
-        if not is_image:
-            msd["second_per_grid_ts"] = torch.tensor([float(part[2])])
-        items.append(MultimodalDataItem(
-            modality=Modality.IMAGE if is_image else Modality.VIDEO, hash=len(items), offsets=[(start, start + num)],
-            feature=torch.randn(t * h * w, PATCH_DIM, generator=g), model_specific_data=msd,
-        ))
-    return Prompt(torch.tensor(ids), torch.tensor(types), items)
+def build_prompt(parts: list, seed: int = 0) -> Prompt:
+    """mrope_vlm_testing.build_span_prompt's layout; a video part carries its seconds per temporal grid step:
+    ("video", (t, h, w), second_per_grid)."""
+    return build_span_prompt(parts, seed, Prompt, PATCH_DIM, (IMAGE_ID, VIDEO_ID, VSTART_ID, VEND_ID), MERGE)
 
 
 def our_positions(prompt: Prompt, tokens_per_second: float = TOKENS_PER_SECOND) -> tuple[torch.Tensor, int]:
@@ -260,7 +230,7 @@ def make_tiny_qwen2_5_vl_checkpoint(
       do_sample_frames=False) whose images are resized to [image_min_pixels, image_max_pixels] and video
       frames to [video_min_pixels, video_max_pixels]; a video given with its fps gets second_per_grid_ts.
     """
-    from transformers import (AutoProcessor, GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+    from transformers import (AutoProcessor, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                               Qwen2_5_VLProcessor)
 
     from tessera.config import ASSETS_DIR
@@ -292,11 +262,8 @@ def make_tiny_qwen2_5_vl_checkpoint(
                            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
                            architectures=["Qwen2_5_VLForConditionalGeneration"])
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration._from_config(cfg).eval()
-    make_fixture_can_fail_(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
-    model.save_pretrained(path)
+    save_random_model(path, Qwen2_5_VLForConditionalGeneration, cfg, seed, lambda m: make_fixture_can_fail_(m, seed),
+                      None, ids["<|im_end|>"], ids["<|endoftext|>"])
     return path
 
 

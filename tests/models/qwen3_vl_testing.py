@@ -26,9 +26,9 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
-from tests.models.family_parity import Chunked, FamilyFixture, Seeded
-from tests.models.fixture_checks import hf_generate
-from tests.models.mrope_vlm_testing import PREFIX, PREFIX_CUTS, MRopeCase, MRopePrompt
+from tests.models.family_parity import Chunked, FamilyFixture, Seeded, media_parts
+from tests.models.fixture_checks import hf_generate, save_random_model
+from tests.models.mrope_vlm_testing import PREFIX, PREFIX_CUTS, MRopeCase, MRopePrompt, mm_types
 
 VOCAB, IMAGE_ID, VIDEO_ID, VSTART_ID, VEND_ID = 128, 120, 121, 122, 123
 PATCH, MERGE, TEMPORAL_PATCH = 16, 2, 2
@@ -121,12 +121,8 @@ def build_tiny_qwen3_vl(path: str | Path, spec: TinySpec, attn_implementation: s
     """The HF reference model (eval mode), also saved to `path` (config + safetensors only)."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    torch.manual_seed(spec.seed)
-    hf = Qwen3VLForConditionalGeneration._from_config(tiny_qwen3_vl_config(spec),
-                                                       attn_implementation=attn_implementation).eval()
-    make_fixture_can_fail_(hf, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, Qwen3VLForConditionalGeneration, tiny_qwen3_vl_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec.seed), attn_implementation)
 
 
 # ---------------------------------------------------------------- prompts
@@ -139,47 +135,33 @@ def build_prompt(spec: list, seed: int = 0) -> Prompt:
     <vision_end>; ("video", (t, h, w)) = Qwen3-VL's layout: <vision_start>, then per frame group a
     3-token stand-in for its timestamp text, <vision_start> pads <vision_end>, then <vision_end>.
     Same spec and seed -> same prompt."""
-    g = torch.Generator().manual_seed(seed)
     ids: list[int] = []
-    types: list[int] = []
     items = []
 
-    def text(n: int) -> None:
-        ids.extend(torch.randint(0, 100, (n,), generator=g).tolist())
-        types.extend([0] * n)
-
-    def span(token: int, kind: int, n: int) -> tuple[int, int]:
+    def span(token: int, n: int) -> tuple[int, int]:
         ids.append(VSTART_ID)
         start = len(ids)
-        ids.extend([token] * n)
-        ids.append(VEND_ID)
-        types.extend([0] + [kind] * n + [0])
+        ids.extend([token] * n + [VEND_ID])
         return start, start + n
 
-    for part in spec:
-        if isinstance(part, int):
-            text(part)
-            continue
-        kind, (t, h, w) = part
+    for (kind, (t, h, w)), g in media_parts(spec, seed, ids):
         per_frame = h * w // MERGE**2
         if kind == "image":
-            offsets = [span(IMAGE_ID, 1, t * per_frame)]
+            offsets = [span(IMAGE_ID, t * per_frame)]
             msd = {"image_grid_thw": torch.tensor([[t, h, w]])}
         else:
             ids.append(VSTART_ID)
-            types.append(0)
             offsets = []
             for _ in range(t):
-                text(3)
-                offsets.append(span(VIDEO_ID, 2, per_frame))
+                ids.extend(torch.randint(0, 100, (3,), generator=g).tolist())
+                offsets.append(span(VIDEO_ID, per_frame))
             ids.append(VEND_ID)
-            types.append(0)
             msd = {"video_grid_thw": torch.tensor([[t, h, w]])}
         items.append(MultimodalDataItem(
             modality=Modality.IMAGE if kind == "image" else Modality.VIDEO, hash=len(items), offsets=offsets,
             feature=torch.randn(t * h * w, PATCH_DIM, generator=g), model_specific_data=msd,
         ))
-    return Prompt(torch.tensor(ids), torch.tensor(types), items)
+    return Prompt(torch.tensor(ids), mm_types(ids, IMAGE_ID, VIDEO_ID), items)
 
 
 def our_positions(prompt: Prompt) -> tuple[torch.Tensor, int]:
@@ -334,7 +316,7 @@ def make_tiny_qwen3_vl_checkpoint(
     the demo-vl chat template and a Qwen3VLProcessor (Qwen2VLImageProcessor and Qwen3VLVideoProcessor with
     patch 16, merge 2, mean/std 0.5, do_sample_frames=False) that `AutoProcessor.from_pretrained` loads.
     """
-    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -344,11 +326,8 @@ def make_tiny_qwen3_vl_checkpoint(
                                                         video_max_pixels=video_max_pixels)
     processor.save_pretrained(path)
     ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}
-    torch.manual_seed(spec.seed)
-    model = Qwen3VLForConditionalGeneration._from_config(cfg).eval()
-    make_fixture_can_fail_(model, spec.seed)
-    model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
-    model.save_pretrained(path)
+    save_random_model(path, Qwen3VLForConditionalGeneration, cfg, spec.seed,
+                      lambda m: make_fixture_can_fail_(m, spec.seed), None, ids["<|im_end|>"], ids["<|endoftext|>"])
     return path
 
 
