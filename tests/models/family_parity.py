@@ -34,7 +34,8 @@ ATOL = 1e-4
 Parts = list  # a family's prompt description: ints (random text tokens) and media tuples of its own shape
 
 
-def media_parts(parts: Parts, seed: int, ids: list[int], text_below: int = 100) -> Iterator[tuple[Any, torch.Generator]]:
+def media_parts(parts: Parts, seed: int, ids: list[int],
+                text_below: int = 100) -> Iterator[tuple[Any, torch.Generator]]:
     """Walks a prompt's parts: appends n random text ids (< text_below) to `ids` for an int n, and yields every
     other part with the prompt's generator, so that the same parts and seed give the same prompt."""
     g = torch.Generator().manual_seed(seed)
@@ -262,3 +263,40 @@ def check_processed_prompt_matches_hf(case: FamilyCase, prompt: Any, hf_inputs: 
         ref = case.hf(**hf_inputs).logits[0]
     torch.testing.assert_close(our_logits(case, prompt, page_size=2), ref, atol=ATOL, rtol=0)
     assert our_greedy(case, [prompt], num_new, page_size=2)[0] == [ref_tokens]
+
+
+def load_real_processor(path: Path, load_hf_reference, case_cls, spec: Any = None) -> tuple[FamilyCase, Any, Any]:
+    """(a case over the complete checkpoint at `path`, our processor through the registry, HF's AutoProcessor)."""
+    from transformers import AutoProcessor
+
+    from tessera.models.registry import load_model
+    from tessera.multimodal.media import MediaLimits
+    from tests.multimodal.processor_registry import create_processor
+
+    hf_processor = AutoProcessor.from_pretrained(path)
+    hf = load_hf_reference(path)
+    ours, config = load_model(path, torch.float32)
+    processor = create_processor(hf_processor, config.hf_config, limits=MediaLimits.offline())
+    return case_cls(spec, hf, ours, path), processor, hf_processor
+
+
+def process_two_images(processor, hf_processor, parts: list[str], add_generation_prompt: bool = True) -> tuple:
+    """A wide (130x40) and a tall (50x90) random image in a user turn of `parts` ("image" or text) through our
+    processor and HF's: (our output, HF's), the same ids."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (40, 130, 3), dtype=np.uint8)),
+              Image.fromarray(rng.integers(0, 256, (90, 50, 3), dtype=np.uint8))]
+    content = [{"type": "image"} if p == "image" else {"type": "text", "text": p} for p in parts]
+    messages = [{"role": "user", "content": content}]
+    kw = {"add_generation_prompt": True} if add_generation_prompt else {}  # Pixtral's template has no such flag
+    text = hf_processor.apply_chat_template(messages, tokenize=False, **kw)
+    try:
+        out = processor.process(prompt=text, image_data=images)
+    finally:
+        processor.close()
+    ref = hf_processor(text=[text], images=images, return_tensors="pt")
+    assert out.input_ids == ref["input_ids"][0].tolist()
+    return out, ref

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -233,18 +232,3 @@ def check_real_processor_matches_hf(case: MRopeCase, processor, hf_processor, im
     prompt = ProcessedPrompt(torch.tensor(out.input_ids), mm.items, mm.mrope_positions, mm.mrope_position_delta)
     check_processed_prompt_matches_hf(case, prompt, ref_inputs)
     return out, ref
-
-
-def load_real_processor(path: Path, load_hf_reference, case_cls) -> tuple[MRopeCase, Any, Any]:
-    """(a case over the complete checkpoint at `path`, our processor through the registry, HF's AutoProcessor)."""
-    from transformers import AutoProcessor
-
-    from tessera.models.registry import load_model
-    from tessera.multimodal.media import MediaLimits
-    from tests.multimodal.processor_registry import create_processor
-
-    hf_processor = AutoProcessor.from_pretrained(path)
-    hf = load_hf_reference(path)
-    ours, config = load_model(path, torch.float32)
-    processor = create_processor(hf_processor, config.hf_config, limits=MediaLimits.offline())
-    return case_cls(None, hf, ours, path), processor, hf_processor

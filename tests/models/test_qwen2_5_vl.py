@@ -7,7 +7,7 @@ a complete checkpoint through the real processor.
 from __future__ import annotations
 
 import pytest
-from mrope_vlm_testing import check_real_processor_matches_hf, load_real_processor
+from mrope_vlm_testing import check_real_processor_matches_hf
 from qwen2_5_vl_testing import (
     TOKENS_PER_SECOND,
     Qwen2_5VLCase,
@@ -16,6 +16,8 @@ from qwen2_5_vl_testing import (
     make_tiny_qwen2_5_vl_checkpoint,
     our_positions,
 )
+
+from tests.models.family_parity import load_real_processor
 
 
 def test_video_positions_are_time_scaled():

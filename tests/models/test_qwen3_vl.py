@@ -7,10 +7,11 @@ the interleaved M-RoPE layout, and a complete checkpoint through the real proces
 from __future__ import annotations
 
 import torch
-from mrope_vlm_testing import check_real_processor_matches_hf, load_real_processor
+from mrope_vlm_testing import check_real_processor_matches_hf
 from qwen3_vl_testing import Qwen3VLCase, load_hf_reference, make_tiny_qwen3_vl_checkpoint
 
 from tessera.layers.rotary import RotaryEmbedding
+from tests.models.family_parity import load_real_processor
 
 
 def test_interleaved_mrope_matches_hf_rotary():
