@@ -124,6 +124,17 @@ class FamilyCase(ABC):
             self.embeds[key] = rows, embeds
         return self.embeds[key]
 
+    @classmethod
+    def load(cls, spec: Any, path: Path, build: Callable[[Path, Any], Any], model_cls: type) -> tuple[FamilyCase, Any]:
+        """(a case of HF's model from `build(path, spec)` and ours, a `model_cls`, loaded from what it saved; our
+        model config)."""
+        from tessera.models.registry import load_model
+
+        hf = build(path, spec)
+        ours, config = load_model(path, torch.float32)
+        assert isinstance(ours, model_cls)
+        return cls(spec, hf, ours, path), config
+
     def build(self, seeded: Seeded) -> Any:
         parts = seeded.parts(self.spec) if callable(seeded.parts) else seeded.parts
         return self.prompt(parts, seeded.seed)

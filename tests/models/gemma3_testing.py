@@ -273,16 +273,12 @@ CHUNKED_PROMPT = [4, ("image", 1), 3, ("image", 0), 4]
 
 def load_case(name: str, path: Path) -> Gemma3Case:
     from tessera.models.gemma3 import Gemma3ForConditionalGeneration
-    from tessera.models.registry import load_model
 
-    spec = SPECS[name]
-    hf = build_tiny_gemma3(path, spec)
-    ours, config = load_model(path, torch.float32)
-    assert isinstance(ours, Gemma3ForConditionalGeneration)
+    case, config = Gemma3Case.load(SPECS[name], path, build_tiny_gemma3, Gemma3ForConditionalGeneration)
+    spec, hf = case.spec, case.hf
     assert config.family.bidirectional_mm_spans and config.hidden_act == "gelu_pytorch_tanh"
     assert config.sliding_windows == tuple(spec.sliding_window if t == "sliding_attention" else None
                                            for t in spec.layer_types)
-    case = Gemma3Case(spec, hf, ours, path)
     case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate(hf, p.hf_inputs(), 8))
     base = case.prompt(DECODE_PROMPT, seed=0)
     causal = {k: v for k, v in base.hf_inputs().items() if k != "token_type_ids"}

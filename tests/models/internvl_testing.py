@@ -176,14 +176,10 @@ DECODE_PROMPT = [3, ("image", 3), 2, ("image", 1), 4]
 
 def load_case(name: str, path: Path) -> InternVLCase:
     from tessera.models.internvl import InternVLForConditionalGeneration
-    from tessera.models.registry import load_model
 
-    spec = SPECS[name]
-    hf = build_tiny_internvl(path, spec)
-    ours, config = load_model(path, torch.float32)
-    assert isinstance(ours, InternVLForConditionalGeneration)
+    case, config = InternVLCase.load(SPECS[name], path, build_tiny_internvl, InternVLForConditionalGeneration)
+    spec, hf = case.spec, case.hf
     assert config.tie_word_embeddings == spec.tie
-    case = InternVLCase(spec, hf, ours, path)
     case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate(hf, case.hf_inputs(p), 8))
     return case
 

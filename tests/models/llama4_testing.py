@@ -254,17 +254,13 @@ def load_case(name: str, path: Path) -> Llama4Case:
     """The fixture must be able to fail (FamilyCase.check_fixture_can_fail), and HF's chunked KV cache agrees
     with recomputing everything."""
     from tessera.models.llama4 import Llama4ForConditionalGeneration
-    from tessera.models.registry import load_model
 
-    spec = SPECS[name]
-    hf = build_tiny_llama4(path, spec)
-    ours, _ = load_model(path, torch.float32)
-    assert isinstance(ours, Llama4ForConditionalGeneration)
+    case, _ = Llama4Case.load(SPECS[name], path, build_tiny_llama4, Llama4ForConditionalGeneration)
+    spec, hf, ours = case.spec, case.hf, case.ours
     settings = ours.model.settings
     assert settings.use_rope == tuple(bool(x) for x in spec.no_rope_layers)
     assert settings.is_moe == tuple(i in hf.config.text_config.moe_layers for i in range(spec.layers))
     assert any(settings.is_moe) and not all(settings.is_moe) and not all(settings.use_rope)
-    case = Llama4Case(spec, hf, ours, path)
     tokens = case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate(hf, hf_inputs(p), 8))
     assert tokens == hf_greedy_no_cache(hf, case.prompt(DECODE_PROMPT, seed=0), 8)
     return case

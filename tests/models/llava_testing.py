@@ -297,14 +297,11 @@ class LlavaCase(FamilyCase):
 
 def load_case(name: str, path: Path, decode_parts: list) -> LlavaCase:
     from tessera.models.llava import LlavaForConditionalGeneration
-    from tessera.models.registry import load_model
 
-    spec = SPECS[name]
-    hf = build_tiny_llava(path, spec)
-    ours, config = load_model(path, torch.float32)
-    assert type(ours).__name__ == type(hf).__name__ and isinstance(ours, LlavaForConditionalGeneration)
+    case, config = LlavaCase.load(SPECS[name], path, build_tiny_llava, LlavaForConditionalGeneration)
+    spec, hf, ours = case.spec, case.hf, case.ours
+    assert type(ours).__name__ == type(hf).__name__
     assert config.tie_word_embeddings == spec.tie
-    case = LlavaCase(spec, hf, ours, path)
     case.check_fixture_can_fail(decode_parts, lambda p: hf_generate(hf, p.hf_inputs(), 8), num_text=3)
     return case
 

@@ -188,16 +188,12 @@ DECODE_PROMPT = [3, ("image", (3, 4)), 2, ("image", (2, 2)), 4]
 
 def load_case(name: str, path: Path) -> PixtralCase:
     from tessera.models.pixtral import PixtralLlavaForConditionalGeneration
-    from tessera.models.registry import load_model
 
-    spec = SPECS[name]
-    hf = build_tiny_pixtral(path, spec)
-    ours, config = load_model(path, torch.float32)
-    assert isinstance(ours, PixtralLlavaForConditionalGeneration)
+    case, config = PixtralCase.load(SPECS[name], path, build_tiny_pixtral, PixtralLlavaForConditionalGeneration)
+    spec, hf = case.spec, case.hf
     assert config.family.vision_model_type == "pixtral" and config.tie_word_embeddings == spec.tie
     assert config.head_dim == spec.head_dim
     assert config.sliding_windows == (spec.sliding_window,) * spec.layers  # Mistral slides every layer
-    case = PixtralCase(spec, hf, ours, path)
     case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate(hf, case.hf_inputs(p), 8))
     return case
 

@@ -181,14 +181,10 @@ DECODE_PROMPT = [3, ("image", (1, 8, 12)), 2, ("video", (4, 4, 6), 0.75), 4]
 
 def load_case(name: str, path: Path) -> Qwen2_5VLCase:
     from tessera.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
-    from tessera.models.registry import load_model
 
-    spec = SPECS[name]
-    hf = build_tiny_qwen2_5_vl(path, spec)
-    ours, config = load_model(path, torch.float32)
-    assert isinstance(ours, Qwen2_5_VLForConditionalGeneration)
+    case, config = Qwen2_5VLCase.load(SPECS[name], path, build_tiny_qwen2_5_vl, Qwen2_5_VLForConditionalGeneration)
+    spec, hf = case.spec, case.hf
     assert config.mrope_section == spec.mrope_section and config.tie_word_embeddings == spec.tie
-    case = Qwen2_5VLCase(spec, hf, ours, path)
     case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate(hf, p.hf_inputs(), 8))
     return case
 

@@ -221,16 +221,12 @@ def load_case(name: str, path: Path) -> Qwen3VLCase:
     """Beyond FamilyCase.check_fixture_can_fail (which checks every DeepStack level is text-sized): a dropped
     DeepStack level moves the logits far beyond the tolerance."""
     from tessera.models.qwen3_vl import Qwen3VLForConditionalGeneration
-    from tessera.models.registry import load_model
     from tests.models.family_parity import ATOL
 
-    spec = SPECS[name]
-    hf = build_tiny_qwen3_vl(path, spec)
-    ours, config = load_model(path, torch.float32)
-    assert isinstance(ours, Qwen3VLForConditionalGeneration)
+    case, config = Qwen3VLCase.load(SPECS[name], path, build_tiny_qwen3_vl, Qwen3VLForConditionalGeneration)
+    spec, hf, ours = case.spec, case.hf, case.ours
     assert config.mrope_section == spec.mrope_section and config.head_dim == spec.head_dim
     assert ours.num_deepstack_levels == len(spec.deepstack)
-    case = Qwen3VLCase(spec, hf, ours, path)
     base = case.prompt(DECODE_PROMPT, seed=0)
     _, embeds = case.mm_embeds(base)
     no_deepstack = embeds.clone()
