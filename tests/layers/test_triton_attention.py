@@ -114,7 +114,7 @@ def test_tiny_qwen2_with_the_triton_backend_matches_hf(tmp_path) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from tessera.models.registry import load_model
-    from tests.models.paged_driver import PagedKV, Step, make_batch
+    from tests.models.paged_driver import check_text_prefill_and_decode
 
     cfg = Qwen2Config(vocab_size=96, hidden_size=96, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1, max_position_embeddings=128,
@@ -124,16 +124,4 @@ def test_tiny_qwen2_with_the_triton_backend_matches_hf(tmp_path) -> None:
     hf.save_pretrained(tmp_path)
     ours, _ = load_model(tmp_path, torch.float32, attention_backend="triton")
     ids = torch.randint(0, 96, (37,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        ref = hf(ids[None]).logits[0]
-        want = hf.generate(ids[None], attention_mask=torch.ones(1, 37, dtype=torch.long), max_new_tokens=6,
-                           do_sample=False, pad_token_id=0, eos_token_id=None)[0, 37:].tolist()
-        kv = PagedKV(ours.lm_config, page_size=4)
-        row = kv.new_request()
-        logits = ours(make_batch(kv, [Step(row, ids, torch.arange(37), all_logits=True)]), kv.pool)
-        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
-        tokens = []
-        for _ in range(6):
-            tokens.append(int(logits[-1].argmax()))
-            logits = ours(make_batch(kv, [Step(row, torch.tensor(tokens[-1:]), torch.tensor([kv.lens[row]]))]), kv.pool)
-    assert tokens == want
+    check_text_prefill_and_decode(hf, ours, ids, 6)

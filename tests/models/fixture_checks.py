@@ -16,24 +16,58 @@ import torch
 MIN_MARGIN = 1e-3  # 10x the parity tests' 1e-4 tolerance: a greedy choice made by less is float noise, not a test
 
 
+def save_random_model(path, model_cls, config, seed: int, make_can_fail: Callable[[Any], None],
+                      attn_implementation: str | None = "eager", eos: int | None = None, pad: int | None = None):
+    """HF's `model_cls` of `config` drawn from `seed`, made able to fail in place (`make_can_fail(model)`), in
+    eval mode, saved to `path` with, when `eos` is given, a generation config as complete checkpoints have one.
+    Returns the model."""
+    from transformers import GenerationConfig
+
+    torch.manual_seed(seed)
+    kw = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = model_cls._from_config(config, **kw).eval()
+    make_can_fail(model)
+    if eos is not None:
+        model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.save_pretrained(path)
+    return model
+
+
 def top2_margin(logits: torch.Tensor) -> float:
     """Smallest gap between the best and second-best logit over the rows of `logits` [..., V]."""
     top = logits.float().topk(2, dim=-1).values
     return float((top[..., 0] - top[..., 1]).min())
 
 
-def hf_stepped_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:
+def hf_stepped_greedy(hf, inputs: dict, num_new: int,
+                      step_kwargs: Callable[[dict, int], dict] | None = None) -> tuple[list[int], float]:
     """Greedy tokens of HF's model stepped with its own KV cache (prefill with `inputs`, then one token per
-    forward), and the smallest top-2 logit margin over those steps."""
+    forward, with `step_kwargs(inputs, i)` besides the token at step i: a grown attention mask, explicit
+    positions), and the smallest top-2 logit margin over those steps."""
     tokens, margins = [], []
     with torch.inference_mode():
         out = hf(**inputs, use_cache=True)
-        for _ in range(num_new):
+        for i in range(num_new):
             logits = out.logits[0, -1]
             margins.append(top2_margin(logits))
             tokens.append(int(logits.argmax()))
-            out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True)
+            extra = step_kwargs(inputs, i) if step_kwargs else {}
+            out = hf(input_ids=torch.tensor([[tokens[-1]]]), cache=out.cache, use_cache=True, **extra)
     return tokens, min(margins)
+
+
+def grown_mask(inputs: dict, step: int) -> dict:
+    """step_kwargs for models that want the prompt's attention mask grown by one column per decoded token."""
+    mask = inputs["attention_mask"]
+    return {"attention_mask": torch.cat([mask, torch.ones(1, step + 1, dtype=mask.dtype)], dim=1)}
+
+
+def hf_generate(hf, inputs: dict, num_new: int, **kw) -> list[int]:
+    """transformers' own greedy generate, no stop token."""
+    with torch.inference_mode():
+        out = hf.generate(**inputs, max_new_tokens=num_new, do_sample=False, pad_token_id=0, eos_token_id=None,
+                          **kw)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 def prompt_variants(build: Callable[[], Any], num_text: int = 4) -> tuple[Any, Any, Any]:

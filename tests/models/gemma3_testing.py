@@ -20,6 +20,7 @@ Other test directories import it as `tests.models.gemma3_testing`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,14 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.fixture_checks import MIN_MARGIN, top2_margin  # noqa: F401  (re-exported to the tests)
+from tests.models.family_parity import ATOL, Chunked, FamilyCase, FamilyFixture, Seeded, media_parts
+from tests.models.fixture_checks import (  # noqa: F401  (MIN_MARGIN, top2_margin: re-exported to the tests)
+    MIN_MARGIN,
+    grown_mask,
+    hf_generate,
+    save_random_model,
+    top2_margin,
+)
 
 VOCAB, BOI_ID, EOI_ID, IMAGE_ID = 256, 250, 251, 252
 CHAT_TEMPLATE = (
@@ -140,12 +148,8 @@ def build_tiny_gemma3(path: str | Path, spec: TinySpec, attn_implementation: str
     """The HF reference model (eval mode), also saved to `path` (config + safetensors only)."""
     from transformers import Gemma3ForConditionalGeneration
 
-    torch.manual_seed(spec.seed)
-    hf = Gemma3ForConditionalGeneration._from_config(tiny_gemma3_config(spec),
-                                                     attn_implementation=attn_implementation).eval()
-    make_fixture_can_fail_(hf, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, Gemma3ForConditionalGeneration, tiny_gemma3_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec.seed), attn_implementation)
 
 
 # ---------------------------------------------------------------- prompts
@@ -173,14 +177,9 @@ def build_prompt(spec: list, tokens_per_image: int, image_size: int, seed: int =
     """spec parts: int n = n random text tokens (ids < 240); ("image", num_crops) = the original image and
     num_crops crops, each <boi> + tokens_per_image image tokens + <eoi>, with random pixels. Same spec and
     seed -> same prompt."""
-    g = torch.Generator().manual_seed(seed)
     ids: list[int] = []
     items = []
-    for part in spec:
-        if isinstance(part, int):
-            ids += torch.randint(0, 240, (part,), generator=g).tolist()
-            continue
-        _, num_crops = part
+    for (_, num_crops), g in media_parts(spec, seed, ids, text_below=240):
         offsets = []
         for _ in range(1 + num_crops):
             ids.append(BOI_ID)
@@ -207,31 +206,145 @@ def prompt_mm_embeds(model, prompt: Prompt) -> tuple[torch.Tensor | None, torch.
 
 # ---------------------------------------------------------------- references
 
-def hf_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:
-    """Greedy tokens of HF's model stepped with its own KV cache (token_type_ids on the prefill only, as
-    generate does), and the smallest top-2 logit margin."""
-    tokens, margins = [], []
-    mask = inputs["attention_mask"]
-    with torch.inference_mode():
-        out = hf(**inputs, use_cache=True)
-        for _ in range(num_new):
-            logits = out.logits[0, -1]
-            margins.append(top2_margin(logits))
-            tokens.append(int(logits.argmax()))
-            mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
-            out = hf(input_ids=torch.tensor([[tokens[-1]]]), attention_mask=mask, cache=out.cache, use_cache=True)
-    return tokens, min(margins)
-
-
-def hf_generate(hf, inputs: dict, num_new: int) -> list[int]:
-    with torch.inference_mode():
-        out = hf.generate(**inputs, max_new_tokens=num_new, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
 def hf_logits(hf, prompt: Prompt) -> torch.Tensor:
     with torch.inference_mode():
         return hf(**prompt.hf_inputs()).logits[0]
+
+
+# ---------------------------------------------------------------- the parity suite's row
+
+def spans_of(prompt: Prompt) -> list[tuple[int, int]]:
+    return sorted(r for item in prompt.items for r in item.offsets)
+
+
+def atomic_chunks(n: int, chunk: int, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[lo, hi) chunks of at most `chunk` tokens, except that a span is never split: a chunk stops before a
+    span it would cut, and a chunk starting at a span takes it whole (scheduler/policy._schedule_chunk)."""
+    out, lo = [], 0
+    while lo < n:
+        hi = min(lo + chunk, n)
+        for s, e in spans:
+            if s < hi < e:
+                hi = s if s > lo else e
+                break
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+class Gemma3Case(FamilyCase):
+    """Masks come from worker/masks.span_mask over the items' offsets, as the worker builds them; chunks never
+    split a span, as the scheduler cuts them."""
+
+    def prompt(self, parts: list, seed: int = 0) -> Prompt:
+        return build_prompt(parts, self.spec.tokens_per_image, self.spec.image_size, seed=seed)
+
+    def hf_inputs(self, prompt: Prompt) -> dict:
+        return prompt.hf_inputs()
+
+    def hf_step_kwargs(self, prompt: Prompt, inputs: dict, step: int) -> dict:
+        return grown_mask(inputs, step)  # token_type_ids on the prefill only, as generate does
+
+    def hf_media_features(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        ref = self.hf.model.get_image_features(torch.cat([it.feature for it in items])).pooler_output
+        return [ref.reshape(-1, ref.shape[-1])]
+
+    def text_rms(self, prompt: Prompt) -> torch.Tensor:
+        return self.ours.model.embed_tokens(prompt.input_ids[:3]).pow(2).mean().sqrt()  # sqrt(hidden)-scaled
+
+    def custom_mask(self, prompt: Prompt, lo: int, hi: int) -> torch.Tensor | None:
+        from tessera.worker.masks import span_mask
+
+        return span_mask(spans_of(prompt), lo, hi)
+
+    def chunks(self, prompt: Prompt, chunk: int) -> list[tuple[int, int]]:
+        return atomic_chunks(len(prompt), chunk, spans_of(prompt))
+
+
+PROMPTS = {
+    "text": [12],
+    "one_image": [5, ("image", 0), 4],
+    "image_with_crops": [3, ("image", 2), 2],  # pan-and-scan: the original and two crops, three spans
+    "two_images": [3, ("image", 1), 2, ("image", 0), 3],
+}
+DECODE_PROMPT = [3, ("image", 1), 4]
+CHUNKED_PROMPT = [4, ("image", 1), 3, ("image", 0), 4]
+
+
+def load_case(name: str, path: Path) -> Gemma3Case:
+    from tessera.models.gemma3 import Gemma3ForConditionalGeneration
+
+    case, config = Gemma3Case.load(SPECS[name], path, build_tiny_gemma3, Gemma3ForConditionalGeneration)
+    spec, hf = case.spec, case.hf
+    assert config.family.bidirectional_mm_spans and config.hidden_act == "gelu_pytorch_tanh"
+    assert config.sliding_windows == tuple(spec.sliding_window if t == "sliding_attention" else None
+                                           for t in spec.layer_types)
+    case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate(hf, p.hf_inputs(), 8))
+    base = case.prompt(DECODE_PROMPT, seed=0)
+    causal = {k: v for k, v in base.hf_inputs().items() if k != "token_type_ids"}
+    with torch.inference_mode():
+        assert (hf(**causal).logits[0] - hf_logits(hf, base)).abs().max() > 100 * ATOL, \
+            "bidirectional image attention makes no difference"
+    return case
+
+
+def check_chunks_keep_spans_whole(case: Gemma3Case, monkeypatch) -> None:
+    """The chunked-prefill prompt's chunks of 5 tokens, fewer than an image's: one that would cut an image span
+    stops before it, and the next takes the span whole."""
+    chunks = case.chunks(case.prompt(CHUNKED_PROMPT, seed=6), 5)
+    assert len(chunks) > 4 and any(hi - lo > 5 for lo, hi in chunks)
+
+
+def check_split_image_span_would_differ(case: Gemma3Case, monkeypatch) -> None:
+    """The reason chunks keep spans whole: an image cut in two, with causal attention across the cut, gives
+    other logits than HF's (span_mask refuses such a step)."""
+    import pytest
+
+    from tessera.worker.masks import span_mask
+    from tests.models.paged_driver import PagedKV, Step, make_batch
+
+    prompt = case.prompt([2, ("image", 0), 3], seed=7)
+    (s, e), = spans_of(prompt)
+    cut = s + (e - s) // 2
+    with pytest.raises(ValueError, match="split"):
+        span_mask(spans_of(prompt), 0, cut)
+    model, kv = case.ours, PagedKV(case.ours.lm_config)
+    row = kv.new_request()
+    rows, embeds = case.mm_embeds(prompt)
+    outs = []
+    with torch.inference_mode():
+        for lo, hi in ((0, cut), (cut, len(prompt))):
+            sel = (rows >= lo) & (rows < hi)
+            mask = torch.arange(hi)[None, :] <= torch.arange(lo, hi)[:, None]  # causal only
+            step = Step(row, prompt.input_ids[lo:hi], torch.arange(lo, hi), rows[sel] - lo, embeds[sel],
+                        custom_mask=mask, all_logits=True)
+            outs.append(model(make_batch(kv, [step]), kv.pool))
+    assert (torch.cat(outs) - hf_logits(case.hf, prompt)).abs().max() > 100 * ATOL
+
+
+def _prefix_shared(page_size: int, cut: str) -> Callable[[Gemma3Case, Prompt], int]:
+    """B reuses A's KV up to its last page before the difference (the image included), or, where a cached
+    prefix would end inside the image, only up to the image's start (scheduler/policy.KVManager.admit)."""
+    def shared(case: Gemma3Case, a: Prompt) -> int:
+        (s, e), = spans_of(a)
+        n = (len(a) - 6) // page_size * page_size if cut == "after_image" else s
+        assert n >= e or n == s
+        return n
+    return shared
+
+
+FIXTURE = FamilyFixture(
+    specs=tuple(SPECS), load_case=load_case, build=lambda path, name: build_tiny_gemma3(path, SPECS[name]),
+    bytes_spec="mha_softcap", prompts=PROMPTS, text=Seeded([10], 9), decode=Seeded(DECODE_PROMPT, 0),
+    decode_new=8, decode_page_sizes=(4,), batch=(Seeded(PROMPTS["two_images"], 4), Seeded([9], 5)),
+    chunked=tuple(Chunked(CHUNKED_PROMPT, 6, lambda spec: 5, page) for page in (1, 4)),
+    prefix=Seeded([3, ("image", 0), 8], 8),
+    prefix_cuts={f"page{p}-{cut}": (p, _prefix_shared(p, cut))
+                 for p, cut in ((1, "after_image"), (4, "after_image"), (1, "at_image"))},
+    tower=(Seeded([2, ("image", 2), 1, ("image", 0)], 2),),
+    checks={"chunks_keep_spans_whole": check_chunks_keep_spans_whole,
+            "split_image_span_would_differ": check_split_image_span_would_differ},
+)
 
 
 # ---------------------------------------------------------------- full checkpoint directory
@@ -253,7 +366,6 @@ def make_tiny_gemma3_checkpoint(path: str | Path, spec: TinySpec | None = None, 
         Gemma3ForConditionalGeneration,
         Gemma3ImageProcessor,
         Gemma3Processor,
-        GenerationConfig,
     )
 
     from tessera.config import ASSETS_DIR
@@ -271,11 +383,8 @@ def make_tiny_gemma3_checkpoint(path: str | Path, spec: TinySpec | None = None, 
     cfg = tiny_gemma3_config(spec, vocab_size=(len(tok) + 63) // 64 * 64, boi=tok.boi_token_id,
                              eoi=tok.eoi_token_id, image=tok.image_token_id, eos_token_id=eos, pad_token_id=pad,
                              bos_token_id=None)
-    torch.manual_seed(seed)
-    model = Gemma3ForConditionalGeneration._from_config(cfg).eval()
-    make_fixture_can_fail_(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    model.save_pretrained(path)
+    save_random_model(path, Gemma3ForConditionalGeneration, cfg, seed, lambda m: make_fixture_can_fail_(m, seed),
+                      None, eos, pad)
     return path
 
 

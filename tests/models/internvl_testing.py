@@ -14,6 +14,7 @@ last layer is rescaled so image embeddings are text-sized.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,9 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.rope_vlm_testing import VLPrompt
+from tests.models.family_parity import Chunked, FamilyFixture, Seeded, media_parts
+from tests.models.fixture_checks import hf_generate, save_random_model
+from tests.models.rope_vlm_testing import RopeVLCase, VLPrompt
 
 VOCAB, IMAGE_ID, START_ID, END_ID = 128, 120, 121, 122
 
@@ -129,33 +132,78 @@ def build_tiny_internvl(path: str | Path, spec: TinySpec):
     """The HF reference model (eval mode, eager attention), also saved to `path` (config + safetensors)."""
     from transformers import InternVLForConditionalGeneration
 
-    torch.manual_seed(spec.seed)
-    hf = InternVLForConditionalGeneration._from_config(tiny_internvl_config(spec),
-                                                       attn_implementation="eager").eval()
-    make_fixture_can_fail_(hf, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, InternVLForConditionalGeneration, tiny_internvl_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec.seed))
 
 
 def build_prompt(spec: TinySpec, parts: list, seed: int = 0) -> VLPrompt:
     """parts: int n = n random text tokens (ids < 100); ("image", num_tiles) = <img>, the tiles' context tokens,
     </img>, with random tiles. Same parts and seed -> same prompt."""
-    g = torch.Generator().manual_seed(seed)
     ids: list[int] = []
     items = []
-    for part in parts:
-        if isinstance(part, int):
-            ids += torch.randint(0, 100, (part,), generator=g).tolist()
-            continue
-        num_tiles = part[1]
+    for (_, num_tiles), g in media_parts(parts, seed, ids):
         n = num_tiles * spec.tokens_per_tile
         ids.append(START_ID)
         items.append(MultimodalDataItem(
             modality=Modality.IMAGE, hash=len(items), offsets=[(len(ids), len(ids) + n)],
             feature=torch.randn(num_tiles, 3, spec.image_size, spec.image_size, generator=g)))
         ids += [IMAGE_ID] * n + [END_ID]
-    extra = {"pixel_values": torch.cat([it.feature for it in items])} if items else {}
-    return VLPrompt(torch.tensor(ids), items, extra)
+    return VLPrompt(torch.tensor(ids), items)
+
+
+# ---------------------------------------------------------------- the parity suite's row
+
+class InternVLCase(RopeVLCase):
+    def prompt(self, parts: list, seed: int = 0) -> VLPrompt:
+        return build_prompt(self.spec, parts, seed)
+
+    def hf_pixels(self, items: list[MultimodalDataItem]) -> dict[str, Any]:
+        return {"pixel_values": torch.cat([it.feature for it in items])} if items else {}
+
+    def hf_media_features(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        ref = self.hf.model.get_image_features(self.hf_pixels(items)["pixel_values"]).pooler_output
+        return [ref.reshape(-1, ref.shape[-1])]
+
+
+PROMPTS = {
+    "text": [12],
+    "one_tile": [5, ("image", 1), 4],
+    "tiles_and_thumbnail": [3, ("image", 5), 2],  # a 2x2 grid + thumbnail
+    "two_images": [3, ("image", 3), 2, ("image", 1), 3],
+}
+DECODE_PROMPT = [3, ("image", 3), 2, ("image", 1), 4]
+
+
+def load_case(name: str, path: Path) -> InternVLCase:
+    from tessera.models.internvl import InternVLForConditionalGeneration
+
+    case, config = InternVLCase.load(SPECS[name], path, build_tiny_internvl, InternVLForConditionalGeneration)
+    spec, hf = case.spec, case.hf
+    assert config.tie_word_embeddings == spec.tie
+    case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate(hf, case.hf_inputs(p), 8))
+    return case
+
+
+def _prefix_shared(page_size: int) -> Callable[[InternVLCase, VLPrompt], int]:
+    """Page size 1: just after </img>; 4: a page-aligned cut inside the image."""
+    def shared(case: InternVLCase, a: VLPrompt) -> int:
+        image_end = 5 + 2 * case.spec.tokens_per_tile  # </img>
+        cut = image_end + 1 if page_size == 1 else (image_end - 2) // page_size * page_size
+        assert cut > 5
+        return cut
+    return shared
+
+
+FIXTURE = FamilyFixture(
+    specs=tuple(SPECS), load_case=load_case, build=lambda path, name: build_tiny_internvl(path, SPECS[name]),
+    bytes_spec="llama_bias", prompts=PROMPTS, text=Seeded(PROMPTS["text"], 8), decode=Seeded(DECODE_PROMPT, 3),
+    batch=(Seeded(PROMPTS["text"], 4), Seeded(PROMPTS["two_images"], 5), Seeded(PROMPTS["one_tile"], 6)),
+    # Chunks smaller than one tile's tokens, so every image is split across several chunks.
+    chunked=tuple(Chunked([5, ("image", 3), 1, ("image", 1), 4], 6, lambda spec: spec.tokens_per_tile - 1, page)
+                  for page in (1, 4)),
+    prefix=Seeded([4, ("image", 2), 6], 7), prefix_cuts={f"page{p}": (p, _prefix_shared(p)) for p in (1, 4)},
+    tower=(Seeded([2, ("image", 5), 1, ("image", 2), 1], 2),),
+)
 
 
 # ---------------------------------------------------------------- full checkpoint directory
@@ -177,7 +225,7 @@ def make_tiny_internvl_checkpoint(path: str | Path, spec: TinySpec = SPECS["qwen
     widths and tower; the vocabulary is the tokenizer's), a GotOcr2ImageProcessor tiling images into
     spec.image_size tiles (min_patches..max_patches, thumbnail), an InternVLProcessor with
     image_seq_length = spec.tokens_per_tile, the chat template, and generation_config (eos <|im_end|>)."""
-    from transformers import (GenerationConfig, GotOcr2ImageProcessor, InternVLForConditionalGeneration,
+    from transformers import (GotOcr2ImageProcessor, InternVLForConditionalGeneration,
                               InternVLProcessor, InternVLVideoProcessor)
 
     path = Path(path)
@@ -192,11 +240,8 @@ def make_tiny_internvl_checkpoint(path: str | Path, spec: TinySpec = SPECS["qwen
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     cfg = tiny_internvl_config(spec, vocab_size=(len(tok) + 63) // 64 * 64, image_token_id=tok.context_image_token_id,
                                bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
-    torch.manual_seed(seed)
-    model = InternVLForConditionalGeneration._from_config(cfg).eval()
-    make_fixture_can_fail_(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    model.save_pretrained(path)
+    save_random_model(path, InternVLForConditionalGeneration, cfg, seed, lambda m: make_fixture_can_fail_(m, seed),
+                      None, eos, pad)
     return path
 
 

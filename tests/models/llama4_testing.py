@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.fixture_checks import MIN_MARGIN, top2_margin  # noqa: F401  (re-exported to the tests)
+from tests.models.family_parity import ATOL, Chunked, FamilyCase, FamilyFixture, Seeded, media_parts
+from tests.models.fixture_checks import grown_mask, hf_generate, save_random_model
 
 VOCAB = 128
 IMAGE_START, IMAGE_END, IMAGE_MARK, PATCH_ID, TILE_X, TILE_Y = 120, 121, 122, 123, 124, 125
@@ -136,11 +137,8 @@ def build_tiny_llama4(path: str | Path, spec: TinySpec):
     from transformers import Llama4ForConditionalGeneration
 
     patch_hf_forward()
-    torch.manual_seed(spec.seed)
-    hf = Llama4ForConditionalGeneration._from_config(tiny_llama4_config(spec), attn_implementation="eager").eval()
-    make_fixture_can_fail_(hf, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, Llama4ForConditionalGeneration, tiny_llama4_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec.seed))
 
 
 # ---------------------------------------------------------------- prompts
@@ -182,14 +180,9 @@ def image_token_layout(grid: tuple[int, int], tokens_per_tile: int) -> tuple[lis
 def build_prompt(parts: list, spec: TinySpec, seed: int = 0) -> Prompt:
     """parts: int n = n random text tokens (ids < 120); ("image", rows, cols) = an image of that tile grid (plus
     the global image when rows * cols > 1) with random pixels. Same parts and seed -> same prompt."""
-    g = torch.Generator().manual_seed(seed)
     ids: list[int] = []
     items = []
-    for part in parts:
-        if isinstance(part, int):
-            ids += torch.randint(0, 120, (part,), generator=g).tolist()
-            continue
-        _, rows, cols = part
+    for (_, rows, cols), g in media_parts(parts, seed, ids, text_below=120):
         layout, runs = image_token_layout((rows, cols), spec.tokens_per_tile)
         base = len(ids)
         ids += layout
@@ -202,15 +195,7 @@ def build_prompt(parts: list, spec: TinySpec, seed: int = 0) -> Prompt:
     return Prompt(torch.tensor(ids), items)
 
 
-def prompt_mm_embeds(model, prompt: Prompt) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    if not prompt.items:
-        return None, None
-    embeds = model.get_image_feature(prompt.items)
-    rows = torch.cat([torch.arange(s, e) for it in prompt.items for s, e in it.offsets])
-    return rows, torch.cat(embeds)
-
-
-# ---------------------------------------------------------------- references
+# ---------------------------------------------------------------- the parity suite's row
 
 def hf_inputs(prompt: Prompt) -> dict:
     inputs = dict(input_ids=prompt.input_ids[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -218,32 +203,8 @@ def hf_inputs(prompt: Prompt) -> dict:
     return {k: v for k, v in inputs.items() if v is not None}
 
 
-def hf_logits(hf, prompt: Prompt) -> torch.Tensor:
-    patch_hf_forward()
-    with torch.inference_mode():
-        return hf(**hf_inputs(prompt)).logits[0]
-
-
-def hf_greedy(hf, prompt: Prompt, num_new: int) -> tuple[list[int], float]:
-    """Greedy tokens of HF's model stepped with its own KV cache, and the smallest top-2 logit margin."""
-    patch_hf_forward()
-    tokens, margins = [], []
-    inputs = hf_inputs(prompt)
-    mask = inputs["attention_mask"]
-    with torch.inference_mode():
-        out = hf(**inputs, use_cache=True)
-        for _ in range(num_new):
-            logits = out.logits[0, -1]
-            margins.append(top2_margin(logits))
-            tokens.append(int(logits.argmax()))
-            mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], dim=1)
-            out = hf(input_ids=torch.tensor([[tokens[-1]]]), attention_mask=mask, cache=out.cache, use_cache=True)
-    return tokens, min(margins)
-
-
 def hf_greedy_no_cache(hf, prompt: Prompt, num_new: int) -> list[int]:
     """Greedy tokens recomputing the whole sequence each step (no KV cache): checks HF's chunked cache."""
-    patch_hf_forward()
     ids = prompt.input_ids[None]
     pixels = prompt.pixels()
     tokens = []
@@ -256,12 +217,111 @@ def hf_greedy_no_cache(hf, prompt: Prompt, num_new: int) -> list[int]:
     return tokens
 
 
-def hf_generate(hf, prompt: Prompt, num_new: int) -> list[int]:
-    patch_hf_forward()
-    inputs = hf_inputs(prompt)
-    with torch.inference_mode():
-        out = hf.generate(**inputs, max_new_tokens=num_new, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+class Llama4Case(FamilyCase):
+    """Plain 1-D positions and causal chunks: the chunked attention and NoPE live in the model, not the steps."""
+
+    tower_attr = "vision_model"
+
+    def prompt(self, parts: list, seed: int = 0) -> Prompt:
+        return build_prompt(parts, self.spec, seed=seed)
+
+    def hf_inputs(self, prompt: Prompt) -> dict:
+        return hf_inputs(prompt)
+
+    def hf_step_kwargs(self, prompt: Prompt, inputs: dict, step: int) -> dict:
+        return grown_mask(inputs, step)
+
+    def hf_media_features(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        hf = self.hf
+        ref = hf.multi_modal_projector(hf.vision_model(torch.cat([it.feature for it in items])).last_hidden_state)
+        return [ref.reshape(-1, ref.shape[-1])]
+
+    def text_rms(self, prompt: Prompt) -> torch.Tensor:
+        return self.ours.model.embed_tokens(torch.arange(120)).pow(2).mean().sqrt()  # the text ids only
+
+
+PROMPTS = {
+    "text": [19],
+    "one_tile": [9, ("image", 1, 1), 8],
+    "wide": [3, ("image", 1, 3), 2],
+    "tall_grid": [2, ("image", 2, 2), 3],
+    "two_images": [3, ("image", 2, 1), 2, ("image", 1, 1), 3],
+}
+DECODE_PROMPT = [3, ("image", 1, 2), 4]
+
+
+def load_case(name: str, path: Path) -> Llama4Case:
+    """The fixture must be able to fail (FamilyCase.check_fixture_can_fail), and HF's chunked KV cache agrees
+    with recomputing everything."""
+    from tessera.models.llama4 import Llama4ForConditionalGeneration
+
+    case, _ = Llama4Case.load(SPECS[name], path, build_tiny_llama4, Llama4ForConditionalGeneration)
+    spec, hf, ours = case.spec, case.hf, case.ours
+    settings = ours.model.settings
+    assert settings.use_rope == tuple(bool(x) for x in spec.no_rope_layers)
+    assert settings.is_moe == tuple(i in hf.config.text_config.moe_layers for i in range(spec.layers))
+    assert any(settings.is_moe) and not all(settings.is_moe) and not all(settings.use_rope)
+    tokens = case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate(hf, hf_inputs(p), 8))
+    assert tokens == hf_greedy_no_cache(hf, case.prompt(DECODE_PROMPT, seed=0), 8)
+    return case
+
+
+def check_prompts_cross_chunk_boundaries(case: Llama4Case, monkeypatch) -> None:
+    """Every prefill prompt spans more than two attention chunks, and the decode steps start a new one."""
+    chunk = case.spec.attention_chunk_size
+    assert all(len(case.prompt(parts, seed=1)) > 2 * chunk for parts in PROMPTS.values())
+    n, num_new = len(case.build(case.row.decode)), case.row.decode_new
+    # The decode steps feed positions n .. n + num_new - 2: one of them must start a new chunk.
+    assert any(p % chunk == 0 for p in range(n, n + num_new - 1)), "no chunk boundary crossed"
+
+
+def check_chunked_attention_and_nope_matter(case: Llama4Case, monkeypatch) -> None:
+    """The fixture exercises what it claims: without the chunk masks, or with RoPE on the NoPE layers, or without
+    temperature tuning, the logits move well past the tolerance."""
+    import tessera.layers.llama4_decoder as dec
+    from tests.models.family_parity import our_logits
+
+    prompt = case.prompt(PROMPTS["one_tile"], seed=1)
+    ref = case.hf_logits(prompt)
+    monkeypatch.setattr(dec, "chunk_masks", lambda fb, chunk: None)
+    assert (our_logits(case, prompt) - ref).abs().max() > 100 * ATOL, "chunked attention makes no difference"
+    monkeypatch.undo()
+    nope = [layer.self_attn for layer in case.ours.model.layers if not layer.self_attn.use_rope]
+    saved = [a.temperature for a in nope]
+    try:
+        for a in nope:
+            a.temperature = None
+        assert (our_logits(case, prompt) - ref).abs().max() > 100 * ATOL, "temperature tuning makes no difference"
+        for a, t in zip(nope, saved):
+            a.temperature, a.use_rope = t, True
+        assert (our_logits(case, prompt) - ref).abs().max() > 100 * ATOL, "NoPE makes no difference"
+    finally:
+        for a, t in zip(nope, saved):
+            a.temperature, a.use_rope = t, False
+    torch.testing.assert_close(our_logits(case, prompt), ref, atol=ATOL, rtol=0)
+
+
+def _prefix_shared(case: Llama4Case, a: Prompt, page_size: int = 4) -> int:
+    """B reuses A's KV up to its last page before the difference, the image included."""
+    shared = (len(a) - 6) // page_size * page_size
+    assert shared >= a.items[0].offsets[-1][1]
+    return shared
+
+
+FIXTURE = FamilyFixture(
+    specs=tuple(SPECS), load_case=load_case, build=lambda path, name: build_tiny_llama4(path, SPECS[name]),
+    prompts=PROMPTS, text=Seeded([21], 9), decode=Seeded(DECODE_PROMPT, 0), decode_new=8, decode_page_sizes=(4,),
+    # A prompt with two images and a short text-only one inside the first attention chunk (no chunk mask),
+    # decoded together until the short one crosses its first chunk boundary too.
+    batch=(Seeded(PROMPTS["two_images"], 11), Seeded(lambda spec: [spec.attention_chunk_size - 3], 5)),
+    # Prefill chunks smaller than one image (a tile's patch run is split), unaligned with the attention chunks.
+    chunked=tuple(Chunked([4, ("image", 2, 1), 3, ("image", 1, 1), 4], 6, lambda spec, s=step: s, page)
+                  for page, step in ((1, 3), (4, 5))),
+    prefix=Seeded([3, ("image", 1, 2), 8], 8), prefix_cuts={"page4": (4, _prefix_shared)},
+    tower=(Seeded([2, ("image", 2, 2), 1, ("image", 1, 1)], 2),),
+    checks={"prompts_cross_chunk_boundaries": check_prompts_cross_chunk_boundaries,
+            "chunked_attention_and_nope_matter": check_chunked_attention_and_nope_matter},
+)
 
 
 # ---------------------------------------------------------------- full checkpoint directory
@@ -286,7 +346,6 @@ def make_tiny_llama4_checkpoint(path: str | Path, spec: TinySpec | None = None, 
     and config + model.safetensors from `spec` (default SPECS["gqa_chunked"]) made to be able to fail."""
     from transformers import (
         AutoTokenizer,
-        GenerationConfig,
         Llama4ForConditionalGeneration,
         Llama4ImageProcessor,
         Llama4Processor,
@@ -310,11 +369,8 @@ def make_tiny_llama4_checkpoint(path: str | Path, spec: TinySpec | None = None, 
                              boi=ids["<|image_start|>"], eoi=ids["<|image_end|>"], eos_token_id=eos,
                              pad_token_id=pad, bos_token_id=None)
     patch_hf_forward()
-    torch.manual_seed(seed)
-    model = Llama4ForConditionalGeneration._from_config(cfg, attn_implementation="eager").eval()
-    make_fixture_can_fail_(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    model.save_pretrained(path)
+    save_random_model(path, Llama4ForConditionalGeneration, cfg, seed, lambda m: make_fixture_can_fail_(m, seed),
+                      eos=eos, pad=pad)
     return path
 
 

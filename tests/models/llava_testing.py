@@ -1,4 +1,5 @@
-"""Test helpers for LLaVA-1.5 and LLaVA-NeXT: tiny random checkpoints that can fail, prompts, HF references.
+"""Test helpers for LLaVA-1.5 and LLaVA-NeXT: tiny random checkpoints that can fail, prompts, the parity suite's
+case, and LLaVA-1.5's row of it (LLaVA-NeXT's is in llava_next_testing.py).
 
 Two entry points build checkpoints:
 - `build_tiny_llava(path, spec)`: weights + config only, image token 120 in a 128-token vocab (the model parity
@@ -15,6 +16,7 @@ Other test directories import it as `tests.models.llava_testing`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,13 +24,8 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.fixture_checks import (  # noqa: F401  (MIN_MARGIN, top2_margin: re-exported to the tests)
-    MIN_MARGIN,
-    check_greedy_depends_on_inputs,
-    hf_stepped_greedy,
-    prompt_variants,
-    top2_margin,
-)
+from tests.models.family_parity import Chunked, FamilyCase, FamilyFixture, Seeded, media_parts
+from tests.models.fixture_checks import hf_generate, save_random_model
 
 VOCAB, IMAGE_ID = 128, 120
 
@@ -172,11 +169,8 @@ def make_fixture_can_fail_(hf: torch.nn.Module, spec: TinySpec, seed: int) -> No
 
 def build_tiny_llava(path: str | Path, spec: TinySpec, attn_implementation: str = "eager"):
     """The HF reference model (eval mode), also saved to `path` (config + safetensors only)."""
-    torch.manual_seed(spec.seed)
-    hf = hf_model_class(spec)._from_config(tiny_llava_config(spec), attn_implementation=attn_implementation).eval()
-    make_fixture_can_fail_(hf, spec, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, hf_model_class(spec), tiny_llava_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec, spec.seed), attn_implementation)
 
 
 # ---------------------------------------------------------------- prompts
@@ -211,14 +205,10 @@ def build_prompt(spec: TinySpec, parts: list, seed: int = 0) -> Prompt:
     from tessera.models.llava import LlavaImageGeometry
 
     geometry = LlavaImageGeometry.from_config(tiny_llava_config(spec))
-    g = torch.Generator().manual_seed(seed)
     ids: list[int] = []
     items = []
-    for part in parts:
-        if isinstance(part, int):
-            ids += torch.randint(0, 100, (part,), generator=g).tolist()
-            continue
-        size = tuple(part[1])
+    for (_, size), g in media_parts(parts, seed, ids):
+        size = tuple(size)
         num = geometry.num_image_tokens(size)
         start = len(ids)
         ids += [IMAGE_ID] * num
@@ -228,33 +218,6 @@ def build_prompt(spec: TinySpec, parts: list, seed: int = 0) -> Prompt:
         items.append(MultimodalDataItem(modality=Modality.IMAGE, hash=len(items), offsets=[(start, start + num)],
                                         feature=pixels if spec.is_next else pixels[0], model_specific_data=msd))
     return Prompt(torch.tensor(ids), items, spec.is_next)
-
-
-def prompt_mm_embeds(model, prompt: Prompt) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(placeholder rows [n], embeddings [n, H]) for the whole prompt; all images in one encoder call."""
-    if not prompt.items:
-        return None, None
-    embeds = model.get_image_feature(prompt.items)
-    rows = torch.cat([torch.arange(s, e) for it in prompt.items for s, e in it.offsets])
-    return rows, torch.cat(embeds)
-
-
-# ---------------------------------------------------------------- references
-
-def hf_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:
-    """Greedy tokens of HF's model stepped with its own KV cache, and the smallest top-2 logit margin."""
-    return hf_stepped_greedy(hf, inputs, num_new)
-
-
-def hf_generate(hf, inputs: dict, num_new: int) -> list[int]:
-    with torch.inference_mode():
-        out = hf.generate(**inputs, max_new_tokens=num_new, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
-
-
-def hf_logits(hf, prompt: Prompt) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(**prompt.hf_inputs()).logits[0]
 
 
 # ---------------------------------------------------------------- full checkpoint directory
@@ -274,7 +237,6 @@ def make_tiny_llava_checkpoint(path: str | Path, spec: TinySpec | str = "llama",
     from transformers import (
         AutoTokenizer,
         CLIPImageProcessor,
-        GenerationConfig,
         LlavaNextImageProcessor,
         LlavaNextProcessor,
         LlavaProcessor,
@@ -305,11 +267,8 @@ def make_tiny_llava_checkpoint(path: str | Path, spec: TinySpec | str = "llama",
     if not weights:
         cfg.save_pretrained(path)
         return path
-    torch.manual_seed(spec.seed)
-    model = hf_model_class(spec)._from_config(cfg).eval()
-    make_fixture_can_fail_(model, spec, spec.seed)
-    model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
-    model.save_pretrained(path)
+    save_random_model(path, hf_model_class(spec), cfg, spec.seed, lambda m: make_fixture_can_fail_(m, spec, spec.seed),
+                      None, ids["<|im_end|>"], ids["<|endoftext|>"])
     return path
 
 
@@ -319,150 +278,80 @@ def load_hf_reference(path: str | Path, spec: TinySpec | str) -> Any:
     return hf_model_class(spec).from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-# ---------------------------------------------------------------- parity checks over the paged test driver
-# Shared by test_llava.py and test_llava_next.py: each builds prompts for its family and calls these.
+# ---------------------------------------------------------------- the parity suite's rows
 
-ATOL = 1e-4
+class LlavaCase(FamilyCase):
+    """Plain 1-D positions; an image's rows are one run (LLaVA-NeXT's tiles and newlines included)."""
+
+    def prompt(self, parts: list, seed: int = 0) -> Prompt:
+        return build_prompt(self.spec, parts, seed)
+
+    def hf_inputs(self, prompt: Prompt) -> dict:
+        return prompt.hf_inputs()
+
+    def hf_media_features(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        inputs = Prompt(torch.zeros(0, dtype=torch.long), items, self.spec.is_next).hf_inputs()
+        extra = {"image_sizes": inputs["image_sizes"]} if self.spec.is_next else {}
+        return list(self.hf.model.get_image_features(inputs["pixel_values"], **extra).pooler_output)
 
 
-@dataclass
-class Case:
-    spec: TinySpec
-    hf: Any
-    ours: Any
-    path: Path
-
-
-def load_case(spec: TinySpec, path: Path, decode_parts: list) -> Case:
-    """Builds the HF reference, loads ours from its checkpoint, and checks the fixture can fail: image embeddings
-    are text-sized, greedy output depends on the image and on the text, is not one repeated token, its choices are
-    not float noise, and the reference is deterministic and equal to HF generate."""
+def load_case(name: str, path: Path, decode_parts: list) -> LlavaCase:
     from tessera.models.llava import LlavaForConditionalGeneration
-    from tessera.models.registry import load_model
 
-    hf = build_tiny_llava(path, spec)
-    ours, config = load_model(path, torch.float32)
-    assert type(ours).__name__ == type(hf).__name__ and isinstance(ours, LlavaForConditionalGeneration)
+    case, config = LlavaCase.load(SPECS[name], path, build_tiny_llava, LlavaForConditionalGeneration)
+    spec, hf, ours = case.spec, case.hf, case.ours
+    assert type(ours).__name__ == type(hf).__name__
     assert config.tie_word_embeddings == spec.tie
-    case = Case(spec, hf, ours, path)
-    base = build_prompt(spec, decode_parts, seed=0)
-    _, embeds = prompt_mm_embeds(ours, base)
-    ratio = float(embeds.pow(2).mean().sqrt() / ours.model.embed_tokens.weight.pow(2).mean().sqrt())
-    assert 0.5 < ratio < 2, f"image embeddings are {ratio:.2f}x the text embeddings' RMS"
-    _, other_image, other_text = prompt_variants(lambda: build_prompt(spec, decode_parts, seed=0), num_text=3)
-    tokens = check_greedy_depends_on_inputs(lambda p: hf_greedy(hf, p.hf_inputs(), 8), base, other_image, other_text)
-    assert hf_greedy(hf, base.hf_inputs(), 8)[0] == tokens == hf_generate(hf, base.hf_inputs(), 8)
+    case.check_fixture_can_fail(decode_parts, lambda p: hf_generate(hf, p.hf_inputs(), 8), num_text=3)
     return case
 
 
-def _step(row: int, prompt: Prompt, rows, embeds, lo: int = 0, hi: int | None = None, **kw):
-    """Tokens [lo, hi) of `prompt` as one extend step, with the media embedding rows inside that range."""
-    from tests.models.paged_driver import Step
-
-    hi = len(prompt) if hi is None else hi
-    if rows is None:
-        return Step(row, prompt.input_ids[lo:hi], torch.arange(lo, hi), **kw)
-    sel = (rows >= lo) & (rows < hi)
-    return Step(row, prompt.input_ids[lo:hi], torch.arange(lo, hi), rows[sel] - lo if sel.any() else None,
-                embeds[sel] if sel.any() else None, **kw)
+def prefix_shared(page_size: int) -> Callable[[LlavaCase, Prompt], int]:
+    """Page size 1: the whole repeated image; 4: a page-aligned cut inside it."""
+    def shared(case: LlavaCase, a: Prompt) -> int:
+        start, end = a.items[0].offsets[0]
+        n = end if page_size == 1 else end - end % page_size - page_size
+        assert n > start
+        return n
+    return shared
 
 
-def check_prefill(case: Case, prompt: Prompt, page_size: int = 1) -> None:
-    from tests.models.paged_driver import PagedKV, make_batch
-
-    kv = PagedKV(case.ours.lm_config, page_size=page_size)
-    rows, embeds = prompt_mm_embeds(case.ours, prompt)
-    with torch.inference_mode():
-        ours = case.ours(make_batch(kv, [_step(kv.new_request(), prompt, rows, embeds, all_logits=True)]), kv.pool)
-    ref = hf_logits(case.hf, prompt)
-    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
-    assert top2_margin(ref[-1]) > MIN_MARGIN
+IMAGE = ("image", (0, 0))  # LLaVA-1.5: every image is one crop, its original size does not matter
+PROMPTS = {
+    "text": [14],
+    "one_image": [5, IMAGE, 4],
+    "two_images": [3, IMAGE, 2, IMAGE, 3],
+}
+DECODE_PROMPT = [3, IMAGE, 5]
 
 
-def check_decode(case: Case, prompt: Prompt, page_size: int, num_new: int = 8) -> None:
-    from tests.models.paged_driver import PagedKV, decode_greedy, make_batch
+def check_geometry_and_options(case: LlavaCase, monkeypatch) -> None:
+    """Tokens per image (a CLIP tower's CLS kept by "full"; a SigLIP tower has none, and "default" drops its
+    first patch, as transformers does), the feature layers, the attention biases and sliding windows follow the
+    config."""
+    from tessera.models.llava import LlavaImageGeometry
 
-    ref_tokens, margin = hf_greedy(case.hf, prompt.hf_inputs(), num_new)
-    assert margin > MIN_MARGIN
-    kv = PagedKV(case.ours.lm_config, page_size=page_size)
-    row = kv.new_request()
-    rows, embeds = prompt_mm_embeds(case.ours, prompt)
-    with torch.inference_mode():
-        logits = case.ours(make_batch(kv, [_step(row, prompt, rows, embeds)]), kv.pool)[-1:]
-    assert decode_greedy(case.ours, kv, [row], logits, num_new) == [ref_tokens]
-
-
-def check_batch(case: Case, prompts: list[Prompt], num_new: int = 6) -> None:
-    """Prompts of different lengths prefilled in one forward, then decoded together."""
-    from tests.models.paged_driver import PagedKV, decode_greedy, make_batch
-
-    refs = [hf_greedy(case.hf, p.hf_inputs(), num_new) for p in prompts]
-    assert min(m for _, m in refs) > MIN_MARGIN
-    kv = PagedKV(case.ours.lm_config, page_size=4)
-    req_rows = [kv.new_request() for _ in prompts]
-    with torch.inference_mode():
-        steps = [_step(r, p, *prompt_mm_embeds(case.ours, p)) for r, p in zip(req_rows, prompts)]
-        logits = case.ours(make_batch(kv, steps), kv.pool)
-        for p, lo in zip(prompts, logits):
-            torch.testing.assert_close(lo, hf_logits(case.hf, p)[-1], atol=ATOL, rtol=0)
-    assert decode_greedy(case.ours, kv, req_rows, logits, num_new) == [t for t, _ in refs]
+    spec = case.spec
+    g = LlavaImageGeometry.from_config(case.hf.config)
+    side = spec.image_size // spec.patch
+    siglip = spec.vision_type == "siglip_vision_model"
+    assert g.tokens_per_tile == side * side + (spec.strategy == "full") - siglip
+    assert case.ours.vision_feature_layer == (spec.feature_layer if isinstance(spec.feature_layer, int)
+                                              else list(spec.feature_layer))
+    attn = case.ours.model.layers[0].self_attn
+    llama_bias = dict(spec.text_extra).get("attention_bias", False)
+    has_bias = {"llama": (llama_bias,) * 2, "mistral": (False, False), "qwen2": (True, False)}[spec.text_type]
+    assert (attn.qkv_proj.bias is not None, attn.o_proj.bias is not None) == has_bias
+    windows = case.ours.config.sliding_windows
+    assert windows == ((12,) * spec.layers if spec.text_type == "mistral" else (None,) * spec.layers)
 
 
-def check_chunked_prefill(case: Case, prompt: Prompt, chunk: int, page_size: int) -> None:
-    """The prompt in chunks of `chunk` tokens (smaller than an image: boundaries fall inside image spans)."""
-    from tests.models.paged_driver import PagedKV, make_batch
-
-    assert any(e - s > chunk for it in prompt.items for s, e in it.offsets), "the chunk must be smaller than an image"
-    kv = PagedKV(case.ours.lm_config, page_size=page_size)
-    row = kv.new_request()
-    rows, embeds = prompt_mm_embeds(case.ours, prompt)
-    out = []
-    with torch.inference_mode():
-        for c in range(0, len(prompt), chunk):
-            step = _step(row, prompt, rows, embeds, c, min(c + chunk, len(prompt)), all_logits=True)
-            out.append(case.ours(make_batch(kv, [step]), kv.pool))
-    torch.testing.assert_close(torch.cat(out), hf_logits(case.hf, prompt), atol=ATOL, rtol=0)
-
-
-def check_prefix_cache_hit(case: Case, a: Prompt, b: Prompt, shared: int, page_size: int, num_new: int = 4) -> None:
-    """B shares A's first `shared` tokens (the repeated image, or a page-aligned cut inside it): B reuses A's KV
-    slots for them, extends only the rest, and both then decode in one batch."""
-    from tests.models.paged_driver import (
-        PagedKV,
-        decode_greedy,
-        make_batch,
-        share_prefix,
-    )
-
-    assert torch.equal(a.input_ids[:shared], b.input_ids[:shared]) and not torch.equal(a.input_ids, b.input_ids)
-    refs = [hf_greedy(case.hf, p.hf_inputs(), num_new) for p in (a, b)]
-    assert min(m for _, m in refs) > MIN_MARGIN
-    kv = PagedKV(case.ours.lm_config, page_size=page_size)
-    ra, rb = kv.new_request(), kv.new_request()
-    with torch.inference_mode():
-        la = case.ours(make_batch(kv, [_step(ra, a, *prompt_mm_embeds(case.ours, a))]), kv.pool)[-1]
-        share_prefix(kv, ra, rb, shared)
-        lb_all = case.ours(make_batch(kv, [_step(rb, b, *prompt_mm_embeds(case.ours, b), shared, all_logits=True)]),
-                           kv.pool)
-        torch.testing.assert_close(lb_all, hf_logits(case.hf, b)[shared:], atol=ATOL, rtol=0)
-    assert decode_greedy(case.ours, kv, [ra, rb], [la, lb_all[-1]], num_new) == [t for t, _ in refs]
-
-
-def check_image_features(case: Case, prompt: Prompt) -> None:
-    """Our per-image embeddings equal HF's get_image_features, all images in one tower call."""
-    calls = []
-    tower = case.ours.vision_tower
-    original = tower.forward
-    tower.forward = lambda *a, **k: calls.append(1) or original(*a, **k)
-    try:
-        with torch.inference_mode():
-            ours = case.ours.get_image_feature(prompt.items)
-            inputs = prompt.hf_inputs()
-            extra = {"image_sizes": inputs["image_sizes"]} if prompt.is_next else {}
-            ref = case.hf.model.get_image_features(inputs["pixel_values"], **extra).pooler_output
-    finally:
-        del tower.forward
-    assert len(calls) == 1, "all images of a step go through the vision tower in one call"
-    assert [o.shape[0] for o in ours] == [it.num_tokens for it in prompt.items]
-    for o, r in zip(ours, ref):
-        torch.testing.assert_close(o, r, atol=1e-5, rtol=0)
+FIXTURE = FamilyFixture(
+    specs=("llama", "mistral", "qwen2", "siglip"), load_case=lambda name, path: load_case(name, path, DECODE_PROMPT),
+    build=lambda path, name: build_tiny_llava(path, SPECS[name]), prompts=PROMPTS, text=Seeded(PROMPTS["text"], 8),
+    decode=Seeded(DECODE_PROMPT, 3), decode_new=8,
+    batch=(Seeded(PROMPTS["two_images"], 4), Seeded([2, IMAGE, 9], 5)),
+    chunked=(Chunked([3, IMAGE, 2, IMAGE, 3], 6, lambda spec: 4, 2),),
+    prefix=Seeded([4, IMAGE, 6], 7), prefix_cuts={f"page{p}": (p, prefix_shared(p)) for p in (1, 4)},
+    tower=(Seeded([1, IMAGE, 1, IMAGE, 1, IMAGE], 2),), checks={"geometry_and_options": check_geometry_and_options},
+)

@@ -1,8 +1,7 @@
-"""Shared parity helpers for the M-RoPE vision-language families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): a prompt of
-text tokens and media items, HF references (its own KV-cached greedy loop, logits, rope index), the paged
-driver steps (whole prefill, a slice of it, decode at M-RoPE positions) and the parity checks the Qwen2.5-VL and
-Qwen3-VL tests run alike (greedy decode, two requests in one batch, chunked prefill, a prefix-cache hit, a
-fixture that can fail, a real processor's output).
+"""What the M-RoPE vision-language families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) share in the tests: a prompt of
+text tokens and media items, HF's rope index, and the parity suite's case whose extend steps take our [3, n]
+positions (checked against HF's once per prompt) and whose decode steps continue them by the prompt's delta;
+then a complete checkpoint's real processor against HF's.
 
 A family's testing module supplies how a prompt is laid out (`build_prompt`), its own positions
 (`our_positions`) and, where HF takes more than the grids, `MRopePrompt.hf_extra`.
@@ -10,30 +9,23 @@ A family's testing module supplies how a prompt is laid out (`build_prompt`), it
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
+from tests.models.family_parity import (
+    FamilyCase,
+    Seeded,
+    check_processed_prompt_matches_hf,
+    media_embeds,
+    media_parts,
+    prompt_key,
+)
 from tests.models.mrope_reference import decode_mrope_positions
-from tests.models.fixture_checks import (
-    MIN_MARGIN,
-    check_greedy_depends_on_inputs,
-    hf_stepped_greedy,
-    prompt_variants,
-    top2_margin,
-)
-from tests.models.paged_driver import (
-    PagedKV,
-    Step,
-    decode_greedy,
-    make_batch,
-    share_prefix,
-)
-
-ATOL = 1e-4
+from tests.models.paged_driver import PagedKV, Step
 
 
 @dataclass
@@ -73,6 +65,50 @@ class MRopePrompt:
         return int(self.input_ids.shape[0])
 
 
+@dataclass
+class ProcessedPrompt:
+    """Our processor's output as a prompt: its ids, items and the positions it computed."""
+
+    input_ids: torch.Tensor
+    items: list[MultimodalDataItem]
+    mrope_positions: torch.Tensor
+    delta: int
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def mm_types(ids: list[int], image_id: int, video_id: int) -> torch.Tensor:
+    """mm_token_type_ids of `ids`: 1 on image pads, 2 on video pads, 0 elsewhere."""
+    return torch.tensor([1 if i == image_id else 2 if i == video_id else 0 for i in ids])
+
+
+def build_span_prompt(parts: list, seed: int, prompt_cls: type, patch_dim: int, ids_of: tuple[int, int, int, int],
+                      merge: int = 2) -> Any:
+    """Qwen2-VL's and Qwen2.5-VL's layout. parts: int n = n random text tokens (ids < 100); ("image", (t, h, w))
+    or ("video", (t, h, w)[, seconds per temporal grid step]) = <vision_start>, t*h*w/merge^2 pads,
+    <vision_end>, with random pixel rows. `ids_of`: the image, video, start and end token ids. Same parts and
+    seed -> same prompt."""
+    image_id, video_id, start_id, end_id = ids_of
+    ids: list[int] = []
+    items = []
+    for part, g in media_parts(parts, seed, ids):
+        kind, (t, h, w) = part[0], part[1]
+        num = t * h * w // merge**2
+        is_image = kind == "image"
+        ids.append(start_id)
+        start = len(ids)
+        ids += [image_id if is_image else video_id] * num + [end_id]
+        msd = {("image_grid_thw" if is_image else "video_grid_thw"): torch.tensor([[t, h, w]])}
+        if len(part) > 2:
+            msd["second_per_grid_ts"] = torch.tensor([float(part[2])])
+        items.append(MultimodalDataItem(
+            modality=Modality.IMAGE if is_image else Modality.VIDEO, hash=len(items), offsets=[(start, start + num)],
+            feature=torch.randn(t * h * w, patch_dim, generator=g), model_specific_data=msd,
+        ))
+    return prompt_cls(torch.tensor(ids), mm_types(ids, image_id, video_id), items)
+
+
 def hf_positions(hf, prompt: MRopePrompt) -> tuple[torch.Tensor, int]:
     """HF's rope index for one prompt ([3, L], delta)."""
     if not prompt.items:
@@ -89,167 +125,110 @@ def prompt_mm_embeds(model, prompt) -> tuple[torch.Tensor | None, torch.Tensor |
     encoder call, videos in one."""
     if not prompt.items:
         return None, None
-    by_item: dict[int, torch.Tensor] = {}
-    for modality, fn in ((Modality.IMAGE, model.get_image_feature), (Modality.VIDEO, model.get_video_feature)):
-        idx = [i for i, it in enumerate(prompt.items) if it.modality == modality]
-        if idx:
-            by_item.update(zip(idx, fn([prompt.items[i] for i in idx])))
     rows = torch.cat([torch.arange(s, e) for it in prompt.items for s, e in it.offsets])
-    return rows, torch.cat([by_item[i] for i in range(len(prompt.items))])
+    return rows, torch.cat(media_embeds(model, prompt.items))
 
-
-# ---------------------------------------------------------------- references
-
-def hf_greedy(hf, inputs: dict, num_new: int) -> tuple[list[int], float]:
-    """Greedy tokens of HF's model stepped with its own KV cache, and the smallest top-2 logit margin.
-
-    The decode positions are the model's: prompt length + i + rope_deltas, with rope_deltas = max prompt
-    position + 1 - prompt length (Qwen's convention, HF's cached forward, vLLM, SGLang and ours). The deltas a
-    previous call left on the model are cleared first. transformers 5.24's generate() differs: it continues each
-    M-RoPE row from the LAST prompt position + 1 (GenerationMixin._update_model_kwargs_for_generation), which is
-    not max + 1 when a video's time-scaled temporal positions reach past the text after it. For prompts whose
-    last position is the max the two agree (the fixtures check this against their `hf_generate`).
-    """
-    hf.model.rope_deltas = None
-    return hf_stepped_greedy(hf, inputs, num_new)
-
-
-def hf_logits(hf, prompt: MRopePrompt) -> torch.Tensor:
-    with torch.inference_mode():
-        return hf(**prompt.hf_inputs()).logits[0]
-
-
-# ---------------------------------------------------------------- our model through the paged driver
 
 @dataclass
-class MRopeCase:
-    """A tiny checkpoint: HF's model, ours loaded from its safetensors, and the family's own positions."""
+class MRopeCase(FamilyCase):
+    """HF derives positions from the grids itself; we feed ours, which must equal its rope index."""
 
-    name: str
-    hf: torch.nn.Module
-    ours: torch.nn.Module
-    our_positions: Callable[[Any], tuple[torch.Tensor, int]]
+    mrope: dict = field(default_factory=dict, repr=False)  # prompt key -> (positions [3, L], delta)
 
+    tower_attr = "visual"
 
-def prefill_step(case: MRopeCase, row: int, prompt: MRopePrompt, **kw) -> Step:
-    """The whole prompt as one extend step: our positions (checked against HF's), our media embeddings."""
-    positions, delta = case.our_positions(prompt)
-    ref_positions, ref_delta = hf_positions(case.hf, prompt)
-    assert torch.equal(positions, ref_positions) and delta == ref_delta
-    rows, embeds = prompt_mm_embeds(case.ours, prompt)
-    return Step(row, prompt.input_ids, positions, rows, embeds, **kw)
+    @abstractmethod
+    def our_positions(self, prompt: MRopePrompt) -> tuple[torch.Tensor, int]:
+        """Our M-RoPE positions ([3, L], delta) from the family's processor code."""
 
+    def hf_inputs(self, prompt: MRopePrompt) -> dict:
+        return prompt.hf_inputs()
 
-def sub_step(whole: Step, row: int, lo: int, hi: int) -> Step:
-    """Tokens [lo, hi) of a whole-prompt step, with the media rows that fall inside them."""
-    mm_rows, embeds = None, None
-    if whole.mm_rows is not None:
-        sel = (whole.mm_rows >= lo) & (whole.mm_rows < hi)
-        if sel.any():
-            mm_rows, embeds = whole.mm_rows[sel] - lo, whole.mm_embeds[sel]
-    return Step(row, whole.input_ids[lo:hi], whole.positions[:, lo:hi], mm_rows, embeds, all_logits=True)
+    def hf_greedy_of(self, inputs: dict, prompt: Any, num_new: int) -> tuple[list[int], float]:
+        """The decode positions are the model's: prompt length + i + rope_deltas, with rope_deltas = max prompt
+        position + 1 - prompt length (Qwen's convention, HF's cached forward, vLLM, SGLang and ours); the deltas
+        a previous call left on the model are cleared first. transformers 5.24's generate() differs: it
+        continues each M-RoPE row from the LAST prompt position + 1 (GenerationMixin.
+        _update_model_kwargs_for_generation), which is not max + 1 when a video's time-scaled temporal
+        positions reach past the text after it; for the decode prompts, whose last position is the max, the
+        fixtures check the two agree."""
+        self.hf.model.rope_deltas = None
+        return super().hf_greedy_of(inputs, prompt, num_new)
 
+    def positions_of(self, prompt: Any) -> tuple[torch.Tensor, int]:
+        if hasattr(prompt, "mrope_positions"):  # a ProcessedPrompt (its module may be imported under two names)
+            return prompt.mrope_positions, prompt.delta
+        key = prompt_key(prompt)
+        if key not in self.mrope:
+            positions, delta = self.our_positions(prompt)
+            ref_positions, ref_delta = hf_positions(self.hf, prompt)
+            assert torch.equal(positions, ref_positions) and delta == ref_delta
+            self.mrope[key] = positions, delta
+        return self.mrope[key]
 
-def decode_step(kv: PagedKV, row: int, logits: torch.Tensor, delta: int) -> Step:
-    return Step(row, logits.argmax().reshape(1), decode_mrope_positions(kv.lens[row], delta))
+    def positions(self, prompt: Any, lo: int, hi: int) -> torch.Tensor:
+        return self.positions_of(prompt)[0][:, lo:hi]
 
+    def decode_step(self, kv: PagedKV, row: int, logits: torch.Tensor, prompt: Any) -> Step:
+        return Step(row, logits.argmax().reshape(1), decode_mrope_positions(kv.lens[row], self.positions_of(prompt)[1]))
 
-def decode_together(model, kv: PagedKV, rows: list[int], logits, deltas: list[int],
-                    num_new: int) -> list[list[int]]:
-    """Greedy tokens of the requests `rows` (each with its M-RoPE delta), decoded in one batched step per token
-    from their last logits."""
-    delta_of = dict(zip(rows, deltas))
-    return decode_greedy(model, kv, rows, logits, num_new, lambda kv, r, lo: decode_step(kv, r, lo, delta_of[r]))
+    def hf_item_features(self, output: Any) -> list[torch.Tensor]:
+        """Per-item embedding rows from HF's get_*_features output."""
+        return list(output.pooler_output)
 
-
-# ---------------------------------------------------------------- the parity checks
-
-def check_fixture_can_fail(hf, build_decode_prompt: Callable[[], MRopePrompt], hf_generate) -> None:
-    """HF's greedy output on the decode prompt depends on the image and on the text, is not one repeated token
-    and its choices are not float noise; the reference is deterministic and equals HF generate."""
-    base, other_image, other_text = prompt_variants(build_decode_prompt)
-    tokens = check_greedy_depends_on_inputs(lambda p: hf_greedy(hf, p.hf_inputs(), 8), base, other_image, other_text)
-    # The reference is a reference: deterministic, and equal to HF generate where their decode positions agree.
-    assert hf_greedy(hf, base.hf_inputs(), 8)[0] == tokens == hf_generate(hf, base.hf_inputs(), 8)
-
-
-def check_prefill_logits(case: MRopeCase, prompt: MRopePrompt) -> None:
-    kv = PagedKV(case.ours.lm_config)
-    with torch.inference_mode():
-        ours = case.ours(make_batch(kv, [prefill_step(case, kv.new_request(), prompt, all_logits=True)]), kv.pool)
-    ref = hf_logits(case.hf, prompt)
-    torch.testing.assert_close(ours, ref, atol=ATOL, rtol=0)
-    assert top2_margin(ref[-1]) > MIN_MARGIN
+    def hf_media_features(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        prompt = MRopePrompt(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), items)
+        by_item: dict[int, torch.Tensor] = {}
+        for modality, fn in ((Modality.IMAGE, "get_image_features"), (Modality.VIDEO, "get_video_features")):
+            idx = [i for i, it in enumerate(items) if it.modality == modality]
+            if idx:
+                out = getattr(self.hf.model, fn)(prompt.pixels(modality), prompt.grids(modality))
+                by_item.update(zip(idx, self.hf_item_features(out)))
+        return [by_item[i] for i in range(len(items))]
 
 
-def check_greedy_decode(case: MRopeCase, prompt: MRopePrompt, num_new: int, page_size: int) -> None:
-    ref_tokens, margin = hf_greedy(case.hf, prompt.hf_inputs(), num_new)
-    assert margin > MIN_MARGIN
-    kv = PagedKV(case.ours.lm_config, page_size=page_size)
-    row = kv.new_request()
-    with torch.inference_mode():
-        logits = case.ours(make_batch(kv, [prefill_step(case, row, prompt)]), kv.pool)[-1:]
-    assert decode_together(case.ours, kv, [row], logits, [case.our_positions(prompt)[1]], num_new) == [ref_tokens]
+# B shares A's prompt up to its text suffix (image rows 5..20, <vision_end> at 21, in both Qwen2.5-VL's and
+# Qwen3-VL's layouts): all of the image and <vision_end> with page size 1, a page-aligned cut inside the image
+# with page size 4.
+PREFIX = Seeded([4, ("image", (1, 8, 8)), 6], 7)
+PREFIX_CUTS = {"page1": (1, lambda case, a: 22), "page4": (4, lambda case, a: 12)}
 
 
-def check_two_requests_in_one_batch(case: MRopeCase, prompts: list[MRopePrompt], num_new: int) -> None:
-    """The prompts prefilled in one forward (last logits equal HF's), then decoded together."""
-    refs = [hf_greedy(case.hf, p.hf_inputs(), num_new) for p in prompts]
-    assert min(m for _, m in refs) > MIN_MARGIN
-    kv = PagedKV(case.ours.lm_config, page_size=4)
-    rows = [kv.new_request() for _ in prompts]
-    with torch.inference_mode():
-        logits = case.ours(make_batch(kv, [prefill_step(case, r, p) for r, p in zip(rows, prompts)]), kv.pool)
-        for p, lo in zip(prompts, logits):
-            torch.testing.assert_close(lo, hf_logits(case.hf, p)[-1], atol=ATOL, rtol=0)
-    deltas = [case.our_positions(p)[1] for p in prompts]
-    assert decode_together(case.ours, kv, rows, logits, deltas, num_new) == [t for t, _ in refs]
+def check_real_processor_matches_hf(case: MRopeCase, processor, hf_processor, image_hw: tuple[int, int],
+                                    frame_hw: tuple[int, int], ref_keys: tuple[str, ...]) -> tuple[Any, dict]:
+    """One image and a clip of 4 frames sampled at 1.5 fps from 8 at 3 fps through our processor and HF's: the
+    same ids, pixels and positions, and our model on ours gives HF's logits and greedy tokens on HF's (`ref_keys`:
+    what HF's model takes of its processor's output). Returns (our output, HF's)."""
+    import numpy as np
+    from PIL import Image
 
+    from tessera.multimodal.media import VideoClip
 
-def check_chunked_prefill(case: MRopeCase, prompt: MRopePrompt, page_size: int, chunk: int = 7) -> None:
-    kv = PagedKV(case.ours.lm_config, page_size=page_size)
-    row = kv.new_request()
-    whole = prefill_step(case, row, prompt)
-    out = []
-    with torch.inference_mode():
-        for c in range(0, len(prompt), chunk):
-            out.append(case.ours(make_batch(kv, [sub_step(whole, row, c, min(c + chunk, len(prompt)))]), kv.pool))
-    torch.testing.assert_close(torch.cat(out), hf_logits(case.hf, prompt), atol=ATOL, rtol=0)
-
-
-def check_prefix_cache_hit(case: MRopeCase, a: MRopePrompt, b: MRopePrompt, shared: int, page_size: int,
-                           num_new: int = 4) -> None:
-    """B reuses A's KV slots for its first `shared` tokens, extends only the rest (with the rest of its media
-    rows) and gives HF's logits for them; both then decode in one batch."""
-    refs = [hf_greedy(case.hf, p.hf_inputs(), num_new) for p in (a, b)]
-    assert min(m for _, m in refs) > MIN_MARGIN
-    kv = PagedKV(case.ours.lm_config, page_size=page_size)
-    ra, rb = kv.new_request(), kv.new_request()
-    with torch.inference_mode():
-        la = case.ours(make_batch(kv, [prefill_step(case, ra, a)]), kv.pool)[-1]
-        share_prefix(kv, ra, rb, shared)
-        lb_all = case.ours(make_batch(kv, [sub_step(prefill_step(case, rb, b), rb, shared, len(b))]), kv.pool)
-        torch.testing.assert_close(lb_all, hf_logits(case.hf, b)[shared:], atol=ATOL, rtol=0)
-    deltas = [case.our_positions(a)[1], case.our_positions(b)[1]]
-    assert decode_together(case.ours, kv, [ra, rb], [la, lb_all[-1]], deltas, num_new) == [t for t, _ in refs]
-
-
-def check_processor_output_matches_hf(hf, ours, out, ref_inputs: dict, num_new: int = 6) -> None:
-    """Our model on our processor's output (ids, items, positions) gives HF's logits and greedy tokens on HF's
-    processor output `ref_inputs`."""
-    ref_tokens, margin = hf_greedy(hf, ref_inputs, num_new)
-    assert margin > MIN_MARGIN
-    kv = PagedKV(ours.lm_config, page_size=2)
-    row = kv.new_request()
-    items = out.mm_inputs.items
-    with torch.inference_mode():
-        embeds = torch.cat([e for it in items for e in (ours.get_image_feature([it]) if it.modality == Modality.IMAGE
-                                                          else ours.get_video_feature([it]))])
-        mm_rows = torch.cat([torch.arange(s, e) for it in items for s, e in it.offsets])
-        step = Step(row, torch.tensor(out.input_ids), out.mm_inputs.mrope_positions, mm_rows, embeds,
-                    all_logits=True)
-        logits = ours(make_batch(kv, [step]), kv.pool)
-        torch.testing.assert_close(logits, hf(**ref_inputs).logits[0], atol=ATOL, rtol=0)
-    case = MRopeCase("processor", hf, ours, lambda _: (None, out.mm_inputs.mrope_position_delta))
-    tokens = decode_together(case.ours, kv, [row], logits[-1:], [out.mm_inputs.mrope_position_delta], num_new)
-    assert tokens == [ref_tokens]
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (*image_hw, 3), dtype=np.uint8))
+    frames = [Image.fromarray(rng.integers(0, 256, (*frame_hw, 3), dtype=np.uint8)) for _ in range(4)]
+    clip = VideoClip(frames, fps=3.0, total_num_frames=8, sampled_indices=[0, 2, 4, 6])
+    content = [{"type": "image"}, {"type": "video"}, {"type": "text", "text": "What is shown here?"}]
+    text = hf_processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                            tokenize=False)
+    try:
+        out = processor.process(prompt=text, image_data=[image], video_data=[clip])
+    finally:
+        processor.close()
+    ref = hf_processor(text=[text], images=[image], videos=[frames], return_tensors="pt", videos_kwargs={
+        "do_sample_frames": False,
+        "video_metadata": [{"fps": 3.0, "total_num_frames": 8, "frames_indices": [0, 2, 4, 6]}]})
+    assert out.input_ids == ref["input_ids"][0].tolist()
+    image_item, video_item = out.mm_inputs.items
+    torch.testing.assert_close(image_item.feature, ref["pixel_values"], atol=0, rtol=0)
+    torch.testing.assert_close(video_item.feature, ref["pixel_values_videos"], atol=0, rtol=0)
+    ref_inputs = {k: ref[k] for k in ref_keys}
+    extra = {k: ref[k] for k in ref_keys if k == "second_per_grid_ts"}
+    ref_pos, ref_delta = case.hf.model.get_rope_index(
+        ref["input_ids"], ref["mm_token_type_ids"], image_grid_thw=ref["image_grid_thw"],
+        video_grid_thw=ref["video_grid_thw"], **extra)
+    mm = out.mm_inputs
+    assert torch.equal(mm.mrope_positions, ref_pos[:, 0]) and mm.mrope_position_delta == int(ref_delta.reshape(-1)[0])
+    prompt = ProcessedPrompt(torch.tensor(out.input_ids), mm.items, mm.mrope_positions, mm.mrope_position_delta)
+    check_processed_prompt_matches_hf(case, prompt, ref_inputs)
+    return out, ref

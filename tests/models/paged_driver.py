@@ -117,3 +117,20 @@ def decode_greedy(model, kv: PagedKV, rows: list[int], logits, num_new: int,
                 toks.append(int(lo.argmax()))
             logits = model(make_batch(kv, [step(kv, r, lo) for r, lo in zip(rows, logits)]), kv.pool)
     return tokens
+
+
+def check_text_prefill_and_decode(hf, ours, ids: torch.Tensor, num_new: int,
+                                  page_size: int = 4) -> tuple[torch.Tensor, list[int]]:
+    """A text-only prompt `ids` [L]: our prefill logits equal HF's (fp32, 1e-4) and our greedy tokens, decoded
+    over paged KV at 1-D positions, equal HF generate's. Returns (HF's prefill logits, its tokens)."""
+    n = len(ids)
+    with torch.inference_mode():
+        ref = hf(input_ids=ids[None]).logits[0]
+        want = hf.generate(input_ids=ids[None], attention_mask=torch.ones(1, n, dtype=torch.long),
+                           max_new_tokens=num_new, do_sample=False, pad_token_id=0, eos_token_id=None)[0, n:].tolist()
+        kv = PagedKV(ours.lm_config, page_size=page_size)
+        row = kv.new_request()
+        logits = ours(make_batch(kv, [Step(row, ids, torch.arange(n), all_logits=True)]), kv.pool)
+        torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)
+    assert decode_greedy(ours, kv, [row], logits[-1:], num_new) == [want]
+    return ref, want

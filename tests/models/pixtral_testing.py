@@ -21,7 +21,9 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
-from tests.models.rope_vlm_testing import VLPrompt
+from tests.models.family_parity import Chunked, FamilyFixture, Seeded, media_parts
+from tests.models.fixture_checks import hf_generate, save_random_model
+from tests.models.rope_vlm_testing import RopeVLCase, VLPrompt
 
 VOCAB, IMG_ID, BREAK_ID, END_ID = 128, 120, 121, 122
 
@@ -120,11 +122,8 @@ def build_tiny_pixtral(path: str | Path, spec: TinySpec):
     """The HF reference model (eval mode, eager attention), also saved to `path` (config + safetensors)."""
     from transformers import LlavaForConditionalGeneration
 
-    torch.manual_seed(spec.seed)
-    hf = LlavaForConditionalGeneration._from_config(tiny_pixtral_config(spec), attn_implementation="eager").eval()
-    make_fixture_can_fail_(hf, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, LlavaForConditionalGeneration, tiny_pixtral_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec.seed))
 
 
 def image_ids(rows: int, cols: int) -> list[int]:
@@ -138,14 +137,9 @@ def image_ids(rows: int, cols: int) -> list[int]:
 def build_prompt(spec: TinySpec, parts: list, seed: int = 0) -> VLPrompt:
     """parts: int n = n random text tokens (ids < 100); ("image", (rows, cols)) = an image of rows x cols
     patches with random pixels. HF gets the images padded into one batch with their image_sizes."""
-    g = torch.Generator().manual_seed(seed)
     ids: list[int] = []
     items = []
-    for part in parts:
-        if isinstance(part, int):
-            ids += torch.randint(0, 100, (part,), generator=g).tolist()
-            continue
-        rows, cols = part[1]
+    for (_, (rows, cols)), g in media_parts(parts, seed, ids):
         start = len(ids)
         ids += image_ids(rows, cols)
         offsets = [(start + r * (cols + 1), start + r * (cols + 1) + cols) for r in range(rows)]
@@ -153,7 +147,7 @@ def build_prompt(spec: TinySpec, parts: list, seed: int = 0) -> VLPrompt:
         items.append(MultimodalDataItem(modality=Modality.IMAGE, hash=len(items), offsets=offsets,
                                         feature=torch.randn(3, h, w, generator=g),
                                         model_specific_data={"image_sizes": torch.tensor([[h, w]])}))
-    return VLPrompt(torch.tensor(ids), items, hf_image_inputs(items))
+    return VLPrompt(torch.tensor(ids), items)
 
 
 def hf_image_inputs(items: list[MultimodalDataItem]) -> dict[str, Any]:
@@ -164,6 +158,61 @@ def hf_image_inputs(items: list[MultimodalDataItem]) -> dict[str, Any]:
     for b, (it, (h, w)) in enumerate(zip(items, sizes)):
         batch[b, :, :h, :w] = it.feature
     return {"pixel_values": batch, "image_sizes": torch.tensor(sizes)}
+
+
+# ---------------------------------------------------------------- the parity suite's row
+
+class PixtralCase(RopeVLCase):
+    def prompt(self, parts: list, seed: int = 0) -> VLPrompt:
+        return build_prompt(self.spec, parts, seed)
+
+    def hf_pixels(self, items: list[MultimodalDataItem]) -> dict[str, Any]:
+        return hf_image_inputs(items)
+
+    def hf_media_features(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        """Each image encoded alone (ours packs them in one sequence whose block mask keeps them apart)."""
+        return [self.hf.model.get_image_features(it.feature[None], image_sizes=torch.tensor(
+            [list(it.feature.shape[1:])])).pooler_output[0] for it in items]
+
+
+PROMPTS = {  # ("image", (rows, cols)) in patches
+    "text": [12],
+    "square": [5, ("image", (3, 3)), 4],
+    "wide": [3, ("image", (2, 7)), 2],
+    "tall": [2, ("image", (6, 2)), 3],
+    "one_patch": [4, ("image", (1, 1)), 2],
+    "two_sizes": [3, ("image", (4, 3)), 2, ("image", (2, 5)), 3],
+}
+DECODE_PROMPT = [3, ("image", (3, 4)), 2, ("image", (2, 2)), 4]
+
+
+def load_case(name: str, path: Path) -> PixtralCase:
+    from tessera.models.pixtral import PixtralLlavaForConditionalGeneration
+
+    case, config = PixtralCase.load(SPECS[name], path, build_tiny_pixtral, PixtralLlavaForConditionalGeneration)
+    spec, hf = case.spec, case.hf
+    assert config.family.vision_model_type == "pixtral" and config.tie_word_embeddings == spec.tie
+    assert config.head_dim == spec.head_dim
+    assert config.sliding_windows == (spec.sliding_window,) * spec.layers  # Mistral slides every layer
+    case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate(hf, case.hf_inputs(p), 8))
+    return case
+
+
+FIXTURE = FamilyFixture(
+    specs=tuple(SPECS), load_case=load_case, build=lambda path, name: build_tiny_pixtral(path, SPECS[name]),
+    bytes_spec="llama_tied_layers", prompts=PROMPTS, text=Seeded(PROMPTS["text"], 8),
+    decode=Seeded(DECODE_PROMPT, 3),
+    batch=(Seeded(PROMPTS["text"], 4), Seeded(PROMPTS["two_sizes"], 5), Seeded(PROMPTS["tall"], 6)),
+    # Chunks of 5 tokens: every image (12 and 10 [IMG] tokens with their breaks) spans several chunks, and chunk
+    # boundaries fall inside rows and on [IMG_BREAK] tokens.
+    chunked=tuple(Chunked([5, ("image", (3, 4)), 1, ("image", (2, 5)), 4], 6, lambda spec: 5, page)
+                  for page in (1, 4)),
+    # Page size 1: one past [IMG_END]; 4: a cut inside the image.
+    prefix=Seeded([4, ("image", (3, 3)), 6], 7),
+    prefix_cuts={"page1": (1, lambda case, a: 4 + 3 * 4), "page4": (4, lambda case, a: 8)},
+    # Images of three sizes from two prompts.
+    tower=(Seeded([2, ("image", (5, 3)), 1, ("image", (1, 6)), 1], 2), Seeded([1, ("image", (2, 2)), 1], 3)),
+)
 
 
 # ---------------------------------------------------------------- full checkpoint directory
@@ -183,7 +232,7 @@ def make_tiny_pixtral_checkpoint(path: str | Path, spec: TinySpec = SPECS["mistr
     """Writes a complete random Pixtral-LLaVA checkpoint to `path` and returns it: the model of `spec` (its
     vocabulary is the tokenizer's), a PixtralImageProcessor capping the longest edge at spec.max_image with
     spec.patch patches, a PixtralProcessor, the chat template, and generation_config (eos <|im_end|>)."""
-    from transformers import GenerationConfig, LlavaForConditionalGeneration, PixtralImageProcessor, PixtralProcessor
+    from transformers import LlavaForConditionalGeneration, PixtralImageProcessor, PixtralProcessor
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -196,11 +245,8 @@ def make_tiny_pixtral_checkpoint(path: str | Path, spec: TinySpec = SPECS["mistr
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     cfg = tiny_pixtral_config(spec, vocab_size=(len(tok) + 63) // 64 * 64, image_token_id=tok.image_token_id,
                               bos_token_id=pad, eos_token_id=eos, pad_token_id=pad)
-    torch.manual_seed(seed)
-    model = LlavaForConditionalGeneration._from_config(cfg).eval()
-    make_fixture_can_fail_(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
-    model.save_pretrained(path)
+    save_random_model(path, LlavaForConditionalGeneration, cfg, seed, lambda m: make_fixture_can_fail_(m, seed),
+                      None, eos, pad)
     return path
 
 

@@ -10,7 +10,8 @@ Two entry points build checkpoints:
 Both make fixtures that can fail (see shared/design/FAMILY-FIXTURES.md): norm weights and biases are random
 (HF starts them at 1 and 0), and the vision merger's output is rescaled so image embeddings are text-sized.
 
-The prompt, HF references and parity checks it shares with Qwen2-VL and Qwen3-VL are in mrope_vlm_testing.py.
+The prompt, HF's positions and the parity suite's case it shares with Qwen2-VL and Qwen3-VL are in
+mrope_vlm_testing.py; its FIXTURE is the parity suite's row.
 Other test directories import it as `tests.models.qwen2_5_vl_testing`.
 """
 
@@ -23,8 +24,10 @@ from typing import Any
 
 import torch
 
-from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
-from tests.models.mrope_vlm_testing import MRopePrompt
+from tessera.messages.items import Modality, MultimodalInputs
+from tests.models.family_parity import Chunked, FamilyFixture, Seeded
+from tests.models.fixture_checks import hf_generate, save_random_model
+from tests.models.mrope_vlm_testing import PREFIX, PREFIX_CUTS, MRopeCase, MRopePrompt, build_span_prompt
 
 VOCAB, IMAGE_ID, VIDEO_ID, VSTART_ID, VEND_ID = 128, 120, 121, 122, 123
 PATCH, MERGE, TEMPORAL_PATCH = 14, 2, 2
@@ -120,12 +123,8 @@ def build_tiny_qwen2_5_vl(path: str | Path, spec: TinySpec, attn_implementation:
     """The HF reference model (eval mode), also saved to `path` (config + safetensors only)."""
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    torch.manual_seed(spec.seed)
-    hf = Qwen2_5_VLForConditionalGeneration._from_config(tiny_qwen2_5_vl_config(spec),
-                                                          attn_implementation=attn_implementation).eval()
-    make_fixture_can_fail_(hf, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, Qwen2_5_VLForConditionalGeneration, tiny_qwen2_5_vl_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec.seed), attn_implementation)
 
 
 # ---------------------------------------------------------------- prompts
@@ -141,36 +140,10 @@ class Prompt(MRopePrompt):
         return {"second_per_grid_ts": self.second_per_grid_ts()}
 
 
-def build_prompt(spec: list, seed: int = 0) -> Prompt:
-    """spec parts: int n = n random text tokens (ids < 100); ("image", (t, h, w)) or ("video", (t, h, w), second_per_grid) = a <vision_start>..<vision_end> span with
-    random pixel rows. Same spec and seed -> same prompt."""
-    g = torch.Generator().manual_seed(seed)
-    ids: list[int] = []
-    types: list[int] = []
-    items = []
-    for part in spec:
-        if isinstance(part, int):
-            ids += torch.randint(0, 100, (part,), generator=g).tolist()
-            types += [0] * part
-            continue
-        kind, (t, h, w) = part[0], part[1]
-        num = t * h * w // MERGE**2
-        is_image = kind == "image"
-        ids.append(VSTART_ID)
-        types.append(0)
-        start = len(ids)
-        ids += [IMAGE_ID if is_image else VIDEO_ID] * num
-        types += [1 if is_image else 2] * num
-        ids.append(VEND_ID)
-        types.append(0)
-        msd = {("image_grid_thw" if is_image else "video_grid_thw"): torch.tensor([[t, h, w]])}
-        if not is_image:
-            msd["second_per_grid_ts"] = torch.tensor([float(part[2])])
-        items.append(MultimodalDataItem(
-            modality=Modality.IMAGE if is_image else Modality.VIDEO, hash=len(items), offsets=[(start, start + num)],
-            feature=torch.randn(t * h * w, PATCH_DIM, generator=g), model_specific_data=msd,
-        ))
-    return Prompt(torch.tensor(ids), torch.tensor(types), items)
+def build_prompt(parts: list, seed: int = 0) -> Prompt:
+    """mrope_vlm_testing.build_span_prompt's layout; a video part carries its seconds per temporal grid step:
+    ("video", (t, h, w), second_per_grid)."""
+    return build_span_prompt(parts, seed, Prompt, PATCH_DIM, (IMAGE_ID, VIDEO_ID, VSTART_ID, VEND_ID), MERGE)
 
 
 def our_positions(prompt: Prompt, tokens_per_second: float = TOKENS_PER_SECOND) -> tuple[torch.Tensor, int]:
@@ -185,14 +158,48 @@ def our_positions(prompt: Prompt, tokens_per_second: float = TOKENS_PER_SECOND) 
     return mm.mrope_positions, mm.mrope_position_delta
 
 
-# ---------------------------------------------------------------- references
+# ---------------------------------------------------------------- the parity suite's row
 
-def hf_generate(hf, inputs: dict, num_new: int) -> list[int]:
-    """transformers' own greedy generate (see mrope_vlm_testing.hf_greedy for where its decode positions
-    differ)."""
-    with torch.inference_mode():
-        out = hf.generate(**inputs, max_new_tokens=num_new, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+class Qwen2_5VLCase(MRopeCase):
+    def prompt(self, parts: list, seed: int = 0) -> Prompt:
+        return build_prompt(parts, seed)
+
+    def our_positions(self, prompt: Prompt) -> tuple[torch.Tensor, int]:
+        return our_positions(prompt)
+
+
+PROMPTS = {
+    "text": [12],
+    "square_image": [5, ("image", (1, 8, 8)), 4],  # 4x4 merged: 4 windows (gqa), 1 padded window (mha)
+    "nonsquare_image": [3, ("image", (1, 6, 14)), 2],  # 3x7 merged: windows padded on both axes
+    "two_images": [3, ("image", (1, 8, 12)), 2, ("image", (1, 4, 6)), 3],
+    "video": [4, ("video", (4, 4, 6), 0.75), 3],  # temporal step 2 x 0.75 = 1.5 positions per grid
+    "image_and_long_video": [2, ("image", (1, 2, 2)), 1, ("video", (6, 4, 4), 1.25), 3],  # step 2.5, t > h, w
+}
+DECODE_PROMPT = [3, ("image", (1, 8, 12)), 2, ("video", (4, 4, 6), 0.75), 4]
+
+
+def load_case(name: str, path: Path) -> Qwen2_5VLCase:
+    from tessera.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration
+
+    case, config = Qwen2_5VLCase.load(SPECS[name], path, build_tiny_qwen2_5_vl, Qwen2_5_VLForConditionalGeneration)
+    spec, hf = case.spec, case.hf
+    assert config.mrope_section == spec.mrope_section and config.tie_word_embeddings == spec.tie
+    case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate(hf, p.hf_inputs(), 8))
+    return case
+
+
+FIXTURE = FamilyFixture(
+    specs=tuple(SPECS), load_case=load_case, build=lambda path, name: build_tiny_qwen2_5_vl(path, SPECS[name]),
+    bytes_spec="gqa", prompts=PROMPTS, text=Seeded([12], 8), decode=Seeded(DECODE_PROMPT, 3),
+    batch=(Seeded(PROMPTS["two_images"], 4), Seeded(PROMPTS["image_and_long_video"], 5)),
+    # Chunks of 7 tokens; the image spans rows 6..29 and the video 33..44, so chunk boundaries 7, 14, 21, 28 and
+    # 35, 42 fall inside media spans.
+    chunked=tuple(Chunked([5, ("image", (1, 8, 12)), 1, ("video", (2, 4, 6), 0.75), 4], 6, lambda spec: 7, page)
+                  for page in (1, 4)),
+    prefix=PREFIX, prefix_cuts=PREFIX_CUTS,
+    tower=(Seeded([2, ("image", (1, 8, 12)), 1, ("image", (1, 6, 14)), 1, ("video", (2, 4, 6), 1.0)], 2),),
+)
 
 
 # ---------------------------------------------------------------- full checkpoint directory
@@ -219,7 +226,7 @@ def make_tiny_qwen2_5_vl_checkpoint(
       do_sample_frames=False) whose images are resized to [image_min_pixels, image_max_pixels] and video
       frames to [video_min_pixels, video_max_pixels]; a video given with its fps gets second_per_grid_ts.
     """
-    from transformers import (AutoProcessor, GenerationConfig, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
+    from transformers import (AutoProcessor, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration,
                               Qwen2_5_VLProcessor)
 
     from tessera.config import ASSETS_DIR
@@ -251,11 +258,8 @@ def make_tiny_qwen2_5_vl_checkpoint(
                            image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
                            vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
                            architectures=["Qwen2_5_VLForConditionalGeneration"])
-    torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration._from_config(cfg).eval()
-    make_fixture_can_fail_(model, seed)
-    model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
-    model.save_pretrained(path)
+    save_random_model(path, Qwen2_5_VLForConditionalGeneration, cfg, seed, lambda m: make_fixture_can_fail_(m, seed),
+                      None, ids["<|im_end|>"], ids["<|endoftext|>"])
     return path
 
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from tessera.messages.items import Modality, MultimodalDataItem
+from tessera.messages.items import Modality
 from tests.models.mrope_vlm_testing import (  # noqa: F401  (shared by the M-RoPE families: re-exported)
     MRopePrompt,
+    build_span_prompt,
     hf_positions,
     prompt_mm_embeds,
 )
@@ -48,30 +47,6 @@ class Prompt(MRopePrompt):
         )
 
 
-def build_prompt(spec: list, seed: int = 0) -> Prompt:
-    """spec items: int n = n random text tokens; ("image" | "video", (t, h, w)) = a wrapped media span."""
-    g = torch.Generator().manual_seed(seed)
-    ids: list[int] = []
-    types: list[int] = []
-    items = []
-    for part in spec:
-        if isinstance(part, int):
-            ids += torch.randint(0, 100, (part,), generator=g).tolist()
-            types += [0] * part
-            continue
-        kind, (t, h, w) = part
-        num = t * h * w // MERGE**2
-        is_image = kind == "image"
-        ids.append(VSTART_ID)
-        types.append(0)
-        start = len(ids)
-        ids += [IMAGE_ID if is_image else VIDEO_ID] * num
-        types += [1 if is_image else 2] * num
-        ids.append(VEND_ID)
-        types.append(0)
-        items.append(MultimodalDataItem(
-            modality=Modality.IMAGE if is_image else Modality.VIDEO, hash=len(items), offsets=[(start, start + num)],
-            feature=torch.randn(t * h * w, PATCH_DIM, generator=g),
-            model_specific_data={("image_grid_thw" if is_image else "video_grid_thw"): torch.tensor([[t, h, w]])},
-        ))
-    return Prompt(torch.tensor(ids), torch.tensor(types), items)
+def build_prompt(parts: list, seed: int = 0) -> Prompt:
+    """mrope_vlm_testing.build_span_prompt's layout."""
+    return build_span_prompt(parts, seed, Prompt, PATCH_DIM, (IMAGE_ID, VIDEO_ID, VSTART_ID, VEND_ID), MERGE)

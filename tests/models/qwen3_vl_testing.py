@@ -12,7 +12,8 @@ Fixtures that can fail (shared/design/FAMILY-FIXTURES.md): norm weights (RMSNorm
 LayerNorms) and biases are random; the main merger and every DeepStack merger are rescaled so their outputs
 are text-sized (a dropped DeepStack level then moves the logits by far more than the tolerance).
 
-The prompt, HF references and parity checks it shares with Qwen2-VL and Qwen2.5-VL are in mrope_vlm_testing.py.
+The prompt, HF's positions and the parity suite's case it shares with Qwen2-VL and Qwen2.5-VL are in
+mrope_vlm_testing.py; its FIXTURE is the parity suite's row.
 Other test directories import it as `tests.models.qwen3_vl_testing`.
 """
 
@@ -25,7 +26,9 @@ from typing import Any
 import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
-from tests.models.mrope_vlm_testing import MRopePrompt
+from tests.models.family_parity import Chunked, FamilyFixture, Seeded, media_parts
+from tests.models.fixture_checks import hf_generate, save_random_model
+from tests.models.mrope_vlm_testing import PREFIX, PREFIX_CUTS, MRopeCase, MRopePrompt, mm_types
 
 VOCAB, IMAGE_ID, VIDEO_ID, VSTART_ID, VEND_ID = 128, 120, 121, 122, 123
 PATCH, MERGE, TEMPORAL_PATCH = 16, 2, 2
@@ -118,12 +121,8 @@ def build_tiny_qwen3_vl(path: str | Path, spec: TinySpec, attn_implementation: s
     """The HF reference model (eval mode), also saved to `path` (config + safetensors only)."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    torch.manual_seed(spec.seed)
-    hf = Qwen3VLForConditionalGeneration._from_config(tiny_qwen3_vl_config(spec),
-                                                       attn_implementation=attn_implementation).eval()
-    make_fixture_can_fail_(hf, spec.seed)
-    hf.save_pretrained(path)
-    return hf
+    return save_random_model(path, Qwen3VLForConditionalGeneration, tiny_qwen3_vl_config(spec), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec.seed), attn_implementation)
 
 
 # ---------------------------------------------------------------- prompts
@@ -136,47 +135,33 @@ def build_prompt(spec: list, seed: int = 0) -> Prompt:
     <vision_end>; ("video", (t, h, w)) = Qwen3-VL's layout: <vision_start>, then per frame group a
     3-token stand-in for its timestamp text, <vision_start> pads <vision_end>, then <vision_end>.
     Same spec and seed -> same prompt."""
-    g = torch.Generator().manual_seed(seed)
     ids: list[int] = []
-    types: list[int] = []
     items = []
 
-    def text(n: int) -> None:
-        ids.extend(torch.randint(0, 100, (n,), generator=g).tolist())
-        types.extend([0] * n)
-
-    def span(token: int, kind: int, n: int) -> tuple[int, int]:
+    def span(token: int, n: int) -> tuple[int, int]:
         ids.append(VSTART_ID)
         start = len(ids)
-        ids.extend([token] * n)
-        ids.append(VEND_ID)
-        types.extend([0] + [kind] * n + [0])
+        ids.extend([token] * n + [VEND_ID])
         return start, start + n
 
-    for part in spec:
-        if isinstance(part, int):
-            text(part)
-            continue
-        kind, (t, h, w) = part
+    for (kind, (t, h, w)), g in media_parts(spec, seed, ids):
         per_frame = h * w // MERGE**2
         if kind == "image":
-            offsets = [span(IMAGE_ID, 1, t * per_frame)]
+            offsets = [span(IMAGE_ID, t * per_frame)]
             msd = {"image_grid_thw": torch.tensor([[t, h, w]])}
         else:
             ids.append(VSTART_ID)
-            types.append(0)
             offsets = []
             for _ in range(t):
-                text(3)
-                offsets.append(span(VIDEO_ID, 2, per_frame))
+                ids.extend(torch.randint(0, 100, (3,), generator=g).tolist())
+                offsets.append(span(VIDEO_ID, per_frame))
             ids.append(VEND_ID)
-            types.append(0)
             msd = {"video_grid_thw": torch.tensor([[t, h, w]])}
         items.append(MultimodalDataItem(
             modality=Modality.IMAGE if kind == "image" else Modality.VIDEO, hash=len(items), offsets=offsets,
             feature=torch.randn(t * h * w, PATCH_DIM, generator=g), model_specific_data=msd,
         ))
-    return Prompt(torch.tensor(ids), torch.tensor(types), items)
+    return Prompt(torch.tensor(ids), mm_types(ids, IMAGE_ID, VIDEO_ID), items)
 
 
 def our_positions(prompt: Prompt) -> tuple[torch.Tensor, int]:
@@ -188,16 +173,96 @@ def our_positions(prompt: Prompt) -> tuple[torch.Tensor, int]:
     return mm.mrope_positions, mm.mrope_position_delta
 
 
-# ---------------------------------------------------------------- references
+# ---------------------------------------------------------------- the parity suite's row
 
-def hf_generate(hf, inputs: dict, num_new: int) -> list[int]:
+class Qwen3VLCase(MRopeCase):
+    """An item's embedding rows are its main features followed by its DeepStack levels, level by level."""
+
+    def prompt(self, parts: list, seed: int = 0) -> Prompt:
+        return build_prompt(parts, seed)
+
+    def our_positions(self, prompt: Prompt) -> tuple[torch.Tensor, int]:
+        return our_positions(prompt)
+
+    def hf_item_features(self, output: Any) -> list[torch.Tensor]:
+        return [torch.cat([main, *levels], dim=-1)
+                for main, *levels in zip(output.pooler_output, *output.deepstack_features)]
+
+
+def logits_with_embeds(case: Qwen3VLCase, prompt: Prompt, embeds: torch.Tensor) -> torch.Tensor:
+    """Our logits for the whole prompt with `embeds` in place of our media embedding rows."""
+    from tests.models.paged_driver import PagedKV, make_batch
+
+    kv = PagedKV(case.ours.lm_config)
+    step = case.extend_step(kv.new_request(), prompt, all_logits=True)
+    step.mm_embeds = embeds
+    with torch.inference_mode():
+        return case.ours(make_batch(kv, [step]), kv.pool)
+
+
+PROMPTS = {
+    "text": [12],
+    "square_image": [5, ("image", (1, 8, 8)), 4],
+    "nonsquare_image": [3, ("image", (1, 6, 14)), 2],
+    "two_images": [3, ("image", (1, 8, 12)), 2, ("image", (1, 4, 6)), 3],
+    "video": [4, ("video", (3, 4, 6)), 3],
+    "image_and_video": [2, ("image", (1, 2, 2)), 1, ("video", (4, 4, 4)), 3],
+}
+DECODE_PROMPT = [3, ("image", (1, 8, 12)), 2, ("video", (2, 4, 6)), 4]
+
+
+def hf_generate_masked(hf, inputs: dict, num_new: int) -> list[int]:
     """transformers' own greedy generate. The explicit attention mask matters: without it generate masks every
     prompt token equal to pad_token_id (random prompts hold id 0) and gives it position 0."""
-    mask = torch.ones_like(inputs["input_ids"])
-    with torch.inference_mode():
-        out = hf.generate(**inputs, attention_mask=mask, max_new_tokens=num_new, do_sample=False, pad_token_id=0,
-                          eos_token_id=None)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    return hf_generate(hf, inputs, num_new, attention_mask=torch.ones_like(inputs["input_ids"]))
+
+
+def load_case(name: str, path: Path) -> Qwen3VLCase:
+    """Beyond FamilyCase.check_fixture_can_fail (which checks every DeepStack level is text-sized): a dropped
+    DeepStack level moves the logits far beyond the tolerance."""
+    from tessera.models.qwen3_vl import Qwen3VLForConditionalGeneration
+    from tests.models.family_parity import ATOL
+
+    case, config = Qwen3VLCase.load(SPECS[name], path, build_tiny_qwen3_vl, Qwen3VLForConditionalGeneration)
+    spec, hf, ours = case.spec, case.hf, case.ours
+    assert config.mrope_section == spec.mrope_section and config.head_dim == spec.head_dim
+    assert ours.num_deepstack_levels == len(spec.deepstack)
+    base = case.prompt(DECODE_PROMPT, seed=0)
+    _, embeds = case.mm_embeds(base)
+    no_deepstack = embeds.clone()
+    no_deepstack[:, spec.hidden:] = 0
+    assert (logits_with_embeds(case, base, no_deepstack) - logits_with_embeds(case, base, embeds)).abs().max() \
+        > 100 * ATOL
+    case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate_masked(hf, p.hf_inputs(), 8))
+    return case
+
+
+def check_embedding_width(case: Qwen3VLCase, monkeypatch) -> None:
+    """Our encoders give rows of the declared width (main + DeepStack levels), and rows without the DeepStack
+    levels are refused by name."""
+    import pytest
+
+    from tessera.models.mm_embed import EmbeddingCountError
+
+    prompt = case.prompt(PROMPTS["square_image"], seed=1)
+    _, embeds = case.mm_embeds(prompt)
+    assert embeds.shape == (16, case.ours.mm_embed_width) and embeds.shape[1] > case.ours.config.hidden_size
+    with pytest.raises(EmbeddingCountError, match="DeepStack"):
+        logits_with_embeds(case, prompt, embeds[:, : case.ours.config.hidden_size])
+
+
+FIXTURE = FamilyFixture(
+    specs=tuple(SPECS), load_case=load_case, build=lambda path, name: build_tiny_qwen3_vl(path, SPECS[name]),
+    bytes_spec="mha_tied", prompts=PROMPTS, text=Seeded([12], 8), decode=Seeded(DECODE_PROMPT, 3),
+    decode_page_sizes=(4,), batch=(Seeded(PROMPTS["two_images"], 4), Seeded(PROMPTS["image_and_video"], 5)),
+    # Chunks of 7 tokens; the image spans rows 6..29 and the video's frame groups 35..40 and 45..50, so chunk
+    # boundaries fall inside the image and inside a frame group (DeepStack rows split across chunks).
+    chunked=tuple(Chunked([5, ("image", (1, 8, 12)), 1, ("video", (2, 4, 6)), 4], 6, lambda spec: 7, page)
+                  for page in (1, 4)),
+    prefix=PREFIX, prefix_cuts=PREFIX_CUTS,
+    tower=(Seeded([2, ("image", (1, 8, 12)), 1, ("image", (1, 6, 14)), 1, ("video", (2, 4, 6))], 2),),
+    checks={"embedding_width": check_embedding_width},
+)
 
 
 # ---------------------------------------------------------------- full checkpoint directory
@@ -247,7 +312,7 @@ def make_tiny_qwen3_vl_checkpoint(
     the demo-vl chat template and a Qwen3VLProcessor (Qwen2VLImageProcessor and Qwen3VLVideoProcessor with
     patch 16, merge 2, mean/std 0.5, do_sample_frames=False) that `AutoProcessor.from_pretrained` loads.
     """
-    from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -257,11 +322,8 @@ def make_tiny_qwen3_vl_checkpoint(
                                                         video_max_pixels=video_max_pixels)
     processor.save_pretrained(path)
     ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}
-    torch.manual_seed(spec.seed)
-    model = Qwen3VLForConditionalGeneration._from_config(cfg).eval()
-    make_fixture_can_fail_(model, spec.seed)
-    model.generation_config = GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
-    model.save_pretrained(path)
+    save_random_model(path, Qwen3VLForConditionalGeneration, cfg, spec.seed,
+                      lambda m: make_fixture_can_fail_(m, spec.seed), None, ids["<|im_end|>"], ids["<|endoftext|>"])
     return path
 
 

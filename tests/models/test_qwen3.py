@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_driver import PagedKV, Step, make_batch
+from paged_driver import check_text_prefill_and_decode
 
 from tessera.models.qwen3 import Qwen3ForCausalLM as OurQwen3
 from tessera.models.registry import load_model
@@ -41,17 +41,5 @@ def qwen3_case(request, tmp_path_factory):
 def test_prefill_and_greedy_decode_match_hf(qwen3_case):
     hf, ours = qwen3_case
     ids = torch.randint(1, 96, (11,), generator=torch.Generator().manual_seed(1))
-    with torch.inference_mode():
-        ref_logits = hf(ids[None]).logits[0]
-        ref = hf.generate(ids[None], attention_mask=torch.ones(1, 11, dtype=torch.long), max_new_tokens=12,
-                          do_sample=False, pad_token_id=0, eos_token_id=None)[0, 11:].tolist()
-        kv = PagedKV(ours.lm_config, page_size=4)
-        row = kv.new_request()
-        logits = ours(make_batch(kv, [Step(row, ids, torch.arange(11), all_logits=True)]), kv.pool)
-        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
-        tokens = []
-        for _ in range(12):
-            tokens.append(int(logits[-1].argmax()))
-            logits = ours(make_batch(kv, [Step(row, torch.tensor(tokens[-1:]), torch.tensor([kv.lens[row]]))]), kv.pool)
-    assert tokens == ref
+    _, ref = check_text_prefill_and_decode(hf, ours, ids, 12)
     assert len(set(ref)) >= 3, f"greedy output {ref} is (nearly) one repeated token"

@@ -6,31 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessera.messages.items import PAD_VALUE_BASE, Modality
+from tessera.messages.items import PAD_VALUE_BASE
 from tessera.multimodal.processors.internvl import InternVLProcessor
 from tests.models.internvl_testing import SPECS, make_tiny_internvl_checkpoint
 
-from .conftest import (
-    chat_text,
-    encode_png,
-    load_processor_and_config,
-    processor_factory,
-    scene_image,
-)
+from .conftest import chat_text, scene_image
+from .processor_checks import (check_cache_hits_and_process_config, check_formats_agree, check_single_image,
+                               check_text_only_and_refusals, checkpoint_fixtures)
 
 SPEC = SPECS["qwen2_gqa"]  # 48-pixel tiles, 9 tokens per tile
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = make_tiny_internvl_checkpoint(tmp_path_factory.mktemp("internvl_proc"), SPEC, max_patches=6)
-    return load_processor_and_config(path)
-
-
-@pytest.fixture
-def make_processor(ckpt):
-    with processor_factory(*ckpt) as make:
-        yield make
+ckpt, make_processor = checkpoint_fixtures(lambda path: make_tiny_internvl_checkpoint(path, SPEC, max_patches=6),
+                                           "internvl_proc")
 
 
 def assert_matches_hf(out, ref, hf_processor) -> None:
@@ -58,34 +46,15 @@ SIZES = [(48, 48), (140, 40), (40, 150), (500, 30), (20, 20), (333, 251), (97, 2
 
 @pytest.mark.parametrize("size", SIZES)
 def test_single_image_parity_across_sizes(ckpt, make_processor, size):
-    hf_processor = ckpt[0]
-    img = scene_image(sum(size), size)
-    prompt = chat_text(hf_processor, ["image", "What is this?"])
-    out = make_processor().process(prompt=prompt, image_data=[encode_png(img)])
-    assert_matches_hf(out, hf_processor(text=[prompt], images=[img], return_tensors="pt"), hf_processor)
+    check_single_image(ckpt[0], make_processor, size, lambda o, r: assert_matches_hf(o, r, ckpt[0]))
 
 
 def test_two_images_cache_hits_and_process_config(ckpt, make_processor):
     hf_processor = ckpt[0]
     images = [scene_image(1, (200, 90)), scene_image(2, (60, 180))]
-    prompt = chat_text(hf_processor, ["image", "Compare with", "image", "now."])
-    ref = hf_processor(text=[prompt], images=images, return_tensors="pt")
-    proc = make_processor(cache_size_bytes=1 << 26)
-    first = proc.process(prompt=prompt, image_data=images)
-    assert_matches_hf(first, ref, hf_processor)
-    again = proc.process(prompt=prompt, image_data=images)  # both from the preprocessing cache
-    partly = proc.process(prompt=prompt, image_data=[images[0], scene_image(3, (200, 90))])  # one hit, one miss
-    assert proc.preprocess_cache_hits == 3
-    assert again.input_ids == first.input_ids
-    assert [i.hash for i in again.mm_inputs.items] == [i.hash for i in first.mm_inputs.items]
-    assert_matches_hf(partly, hf_processor(text=[prompt], images=[images[0], scene_image(3, (200, 90))],
-                                           return_tensors="pt"), hf_processor)
-    # max_patches from mm_process_config reaches the image processor (and the hash).
-    fewer = make_processor(mm_process_config={"image": {"max_patches": 2}}).process(prompt=prompt, image_data=images)
-    assert_matches_hf(fewer, hf_processor(text=[prompt], images=images, images_kwargs={"max_patches": 2},
-                                          return_tensors="pt"), hf_processor)
-    assert len(fewer.input_ids) < len(first.input_ids)
-    assert fewer.mm_inputs.items[0].hash != first.mm_inputs.items[0].hash
+    check_cache_hits_and_process_config(hf_processor, make_processor,
+                                        lambda o, r: assert_matches_hf(o, r, hf_processor),
+                                        images, [images[0], scene_image(3, (200, 90))], {"max_patches": 2})
 
 
 def test_three_formats_give_the_same_ids(ckpt, make_processor):
@@ -101,28 +70,13 @@ def test_three_formats_give_the_same_ids(ckpt, make_processor):
         {"format": "processor_output", "pixel_values": tiles, "num_patches": counts}])
     embeds = [torch.randn(n * SPEC.tokens_per_tile, SPEC.hidden) for n in counts]
     precomputed = proc.process(prompt=prompt, image_data=[{"format": "precomputed_embedding", "feature": embeds}])
-    from_ids = proc.process(input_ids=proc.tokenize(prompt), image_data=images)  # one placeholder per image
-    for out in (processed, precomputed, from_ids):
-        assert out.input_ids == ids
-        assert [i.offsets for i in out.mm_inputs.items] == [i.offsets for i in raw.mm_inputs.items]
+    check_formats_agree(proc, prompt, images, raw, [processed, precomputed])
     assert torch.equal(precomputed.mm_inputs.items[1].precomputed_embedding, embeds[1])
 
 
 def test_text_only_and_refusals(ckpt, make_processor):
-    hf_processor = ckpt[0]
-    proc = make_processor(limit_mm_per_request={"image": 1})
-    assert proc.process(prompt="hello there").input_ids == hf_processor.tokenizer("hello there")["input_ids"]
-    img = scene_image(7, (64, 64))
-    with pytest.raises(ValueError, match="too many image items"):
-        proc.process(prompt=chat_text(hf_processor, ["image", "image", "?"]), image_data=[img, img])
-    with pytest.raises(ValueError, match="image placeholder"):
-        proc.process(prompt=chat_text(hf_processor, ["image", "image", "?"]), image_data=[img])
-    with pytest.raises(ValueError, match="does not accept video"):
-        proc.process(prompt="<video>", video_data=[[img, img]])
-    with pytest.raises(ValueError, match="pixel_values has shape"):
-        proc.process(prompt=chat_text(hf_processor, ["image", "?"]), image_data=[
-            {"format": "processor_output", "pixel_values": torch.zeros(2, 3, 32, 32), "num_patches": [2]}])
-    assert Modality.IMAGE in proc.supported_modalities
+    check_text_only_and_refusals(ckpt[0], make_processor, {"pixel_values": torch.zeros(2, 3, 32, 32),
+                                                           "num_patches": [2]}, "pixel_values has shape", "<video>")
 
 
 def test_deferred_images_match_eager(ckpt, make_processor):

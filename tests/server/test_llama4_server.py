@@ -3,17 +3,14 @@ images of one tile and of several tiles plus the global image) answers exactly a
 
 from __future__ import annotations
 
-import base64
-import io
 import random
 
-import httpx
 import pytest
-import torch
 
 from tessera.demo import scenes
 from tests.models.llama4_testing import load_hf_reference, make_tiny_llama4_checkpoint
 from tests.server.server_process import ServerProcess
+from tests.server.vlm_chat import check_model_info, hf_reply, served_reply
 
 MAX_TOKENS = 8
 QUESTION = "What is in the image?"
@@ -27,41 +24,14 @@ def llama4_server(tmp_path_factory):
     srv.stop()
 
 
-def _data_uri(image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def _hf_reply(path, images) -> str:
-    from transformers import AutoProcessor
-
-    processor = AutoProcessor.from_pretrained(path)
-    model = load_hf_reference(path)
-    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": QUESTION}]
-    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
-    enc = processor(text=[text], images=images, return_tensors="pt")
-    enc["pixel_values"] = enc["pixel_values"].float()  # the image processor returns bfloat16
-    with torch.inference_mode():
-        out = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-
-
 def test_chat_with_images_matches_hf(llama4_server) -> None:
-    from openai import OpenAI
-
     srv, path = llama4_server
     rng = random.Random(7)
     images = [scenes.image_sample(rng).frames[0].resize(size) for size in ((90, 40), (28, 28))]
-    client = OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", timeout=60)
     answers = []
     for used in (images[:1], images):  # a tiled image, then two images (tiled + one tile) in one prompt
-        parts = [{"type": "image_url", "image_url": {"url": _data_uri(im)}} for im in used]
-        reply = client.chat.completions.create(
-            model=path.name, temperature=0, max_tokens=MAX_TOKENS,
-            messages=[{"role": "user", "content": [*parts, {"type": "text", "text": QUESTION}]}])
-        expected = _hf_reply(path, used)
+        reply = served_reply(srv.base_url, path.name, used, QUESTION, MAX_TOKENS)
+        expected = hf_reply(path, load_hf_reference, used, QUESTION, MAX_TOKENS)
         assert reply.choices[0].message.content == expected
         assert reply.usage.completion_tokens == MAX_TOKENS
         answers.append(expected)
@@ -70,7 +40,4 @@ def test_chat_with_images_matches_hf(llama4_server) -> None:
 
 def test_model_info(llama4_server) -> None:
     srv, _ = llama4_server
-    info = httpx.get(f"{srv.base_url}/model_info", timeout=10).json()
-    assert info["architectures"] == ["Llama4ForConditionalGeneration"]
-    assert info["has_image_understanding"]
-    assert not info["has_video_understanding"] and not info["has_audio_understanding"]
+    check_model_info(srv.base_url, "Llama4ForConditionalGeneration")

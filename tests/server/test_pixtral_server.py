@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import random
 
-import httpx
 import pytest
 
 from tessera.demo import scenes
 from tests.models.pixtral_testing import make_tiny_pixtral_checkpoint
 from tests.server.server_process import ServerProcess
-from tests.server.vlm_chat import hf_reply, served_reply
+from tests.server.vlm_chat import check_model_info, hf_reply, served_reply
 
 MAX_TOKENS = 8
 QUESTION = "What is in the image?"
@@ -40,7 +39,4 @@ def test_chat_with_images_matches_hf(pixtral_server) -> None:
 
 def test_model_info(pixtral_server) -> None:
     srv, _ = pixtral_server
-    info = httpx.get(f"{srv.base_url}/model_info", timeout=10).json()
-    assert info["architectures"] == ["LlavaForConditionalGeneration"]
-    assert info["has_image_understanding"]
-    assert not info["has_video_understanding"] and not info["has_audio_understanding"]
+    check_model_info(srv.base_url, "LlavaForConditionalGeneration")

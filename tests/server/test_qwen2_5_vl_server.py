@@ -10,7 +10,7 @@ import pytest
 from tessera.demo import scenes
 from tests.models.qwen2_5_vl_testing import make_tiny_qwen2_5_vl_checkpoint
 from tests.server.server_process import ServerProcess
-from tests.server.vlm_chat import hf_reply, served_reply
+from tests.server.vlm_chat import check_model_info, hf_reply, served_reply
 
 MAX_TOKENS = 8
 
@@ -38,10 +38,7 @@ def test_chat_with_images_matches_hf(qwen25_server) -> None:
 
 def test_model_info_and_server_info(qwen25_server) -> None:
     srv, _ = qwen25_server
-    info = httpx.get(f"{srv.base_url}/model_info", timeout=10).json()
-    assert info["architectures"] == ["Qwen2_5_VLForConditionalGeneration"]
-    assert info["has_image_understanding"] and info["has_video_understanding"]
-    assert not info["has_audio_understanding"]
+    check_model_info(srv.base_url, "Qwen2_5_VLForConditionalGeneration", video=True)
     server = httpx.get(f"{srv.base_url}/get_server_info", timeout=10).json()
     effective = server["effective"]
     assert effective["device"] == "cpu" and effective["dtype"] == "float32"  # the checkpoint's dtype

@@ -6,10 +6,8 @@ across chunks, so the worker's per-chunk embedding rows (and their DeepStack lev
 from __future__ import annotations
 
 import base64
-import io
 import random
 
-import httpx
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from tessera.multimodal.media import MediaLimits, load_video
 from tests.models.qwen3_vl_testing import make_tiny_qwen3_vl_checkpoint
 from tests.multimodal.conftest import encode_mp4
 from tests.server.server_process import ServerProcess
+from tests.server.vlm_chat import check_model_info, data_uri
 
 MAX_TOKENS = 8
 NUM_FRAMES = 4
@@ -30,12 +29,6 @@ def qwen3_vl_server(tmp_path_factory):
                         "--page-size", "4", "--mm-process-config", f'{{"video": {{"num_frames": {NUM_FRAMES}}}}}')
     yield srv, path
     srv.stop()
-
-
-def _data_uri(image) -> str:
-    buf = io.BytesIO()
-    image.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 def _hf_reply(processor, model, content: list, images=None, clip=None) -> tuple[str, int]:
@@ -72,7 +65,7 @@ def test_chat_matches_hf(qwen3_vl_server) -> None:
     questions = ["What is in the image?", "What is in the image?", "Which shapes are there?"]
     answers = []
     for used, question in zip(image_sets, questions):
-        reply = ask([{"type": "image_url", "image_url": {"url": _data_uri(im)}} for im in used], question)
+        reply = ask([{"type": "image_url", "image_url": {"url": data_uri(im)}} for im in used], question)
         content = [{"type": "image"} for _ in used] + [{"type": "text", "text": question}]
         assert (reply.choices[0].message.content, reply.usage.prompt_tokens) == _hf_reply(processor, model, content,
                                                                                           images=used)
@@ -95,7 +88,4 @@ def test_chat_matches_hf(qwen3_vl_server) -> None:
 
 def test_model_info(qwen3_vl_server) -> None:
     srv, _ = qwen3_vl_server
-    info = httpx.get(f"{srv.base_url}/model_info", timeout=10).json()
-    assert info["architectures"] == ["Qwen3VLForConditionalGeneration"]
-    assert info["has_image_understanding"] and info["has_video_understanding"]
-    assert not info["has_audio_understanding"]
+    check_model_info(srv.base_url, "Qwen3VLForConditionalGeneration", video=True)

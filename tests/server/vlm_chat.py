@@ -27,15 +27,28 @@ def served_reply(base_url: str, model: str, images, question: str, max_tokens: i
 
 
 def hf_reply(path, hf_class, images, question: str, max_tokens: int) -> str:
-    """HF generate's greedy answer for the same conversation, decoded without special tokens."""
+    """HF generate's greedy answer for the same conversation, decoded without special tokens. `hf_class`: a
+    transformers model class, or a function of the path that loads the model."""
     from transformers import AutoProcessor
 
     processor = AutoProcessor.from_pretrained(path)
-    model = hf_class.from_pretrained(path).eval()
+    model = hf_class.from_pretrained(path).eval() if hasattr(hf_class, "from_pretrained") else hf_class(path)
     content = [{"type": "image"} for _ in images] + [{"type": "text", "text": question}]
     text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                          tokenize=False)
     enc = processor(text=[text], images=images, return_tensors="pt")
+    if enc["pixel_values"].dtype == torch.bfloat16:  # Llama-4's image processor: the model runs in float32
+        enc["pixel_values"] = enc["pixel_values"].float()
     with torch.inference_mode():
         out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)
     return processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def check_model_info(base_url: str, architecture: str, video: bool = False, audio: bool = False) -> None:
+    """/model_info names the architecture and reports image input, and video and audio input as given."""
+    import httpx
+
+    info = httpx.get(f"{base_url}/model_info", timeout=10).json()
+    assert info["architectures"] == [architecture]
+    assert info["has_image_understanding"]
+    assert (info["has_video_understanding"], info["has_audio_understanding"]) == (video, audio)
