@@ -99,7 +99,7 @@ def machine_info() -> dict:
 
     # HF generate runs in this process with torch's default threads; Tessera's model runs in its scheduler
     # process with ServerArgs.cpu_threads (default: adaptive, the cores nothing else is using; see
-    # scheduler/cpu_threads.py); tessera_scheduler_threads is the count it starts with.
+    # platform/threads.py); tessera_scheduler_threads is the count it starts with.
     info = {"cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "tessera_scheduler_threads": ServerArgs().scheduler_threads,
             "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform()}
