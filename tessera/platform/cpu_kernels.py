@@ -188,7 +188,9 @@ def takes(name: str, *tensors) -> bool:
 
 def call(name: str, *args) -> None:
     """Kernel `name` on `args`; while torch's profiler runs, inside a range named tessera::<symbol> (a ctypes
-    call is invisible to it otherwise)."""
+    call is invisible to it otherwise). Call only where `takes` (or `available`) said so."""
+    if not _loaded:
+        load()
     fn = _functions[name]
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function(f"tessera::{KERNELS[name].symbol}"):

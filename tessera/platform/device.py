@@ -45,10 +45,6 @@ class Platform:
         """Where tensors for this platform's collective backend live."""
         return torch.device("cpu")
 
-    def new_event(self) -> object | None:
-        """An event to record after an asynchronous copy (None: copies are synchronous here)."""
-        return None
-
     def is_capturing(self) -> bool:
         """Whether the current stream is recording a graph (planning must then not touch the host)."""
         return False
@@ -83,9 +79,6 @@ class CudaPlatform(Platform):
     def collective_device(self, device: torch.device) -> torch.device:
         return device
 
-    def new_event(self) -> object | None:
-        return torch.cuda.Event()
-
     def is_capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
 
@@ -100,10 +93,10 @@ class CudaPlatform(Platform):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for key in sorted(fns, reverse=True):
-                for _ in range(warmup + 1):  # the last `before` plans the captured run
+                for run in range(warmup + 1):  # the last `before` plans the captured run
                     if before is not None:
                         before(key)
-                    if _ < warmup:
+                    if run < warmup:
                         fns[key]()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
