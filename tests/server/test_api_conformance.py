@@ -268,8 +268,8 @@ def test_continuous_usage_stats(client):
     counts = [c.usage.completion_tokens for c in chunks]
     assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 4
     assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
-    plain = list(client.chat.completions.create(model="demo-vl", messages=USER, max_tokens=2, stream=True,
-                                                stream_options={"include_usage": True}))
+    plain = list(client.chat.completions.create(model="demo-vl", messages=USER, max_tokens=2, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
     assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == 2
 
 
