@@ -382,7 +382,8 @@ class TokenizerManager:
                     state.top_logprobs.extend([[(lp, tid) for tid, lp in top] for top in out.new_top_logprobs])
                 if out.input_token_logprobs is not None:
                     state.input_logprobs = {"input_token_logprobs": out.input_token_logprobs,
-                                            "input_top_logprobs": out.input_top_logprobs}
+                                            "input_top_logprobs": out.input_top_logprobs,
+                                            "input_token_ranks": out.input_token_ranks}
                 finished = out.finished_reason is not None
                 if finished and out.finished_reason["type"] == "error":
                     state.finished = True

@@ -100,6 +100,7 @@ class ReqOutput:
     # token from logprob_start_len, (logprob or None for the first token, token id); alternatives (logprob, id).
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    input_token_ranks: list[int | None] | None = None  # each prompt token's rank (vLLM's prompt_logprobs)
 
 
 @dataclass

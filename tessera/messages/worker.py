@@ -137,6 +137,7 @@ class StepOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[list[float]] = field(default_factory=list)  # per entry: one logprob per target
     prompt_top_logprobs: list[list[list[tuple[int, float]]]] = field(default_factory=list)  # per entry, per row
+    prompt_ranks: list[list[int]] = field(default_factory=list)  # per entry: each target's rank (1 = most likely)
 
 
 @dataclass(frozen=True)

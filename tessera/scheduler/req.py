@@ -51,6 +51,7 @@ class Req:
     # it); written by position, so a chunk computed again after a retraction overwrites the same values.
     input_logprobs: list[float | None] = field(default_factory=list)
     input_top_logprobs: list[list[tuple[int, float]] | None] = field(default_factory=list)
+    input_ranks: list[int | None] = field(default_factory=list)
     input_logprobs_done: bool = False  # every asked prompt row was computed
     input_logprobs_sent: bool = False
     _padded_prompt: list[int] | None = None

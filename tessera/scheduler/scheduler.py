@@ -132,7 +132,7 @@ class Scheduler:
                       cache_salt=msg.cache_salt, logprob_start_len=msg.logprob_start_len)
             if req.wants_input_logprobs:
                 n = len(req.origin_input_ids) - req.logprob_start_len
-                req.input_logprobs, req.input_top_logprobs = [None] * n, [None] * n
+                req.input_logprobs, req.input_top_logprobs, req.input_ranks = [None] * n, [None] * n, [None] * n
             for item in msg.mm_inputs.items if msg.mm_inputs is not None else ():
                 self.mm_transport_bytes[item.modality.value] += item.transport_bytes
                 self.mm_items["deferred" if item.deferred is not None else "eager"] += 1
@@ -220,6 +220,7 @@ class Scheduler:
             req.input_logprobs_sent = True
             ids = req.origin_input_ids[req.logprob_start_len:]
             out.input_token_logprobs = list(zip(req.input_logprobs, ids))
+            out.input_token_ranks = list(req.input_ranks)
             if req.sampling_params.top_logprobs_num:
                 out.input_top_logprobs = [None if top is None else [(lp, tid) for tid, lp in top]
                                           for top in req.input_top_logprobs]
@@ -314,11 +315,13 @@ class Scheduler:
     def _take_prompt_logprobs(batch, fi: ForwardInput, result: StepOutput) -> None:
         """Stores the step's prompt logprobs by prompt position; a request whose last asked row was in the
         step has them all."""
-        for entry, values, tops in zip(fi.prompt_logprob_rows, result.prompt_logprobs,
-                                       result.prompt_top_logprobs or [[]] * len(result.prompt_logprobs)):
+        for entry, values, tops, ranks in zip(fi.prompt_logprob_rows, result.prompt_logprobs,
+                                              result.prompt_top_logprobs or [[]] * len(result.prompt_logprobs),
+                                              result.prompt_ranks or [[]] * len(result.prompt_logprobs)):
             req = batch.reqs[entry.req].req
             at = entry.first_token - req.logprob_start_len
             req.input_logprobs[at:at + len(values)] = values
+            req.input_ranks[at:at + len(ranks)] = ranks
             if tops:
                 req.input_top_logprobs[at:at + len(tops)] = tops
         for s in batch.reqs:

@@ -359,10 +359,10 @@ class ModelWorker:
         logits = self.forward(fi)
         if self.tp.rank != 0:  # only rank 0 samples
             return StepOutput([])
-        prompt_lp, prompt_top = prompt_logprobs(logits[len(fi.logits_rows):], fi.prompt_logprob_rows) \
-            if fi.prompt_logprob_rows else ([], [])
+        prompt_lp, prompt_top, prompt_ranks = prompt_logprobs(logits[len(fi.logits_rows):], fi.prompt_logprob_rows) \
+            if fi.prompt_logprob_rows else ([], [], [])
         if not fi.sampling:
-            return StepOutput([], prompt_logprobs=prompt_lp, prompt_top_logprobs=prompt_top)
+            return StepOutput([], prompt_logprobs=prompt_lp, prompt_top_logprobs=prompt_top, prompt_ranks=prompt_ranks)
         logits = logits[:len(fi.logits_rows)]
         rows = fi.sampling
         info = SamplingBatchInfo.build([r.params for r in rows], logits.shape[-1], [r.output_ids for r in rows],
@@ -376,7 +376,7 @@ class ModelWorker:
             ids_l, vals_l = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
             top = [list(zip(ids_l[i][:r.params.top_logprobs_num], vals_l[i][:r.params.top_logprobs_num]))
                    for i, r in enumerate(rows)]
-        return StepOutput(next_ids, logprobs, top, prompt_lp, prompt_top)
+        return StepOutput(next_ids, logprobs, top, prompt_lp, prompt_top, prompt_ranks)
 
 
 def _int64(part: torch.Tensor | list[int]) -> torch.Tensor:

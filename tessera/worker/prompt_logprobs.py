@@ -4,7 +4,8 @@ The model turns into logits only the rows asked for (ForwardBatch.logits_indices
 the rows of requests that asked for prompt logprobs (ForwardInput.prompt_logprob_rows). Row p of a prompt
 predicts token p + 1. The reported value is the model's log_softmax in float32, before penalties and
 sampling settings (as vLLM's prompt_logprobs and SGLang's input_token_logprobs): it equals HF's
-log_softmax(logits)[p, ids[p + 1]].
+log_softmax(logits)[p, ids[p + 1]]. Each target's rank comes with it (vLLM's prompt_logprobs report it): 1 + the
+number of other tokens at least as likely, one comparison over the row already in hand.
 """
 
 from __future__ import annotations
@@ -23,27 +24,30 @@ def extra_logits_rows(entries: list[PromptLogprobRows]) -> list[int]:
 
 
 def prompt_logprobs(logits: torch.Tensor, entries: list[PromptLogprobRows]
-                    ) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]]]:
-    """Per entry: the targets' logprobs and, when it asks (top > 0), each row's `top` most likely
-    (token id, logprob) pairs. `logits` holds the entries' rows in extra_logits_rows order."""
+                    ) -> tuple[list[list[float]], list[list[list[tuple[int, float]]]], list[list[int]]]:
+    """Per entry: the targets' logprobs, when it asks (top > 0) each row's `top` most likely (token id,
+    logprob) pairs, and the targets' ranks. `logits` holds the entries' rows in extra_logits_rows order."""
     targets = torch.tensor([t for e in entries for t in e.targets], dtype=torch.int64, device=logits.device)
     k = min(max(e.top for e in entries), logits.shape[-1])
-    chosen, top_vals, top_ids = [], [], []
+    chosen, ranks, top_vals, top_ids = [], [], [], []
     for lo in range(0, targets.shape[0], ROWS_PER_SLICE):
         lp = torch.log_softmax(logits[lo:lo + ROWS_PER_SLICE].float(), dim=-1)
-        chosen.append(lp.gather(1, targets[lo:lo + ROWS_PER_SLICE, None]).squeeze(1))
+        value = lp.gather(1, targets[lo:lo + ROWS_PER_SLICE, None])
+        chosen.append(value.squeeze(1))
+        ranks.append((lp >= value).sum(dim=1))
         if k:
             v, i = lp.topk(k, dim=-1, sorted=True)
             top_vals.append(v)
             top_ids.append(i)
-    values = torch.cat(chosen).tolist()
+    values, rank_list = torch.cat(chosen).tolist(), torch.cat(ranks).tolist()
     vals = torch.cat(top_vals).tolist() if k else []
     ids = torch.cat(top_ids).tolist() if k else []
-    out_lp, out_top = [], []
+    out_lp, out_top, out_rank = [], [], []
     at = 0
     for e in entries:
         n = len(e.targets)
         out_lp.append(values[at:at + n])
+        out_rank.append(rank_list[at:at + n])
         out_top.append([list(zip(ids[r][:e.top], vals[r][:e.top])) for r in range(at, at + n)] if e.top else [])
         at += n
-    return out_lp, out_top
+    return out_lp, out_top, out_rank

@@ -1,6 +1,7 @@
 """Prompt logprobs over HTTP: /v1/completions echo x logprobs (stream or not, text or token ids, n 1 or 2)
-in the shapes SGLang's and vLLM's own tests assert, max_tokens 0 with echo, and SGLang's /generate
-input_token_logprobs; the values are the engine's (tests/engine/test_prompt_logprobs.py checks them on HF)."""
+in the shapes SGLang's and vLLM's own tests assert, max_tokens 0 with echo, SGLang's /generate
+input_token_logprobs (their values are the engine's: tests/engine/test_prompt_logprobs.py checks them on HF), and
+vLLM's prompt_logprobs on completions and chat, checked here on HF's fp32 log_softmax (values, ranks, top-k)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+import torch
+
+from tessera.config import ASSETS_DIR
+from tests.engine.hf_reference import chat_prompt
 
 PROMPT = "The circle is red and the square is"
 
@@ -136,3 +141,82 @@ def test_chat_stream_logprobs_chunk_shapes_with_an_image(client, vl_media_dir, n
         texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
     assert finished == {i: 1 for i in range(n)}
     assert sorted(tokens) == list(range(n)) and all(0 < t <= 12 for t in tokens.values())
+
+
+@pytest.fixture(scope="module")
+def hf_demo():
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    demo = ASSETS_DIR / "demo-vl"
+    return AutoModelForImageTextToText.from_pretrained(demo, dtype=torch.float32).eval(), \
+        AutoProcessor.from_pretrained(demo)
+
+
+@torch.no_grad()
+def hf_log_softmax(hf_demo, enc: dict) -> torch.Tensor:
+    return torch.log_softmax(hf_demo[0](**enc).logits[0].float(), dim=-1)
+
+
+def check_vllm_prompt_logprobs(got: list, ids: list[int], lp: torch.Tensor, k: int) -> None:
+    """vLLM's shape: None, then per token {id: {logprob, rank, decoded_token}}: the prompt token first (its rank
+    among the vocabulary), then the k most likely ranked 1..k; values as HF's."""
+    assert len(got) == len(ids) and got[0] is None
+    for p in range(1, len(ids)):
+        entry = {int(t): v for t, v in got[p].items()}
+        first = next(iter(entry))
+        assert first == ids[p] and isinstance(entry[first]["decoded_token"], str)
+        row = lp[p - 1]
+        value = row[ids[p]].item()
+        assert entry[first]["logprob"] == pytest.approx(value, abs=1e-3)
+        # near-ties may order either way between two implementations
+        assert (row > value + 1e-4).sum().item() + 1 <= entry[first]["rank"] <= (row >= value - 1e-4).sum().item()
+        want_v, want_i = row.topk(k)
+        alts = {t: v for t, v in entry.items() if t != first or v["rank"] <= k}
+        assert len(entry) == k + (ids[p] not in want_i.tolist())
+        for rank, (v, t) in enumerate(zip(want_v.tolist(), want_i.tolist()), start=1):
+            if t == first:
+                continue
+            assert alts[t]["rank"] == rank and alts[t]["logprob"] == pytest.approx(v, abs=1e-3)
+
+
+def test_vllm_prompt_logprobs_on_completions_equal_hf(vl_server, prompt_ids, hf_demo):
+    lp = hf_log_softmax(hf_demo, {"input_ids": torch.tensor([prompt_ids])})
+    body = {"model": "demo-vl", "prompt": [prompt_ids, prompt_ids[:5]], "max_tokens": 2, "temperature": 0, "n": 2,
+            "logprobs": 1, "prompt_logprobs": 3}
+    r = httpx.post(f"{vl_server.base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 4
+    for c in choices:
+        ids = prompt_ids if c["index"] < 2 else prompt_ids[:5]
+        check_vllm_prompt_logprobs(c["prompt_logprobs"], ids, lp, 3)
+        # the output keeps the one alternative `logprobs` asked (and the chosen token), not prompt_logprobs' 3
+        assert len(c["logprobs"]["tokens"]) == 2 and all(len(t) <= 2 for t in c["logprobs"]["top_logprobs"])
+    # without prompt_logprobs the field is absent, and prompt_logprobs 0 is the prompt token alone
+    plain = httpx.post(f"{vl_server.base_url}/v1/completions", json={**body, "prompt_logprobs": None}, timeout=60)
+    assert "prompt_logprobs" not in plain.json()["choices"][0]
+    alone = httpx.post(f"{vl_server.base_url}/v1/completions", timeout=60,
+                       json={**body, "prompt": prompt_ids, "n": 1, "logprobs": None, "prompt_logprobs": 0}).json()
+    got = alone["choices"][0]["prompt_logprobs"]
+    assert alone["choices"][0]["logprobs"] is None and [list(e) for e in got[1:]] == [[str(t)] for t in prompt_ids[1:]]
+
+
+def test_vllm_prompt_logprobs_on_chat_with_an_image_equal_hf(vl_server, vl_media_dir, hf_demo):
+    from PIL import Image
+
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": str(vl_media_dir / "scene.png")}},
+        {"type": "text", "text": "What color is the circle?"}]}]
+    r = httpx.post(f"{vl_server.base_url}/v1/chat/completions", timeout=60, json={
+        "model": "demo-vl", "messages": messages, "max_tokens": 2, "temperature": 0, "n": 2, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    got = reply["prompt_logprobs"]
+    assert len(got) == reply["usage"]["prompt_tokens"] and all("prompt_logprobs" not in c for c in reply["choices"])
+    assert all(c["logprobs"] is None for c in reply["choices"])
+    image = Image.open(vl_media_dir / "scene.png").convert("RGB")
+    enc = hf_demo[1](text=[chat_prompt(hf_demo[1], 1, "What color is the circle?")], images=[image],
+                     return_tensors="pt")
+    ids = enc["input_ids"][0].tolist()
+    assert [int(next(iter(e))) for e in got[1:]] == ids[1:]
+    check_vllm_prompt_logprobs(got, ids, hf_log_softmax(hf_demo, enc), 2)

@@ -14,6 +14,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tessera.entrypoints.openai.errors import APIError
+from tessera.entrypoints.openai.prompt_logprobs import (
+    ask_prompt_logprobs,
+    cut_alternatives,
+    prompt_logprobs_of,
+    vllm_prompt_logprobs,
+)
 from tessera.entrypoints.openai.protocol import (
     CHAT_FIELDS,
     StreamOptions,
@@ -89,6 +95,8 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, body:
         echo_text = last["content"] if isinstance(last["content"], str) else "".join(
             p.get("text", "") for p in last["content"])
     sp = sampling_params_from_openai(body, default_max_tokens=1 << 20, vocab_size=serving.tm.info.vocab_size)
+    prompt_k = prompt_logprobs_of(body, opts.stream)
+    out_top = ask_prompt_logprobs(sp, prompt_k)
     if plan is not None and plan.call_schema() is not None:
         if sp.json_schema or sp.regex or sp.ebnf:
             raise APIError("tool_choice: a required or named tool call cannot be combined with response_format, "
@@ -101,6 +109,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, body:
                            param="tools") from None
     base = dict(text=prompt, image_data=images or None, video_data=videos or None, audio_data=audios or None,
                 return_logprob=bool(sp.logprobs), stream=opts.stream, cache_salt=cache_salt_of(body),
+                logprob_start_len=-1 if prompt_k is None else 0,
                 auto_max_new_tokens=body.get("max_tokens") is None and body.get("max_completion_tokens") is None)
     base.update(video_kwargs_of(body))
     reqs = serving.fan_out(base, sp)
@@ -109,6 +118,10 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, body:
     if opts.stream:
         return event_stream(_chat_stream(serving, reqs, tokenized, rid, created, opts, plan, echo_text))
     outs = await serving.collect_all(request, reqs, tokenized)
+    extra = {}
+    if prompt_k is not None:  # one list for the request: its choices share the prompt (vLLM's shape)
+        extra["prompt_logprobs"] = vllm_prompt_logprobs(serving.token_text, outs[0]["meta_info"], prompt_k)
+        outs = [{**o, "meta_info": cut_alternatives(o["meta_info"], out_top)} for o in outs]
     choices = []
     for i, out in enumerate(outs):
         meta = out["meta_info"]
@@ -125,7 +138,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, body:
                         "logprobs": _chat_logprobs(serving, out) if sp.logprobs else None,
                         "finish_reason": finish, "matched_stop": matched_stop(meta)})
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": serving.model_name,
-                         "choices": choices, "usage": usage_of([o["meta_info"] for o in outs])})
+                         "choices": choices, "usage": usage_of([o["meta_info"] for o in outs]), **extra})
 
 
 def _chat_logprobs(serving: OpenAIServing, out: dict, start: int = 0) -> dict:

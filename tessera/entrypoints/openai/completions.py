@@ -2,7 +2,8 @@
 
 Each prompt fans out into n requests; usage counts a prompt once however many samples share it. With echo
 and logprobs the prompt tokens' logprobs come first (computed in the prefill, logprob_start_len 0), the first
-one null as OpenAI's; a stream sends the echoed prompt with them in its first chunk.
+one null as OpenAI's; a stream sends the echoed prompt with them in its first chunk. vLLM's prompt_logprobs
+come from the same prefill rows (prompt_logprobs.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tessera.entrypoints.openai.errors import APIError
+from tessera.entrypoints.openai.prompt_logprobs import (
+    ask_prompt_logprobs,
+    cut_alternatives,
+    prompt_logprobs_of,
+    vllm_prompt_logprobs,
+)
 from tessera.entrypoints.openai.protocol import (
     COMPLETION_FIELDS,
     StreamOptions,
@@ -44,12 +51,14 @@ async def create_completion(serving: OpenAIServing, request: Request, body: dict
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise APIError("echo: must be a boolean", param="echo")
+    prompt_k = prompt_logprobs_of(body, opts.stream)
+    out_top = ask_prompt_logprobs(sp, prompt_k)
+    with_prompt = prompt_k is not None or bool(echo and sp.logprobs)
     reqs: list[GenerateRequest] = []
     echoes: list[str] = []
     for p in prompts:
         new = serving.fan_out(dict(**p, return_logprob=bool(sp.logprobs), stream=opts.stream,
-                                   cache_salt=cache_salt_of(body),
-                                   logprob_start_len=0 if echo and sp.logprobs else -1), sp)
+                                   cache_salt=cache_salt_of(body), logprob_start_len=0 if with_prompt else -1), sp)
         reqs += new
         text = p.get("text")
         if echo and text is None:
@@ -62,11 +71,17 @@ async def create_completion(serving: OpenAIServing, request: Request, body: dict
     outs = await serving.collect_all(request, reqs, tokenized)
     choices = []
     for i, out in enumerate(outs):
-        choices.append({"index": i, "text": echoes[i] + out["text"],
-                        "logprobs": _with_prompt(serving, out, _completion_logprobs(serving, out, 0, len(echoes[i])))
-                        if sp.logprobs else None,
+        extra = {}
+        if prompt_k is not None:
+            extra["prompt_logprobs"] = vllm_prompt_logprobs(serving.token_text, out["meta_info"], prompt_k)
+            out = {**out, "meta_info": cut_alternatives(out["meta_info"], out_top)}
+        lp = None
+        if sp.logprobs:
+            lp = _completion_logprobs(serving, out, 0, len(echoes[i]))
+            lp = _with_prompt(serving, out, lp) if echo else lp
+        choices.append({"index": i, "text": echoes[i] + out["text"], "logprobs": lp,
                         "finish_reason": finish_reason(out["meta_info"]),
-                        "matched_stop": matched_stop(out["meta_info"])})
+                        "matched_stop": matched_stop(out["meta_info"]), **extra})
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": serving.model_name,
                          "choices": choices, "usage": usage_of([o["meta_info"] for o in outs], len(prompts))})
 

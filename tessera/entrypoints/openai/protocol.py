@@ -35,8 +35,8 @@ _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 # Fields both endpoints accept. `user` is OpenAI's end-user id for abuse monitoring: it never
 # changes an answer, so accepting it without effect is what OpenAI does too.
 _COMMON = {"model", "stream", "stream_options", "user", "logit_bias", "cache_salt", "logprobs", "echo",
-           "response_format", "regex", "ebnf", "json_schema", "structured_outputs", *(_VLLM_CONSTRAINTS),
-           *(_OPENAI_TO_SP), *(_EXTRAS)}
+           "prompt_logprobs", "response_format", "regex", "ebnf", "json_schema", "structured_outputs",
+           *(_VLLM_CONSTRAINTS), *(_OPENAI_TO_SP), *(_EXTRAS)}
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
                          "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
                          "media_io_kwargs"}
@@ -47,8 +47,6 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "guided_decoding_backend": (None, "the constrained-decoding backend is fixed (llguidance)"),
     "guided_whitespace_pattern": (None, "JSON output is compact; a whitespace pattern is not supported"),
     "structural_tag": (None, "structural tags are not supported; use response_format, regex, ebnf or json_schema"),
-    "prompt_logprobs": (None, "vLLM's prompt_logprobs is not supported; prompt logprobs come with echo + logprobs "
-                               "(/v1/completions) or logprob_start_len (/generate)"),
     "use_beam_search": (False, "beam search is not supported"),
     "functions": (None, "the legacy functions API is not supported; use tools"),
     "function_call": (None, "the legacy functions API is not supported; use tool_choice"),
