@@ -220,3 +220,24 @@ def test_vllm_prompt_logprobs_on_chat_with_an_image_equal_hf(vl_server, vl_media
     ids = enc["input_ids"][0].tolist()
     assert [int(next(iter(e))) for e in got[1:]] == ids[1:]
     check_vllm_prompt_logprobs(got, ids, hf_log_softmax(hf_demo, enc), 2)
+
+
+def test_chat_stream_echo_with_logprobs_chunks_carry_content(client):
+    """vLLM's chat echo: the assistant's prefilled text comes back first, as content without logprobs (they
+    cover generated tokens only); every later chunk has content or a finish_reason."""
+    messages = [{"role": "user", "content": "Describe the picture."}, {"role": "assistant", "content": "The circle"}]
+    stream = client.chat.completions.create(model="demo-vl", messages=messages, max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=5, stream=True, n=2,
+                                            extra_body={"echo": True, "continue_final_message": True,
+                                                        "add_generation_prompt": False, "ignore_eos": True})
+    seen: dict[int, list] = {}
+    for chunk in stream:
+        c = chunk.choices[0]
+        seen.setdefault(c.index, []).append(c)
+    assert sorted(seen) == [0, 1]
+    for chunks in seen.values():
+        assert chunks[0].delta.role == "assistant"
+        assert chunks[1].delta.content == "The circle" and chunks[1].logprobs is None
+        assert all(c.delta.content or c.finish_reason for c in chunks[1:])
+        assert sum(len(c.logprobs.content) for c in chunks[2:] if c.logprobs) == 6
+        assert [c.finish_reason for c in chunks if c.finish_reason] == ["length"]
