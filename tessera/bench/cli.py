@@ -220,6 +220,53 @@ def _cmd_soak(ns: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+def _add_overload(sub) -> None:
+    p = sub.add_parser("overload", help="load past capacity against --max-queued-requests: 503s only, nothing "
+                                        "admitted lost, admitted latency",
+                       description="Streams chat requests from load-factor x (running + queued) clients for "
+                                   "--duration seconds (after a --baseline at load factor 1) and checks that "
+                                   "refusals are 503s counted in /metrics and that every admitted request "
+                                   "finishes. Exit 1 if a check fails (see tessera/bench/overload.py).")
+    p.add_argument("--base-url", default=None, help="a running server started with the same two flags; without "
+                                                    "it one is started (--model-path)")
+    p.add_argument("--model-path", default="demo-vl")
+    p.add_argument("--max-running-requests", type=int, default=16)
+    p.add_argument("--max-queued-requests", type=int, default=32)
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of overload")
+    p.add_argument("--load-factor", type=float, default=4.0, help="clients per unit of capacity")
+    p.add_argument("--baseline", type=float, default=30.0, help="seconds at load factor 1 first (0: none)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--retry-wait", type=float, default=0.25, help="seconds a refused client waits")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=_cmd_overload)
+
+
+def _cmd_overload(ns: argparse.Namespace) -> int:
+    import contextlib
+
+    from tessera.bench.overload import OverloadConfig, format_result, run_overload
+
+    if min(ns.max_running_requests, ns.max_queued_requests + 1, ns.max_tokens) < 1 or ns.duration <= 0 \
+            or ns.load_factor <= 0 or ns.baseline < 0 or ns.retry_wait < 0:
+        raise ValueError("overload: sizes and --duration must be positive, --baseline and --retry-wait >= 0")
+    with contextlib.ExitStack() as stack:
+        base_url = ns.base_url
+        if base_url is None:
+            from tessera.bench.report import LocalServer
+
+            server = stack.enter_context(LocalServer(
+                ns.model_path, "--max-running-requests", str(ns.max_running_requests),
+                "--max-queued-requests", str(ns.max_queued_requests)))
+            base_url = server.base_url
+        result = run_overload(OverloadConfig(
+            base_url=base_url, max_running=ns.max_running_requests, max_queued=ns.max_queued_requests,
+            duration_s=ns.duration, load_factor=ns.load_factor, baseline_s=ns.baseline, max_tokens=ns.max_tokens,
+            retry_wait_s=ns.retry_wait, api_key=ns.api_key))
+    _report(format_result(result), result, ns.output_json)
+    return 0 if result["ok"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tessera bench", description="Tessera benchmarks")
     sub = p.add_subparsers(dest="bench", required=True)
@@ -227,6 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_offline(sub)
     _add_profile(sub)
     _add_soak(sub)
+    _add_overload(sub)
     return p
 
 

@@ -89,3 +89,51 @@ def test_api_key_sources(tmp_path, monkeypatch):
         api_key_of(None, str(f))
     with pytest.raises(ValueError, match="api_key_file: cannot read"):
         api_key_of(None, str(tmp_path / "missing"))
+
+
+def test_prepared_requests_count_against_the_queue_until_their_generation_starts(monkeypatch):
+    """A streamed response starts some event-loop turns after its endpoint returned: the generations prepared
+    but not started yet count too (with 192 clients, 56 got in under a cap of 48 before they did). One whose
+    response never starts (its client left first) stops counting after PREPARED_TTL_S."""
+    from types import SimpleNamespace
+
+    from tessera.entrypoints.openai import serving as serving_mod
+    from tessera.entrypoints.openai.errors import APIError
+    from tessera.frontend.request import GenerateRequest
+
+    class StubTM:
+        args = SimpleNamespace(max_queued_requests=1, max_running_requests=1, dp_size=1)
+        info = SimpleNamespace(hf_processor=None, tokenizer=SimpleNamespace(chat_template=None))
+
+        def __init__(self):
+            self.states = {}
+
+        async def tokenize(self, r):
+            return SimpleNamespace(input_ids=[1, 2])
+
+        async def generate(self, r, t):
+            self.states[r.rid] = r
+            try:
+                await asyncio.sleep(0)
+                yield {"text": "x"}
+            finally:
+                del self.states[r.rid]
+
+    async def scenario():
+        s = serving_mod.OpenAIServing(StubTM(), "stub")
+        first = [GenerateRequest(text="a"), GenerateRequest(text="b")]  # one running slot + one queued
+        tokenized = await s.prepare(first, {})
+        with pytest.raises(APIError) as refused:
+            await s.prepare([GenerateRequest(text="c")], {})
+        assert refused.value.status == 503
+        assert sorted([i async for i, _ in s.merged_stream(first, tokenized)]) == [0, 1]
+        assert not s.prepared and not s.tm.states
+        d, e, f = GenerateRequest(text="d"), GenerateRequest(text="e"), GenerateRequest(text="f")
+        await s.prepare([d, e], {})  # both finished: room again
+        with pytest.raises(APIError):
+            await s.prepare([f], {})
+        monkeypatch.setattr(serving_mod, "PREPARED_TTL_S", 0.0)
+        await s.prepare([f], {})  # d and e never started: they no longer count
+        assert list(s.prepared) == [f.rid]
+
+    asyncio.run(scenario())

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -26,6 +27,8 @@ MAX_N = 128  # choices per request, as OpenAI's API allows
 MAX_BATCH = 1024  # prompts in one batched request (/v1/completions, /generate): each becomes a request
 DISCONNECT_POLL_S = 0.5  # how often a non-streaming request checks that its client is still there
 RETRY_AFTER_S = 1  # an overloaded server's Retry-After: about one batch of requests finishing
+# A prepared generation whose response never started (its client left first) stops counting after this long.
+PREPARED_TTL_S = 30.0
 
 
 def check_batch(size: int, param: str) -> None:
@@ -45,7 +48,11 @@ class OpenAIServing:
         info = tm.info
         proc_template = getattr(info.hf_processor, "chat_template", None) if info.hf_processor is not None else None
         self.chat_template = proc_template or getattr(info.tokenizer, "chat_template", None)
-        self.preparing = 0  # generations admitted and being tokenized (not yet in tm.states)
+        self.preparing = 0  # generations admitted and being tokenized
+        # rid -> when: tokenized, their response not yet started (so not in tm.states yet). A streamed response
+        # starts a few event-loop turns after its endpoint returns: uncounted, that gap let 56 generations in
+        # under a cap of 48 with 192 clients (docs/benchmarks.md, issue 32).
+        self.prepared: dict[str, float] = {}
         self.on_overload = None  # called for each request refused by --max-queued-requests (metrics)
 
     def check_model(self, body: dict) -> None:
@@ -71,21 +78,33 @@ class OpenAIServing:
         self._admit(len(reqs))
         self.preparing += len(reqs)
         try:
-            return list(await asyncio.gather(*(self.tm.tokenize(r) for r in reqs)))
+            tokenized = list(await asyncio.gather(*(self.tm.tokenize(r) for r in reqs)))
         except ValueError as e:
             raise renamed_error(e, names) from None
         finally:
             self.preparing -= len(reqs)
+        now = time.monotonic()
+        self.prepared.update((r.rid, now) for r in reqs)
+        return tokenized
+
+    def _generate(self, r: GenerateRequest, t: TokenizedGenerateReq) -> AsyncIterator[dict]:
+        """tm.generate of a prepared request: it leaves `prepared` in the same event-loop step as generate's
+        first iteration puts it in tm.states (no await between), so it is counted once throughout."""
+        self.prepared.pop(r.rid, None)
+        return self.tm.generate(r, t)
 
     def _admit(self, n: int) -> None:
         """--max-queued-requests (SGLang's): beyond the running slots of every replica, at most that many
         generations wait; a request that would make more wait is refused before any work (503, Retry-After).
-        Counted in the frontend (generations sent and not finished, plus those being tokenized), so what is
-        admitted is never slowed by the check."""
+        Counted in the frontend (generations sent and not finished, those being tokenized and those tokenized
+        whose response has not started yet), so what is admitted is never slowed by the check."""
         args = self.tm.args
         if args.max_queued_requests is None:
             return
-        waiting = len(self.tm.states) + self.preparing - args.max_running_requests * args.dp_size
+        stale = time.monotonic() - PREPARED_TTL_S
+        for rid in [rid for rid, at in self.prepared.items() if at < stale]:
+            del self.prepared[rid]
+        waiting = len(self.tm.states) + self.preparing + len(self.prepared) - args.max_running_requests * args.dp_size
         if waiting + n > args.max_queued_requests:
             if self.on_overload is not None:
                 self.on_overload()
@@ -99,7 +118,7 @@ class OpenAIServing:
 
         async def one(r: GenerateRequest, t: TokenizedGenerateReq) -> dict:
             out = None
-            async for out in self.tm.generate(r, t):
+            async for out in self._generate(r, t):
                 pass
             return out
 
@@ -139,7 +158,7 @@ class OpenAIServing:
 
         async def pump(i: int, r: GenerateRequest, t: TokenizedGenerateReq) -> None:
             try:
-                async for out in self.tm.generate(r, t):
+                async for out in self._generate(r, t):
                     await queue.put((i, out))
             except Exception as e:  # surfaces to the consumer
                 await queue.put((i, e))
