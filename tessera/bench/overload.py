@@ -68,6 +68,7 @@ class Phase:
     latency_s: dict[str, float] = field(default_factory=dict)
     ttft_s: dict[str, float] = field(default_factory=dict)
     admitted_per_s: float = 0.0
+    client_cpu_s: float = 0.0  # this process's CPU time over the phase: on a shared machine, taken from the server
 
     @property
     def ok(self) -> bool:
@@ -186,9 +187,10 @@ async def _run_phase(cfg: OverloadConfig, load_factor: float, duration_s: float)
                 if await _one(client, cfg, body, phase, latencies, ttfts):
                     await asyncio.sleep(cfg.retry_wait_s)
 
-        t0 = time.monotonic()
+        t0, cpu0 = time.monotonic(), time.process_time()
         await asyncio.gather(watch(), *(worker(k) for k in range(phase.clients)))
         elapsed = time.monotonic() - t0  # includes the drain of what was in flight at the end
+        phase.client_cpu_s = time.process_time() - cpu0
         phase.metrics_rejected_delta = await _metric(client, cfg.base_url, REJECTED_METRIC) - before
     phase.latency_s, phase.ttft_s = _percentiles(latencies), _percentiles(ttfts)
     phase.admitted_per_s = phase.completed / elapsed
@@ -218,6 +220,6 @@ def format_result(result: dict) -> str:
             f"statuses {p['other_status'] or 0}, client errors {p['client_errors'] or 0}, at most "
             f"{p['max_frontend_reqs']:.0f} held; admitted "
             f"{p['admitted_per_s']:.2f} req/s, latency p50 {lat.get('p50', 0):.2f} s p99 {lat.get('p99', 0):.2f} s, "
-            f"TTFT p50 {ttft.get('p50', 0):.2f} s p99 {ttft.get('p99', 0):.2f} s")
+            f"TTFT p50 {ttft.get('p50', 0):.2f} s p99 {ttft.get('p99', 0):.2f} s; client CPU {p['client_cpu_s']:.0f} s")
     lines.append("OK" if result["ok"] else "FAILED")
     return "\n".join(lines)

@@ -104,7 +104,6 @@ async def generate(serving: OpenAIServing, request: Request, body: dict):
 
     def shaped(out: dict, index: int) -> dict:
         meta = dict(out["meta_info"])
-        meta.pop("input_token_ranks", None)  # for vLLM's prompt_logprobs; not in SGLang's meta_info
         for key in ("output_token_logprobs",):
             if key in meta:
                 meta[key] = [_entry(serving, lp, tid, with_text) for lp, tid in meta[key]]

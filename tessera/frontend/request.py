@@ -21,6 +21,9 @@ class GenerateRequest:
     return_logprob: bool = False
     # SGLang's: >= 0 also returns the prompt tokens' logprobs from this position on (-1: none).
     logprob_start_len: int = -1
+    # With prompt logprobs, also each prompt token's rank (vLLM's prompt_logprobs report it; it costs about a
+    # second log_softmax over the rows, so only when asked).
+    prompt_logprob_ranks: bool = False
     # OpenAI semantics when max_tokens is omitted: as many as the context leaves room for.
     auto_max_new_tokens: bool = False
     # vLLM's cache_salt: only requests with the same salt share prefix-cache entries.

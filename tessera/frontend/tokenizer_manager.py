@@ -330,7 +330,8 @@ class TokenizerManager:
                 raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
         check_lengths(req, input_ids, mm_inputs, self.info.config, self.context_length, self.max_total_tokens)
         return messages.TokenizedGenerateReq(req.rid, input_ids, sp, mm_inputs, req.stream, req.return_logprob,
-                                             req.logprob_start_len, cache_salt=req.cache_salt)
+                                             req.logprob_start_len, cache_salt=req.cache_salt,
+                                             prompt_logprob_ranks=req.prompt_logprob_ranks)
 
     async def tokenize(self, req: GenerateRequest) -> messages.TokenizedGenerateReq:
         """Validates and preprocesses req (media loaded, prompt tokenized) without sending it anywhere.
@@ -382,8 +383,9 @@ class TokenizerManager:
                     state.top_logprobs.extend([[(lp, tid) for tid, lp in top] for top in out.new_top_logprobs])
                 if out.input_token_logprobs is not None:
                     state.input_logprobs = {"input_token_logprobs": out.input_token_logprobs,
-                                            "input_top_logprobs": out.input_top_logprobs,
-                                            "input_token_ranks": out.input_token_ranks}
+                                            "input_top_logprobs": out.input_top_logprobs}
+                    if out.input_token_ranks is not None:
+                        state.input_logprobs["input_token_ranks"] = out.input_token_ranks
                 finished = out.finished_reason is not None
                 if finished and out.finished_reason["type"] == "error":
                     state.finished = True

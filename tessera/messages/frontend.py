@@ -23,6 +23,7 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1
     # Requests with different salts never share prefix-cache entries (vLLM's cache_salt).
     cache_salt: str | None = None
+    prompt_logprob_ranks: bool = False  # with prompt logprobs, each prompt token's rank too
 
 
 @dataclass
@@ -100,7 +101,7 @@ class ReqOutput:
     # token from logprob_start_len, (logprob or None for the first token, token id); alternatives (logprob, id).
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
-    input_token_ranks: list[int | None] | None = None  # each prompt token's rank (vLLM's prompt_logprobs)
+    input_token_ranks: list[int | None] | None = None  # each prompt token's rank, when asked
 
 
 @dataclass

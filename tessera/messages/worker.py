@@ -84,13 +84,15 @@ class SamplingRow:
 @dataclass
 class PromptLogprobRows:
     """Prompt log-probabilities asked of this step for request `req`: flat rows [row, row + len(targets))
-    predict `targets`, its prompt tokens first_token, first_token + 1, ...; `top` alternatives per row."""
+    predict `targets`, its prompt tokens first_token, first_token + 1, ...; `top` alternatives per row, and
+    the targets' ranks when `ranks`."""
 
     req: int
     row: int
     first_token: int
     targets: list[int]
     top: int = 0
+    ranks: bool = False
 
 
 @dataclass
@@ -137,7 +139,7 @@ class StepOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_logprobs: list[list[float]] = field(default_factory=list)  # per entry: one logprob per target
     prompt_top_logprobs: list[list[list[tuple[int, float]]]] = field(default_factory=list)  # per entry, per row
-    prompt_ranks: list[list[int]] = field(default_factory=list)  # per entry: each target's rank (1 = most likely)
+    prompt_ranks: list[list[int]] = field(default_factory=list)  # per entry: targets' ranks (1 = most likely) or []
 
 
 @dataclass(frozen=True)

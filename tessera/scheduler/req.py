@@ -31,6 +31,7 @@ class Req:
     cache_salt: str | None = None
     # SGLang's logprob_start_len: >= 0 asks the prompt logprobs of tokens from there on (-1: none).
     logprob_start_len: int = -1
+    prompt_logprob_ranks: bool = False
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_ids: list[int] = field(default_factory=list)

@@ -129,7 +129,8 @@ class Scheduler:
         if isinstance(msg, messages.TokenizedGenerateReq):
             sp = msg.sampling_params
             req = Req(msg.rid, msg.input_ids, sp, msg.mm_inputs, msg.stream, msg.return_logprob,
-                      cache_salt=msg.cache_salt, logprob_start_len=msg.logprob_start_len)
+                      cache_salt=msg.cache_salt, logprob_start_len=msg.logprob_start_len,
+                      prompt_logprob_ranks=msg.prompt_logprob_ranks)
             if req.wants_input_logprobs:
                 n = len(req.origin_input_ids) - req.logprob_start_len
                 req.input_logprobs, req.input_top_logprobs, req.input_ranks = [None] * n, [None] * n, [None] * n
@@ -220,7 +221,8 @@ class Scheduler:
             req.input_logprobs_sent = True
             ids = req.origin_input_ids[req.logprob_start_len:]
             out.input_token_logprobs = list(zip(req.input_logprobs, ids))
-            out.input_token_ranks = list(req.input_ranks)
+            if req.prompt_logprob_ranks:
+                out.input_token_ranks = list(req.input_ranks)
             if req.sampling_params.top_logprobs_num:
                 out.input_top_logprobs = [None if top is None else [(lp, tid) for tid, lp in top]
                                           for top in req.input_top_logprobs]

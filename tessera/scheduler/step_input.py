@@ -65,7 +65,8 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
             if lo < hi:
                 prompt_rows.append(PromptLogprobRows(i, flat + lo - s.start, lo + 1,
                                                      req.origin_input_ids[lo + 1:hi + 1],
-                                                     req.sampling_params.top_logprobs_num))
+                                                     req.sampling_params.top_logprobs_num,
+                                                     req.prompt_logprob_ranks))
         flat += s.end - s.start
         if s.samples:
             logits_rows.append(flat - 1)

@@ -4,8 +4,9 @@ The model turns into logits only the rows asked for (ForwardBatch.logits_indices
 the rows of requests that asked for prompt logprobs (ForwardInput.prompt_logprob_rows). Row p of a prompt
 predicts token p + 1. The reported value is the model's log_softmax in float32, before penalties and
 sampling settings (as vLLM's prompt_logprobs and SGLang's input_token_logprobs): it equals HF's
-log_softmax(logits)[p, ids[p + 1]]. Each target's rank comes with it (vLLM's prompt_logprobs report it): 1 + the
-number of other tokens at least as likely, one comparison over the row already in hand.
+log_softmax(logits)[p, ids[p + 1]]. Entries that ask get each target's rank too (vLLM's prompt_logprobs report
+it): the number of tokens at least as likely, the target included. That comparison over the vocabulary costs
+about as much as the log_softmax itself (docs/benchmarks.md), so a step computes it only when an entry asks.
 """
 
 from __future__ import annotations
@@ -29,17 +30,19 @@ def prompt_logprobs(logits: torch.Tensor, entries: list[PromptLogprobRows]
     logprob) pairs, and the targets' ranks. `logits` holds the entries' rows in extra_logits_rows order."""
     targets = torch.tensor([t for e in entries for t in e.targets], dtype=torch.int64, device=logits.device)
     k = min(max(e.top for e in entries), logits.shape[-1])
+    want_ranks = any(e.ranks for e in entries)
     chosen, ranks, top_vals, top_ids = [], [], [], []
     for lo in range(0, targets.shape[0], ROWS_PER_SLICE):
         lp = torch.log_softmax(logits[lo:lo + ROWS_PER_SLICE].float(), dim=-1)
         value = lp.gather(1, targets[lo:lo + ROWS_PER_SLICE, None])
         chosen.append(value.squeeze(1))
-        ranks.append((lp >= value).sum(dim=1))
+        if want_ranks:
+            ranks.append((lp >= value).sum(dim=1, dtype=torch.int32))
         if k:
             v, i = lp.topk(k, dim=-1, sorted=True)
             top_vals.append(v)
             top_ids.append(i)
-    values, rank_list = torch.cat(chosen).tolist(), torch.cat(ranks).tolist()
+    values, rank_list = torch.cat(chosen).tolist(), torch.cat(ranks).tolist() if want_ranks else []
     vals = torch.cat(top_vals).tolist() if k else []
     ids = torch.cat(top_ids).tolist() if k else []
     out_lp, out_top, out_rank = [], [], []
@@ -47,7 +50,7 @@ def prompt_logprobs(logits: torch.Tensor, entries: list[PromptLogprobRows]
     for e in entries:
         n = len(e.targets)
         out_lp.append(values[at:at + n])
-        out_rank.append(rank_list[at:at + n])
+        out_rank.append(rank_list[at:at + n] if e.ranks else [])
         out_top.append([list(zip(ids[r][:e.top], vals[r][:e.top])) for r in range(at, at + n)] if e.top else [])
         at += n
     return out_lp, out_top, out_rank

@@ -109,7 +109,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, body:
                            param="tools") from None
     base = dict(text=prompt, image_data=images or None, video_data=videos or None, audio_data=audios or None,
                 return_logprob=bool(sp.logprobs), stream=opts.stream, cache_salt=cache_salt_of(body),
-                logprob_start_len=-1 if prompt_k is None else 0,
+                logprob_start_len=-1 if prompt_k is None else 0, prompt_logprob_ranks=prompt_k is not None,
                 auto_max_new_tokens=body.get("max_tokens") is None and body.get("max_completion_tokens") is None)
     base.update(video_kwargs_of(body))
     reqs = serving.fan_out(base, sp)

@@ -58,7 +58,8 @@ async def create_completion(serving: OpenAIServing, request: Request, body: dict
     echoes: list[str] = []
     for p in prompts:
         new = serving.fan_out(dict(**p, return_logprob=bool(sp.logprobs), stream=opts.stream,
-                                   cache_salt=cache_salt_of(body), logprob_start_len=0 if with_prompt else -1), sp)
+                                   cache_salt=cache_salt_of(body), logprob_start_len=0 if with_prompt else -1,
+                                   prompt_logprob_ranks=prompt_k is not None), sp)
         reqs += new
         text = p.get("text")
         if echo and text is None:
