@@ -137,3 +137,15 @@ def test_prepared_requests_count_against_the_queue_until_their_generation_starts
         assert list(s.prepared) == [f.rid]
 
     asyncio.run(scenario())
+
+
+def test_bench_overload_run_passes_its_checks(server):
+    """`tessera bench overload` on this server (2 running + 2 queued): a few seconds at 4x capacity."""
+    from tessera.bench.overload import OverloadConfig, format_result, run_overload
+
+    result = run_overload(OverloadConfig(base_url=server.base_url, max_running=RUNNING, max_queued=QUEUED,
+                                         duration_s=4, baseline_s=0, max_tokens=4, api_key=KEY))
+    phase, = result["phases"]
+    assert result["ok"], format_result(result)
+    assert phase["clients"] == 16 and phase["rejected_503"] > 0 and phase["completed"] == phase["admitted"] > 0
+    assert phase["max_frontend_reqs"] <= RUNNING + QUEUED and phase["latency_s"]["p99"] >= phase["latency_s"]["p50"]
