@@ -104,7 +104,11 @@ def test_native_generate_input_logprobs(vl_server, prompt_ids):
     for (lp, _, text), top in zip(meta["input_token_logprobs"][1:], meta["input_top_logprobs"][1:]):
         assert isinstance(text, str) and len(top) == 2 and top[0][0] >= top[1][0] and lp <= top[0][0] + 1e-6
     later = httpx.post(f"{vl_server.base_url}/generate", json={**body, "logprob_start_len": 3}, timeout=60).json()
-    assert later["meta_info"]["input_token_logprobs"] == meta["input_token_logprobs"][3:]
+    # The same rows, recomputed over a shorter extent (the prefix may come from the cache): equal up to fp32
+    # rounding of a differently blocked product.
+    got, want = later["meta_info"]["input_token_logprobs"], meta["input_token_logprobs"][3:]
+    assert [row[1:] for row in got] == [row[1:] for row in want]
+    assert all(abs(a[0] - b[0]) < 1e-4 for a, b in zip(got, want))
     plain = httpx.post(f"{vl_server.base_url}/generate", json=body, timeout=60).json()["meta_info"]
     assert plain["input_token_logprobs"] == [] and plain["input_top_logprobs"] == []
     bad = httpx.post(f"{vl_server.base_url}/generate", json={**body, "logprob_start_len": len(prompt_ids)},
