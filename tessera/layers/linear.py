@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.layers import cpu_gemv
+from tessera.layers import cpu_gemv, half_linear
 from tessera.platform import cpu_kernels
 
 # Few rows over a large float32 weight on a CPU with more than one torch thread: oneDNN's fused linear instead
@@ -24,7 +24,9 @@ _onednn_linear = cpu_kernels.onednn_linear()
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through our CPU kernel (see cpu_gemv.py) or oneDNN (see ONEDNN_MAX_ROWS) where those measured
-    faster; inference only."""
+    faster; inference only. A 16-bit weight with float32 x (a bf16/fp16 model on a CPU) goes to half_linear.py."""
+    if weight.dtype is not x.dtype and half_linear.applies(x, weight):
+        return half_linear.half_linear(x, weight, bias, linear)
     if cpu_gemv.applies(x, weight, bias):
         return cpu_gemv.gemv(x, weight, bias)
     if (_onednn_linear is not None and x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS
@@ -32,6 +34,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and cpu_kernels.host_f32_inference(x, weight, contiguous=False) and x.is_contiguous()):
         return _onednn_linear(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+@torch.no_grad()
+def keep_weights_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Reallocates the weight of every Linear (and of an LM head that is not the embedding table) in `dtype`,
+    uninitialised, before the checkpoint is loaded into them: a float32-built model whose products read 16-bit
+    weights (see half_linear.py). Biases, norms and the embedding table stay in the build dtype; so does a tied
+    LM head, which is the embedding table."""
+    tables = {id(m.weight) for m in model.modules()
+              if isinstance(m, VocabEmbedding) and not isinstance(m, ParallelLMHead)}
+    for module in model.modules():
+        if isinstance(module, Linear) or (isinstance(module, ParallelLMHead) and id(module.weight) not in tables):
+            weight = module.weight
+            module.weight = nn.Parameter(torch.empty(weight.shape, dtype=dtype, device=weight.device),
+                                         requires_grad=weight.requires_grad)
 
 
 class Linear(nn.Module):
