@@ -38,17 +38,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 @torch.no_grad()
 def keep_weights_in(model: nn.Module, dtype: torch.dtype) -> None:
-    """Reallocates the weight of every Linear (and of an LM head that is not the embedding table) in `dtype`,
-    uninitialised, before the checkpoint is loaded into them: a float32-built model whose products read 16-bit
-    weights (see half_linear.py). Biases, norms and the embedding table stay in the build dtype; so does a tied
-    LM head, which is the embedding table."""
-    tables = {id(m.weight) for m in model.modules()
-              if isinstance(m, VocabEmbedding) and not isinstance(m, ParallelLMHead)}
+    """Reallocates the weights of every Linear, embedding table and LM head in `dtype`, uninitialised, before
+    the checkpoint is loaded into them: a float32-built model whose products read 16-bit weights (see
+    half_linear.py) and whose tables give float32 rows (VocabEmbedding.like). Biases and norms stay in the
+    build dtype. A tied LM head stays the embedding table's parameter."""
+    new: dict[int, nn.Parameter] = {}  # old parameter -> its 16-bit replacement, so tied ones stay one
     for module in model.modules():
-        if isinstance(module, Linear) or (isinstance(module, ParallelLMHead) and id(module.weight) not in tables):
-            weight = module.weight
-            module.weight = nn.Parameter(torch.empty(weight.shape, dtype=dtype, device=weight.device),
-                                         requires_grad=weight.requires_grad)
+        if isinstance(module, (Linear, VocabEmbedding)):
+            old = module.weight
+            if id(old) not in new:
+                new[id(old)] = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device),
+                                            requires_grad=old.requires_grad)
+            module.weight = new[id(old)]
 
 
 class Linear(nn.Module):
@@ -108,14 +109,21 @@ class MergedLinear(Linear):
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding table [vocab_size, hidden_size]."""
+    """Token embedding table [vocab_size, hidden_size]. The table may be 16-bit under float32 activations
+    (keep_weights_in): `like` is an empty tensor in the activations' dtype and device, what the models cast
+    their media inputs and embeddings to, and the rows looked up are cast to it."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.register_buffer("like", torch.empty(0), persistent=False)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(input_ids, self.weight)
+        return out if out.dtype == self.like.dtype else out.to(self.like.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        return self._lookup(input_ids)
 
 
 class RowParallelLinear(Linear):
@@ -157,12 +165,12 @@ class VocabParallelEmbedding(VocabEmbedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         from tessera.distributed.parallel_state import all_reduce
 
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         return all_reduce(out.masked_fill(outside[:, None], 0))
 
     @torch.no_grad()

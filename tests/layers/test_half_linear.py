@@ -101,10 +101,10 @@ class _Tiny(torch.nn.Module):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_keep_weights_in_converts_linears_and_an_untied_head(tied) -> None:
+def test_keep_weights_in_converts_linears_tables_and_heads(tied) -> None:
     model = _Tiny(tied)
     keep_weights_in(model, torch.float16)
     assert model.proj.weight.dtype == torch.float16 and model.proj.bias.dtype == torch.float32
-    assert model.embed.weight.dtype == torch.float32  # the table: one row per token, read in the compute dtype
-    assert model.head.weight.dtype == (torch.float32 if tied else torch.float16)
+    assert model.embed.weight.dtype == torch.float16 and model.embed(torch.tensor([3])).dtype == torch.float32
+    assert model.head.weight.dtype == torch.float16
     assert (model.head.weight is model.embed.weight) == tied

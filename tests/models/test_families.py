@@ -76,11 +76,11 @@ def test_model_config_reads_layout_and_dtype(tmp_path) -> None:
 def test_dtype_auto_follows_the_checkpoint(tmp_path) -> None:
     path = _tiny_qwen2(tmp_path, torch.bfloat16)
     model, config = load_model(path, "auto")
-    # On a CPU the linear layers keep the checkpoint's bfloat16 and the rest (norms, embeddings) is float32.
+    # On a CPU the linear layers and the table keep the checkpoint's bfloat16; norms and activations are float32.
     linears = {p.dtype for m in model.modules() if isinstance(m, Linear) for p in m.parameters(recurse=False)
                if p.dim() == 2}
-    assert linears == {torch.bfloat16}
-    assert model.model.norm.weight.dtype == model.model.embed_tokens.weight.dtype == torch.float32
+    assert linears == {model.model.embed_tokens.weight.dtype} == {torch.bfloat16}
+    assert model.model.norm.weight.dtype == model.model.embed_tokens.like.dtype == torch.float32
     assert resolve_dtype("auto", config.dtype, "cpu") == torch.bfloat16
     f16 = ModelConfig.load(path).__class__(**{**ModelConfig.load(path).__dict__, "dtype": "float16"})
     assert resolve_dtype("auto", f16.dtype, "cpu") == torch.float16  # kept: widened in registers on a CPU

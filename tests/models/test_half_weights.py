@@ -1,5 +1,6 @@
-"""A bfloat16 / float16 checkpoint of a decoder-only family (Qwen3: qk-norm, biases, untied head) loaded on a CPU
-keeps its linear weights in 16 bits and computes in float32 (layers/half_linear.py).
+"""A bfloat16 / float16 checkpoint of a decoder-only family (Qwen3: qk-norm, biases) loaded on a CPU
+keeps its linear weights and embedding table (the LM head, tied or not) in 16 bits and computes in float32
+(layers/half_linear.py).
 
 The reference is transformers in float32 over the same 16-bit weights, upcast: that is exactly the arithmetic we
 claim (float32 products of the upcast weights), so prefill logits must agree to float32 rounding (1e-4, as every
@@ -19,13 +20,13 @@ from tessera.models.registry import load_model
 from tessera.platform import cpu_kernels
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16bit_checkpoint_matches_hf_over_the_upcast_weights(dtype, tmp_path) -> None:
+@pytest.mark.parametrize(("dtype", "tied"), [(torch.bfloat16, False), (torch.float16, True)])
+def test_16bit_checkpoint_matches_hf_over_the_upcast_weights(dtype, tied, tmp_path) -> None:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
-                      rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False,
+                      rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=tied,
                       max_position_embeddings=256, rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
     torch.manual_seed(0)
     hf = Qwen3ForCausalLM._from_config(cfg, attn_implementation="eager").eval()
@@ -43,7 +44,9 @@ def test_16bit_checkpoint_matches_hf_over_the_upcast_weights(dtype, tmp_path) ->
     assert config.dtype == str(dtype).removeprefix("torch.")
     projections = [m for m in ours.modules() if isinstance(m, Linear)]
     assert projections and {m.weight.dtype for m in projections} == {dtype}
-    assert ours.lm_head.weight.dtype == dtype and ours.model.norm.weight.dtype == torch.float32
+    assert ours.lm_head.weight.dtype == ours.model.embed_tokens.weight.dtype == dtype
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+    assert ours.model.norm.weight.dtype == torch.float32
     calls = []
     real = cpu_kernels.call
     ours_calls = lambda name, *a: (calls.append(name), real(name, *a))  # noqa: E731
