@@ -102,36 +102,37 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
         }
 }
 
-static inline __attribute__((always_inline)) void gemv16(const float *x, const uint16_t *w, const float *b, float *y,
-                                                        long M, long N, long K, int threads, int HALF) {
-    long blocks = (N + 3) / 4;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (long blk = 0; blk < blocks; blk++) {
-        long n0 = blk * 4, rows = N - n0 < 4 ? N - n0 : 4, m = 0;
-        for (; m + 2 <= M; m += 2) {
-            if (rows == 4)
-                tile(x, w, y, N, K, n0, m, 4, 2, HALF);
-            else
-                for (long r = 0; r < rows; r++) tile(x, w, y, N, K, n0 + r, m, 1, 2, HALF);
-        }
-        if (m < M) {
-            if (rows == 4)
-                tile(x, w, y, N, K, n0, m, 4, 1, HALF);
-            else
-                for (long r = 0; r < rows; r++) tile(x, w, y, N, K, n0 + r, m, 1, 1, HALF);
-        }
-        if (b)
-            for (m = 0; m < M; m++)
-                for (long r = 0; r < rows; r++) y[m * N + n0 + r] += b[n0 + r];
+/* One block of 4 weight rows (fewer at the end) against every row of x. */
+static inline __attribute__((always_inline)) void block(const float *x, const uint16_t *w, const float *b, float *y,
+                                                       long M, long N, long K, long blk, int HALF) {
+    long n0 = blk * 4, rows = N - n0 < 4 ? N - n0 : 4, m = 0;
+    for (; m + 2 <= M; m += 2) {
+        if (rows == 4)
+            tile(x, w, y, N, K, n0, m, 4, 2, HALF);
+        else
+            for (long r = 0; r < rows; r++) tile(x, w, y, N, K, n0 + r, m, 1, 2, HALF);
     }
+    if (m < M) {
+        if (rows == 4)
+            tile(x, w, y, N, K, n0, m, 4, 1, HALF);
+        else
+            for (long r = 0; r < rows; r++) tile(x, w, y, N, K, n0 + r, m, 1, 1, HALF);
+    }
+    if (b)
+        for (m = 0; m < M; m++)
+            for (long r = 0; r < rows; r++) y[m * N + n0 + r] += b[n0 + r];
 }
 
+/* Each entry point has its own parallel loop: OpenMP outlines a loop's body into one function, and a shared one
+ * would take HALF as a run-time value, testing it inside the innermost loop (measured 1.3x slower). */
 void tessera_gemv_bf16(const float *x, const uint16_t *w, const float *b, float *y, long M, long N, long K,
                        int threads) {
-    gemv16(x, w, b, y, M, N, K, threads, 0);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long blk = 0; blk < (N + 3) / 4; blk++) block(x, w, b, y, M, N, K, blk, 0);
 }
 
 void tessera_gemv_f16(const float *x, const uint16_t *w, const float *b, float *y, long M, long N, long K,
                       int threads) {
-    gemv16(x, w, b, y, M, N, K, threads, 1);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long blk = 0; blk < (N + 3) / 4; blk++) block(x, w, b, y, M, N, K, blk, 1);
 }
