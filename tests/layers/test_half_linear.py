@@ -108,3 +108,19 @@ def test_keep_weights_in_converts_linears_tables_and_heads(tied) -> None:
     assert model.embed.weight.dtype == torch.float16 and model.embed(torch.tensor([3])).dtype == torch.float32
     assert model.head.weight.dtype == torch.float16
     assert (model.head.weight is model.embed.weight) == tied
+
+
+def test_amx_cpus_take_onednn_bf16_for_many_rows(monkeypatch) -> None:
+    """Where the CPU has AMX (not this project's machines) many rows of a bf16 weight run oneDNN's bf16 matmul:
+    x rounded to bf16, the result float32 with the bias added; fp16 weights keep the widened path."""
+    monkeypatch.setattr(half_linear, "_AMX_BF16", True)
+    g = torch.Generator().manual_seed(3)
+    w, b, x = _weight(40, 64, torch.bfloat16, g), torch.randn(40, generator=g), torch.randn(100, 64, generator=g)
+    with torch.inference_mode():
+        y = linear(x, w, b)
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, torch.nn.functional.linear(x.bfloat16(), w).float() + b)
+        monkeypatch.setattr(half_linear, "F", None)  # fp16 must not reach F.linear's bf16 call
+        h = w.to(torch.float16)
+        torch.testing.assert_close(linear(x, h).double(), _reference(x, h, None), atol=1e-5, rtol=1e-5)
+    assert "oneDNN (AMX)" in half_linear.describe(torch.bfloat16)
