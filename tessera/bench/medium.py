@@ -6,8 +6,11 @@ models. Its weights are random (from a seed), its tokenizer, chat template and p
 demo-vl's files, copied. It is written to a temp dir and reused while that dir lives; weights are
 never committed.
 
-    python -m tessera.bench.medium [--seed 0] [--out DIR]    # prints the checkpoint directory
+    python -m tessera.bench.medium [--seed 0] [--dtype float32|bfloat16|float16] [--out DIR]    # prints its dir
     tessera serve --model-path "$(python -m tessera.bench.medium)"
+
+`--dtype bfloat16` / `float16` writes the same random weights rounded to that dtype (a 16-bit checkpoint, as
+real ones ship) into a directory of its own.
 """
 
 from __future__ import annotations
@@ -62,9 +65,13 @@ def processor_digest(directory: Path) -> str:
     return h.hexdigest()[:12]
 
 
-def default_dir(seed: int) -> Path:
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def default_dir(seed: int, dtype: str = "float32") -> Path:
     digest = processor_digest(ASSETS_DIR / "demo-vl")
-    return Path(tempfile.gettempdir()) / f"tessera-{MEDIUM_NAME}-v{MEDIUM_VERSION}-seed{seed}-{digest}"
+    suffix = "" if dtype == "float32" else f"-{dtype}"
+    return Path(tempfile.gettempdir()) / f"tessera-{MEDIUM_NAME}-v{MEDIUM_VERSION}-seed{seed}-{digest}{suffix}"
 
 
 def is_complete(path: Path) -> bool:
@@ -77,12 +84,14 @@ def is_current(path: Path) -> bool:
     return is_complete(path) and processor_digest(path) == processor_digest(ASSETS_DIR / "demo-vl")
 
 
-def build_medium(seed: int = 0, out_dir: str | Path | None = None) -> Path:
-    """Writes (or reuses) the bench-medium checkpoint and returns its directory."""
+def build_medium(seed: int = 0, out_dir: str | Path | None = None, dtype: str = "float32") -> Path:
+    """Writes (or reuses) the bench-medium checkpoint, its weights in `dtype`, and returns its directory."""
     import torch
     from transformers import Qwen2VLForConditionalGeneration
 
-    target = Path(out_dir) if out_dir is not None else default_dir(seed)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: {dtype!r}; choose one of {', '.join(DTYPES)}")
+    target = Path(out_dir) if out_dir is not None else default_dir(seed, dtype)
     if is_current(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -97,7 +106,7 @@ def build_medium(seed: int = 0, out_dir: str | Path | None = None) -> Path:
         cfg = medium_config(work)
         torch.manual_seed(seed)
         model = Qwen2VLForConditionalGeneration(cfg)  # HF's init: normal(0, initializer_range)
-        model.save_pretrained(work)
+        model.to(getattr(torch, dtype)).save_pretrained(work)
         del model
         if target.exists():  # a stale build (older processor files): replace it file by file
             for path in work.iterdir():
@@ -140,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tessera.bench.medium", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=None, help="checkpoint directory (default: a per-seed temp dir)")
+    ap.add_argument("--dtype", default="float32", choices=DTYPES, help="the weights' dtype in the checkpoint")
+    ap.add_argument("--out", default=None, help="checkpoint directory (default: a per-seed, per-dtype temp dir)")
     ns = ap.parse_args(argv)
-    print(build_medium(ns.seed, ns.out))
+    print(build_medium(ns.seed, ns.out, ns.dtype))
     return 0
 
 

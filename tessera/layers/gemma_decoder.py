@@ -47,19 +47,20 @@ class GemmaRMSNorm(nn.Module):
 
 
 class ScaledEmbedding(VocabParallelEmbedding):
-    """Token embeddings times sqrt(hidden_size), the scale first rounded to the table's dtype (so bfloat16
-    checkpoints get transformers' 55.5 for sqrt(3072), not 55.4256)."""
+    """Token embeddings times sqrt(hidden_size), the scale first rounded to the activations' dtype (so bfloat16
+    models get transformers' 55.5 for sqrt(3072), not 55.4256; 16-bit tables under float32 activations, on a
+    CPU, keep float32's, as transformers does over the upcast weights)."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         tp = tp_group()
         super().__init__(vocab_size, hidden_size, tp.rank, tp.size)
-        # A float32 buffer, as transformers keeps it, cast to the table's dtype in forward: a device tensor,
+        # A float32 buffer, as transformers keeps it, cast to the activations' dtype in forward: a device tensor,
         # so a CUDA graph captures the multiply (a tensor made from the float there would be a host copy).
         self.register_buffer("embed_scale", torch.tensor(float(hidden_size) ** 0.5, dtype=torch.float32),
                              persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
+        return super().forward(input_ids) * self.embed_scale.to(self.like.dtype)
 
 
 class Gemma3Attention(DecoderAttention):

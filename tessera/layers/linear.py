@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessera.layers import cpu_gemv
+from tessera.layers import cpu_gemv, half_linear
 from tessera.platform import cpu_kernels
 
 # Few rows over a large float32 weight on a CPU with more than one torch thread: oneDNN's fused linear instead
@@ -24,7 +24,9 @@ _onednn_linear = cpu_kernels.onednn_linear()
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through our CPU kernel (see cpu_gemv.py) or oneDNN (see ONEDNN_MAX_ROWS) where those measured
-    faster; inference only."""
+    faster; inference only. A 16-bit weight with float32 x (a bf16/fp16 model on a CPU) goes to half_linear.py."""
+    if weight.dtype is not x.dtype and half_linear.applies(x, weight):
+        return half_linear.half_linear(x, weight, bias, linear)
     if cpu_gemv.applies(x, weight, bias):
         return cpu_gemv.gemv(x, weight, bias)
     if (_onednn_linear is not None and x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS
@@ -32,6 +34,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             and cpu_kernels.host_f32_inference(x, weight, contiguous=False) and x.is_contiguous()):
         return _onednn_linear(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+@torch.no_grad()
+def keep_weights_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """Reallocates the weights of every Linear, embedding table and LM head in `dtype`, uninitialised, before
+    the checkpoint is loaded into them: a float32-built model whose products read 16-bit weights (see
+    half_linear.py) and whose tables give float32 rows (VocabEmbedding.like). Biases and norms stay in the
+    build dtype. A tied LM head stays the embedding table's parameter."""
+    new: dict[int, nn.Parameter] = {}  # old parameter -> its 16-bit replacement, so tied ones stay one
+    for module in model.modules():
+        if isinstance(module, (Linear, VocabEmbedding)):
+            old = module.weight
+            if id(old) not in new:
+                new[id(old)] = nn.Parameter(torch.empty(old.shape, dtype=dtype, device=old.device),
+                                            requires_grad=old.requires_grad)
+            module.weight = new[id(old)]
 
 
 class Linear(nn.Module):
@@ -91,14 +109,21 @@ class MergedLinear(Linear):
 
 
 class VocabEmbedding(nn.Module):
-    """Token embedding table [vocab_size, hidden_size]."""
+    """Token embedding table [vocab_size, hidden_size]. The table may be 16-bit under float32 activations
+    (keep_weights_in): `like` is an empty tensor in the activations' dtype and device, what the models cast
+    their media inputs and embeddings to, and the rows looked up are cast to it."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size))
+        self.register_buffer("like", torch.empty(0), persistent=False)
+
+    def _lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(input_ids, self.weight)
+        return out if out.dtype == self.like.dtype else out.to(self.like.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        return self._lookup(input_ids)
 
 
 class RowParallelLinear(Linear):
@@ -140,12 +165,12 @@ class VocabParallelEmbedding(VocabEmbedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._lookup(input_ids)
         from tessera.distributed.parallel_state import all_reduce
 
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.rows)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self._lookup(local.masked_fill(outside, 0))
         return all_reduce(out.masked_fill(outside[:, None], 0))
 
     @torch.no_grad()

@@ -147,7 +147,7 @@ class WorkerInfo:
     """What the worker settled on at startup (reported by /get_server_info)."""
 
     device: str
-    dtype: str
+    dtype: str  # the weights' (what --dtype resolved to)
     max_total_tokens: int  # KV pool size in tokens
     kv_bytes_per_token: int
     context_length: int
@@ -161,3 +161,5 @@ class WorkerInfo:
     cuda_graph_status: str = ""
     # CPU kernels (platform/cpu_kernels.py): per kernel "loaded", or why not and what runs instead; {} off a CPU.
     cpu_kernels: dict[str, str] = field(default_factory=dict)
+    compute_dtype: str = ""  # activations, norms, the KV pool: float32 for 16-bit weights on a CPU
+    linear_kernel: str = ""  # how the linear layers' products run (layers/half_linear.py describe())

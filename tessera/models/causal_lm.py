@@ -66,7 +66,7 @@ class CausalLM(TesseraModel):
     def encode_items(self, items: list[MultimodalDataItem], encode) -> list[torch.Tensor]:
         """Embeddings of `items` (precomputed ones pass through; `encode(indices)` runs the rest in one call),
         in the language model's dtype and device, row counts checked against the placeholders."""
-        return item_embeddings(items, encode, self.model.embed_tokens.weight)
+        return item_embeddings(items, encode, self.model.embed_tokens.like)
 
     def embed(self, fb: ForwardBatch) -> torch.Tensor:
         """Token embeddings [T, H] with the step's media embeddings merged at their rows."""

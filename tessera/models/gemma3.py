@@ -131,7 +131,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         """One embedding [(1 + num_crops) * mm_tokens_per_image, hidden] per item, in order; all images and
         crops of the call in one tower call. An item's `feature` is its pixel values [1 + num_crops, 3, S, S]
         (the original image first, then its crops), or it carries a `precomputed_embedding`."""
-        weight = self.model.embed_tokens.weight
+        weight = self.model.embed_tokens.like
         pixels: list[torch.Tensor] = []
         for i, item in enumerate(items):
             if item.precomputed_embedding is not None:

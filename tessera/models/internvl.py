@@ -106,7 +106,7 @@ class InternVLForConditionalGeneration(WrappedTextModel, CausalLM):
         """One embedding [num_tiles * image_seq_length, hidden] per image item, in order; the tiles of all
         pixel items go through the tower in one call. Each item carries `feature` (its tiles [num_tiles, C, H,
         W], thumbnail last) or a `precomputed_embedding` (returned as is, cast to the model's dtype/device)."""
-        weight = self.model.embed_tokens.weight
+        weight = self.model.embed_tokens.like
         for i, item in enumerate(items):
             if item.precomputed_embedding is None and (item.feature is None or item.feature.ndim != 4):
                 raise ValueError(f"image item {i}: feature must be the image's tiles [num_tiles, C, H, W]")

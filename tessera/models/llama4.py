@@ -108,7 +108,7 @@ class Llama4ForConditionalGeneration(CausalLM):
     def get_image_feature(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
         """One embedding [num_tiles * tokens_per_tile, hidden] per image item, in order; every tile of every pixel
         item in one tower call. Precomputed embeddings pass through (cast to the model's dtype/device)."""
-        weight = self.model.embed_tokens.weight
+        weight = self.model.embed_tokens.like
         tiles = {i: self.item_tiles(i, item) for i, item in enumerate(items) if item.precomputed_embedding is None}
 
         def encode(todo: list[int]) -> list[torch.Tensor]:

@@ -93,7 +93,7 @@ class LlavaForConditionalGeneration(WrappedTextModel, CausalLM):
     def get_image_feature(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
         """One embedding [num_tokens, hidden] per image item, in order; every tile of every pixel item in one
         tower call. Precomputed embeddings are returned as they are (cast to the model's dtype/device)."""
-        weight = self.model.embed_tokens.weight
+        weight = self.model.embed_tokens.like
         tiles = {i: self.item_tiles(i, item) for i, item in enumerate(items) if item.precomputed_embedding is None}
 
         def encode(todo: list[int]) -> list[torch.Tensor]:

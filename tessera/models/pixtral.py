@@ -62,7 +62,7 @@ class PixtralLlavaForConditionalGeneration(WrappedTextModel, CausalLM):
         """One embedding [(h / patch) * (w / patch), hidden] per image item, in order; all pixel items in one
         tower call. Each item carries `feature` (its pixels [C, h, w], h and w multiples of the patch size) or a
         `precomputed_embedding` (returned as is, cast to the model's dtype/device)."""
-        weight = self.model.embed_tokens.weight
+        weight = self.model.embed_tokens.like
         p = self.patch_size
         for i, item in enumerate(items):
             if item.precomputed_embedding is not None:

@@ -127,7 +127,7 @@ class Qwen2AudioForConditionalGeneration(Qwen2ForCausalLM):
 
         if self.audio_tower is None or self.multi_modal_projector is None:
             raise RuntimeError("the model was loaded with language_model_only=True: it has no audio encoder")
-        weight = self.model.embed_tokens.weight
+        weight = self.model.embed_tokens.like
         num_valid = masks.sum(-1)
         # transformers masks keys past each item's conv1 output length (its frames, conv1 keeps the length,
         # then the stride-2 conv2): the same 2-D mask, expanded by transformers' own helper, keeps the

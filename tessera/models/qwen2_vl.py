@@ -95,7 +95,7 @@ class Qwen2VLForConditionalGeneration(Qwen2ForCausalLM):
         return self.visual(pixel_rows, grid_thw=grid_thw)
 
     def _encode(self, items: list[MultimodalDataItem], grid_key: str) -> list[torch.Tensor]:
-        weight = self.model.embed_tokens.weight
+        weight = self.model.embed_tokens.like
         pixels: list[torch.Tensor] = []
         grids: list[torch.Tensor] = []
         for i, item in enumerate(items):

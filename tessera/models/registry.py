@@ -11,7 +11,8 @@ from tessera.models.base import TesseraModel
 from tessera.models.config import ModelConfig
 from tessera.models.families import get_family, supported_architectures
 from tessera.models.weights import load_weights
-from tessera.platform.device import default_dtype, resolve_device, resolve_dtype
+from tessera.layers.linear import keep_weights_in
+from tessera.platform.device import compute_dtype, default_dtype, resolve_device, resolve_dtype
 
 __all__ = ["get_model_class", "load_model", "supported_architectures"]
 
@@ -31,13 +32,15 @@ def load_model(
 ) -> tuple[TesseraModel, ModelConfig]:
     """Builds our model for the local HF checkpoint dir `model_path` and loads its safetensors.
 
-    Returns (model in eval mode without grads, its ModelConfig). With language_model_only the encoders are
+    Returns (model in eval mode without grads, its ModelConfig). On a CPU a 16-bit dtype keeps the linear
+    layers' weights in it and builds the rest in float32 (Platform.computes_16bit). With language_model_only the encoders are
     neither built nor loaded (their checkpoint tensors are skipped). Raises WeightLoadError on mismatch.
     """
     config = config or ModelConfig.load(model_path)
     cls = config.family.model_class()
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, config.dtype, dev)
+    weight_dtype = resolve_dtype(dtype, config.dtype, dev)
+    torch_dtype = compute_dtype(weight_dtype, dev)  # activations, norms, the KV pool
     attention_backend = resolve_attention_backend(attention_backend, dev, torch_dtype)
     backend = get_attention_backend(attention_backend)
     if backend.dtypes is not None and torch_dtype not in backend.dtypes:
@@ -50,6 +53,8 @@ def load_model(
                          f"{config.family.name} needs")
     with torch.device(dev), default_dtype(torch_dtype):
         model = cls.build(config, backend, language_model_only)
+        if weight_dtype != torch_dtype:  # 16-bit weights computed in float32 (layers/half_linear.py)
+            keep_weights_in(model, weight_dtype)
     load_weights(model, model_path, cls.weight_mapping(config, language_model_only))
     model.eval().requires_grad_(False)
     return model, config

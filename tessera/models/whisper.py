@@ -23,7 +23,7 @@ from torch import nn
 
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.attention import BaseAttentionBackend
-from tessera.layers.linear import Linear
+from tessera.layers.linear import Linear, linear
 from tessera.models.base import Encoder, TesseraModel
 from tessera.models.config import ModelConfig
 from tessera.models.hf_towers import build_transformers_tower
@@ -199,7 +199,7 @@ class WhisperForConditionalGeneration(TesseraModel):
         if fb.logits_indices is not None:
             hidden = hidden[fb.logits_indices]
         weight = self.decoder.embed_tokens.weight if self.proj_out is None else self.proj_out.weight
-        return F.linear(hidden, weight)
+        return linear(hidden, weight)  # linear(): the proj_out weight may be 16-bit (layers/half_linear.py)
 
     def process_logits(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Whisper's generate rules (suppressed tokens, timestamp pairing, language detection)."""

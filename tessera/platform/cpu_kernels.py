@@ -58,6 +58,10 @@ KERNELS: dict[str, Kernel] = {
                      + (_I,), "rotary embedding as torch operators"),
     "silu_mul": Kernel("cpu_silu_mul.c", "tessera_silu_mul_f32", (_P, _L, _P) + (_L,) * 2 + (_I,),
                        "SwiGLU's silu(gate) * up as torch operators"),
+    "gemv_bf16": Kernel("cpu_gemv16.c", "tessera_gemv_bf16", (_P,) * 4 + (_L,) * 3 + (_I,),
+                        "bfloat16 weights widened to float32 by torch before the product"),
+    "gemv_f16": Kernel("cpu_gemv16.c", "tessera_gemv_f16", (_P,) * 4 + (_L,) * 3 + (_I,),
+                       "float16 weights widened to float32 by torch before the product"),
 }
 
 _lock = threading.Lock()
@@ -75,6 +79,13 @@ def _cpu_tag() -> str:
     except OSError:
         pass
     return f"{platform.machine()} {platform.processor()}"
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (avx2, f16c, avx512_bf16, amx_bf16, ...); empty where
+    they cannot be read. What the run-time kernel choices ask."""
+    tag = _cpu_tag()
+    return frozenset(tag.split(":", 1)[1].split()) if ":" in tag else frozenset()
 
 
 def cache_dir() -> Path:

@@ -28,8 +28,11 @@ class Platform:
     # The model's kernels run on the host's cores, so the scheduler's thread policy applies to them, and a
     # worker's own preprocessing competes with its steps.
     runs_on_host_cores = True
-    # float16 matmuls are emulated on CPUs: an `auto` float16 checkpoint runs in bfloat16 (same size, native).
-    auto_float16 = torch.bfloat16
+    # Whether a bfloat16/float16 model computes in 16 bits. On a CPU it does not: the weights stay 16-bit (half
+    # the memory, half the bytes a decode step reads), activations, norms and the KV pool are float32, because
+    # without AMX torch's 16-bit matmuls are slower than float32 ones (docs/benchmarks.md, "16-bit weights on
+    # a CPU"); layers/half_linear.py runs the products.
+    computes_16bit = False
 
     def bind(self, device: torch.device) -> None:
         """Makes `device` the process's current device (a rank on cuda:1 must not allocate on cuda:0)."""
@@ -63,7 +66,7 @@ class CudaPlatform(Platform):
     supports_graphs = True
     varlen_attention = True
     runs_on_host_cores = False
-    auto_float16 = torch.float16
+    computes_16bit = True
 
     def bind(self, device: torch.device) -> None:
         # What names no device uses the current one: new streams and graph pools, Triton launches, NCCL's
@@ -145,15 +148,24 @@ def rank_device(device: torch.device, index: int) -> torch.device:
 def resolve_dtype(dtype: torch.dtype | str, checkpoint_dtype: str | None = None,
                   device: torch.device | str = "cpu") -> torch.dtype:
     """torch dtype, or "float32"/"float16"/"bfloat16", or "auto": the checkpoint's dtype (float32 when the
-    checkpoint records none), with float16 as the platform runs it (bfloat16 on a CPU)."""
+    checkpoint records none). This is the weights' dtype; compute_dtype says what the model computes in."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        resolved = _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
-        return platform_of(device).auto_float16 if resolved == torch.float16 else resolved
+        # A float16 checkpoint stays float16 on a CPU too: its weights are widened to float32 in registers
+        # there (Platform.computes_16bit), so nothing is rounded to another format.
+        return _DTYPES.get(checkpoint_dtype or "float32", torch.float32)
     if dtype not in _DTYPES:
         raise ValueError(f"dtype: {dtype!r}; choose one of {sorted(_DTYPES)} or 'auto'")
     return _DTYPES[dtype]
+
+
+def compute_dtype(dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """The dtype of activations, norms and the KV pool for a model whose weights are `dtype` (see
+    Platform.computes_16bit): the same dtype, or float32 for 16-bit weights on a platform that widens them."""
+    if dtype in (torch.float16, torch.bfloat16) and not platform_of(device).computes_16bit:
+        return torch.float32
+    return dtype
 
 
 def to_host(value: torch.Tensor) -> torch.Tensor:

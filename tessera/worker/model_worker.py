@@ -18,6 +18,7 @@ from tessera.cache.kv_pool import TokenToKVPool
 from tessera.config import ServerArgs
 from tessera.distributed.encoder_dp import dp_sharded_encode
 from tessera.distributed.parallel_state import min_over_ranks, tp_group
+from tessera.layers import half_linear
 from tessera.layers.attention import uses_decode_mirror
 from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError
@@ -34,7 +35,8 @@ from tessera.worker.cuda_graph import (
 )
 from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.platform import cpu_kernels
-from tessera.platform.device import platform_of, rank_device, resolve_device, to_device_packed
+from tessera.platform.device import (compute_dtype, platform_of, rank_device, resolve_device, resolve_dtype,
+                                     to_device_packed)
 from tessera.worker.masks import span_mask
 from tessera.worker.prompt_logprobs import extra_logits_rows, prompt_logprobs
 
@@ -79,7 +81,14 @@ class ModelWorker:
         self.model, self.config = load_model(args.model_path, dtype=args.dtype, device=self.device,
                                              language_model_only=args.language_model_only,
                                              attention_backend=args.attention_backend, config=config)
-        self.dtype = next(self.model.parameters()).dtype
+        # The weights' dtype (what --dtype asked for) and the dtype the model computes in, which the KV pool
+        # and the step's tensors take: float32 for 16-bit weights on a CPU (Platform.computes_16bit).
+        self.weight_dtype = resolve_dtype(args.dtype, self.config.dtype, self.device)
+        self.dtype = compute_dtype(self.weight_dtype, self.device)
+        self.linear_kernel = (half_linear.describe(self.weight_dtype) if self.weight_dtype != self.dtype
+                              else f"{str(self.dtype).removeprefix('torch.')} weights and compute")
+        logger.info("weights %s, compute %s: %s", str(self.weight_dtype).removeprefix("torch."),
+                    str(self.dtype).removeprefix("torch."), self.linear_kernel)
         backend_name = self.model.attn_backend.name  # what load_model resolved `auto` to (it needs the dtype)
         self.context_length = args.context_length or self.config.max_position_embeddings
         layout = self.model.kv_layout
@@ -116,7 +125,8 @@ class ModelWorker:
         self._state_slots: dict[str, torch.Tensor] = {}
         self.cuda_graph_status = ""  # set by _capture_decode_graphs
         self.graph_runner = self._capture_decode_graphs(backend_name)
-        self.info = WorkerInfo(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+        self.info = WorkerInfo(device=str(self.device), dtype=str(self.weight_dtype).removeprefix("torch."),
+                               compute_dtype=str(self.dtype).removeprefix("torch."), linear_kernel=self.linear_kernel,
                                max_total_tokens=size, kv_bytes_per_token=self.kv_pool.bytes_per_token,
                                context_length=self.context_length, vocab_size=self.config.vocab_size,
                                attention_backend=backend_name, decode_kv_mirror=self.use_decode_mirror,

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from tessera.models.registry import get_model_class, load_model
 from tessera.models.weights import WeightLoadError
+from tessera.platform.device import compute_dtype
 
 pytestmark = pytest.mark.parametrize("vl_case", ["gqa"], indirect=True)
 
@@ -104,11 +105,14 @@ def test_language_model_only_skips_the_vision_tower(vl_case):
 def test_bfloat16_load_and_forward(vl_case):
     model, _ = load_model(vl_case.path, "bfloat16")
     assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
-    assert next(model.visual.parameters()).dtype == torch.bfloat16 and model.visual.inv_freq.dtype == torch.float32
+    # The tower's linears are bf16 too; on a CPU the rest computes in float32 (compute_dtype), on CUDA in bf16.
+    run = compute_dtype(torch.bfloat16, "cpu")
+    assert model.visual.blocks[0].mlp.fc1.weight.dtype == torch.bfloat16 and model.visual.inv_freq.dtype == torch.float32
+    assert model.visual.patch_embed.proj.weight.dtype == model.model.norm.weight.dtype == run
     assert model.model.rotary_emb.inv_freq.dtype == torch.float32
     prompt = build_prompt([3, ("image", (1, 4, 4)), 2], seed=10)
     outs = []
-    for m, dtype in ((model, torch.bfloat16), (vl_case.ours, torch.float32)):
+    for m, dtype in ((model, run), (vl_case.ours, torch.float32)):
         kv = PagedKV(m.lm_config, dtype=dtype)
         with torch.inference_mode():
             rows, embeds = prompt_mm_embeds(m, prompt)

@@ -1,0 +1,138 @@
+/* y = x w^T (+ b) for few rows of float32 x over a 16-bit weight (bfloat16 or float16): the decode step's
+ * projections on a CPU for a bf16/fp16 checkpoint kept in 16 bits.
+ *
+ * x [M, K] float32, w [N, K] as raw 16-bit values (row-major), b [N] float32 or NULL, y [M, N] float32.
+ * At a few rows the product is bound by reading w, so half the bytes of float32 is the whole gain: each weight
+ * value is widened to float32 in registers (bfloat16: its bits shifted left by 16; float16: F16C's vcvtph2ps)
+ * and multiplied-added in float32, so the result is the float32 product of the upcast weight. The loop
+ * structure is cpu_gemv.c's: OpenMP (torch's pool) over blocks of 4 weight rows, tiles of 4 x 2 rows of x.
+ * Built by tessera/platform/cpu_kernels.py.
+ */
+#include <stdint.h>
+
+#include "cpu_vec.h"
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+static inline v8 widen_bf16(const uint16_t *p) {
+#if defined(__AVX2__)
+    /* GCC's vector-extension form below compiled to a slower sequence (measured: 8.4 vs 5.4 ms, see
+     * docs/benchmarks.md); zero-extend and shift in two instructions. */
+    __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    v8 r;
+    __builtin_memcpy(&r, &v, sizeof r);
+    return r;
+#endif
+    v8u16 h;
+    __builtin_memcpy(&h, p, sizeof h);
+    return (v8)(__builtin_convertvector(h, v8u32) << 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* IEEE half -> float by its fields (normals, subnormals, inf/NaN): the scalar tail, and the vector path where
+ * the CPU has no conversion instruction. */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        u = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        u = sign;
+    } else { /* subnormal: normalise the mantissa */
+        int e = 113;
+        while (!(man & 0x400)) {
+            man <<= 1;
+            e--;
+        }
+        u = sign | ((uint32_t)e << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    __builtin_memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline v8 widen_f16(const uint16_t *p) {
+#if defined(__F16C__)
+    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    v8 r;
+    __builtin_memcpy(&r, &v, sizeof r);
+    return r;
+#else
+    v8 r;
+    for (int i = 0; i < 8; i++) r[i] = f16_to_f32(p[i]);
+    return r;
+#endif
+}
+
+/* Rows n0 .. n0+R-1 of w against rows m0 .. m0+C-1 of x, R <= 4, C <= 2; inlined with constant R, C and
+ * HALF (1: float16, 0: bfloat16) so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(const float *x, const uint16_t *w, float *y, long N, long K,
+                                                      long n0, long m0, int R, int C, int HALF) {
+    v8 acc[4][2] = {{{0}}};
+    long k = 0;
+    for (; k + 8 <= K; k += 8) {
+        v8 xv[2];
+        for (int c = 0; c < C; c++) xv[c] = load8(x + (m0 + c) * K + k);
+        for (int r = 0; r < R; r++) {
+            const uint16_t *p = w + (n0 + r) * K + k;
+            v8 wv = HALF ? widen_f16(p) : widen_bf16(p);
+            for (int c = 0; c < C; c++) acc[r][c] += wv * xv[c];
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float s = sum8(acc[r][c]);
+            for (long t = k; t < K; t++) {
+                uint16_t h = w[(n0 + r) * K + t];
+                s += (HALF ? f16_to_f32(h) : bf16_to_f32(h)) * x[(m0 + c) * K + t];
+            }
+            y[(m0 + c) * N + n0 + r] = s;
+        }
+}
+
+/* One block of 4 weight rows (fewer at the end) against every row of x. */
+static inline __attribute__((always_inline)) void block(const float *x, const uint16_t *w, const float *b, float *y,
+                                                       long M, long N, long K, long blk, int HALF) {
+    long n0 = blk * 4, rows = N - n0 < 4 ? N - n0 : 4, m = 0;
+    for (; m + 2 <= M; m += 2) {
+        if (rows == 4)
+            tile(x, w, y, N, K, n0, m, 4, 2, HALF);
+        else
+            for (long r = 0; r < rows; r++) tile(x, w, y, N, K, n0 + r, m, 1, 2, HALF);
+    }
+    if (m < M) {
+        if (rows == 4)
+            tile(x, w, y, N, K, n0, m, 4, 1, HALF);
+        else
+            for (long r = 0; r < rows; r++) tile(x, w, y, N, K, n0 + r, m, 1, 1, HALF);
+    }
+    if (b)
+        for (m = 0; m < M; m++)
+            for (long r = 0; r < rows; r++) y[m * N + n0 + r] += b[n0 + r];
+}
+
+/* Each entry point has its own parallel loop: OpenMP outlines a loop's body into one function, and a shared one
+ * would take HALF as a run-time value, testing it inside the innermost loop (measured 1.3x slower). */
+void tessera_gemv_bf16(const float *x, const uint16_t *w, const float *b, float *y, long M, long N, long K,
+                       int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long blk = 0; blk < (N + 3) / 4; blk++) block(x, w, b, y, M, N, K, blk, 0);
+}
+
+void tessera_gemv_f16(const float *x, const uint16_t *w, const float *b, float *y, long M, long N, long K,
+                      int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long blk = 0; blk < (N + 3) / 4; blk++) block(x, w, b, y, M, N, K, blk, 1);
+}
