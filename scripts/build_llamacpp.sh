@@ -17,6 +17,9 @@ SRC="$ROOT/src/llama_cpp_python-$VERSION"
 [ -d "$SRC/vendor/llama.cpp" ] || tar -xzf "$sdist" -C "$ROOT/src"
 LLAMA="$SRC/vendor/llama.cpp"
 ln -sfn "$LLAMA" "$ROOT/llama.cpp"
+# The converter runs under $PY (it needs torch, numpy, safetensors, pyyaml, tqdm, which Tessera's venv has) and
+# imports sentencepiece even for BPE tokenizers: that one goes to a side directory, not into $PY's environment.
+[ -d "$ROOT/pydeps/sentencepiece" ] || "$PY" -m pip install -q --target "$ROOT/pydeps" sentencepiece
 BUILD="$ROOT/build"
 if [ ! -f "$BUILD/CMakeCache.txt" ]; then
   cmake -S "$LLAMA" -B "$BUILD" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DCMAKE_BUILD_TYPE=Release \
