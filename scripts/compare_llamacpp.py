@@ -138,7 +138,7 @@ def tessera_cmd(model: str, port: int, ns: argparse.Namespace, extra: list[str] 
 
 def llama_server_cmd(bin_dir: Path, files: dict[str, Path], port: int, ns: argparse.Namespace,
                      parallel: int) -> list:
-    return [bin_dir / "llama-server", "-m", files["F32"], "--mmproj", files["mmproj"], "--port", port,
+    return [bin_dir / "llama-server", "-m", files[ns.llama_quant], "--mmproj", files["mmproj"], "--port", port,
             "-t", ns.threads, "-tb", ns.threads, "--parallel", parallel, "-c", ns.context, "--no-mmap",
             "--image-min-tokens", 64, "--image-max-tokens", 64, "--no-webui"]
 
@@ -234,18 +234,21 @@ def serving(bin_dir: Path, all_files: dict[str, dict[str, Path]], ns: argparse.N
 
 
 def table(result: dict) -> str:
-    rows = ["| | llama.cpp | Tessera | Tessera ÷ llama.cpp |", "|---|---|---|---|"]
+    label = f"Tessera `{result['tessera_args']}`" if result["tessera_args"] else "Tessera"
+    rows = [f"| | llama.cpp | {label} | Tessera ÷ llama.cpp |", "|---|---|---|---|"]
     if "micro" in result:
-        mi = result["micro"]
-        lf, t = mi["llama.cpp"]["F32"], mi["tessera"]
-        rows.append(f"| bench-medium batch-1 decode, F32 (depth 256) | {lf['decode_ms']:.1f} ms/token | "
+        mi, quant = result["micro"], result["llama_quant"]
+        lf, t = mi["llama.cpp"][quant], mi["tessera"]
+        rows.append(f"| bench-medium batch-1 decode, {quant} (depth 256) | {lf['decode_ms']:.1f} ms/token | "
                     f"{t['decode_ms']:.1f} ms/token | {t['decode_ms'] / lf['decode_ms']:.2f}x the time |")
-        rows.append("| same, llama.cpp " + " / ".join(QUANTS) + " | "
-                    + " / ".join(f"{mi['llama.cpp'][q]['decode_ms']:.1f}" for q in QUANTS) + " ms/token | | |")
-        rows.append(f"| bench-medium prefill 256 tokens, F32 | {lf['prefill_tok_s']:,.0f} tok/s | "
+        rows.append("| same, llama.cpp " + " / ".join(("F32", *QUANTS)) + " | "
+                    + " / ".join(f"{mi['llama.cpp'][q]['decode_ms']:.1f}" for q in ("F32", *QUANTS))
+                    + " ms/token | | |")
+        rows.append(f"| bench-medium prefill 256 tokens, {quant} | {lf['prefill_tok_s']:,.0f} tok/s | "
                     f"{t['prefill_tok_s']:,.0f} tok/s | {t['prefill_tok_s'] / lf['prefill_tok_s']:.2f} |")
-        rows.append("| same, llama.cpp " + " / ".join(QUANTS) + " | "
-                    + " / ".join(f"{mi['llama.cpp'][q]['prefill_tok_s']:,.0f}" for q in QUANTS) + " tok/s | | |")
+        rows.append("| same, llama.cpp " + " / ".join(("F32", *QUANTS)) + " | "
+                    + " / ".join(f"{mi['llama.cpp'][q]['prefill_tok_s']:,.0f}" for q in ("F32", *QUANTS))
+                    + " tok/s | | |")
     for title, r in result.get("serving", {}).items():
         lc, t = r["llama.cpp"], r["tessera"]
         rows.append(f"| {title}, {r['prompts']} prompts, concurrency {r['concurrency']}: output tok/s | "
@@ -268,7 +271,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--port", type=int, default=31234)
     p.add_argument("--sections", default="micro,serving")
-    p.add_argument("--tessera-args", default="", help='extra `tessera serve` flags, e.g. "--dtype bfloat16"')
+    p.add_argument("--tessera-args", default="", help='extra `tessera serve` flags, e.g. "--dtype bfloat16" or '
+                                                     '"--torchao-config int8wo"')
+    p.add_argument("--llama-quant", default="F32", choices=("F32", *QUANTS),
+                   help="the llama.cpp weights the Tessera figures are compared with (F16 for bf16, Q8_0 for int8wo)")
     p.add_argument("--llama-bench-load", default="-lm none",
                    help="llama-bench's flags for how weights are loaded (none: read into memory, no mmap)")
     p.add_argument("--out-json", type=Path, default=None)
@@ -289,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     files = {name: convert(ns.root, bin_dir, name) for name in ("demo-vl", "bench-medium")}
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     result: dict = {"cpu": cpu, "cores": os.cpu_count(), "threads": ns.threads, "context": ns.context,
-                    "tessera_args": ns.tessera_args, "load_average_start": os.getloadavg()}
+                    "tessera_args": ns.tessera_args, "llama_quant": ns.llama_quant,
+                    "load_average_start": os.getloadavg()}
     if "micro" in ns.sections:
         result["micro"] = micro(bin_dir, files["bench-medium"], ns)
     if "serving" in ns.sections:
