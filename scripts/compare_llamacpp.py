@@ -122,12 +122,9 @@ class Server:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        from tessera.platform.launch import stop_processes
+
+        stop_processes([self.proc], timeout_s=30)
         self.log_file.close()
 
 
@@ -221,10 +218,10 @@ def serving(bin_dir: Path, all_files: dict[str, dict[str, Path]], ns: argparse.N
                 cmd = (llama_server_cmd(bin_dir, all_files[model], ns.port, ns, conc) if engine == "llama.cpp"
                        else tessera_cmd(model, ns.port, ns, ["--max-total-tokens", ns.context]))
                 with Server(cmd, ns.port, ns.logs / f"{tag}.log") as srv:
-                    runs[engine].append(bench_serving(srv.url, dataset, extra, conc, prompts,
+                    runs[engine].append(bench_serving(srv.url, dataset, extra, conc, prompts // ns.prompts_divisor,
                                                       ns.logs / f"{tag}.json", ns))
                 log(f"{title} rep {rep} {engine}: {runs[engine][-1]}")
-        res[title] = {"concurrency": conc, "prompts": prompts,
+        res[title] = {"concurrency": conc, "prompts": prompts // ns.prompts_divisor,
                       **{e: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "processes"}
                          | {"processes": rs[-1]["processes"]} for e, rs in runs.items()}}
     return res
@@ -270,6 +267,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=4096, help="KV capacity in tokens, both engines")
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--port", type=int, default=31234)
+    p.add_argument("--prompts-divisor", type=int, default=1, help="serving runs send 1/N of their prompts (quick runs)")
     p.add_argument("--sections", default="micro,serving")
     p.add_argument("--tessera-args", default="", help='extra `tessera serve` flags, e.g. "--dtype bfloat16" or '
                                                      '"--torchao-config int8wo"')
