@@ -249,7 +249,8 @@ def table(result: dict) -> str:
     for title, r in result.get("serving", {}).items():
         lc, t = r["llama.cpp"], r["tessera"]
         rows.append(f"| {title}, {r['prompts']} prompts, concurrency {r['concurrency']}: output tok/s | "
-                    f"{lc['output_tok_s']:.0f} | {t['output_tok_s']:.0f} | {t['output_tok_s'] / lc['output_tok_s']:.2f} |")
+                    f"{lc['output_tok_s']:.0f} | {t['output_tok_s']:.0f} | "
+                    f"{t['output_tok_s'] / lc['output_tok_s']:.2f} |")
         rows.append(f"| same, TTFT p99 | {lc['ttft_p99_ms']:,.0f} ms | {t['ttft_p99_ms']:,.0f} ms | "
                     f"{t['ttft_p99_ms'] / lc['ttft_p99_ms']:.2f} |")
         if lc["peak_rss_mib"] and t["peak_rss_mib"]:
