@@ -13,7 +13,7 @@ Not part of `make test`. Steps, each skipped when its output exists:
    here and the figures swung 10x), `-p 256` for prefill and `-n 64` at depth 256 for decode, against one
    Tessera server's /generate on 256 random prompt tokens (see tessera_micro). Engines alternate, each
    figure is the median of --reps.
-4. serving: llama-server (`--parallel N -c C --image-min-tokens 64 --image-max-tokens 64`) and
+4. serving: llama-server (`--parallel N -c C -lm none --image-min-tokens 64 --image-max-tokens 64`) and
    `tessera serve --max-total-tokens C` (the same KV capacity), a fresh server per run, engines
    alternating, both driven by `tessera bench serving` (which also samples the server's peak RSS);
    medians of --reps.
@@ -136,7 +136,7 @@ def tessera_cmd(model: str, port: int, ns: argparse.Namespace, extra: list[str] 
 def llama_server_cmd(bin_dir: Path, files: dict[str, Path], port: int, ns: argparse.Namespace,
                      parallel: int) -> list:
     return [bin_dir / "llama-server", "-m", files[ns.llama_quant], "--mmproj", files["mmproj"], "--port", port,
-            "-t", ns.threads, "-tb", ns.threads, "--parallel", parallel, "-c", ns.context, "--no-mmap",
+            "-t", ns.threads, "-tb", ns.threads, "--parallel", parallel, "-c", ns.context, "-lm", "none",
             "--image-min-tokens", 64, "--image-max-tokens", 64, "--no-webui"]
 
 
@@ -145,7 +145,7 @@ def llama_server_cmd(bin_dir: Path, files: dict[str, Path], port: int, ns: argpa
 
 def llama_bench(bin_dir: Path, gguf: Path, ns: argparse.Namespace) -> tuple[float, float]:
     """(prefill tok/s at 256 tokens, decode ms/token at depth 256)."""
-    common = [bin_dir / "llama-bench", "-m", gguf, "-t", ns.threads, "-r", 3, "-o", "json", *ns.llama_bench_load]
+    common = [bin_dir / "llama-bench", "-m", gguf, "-t", ns.threads, "-r", 1, "-o", "json", *ns.llama_bench_load]
     pp = json.loads(run([*common, "-p", 256, "-n", 0], capture_output=True).stdout)
     tg = json.loads(run([*common, "-p", 0, "-n", 64, "-d", 256], capture_output=True).stdout)
     return pp[0]["avg_ts"], 1000 / tg[0]["avg_ts"]

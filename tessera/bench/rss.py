@@ -44,7 +44,7 @@ def process_name(pid: int) -> str:
     """The command line, shortened: `python -m tessera.entrypoints.scheduler_process` -> that module."""
     args = (_read(f"/proc/{pid}/cmdline") or "").split("\0")
     args = [a for a in args if a]
-    if "-m" in args[:-1]:
+    if args and os.path.basename(args[0]).startswith("python") and "-m" in args[:-1]:
         return args[args.index("-m") + 1]
     return os.path.basename(args[0]) if args else f"pid {pid}"
 
