@@ -27,6 +27,7 @@ import json
 import os
 import random
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -289,6 +290,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM unwinds like Ctrl-C, so the with-blocks stop the servers and subprocess.run kills llama-bench.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ns = parse_args(argv)
     bin_dir = build(ns.root)
     files = {name: convert(ns.root, bin_dir, name) for name in ("demo-vl", "bench-medium")}
@@ -296,10 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"cpu": cpu, "cores": os.cpu_count(), "threads": ns.threads, "context": ns.context,
                     "tessera_args": ns.tessera_args, "llama_quant": ns.llama_quant,
                     "load_average_start": os.getloadavg()}
-    if "micro" in ns.sections:
-        result["micro"] = micro(bin_dir, files["bench-medium"], ns)
-    if "serving" in ns.sections:
-        result["serving"] = serving(bin_dir, files, ns)
+    for section, run_section in (("micro", lambda: micro(bin_dir, files["bench-medium"], ns)),
+                                 ("serving", lambda: serving(bin_dir, files, ns))):
+        if section in ns.sections:
+            result[section] = run_section()
+            if ns.out_json:  # a section's figures survive a later one's failure
+                ns.out_json.write_text(json.dumps(result, indent=2))
     result["load_average_end"] = os.getloadavg()
     md = table(result)
     print(md)
