@@ -44,7 +44,8 @@ logger = logging.getLogger("tessera.worker")
 CPU_ENCODE_CHUNK = 8
 # A CPU pool's default (no --max-total-tokens): what the running requests can use at most
 # (max_running_requests x context_length), capped at the bytes of the weights, so KV never more than doubles the
-# model's footprint; but never under one full-length request nor CPU_KV_MIN_TOKENS (tiny models: a few MiB).
+# model's footprint; but never under one full-length request nor CPU_KV_MIN_TOKENS (a tiny model's weights would
+# leave almost no pool).
 CPU_KV_MIN_TOKENS = 16384
 
 
