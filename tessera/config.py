@@ -112,7 +112,7 @@ class ServerArgs:
     max_prefill_tokens: int = 8192
     page_size: int = 1
     # KV pool size in tokens. None: on CUDA, what --mem-fraction-static of the device leaves after the weights;
-    # on CPU, 65536.
+    # on CPU, max_running_requests x context length, capped at the weights' bytes (worker/model_worker.py).
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.85  # share of the GPU's memory for weights + KV pool
     disable_radix_cache: bool = False

@@ -49,7 +49,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "max_prefill_tokens": ("scheduling", "prompt tokens admitted per step at most"),
     "page_size": ("scheduling", "KV cache page size in tokens"),
     "max_total_tokens": ("scheduling", "KV pool size in tokens (default: CUDA: what --mem-fraction-static "
-                                       "leaves after the weights; CPU: 65536)"),
+                                       "leaves after the weights; CPU: --max-running-requests x context, at most the "
+                                       "weights' bytes, at least one full context)"),
     "mem_fraction_static": ("scheduling", "share of GPU memory for weights + KV pool"),
     "disable_radix_cache": ("scheduling", "no prefix reuse across requests"),
     "schedule_policy": ("scheduling", "queue order: fcfs or lpm (longest cached prefix first)"),

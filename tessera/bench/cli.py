@@ -63,6 +63,9 @@ def _add_serving(sub) -> None:
     p.add_argument("--num-warmup", type=int, default=1, help="untimed requests before the run")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="sample this process tree's RSS during the run (default: whoever listens on --base-url's "
+                        "port, when it is on this machine; 0: none)")
     p.add_argument("--output-json", default=None, help="write the result (config, metrics, per-request) here")
     p.add_argument("--plot", default=None, help="PNG of latency percentiles vs concurrency (needs --from-json)")
     p.add_argument("--from-json", nargs="+", default=None, help="result files to plot instead of running")
@@ -90,7 +93,8 @@ def _cmd_serving(ns: argparse.Namespace) -> int:
         image_count=ns.image_count, output_len=ns.output_len, input_len=ns.input_len, video_frames=ns.video_frames,
         audio_seconds=ns.audio_seconds,
         seed=ns.seed, ignore_eos=not ns.no_ignore_eos, temperature=ns.temperature, api_key=ns.api_key,
-        timeout_s=ns.timeout, num_warmup=ns.num_warmup, disable_tqdm=ns.disable_tqdm, extra_body=ns.extra_body)
+        timeout_s=ns.timeout, num_warmup=ns.num_warmup, disable_tqdm=ns.disable_tqdm, extra_body=ns.extra_body,
+        server_pid=ns.server_pid)
     result = run_serving(cfg, ns.output_json)
     return 0 if result["metrics"]["num_completed"] > 0 else 1
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from tessera.bench.datasets import BenchRequest, make_serving_dataset, poisson_intervals
 from tessera.bench.metrics import BenchmarkMetrics, RequestResult, compute_metrics, format_report
+from tessera.bench.rss import RssSampler, format_memory, server_pid
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class ServingConfig:
     num_warmup: int = 1
     disable_tqdm: bool = False
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # Whose RSS to sample during the run (its whole process tree); None: the process listening on
+    # base_url's port when that is this machine; 0: do not sample.
+    server_pid: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -152,13 +156,18 @@ async def run_benchmark_async(cfg: ServingConfig, requests: list[BenchRequest] |
             warm = await send_request(client, model, messages, output_len, cfg)
             if not warm.success:
                 raise ValueError(f"warm-up request failed, is the server up at {cfg.api_base}? {warm.error}")
-        results, start = await _run_load(client, model, jobs, intervals, cfg)
-        duration = time.perf_counter() - start
+        pid = server_pid(cfg.base_url) if cfg.server_pid is None else cfg.server_pid
+        sampler = RssSampler(pid).start() if pid else None
+        try:
+            results, start = await _run_load(client, model, jobs, intervals, cfg)
+            duration = time.perf_counter() - start
+        finally:
+            memory = sampler.stop() if sampler is not None else None
     finally:
         await client.close()
     metrics = compute_metrics(results, duration)
     return {"backend": "openai-chat", "model": model, "config": _config_dict(cfg),
-            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "metrics": metrics.to_dict(),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"), "metrics": metrics.to_dict(), "server_memory": memory,
             "requests": [{"success": r.success, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
                           "ttft": r.ttft, "e2e_latency": r.e2e_latency, "error": r.error} for r in results]}
 
@@ -209,6 +218,8 @@ def run_serving(cfg: ServingConfig, output_json: str | None = None, quiet: bool 
     if not quiet:
         print(format_report(BenchmarkMetrics.from_dict(result["metrics"]), f"{cfg.dataset} @ rate={cfg.request_rate} "
                                                    f"concurrency={cfg.max_concurrency or 'unbounded'}"))
+        if result["server_memory"]:
+            print(format_memory(result["server_memory"]))
     if output_json:
         with open(output_json, "w") as f:
             json.dump(result, f, indent=2)

@@ -44,13 +44,18 @@ logger = logging.getLogger("tessera.worker")
 
 # Items per encoder call on a CPU when the thread policy is adaptive (see _encode).
 CPU_ENCODE_CHUNK = 8
-DEFAULT_CPU_KV_TOKENS = 65536  # CPU pools are sized by --max-total-tokens; this is its default
+# A CPU pool's default (no --max-total-tokens): what the running requests can use at most
+# (max_running_requests x context_length), capped at the bytes of the weights, so KV never more than doubles the
+# model's footprint; but never under one full-length request nor CPU_KV_MIN_TOKENS (a tiny model's weights would
+# leave almost no pool).
+CPU_KV_MIN_TOKENS = 16384
 
 
-def kv_pool_tokens(args: ServerArgs, bytes_per_token: int, cuda_mem_info: tuple[int, int] | None) -> int:
+def kv_pool_tokens(args: ServerArgs, bytes_per_token: int, cuda_mem_info: tuple[int, int] | None,
+                   weight_bytes: int = 0, context_length: int = 0) -> int:
     """KV pool size in tokens, whole pages: --max-total-tokens when given; on CUDA (cuda_mem_info = free,
     total bytes, read after the weights are loaded) what --mem-fraction-static of the device leaves after
-    everything already in use; on CPU, DEFAULT_CPU_KV_TOKENS."""
+    everything already in use; on CPU, sized from the model and the requests (see CPU_KV_MIN_TOKENS)."""
     page = args.page_size
     if args.max_total_tokens is not None:
         tokens = args.max_total_tokens
@@ -62,7 +67,9 @@ def kv_pool_tokens(args: ServerArgs, bytes_per_token: int, cuda_mem_info: tuple[
             raise ValueError(f"mem_fraction_static: {args.mem_fraction_static} of {total / 2**30:.1f} GiB leaves no "
                              f"room for the KV pool after the weights ({(total - free) / 2**30:.1f} GiB in use)")
     else:
-        tokens = DEFAULT_CPU_KV_TOKENS
+        needed = args.max_running_requests * context_length
+        tokens = min(needed, max(weight_bytes // bytes_per_token, context_length, CPU_KV_MIN_TOKENS))
+        tokens = max(tokens, 2 * page)
     return tokens // page * page
 
 
@@ -94,7 +101,9 @@ class ModelWorker:
         layout = self.model.kv_layout
         bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
         mem_info = self.platform.memory_info(self.device)
-        size = min_over_ranks(kv_pool_tokens(args, bytes_per_token, mem_info), self.device)  # ranks must agree
+        weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
+        size = min_over_ranks(kv_pool_tokens(args, bytes_per_token, mem_info, weight_bytes, self.context_length),
+                              self.device)  # ranks must agree
         # The pool holds K/V in the model's dtype (bfloat16 models: half the bytes of float32); the bytes per
         # token reported below are read from its buffers, so a pool that kept another dtype shows.
         self.kv_pool = TokenToKVPool(size, layout.num_layers, layout.num_kv_heads, layout.head_dim,

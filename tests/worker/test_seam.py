@@ -177,11 +177,17 @@ def test_a_worker_fed_decoded_messages_matches_one_fed_the_originals() -> None:
 
 
 def test_kv_pool_sizing() -> None:
-    from tessera.worker.model_worker import DEFAULT_CPU_KV_TOKENS, kv_pool_tokens
+    from tessera.worker.model_worker import CPU_KV_MIN_TOKENS, kv_pool_tokens
 
     gib = 2**30
     args = ServerArgs(model_path="demo-vl", page_size=16)
-    assert kv_pool_tokens(args, 1024, None) == DEFAULT_CPU_KV_TOKENS
+    # CPU: the weights' bytes of KV (1 GiB at 1 KiB a token), within what 64 requests of 32k tokens can use...
+    assert kv_pool_tokens(args, 1024, None, weight_bytes=gib, context_length=32768) == 1 << 20
+    assert kv_pool_tokens(args.replace(max_running_requests=4), 1024, None, gib, 32768) == 4 * 32768
+    # ... but never under one full-length request, nor the floor for tiny models.
+    assert kv_pool_tokens(args, 1024, None, weight_bytes=2**20, context_length=32768) == 32768
+    assert kv_pool_tokens(args, 1024, None, weight_bytes=2**20, context_length=4096) == CPU_KV_MIN_TOKENS
+    assert kv_pool_tokens(args.replace(max_total_tokens=1000), 1024, None, gib, 4096) == 992  # the flag wins
     # 80 GiB device, 20 GiB in use after the weights, 0.85 of it for weights + KV: 48 GiB of KV.
     tokens = kv_pool_tokens(args, 1 << 20, (60 * gib, 80 * gib))
     assert tokens == 48 * 1024 and tokens % 16 == 0
