@@ -58,6 +58,13 @@ KERNELS: dict[str, Kernel] = {
                      + (_I,), "rotary embedding as torch operators"),
     "silu_mul": Kernel("cpu_silu_mul.c", "tessera_silu_mul_f32", (_P, _L, _P) + (_L,) * 2 + (_I,),
                        "SwiGLU's silu(gate) * up as torch operators"),
+    # Weight-only int8 / int4 products (layers/quantization/int_linear.py): one source, three symbols.
+    "int8_gemv": Kernel("cpu_int_gemv.c", "tessera_int8_gemv_f32", (_P,) * 6 + (_L,) * 4 + (_I,),
+                        "int8 weights dequantized to float32 for each product"),
+    "int4_gemv": Kernel("cpu_int_gemv.c", "tessera_int4_gemv_f32", (_P,) * 6 + (_L,) * 4 + (_I,),
+                        "int4 weights dequantized to float32 for each product"),
+    "int_dequant": Kernel("cpu_int_gemv.c", "tessera_int_dequant_f32", (_P,) * 4 + (_L,) * 3 + (_I,) * 2,
+                          "dequantization as torch operators"),
 }
 
 _lock = threading.Lock()

@@ -1,0 +1,225 @@
+/* y = x w^T (+ b) in float32 for few rows of x, w stored as 8- or 4-bit integers with float scales: the
+ * decode step's projections of a weight-only quantized model (layers/quantization/int_linear.py).
+ *
+ * A weight [N, K] in groups of gs columns (G = K / gs per row) is dequantized in registers as
+ * w = q * scale[n, g] - zs[n, g], where zs = (zero - offset) * scale folds the zero point in (one fused
+ * multiply-subtract per eight weights); the packer chooses q's offset:
+ *   int8: q is the AffineWeight's q - 128 as a signed byte, [N, K] row-major (a symmetric weight has zs 0);
+ *   int4: row n, chunk c of 16 columns is 8 bytes, byte i = q[16c + i] | q[16c + 8 + i] << 4, [N, K / 2];
+ *         gs and K are multiples of 16 (the packer sends other shapes to torch).
+ * At a few rows the product is bound by reading w, so a byte per weight (int8) or half (int4) is the win
+ * over float32; the work per weight is a widening load, a conversion and the fused multiply-subtract.
+ * Threads and tiles as in cpu_gemv.c (4 weight rows x 2 rows of x, torch's OpenMP pool). Without AVX2 the
+ * same code runs on GCC/Clang vector extensions. tessera_int{8,4}_dequant write the float weight [N, K]
+ * (the many-row products run it through torch's matmul). Built by tessera/platform/cpu_kernels.py.
+ */
+#include <stdint.h>
+
+#include "cpu_vec.h"
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TESSERA_INT_AVX2 1
+#endif
+
+/* Eight int8 weights dequantized. */
+static inline v8 deq8_i8(const int8_t *q, v8 s, v8 zs) {
+#ifdef TESSERA_INT_AVX2
+    __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+    return (v8)_mm256_fmsub_ps(f, (__m256)s, (__m256)zs);
+#else
+    v8i b = {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]};
+    return __builtin_convertvector(b, v8) * s - zs;
+#endif
+}
+
+/* Sixteen int4 weights (one chunk, eight bytes) dequantized: columns 0..7 in lo, 8..15 in hi. */
+static inline void deq16_i4(const uint8_t *p, v8 s, v8 zs, v8 *lo, v8 *hi) {
+#ifdef TESSERA_INT_AVX2
+    __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256 l = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    __m256 h = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    *lo = (v8)_mm256_fmsub_ps(l, (__m256)s, (__m256)zs);
+    *hi = (v8)_mm256_fmsub_ps(h, (__m256)s, (__m256)zs);
+#else
+    v8i b = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
+    *lo = __builtin_convertvector(b & 15, v8) * s - zs;
+    *hi = __builtin_convertvector(b >> 4, v8) * s - zs;
+#endif
+}
+
+/* Rows n0 .. n0+R-1 of w against rows m0 .. m0+C-1 of x, R <= 4, C <= 2; inlined with constant R, C and
+ * bits so that the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(const float *x, const uint8_t *q, const float *sc,
+                                                      const float *zs, float *y, long N, long K, long gs,
+                                                      long n0, long m0, int R, int C, int bits) {
+    long G = K / gs, row_bytes = bits == 8 ? K : K / 2;
+    v8 acc[4][2] = {{{0}}};
+    float tail[4][2] = {{0}};
+    for (long g = 0; g < G; g++) {
+        v8 s[4], z[4];
+        for (int r = 0; r < R; r++) {
+            s[r] = splat8(sc[(n0 + r) * G + g]);
+            z[r] = splat8(zs[(n0 + r) * G + g]);
+        }
+        long k = g * gs, end = k + gs;
+        if (bits == 8) {
+            for (; k + 8 <= end; k += 8) {
+                v8 xv[2];
+                for (int c = 0; c < C; c++) xv[c] = load8(x + (m0 + c) * K + k);
+                for (int r = 0; r < R; r++) {
+                    v8 w = deq8_i8((const int8_t *)q + (n0 + r) * row_bytes + k, s[r], z[r]);
+                    for (int c = 0; c < C; c++) acc[r][c] += w * xv[c];
+                }
+            }
+            for (; k < end; k++) /* a group (or row) whose length is not a multiple of 8 */
+                for (int r = 0; r < R; r++) {
+                    float w = (float)((const int8_t *)q)[(n0 + r) * row_bytes + k] * s[r][0] - z[r][0];
+                    for (int c = 0; c < C; c++) tail[r][c] += w * x[(m0 + c) * K + k];
+                }
+        } else {
+            for (; k < end; k += 16) {
+                v8 xl[2], xh[2];
+                for (int c = 0; c < C; c++) {
+                    xl[c] = load8(x + (m0 + c) * K + k);
+                    xh[c] = load8(x + (m0 + c) * K + k + 8);
+                }
+                for (int r = 0; r < R; r++) {
+                    v8 lo, hi;
+                    deq16_i4(q + (n0 + r) * row_bytes + k / 2, s[r], z[r], &lo, &hi);
+                    for (int c = 0; c < C; c++) acc[r][c] += lo * xl[c] + hi * xh[c];
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) y[(m0 + c) * N + n0 + r] = sum8(acc[r][c]) + tail[r][c];
+}
+
+/* Columns [k0, k1) of w's rows n0 .. n0+3 dequantized into buf [4, k1 - k0] (k0, k1 on group boundaries). */
+static inline __attribute__((always_inline)) void dequant_strip(const uint8_t *q, const float *sc,
+                                                               const float *zs, float *buf, long K, long gs,
+                                                               long n0, long k0, long k1, int bits) {
+    long G = K / gs, row_bytes = bits == 8 ? K : K / 2, width = k1 - k0;
+    for (int r = 0; r < 4; r++) {
+        const uint8_t *qr = q + (n0 + r) * row_bytes;
+        float *br = buf + r * width - k0;
+        for (long g = k0 / gs; g < k1 / gs; g++) {
+            float s1 = sc[(n0 + r) * G + g], z1 = zs[(n0 + r) * G + g];
+            v8 s = splat8(s1), z = splat8(z1);
+            long k = g * gs, end = k + gs;
+            if (bits == 8) {
+                for (; k + 8 <= end; k += 8) store8(br + k, deq8_i8((const int8_t *)qr + k, s, z));
+                for (; k < end; k++) br[k] = (float)((const int8_t *)qr)[k] * s1 - z1;
+            } else {
+                for (; k < end; k += 16) {
+                    v8 lo, hi;
+                    deq16_i4(qr + k / 2, s, z, &lo, &hi);
+                    store8(br + k, lo);
+                    store8(br + k + 8, hi);
+                }
+            }
+        }
+    }
+}
+
+/* y[m0 .. m0+C-1, n0 .. n0+3] += x[.., k0:k1] buf^T for a dequantized strip buf [4, k1 - k0]. */
+static inline __attribute__((always_inline)) void strip_tile(const float *x, const float *buf, float *y, long N,
+                                                            long K, long n0, long m0, long k0, long k1, int C) {
+    long width = k1 - k0, k = 0;
+    v8 acc[4][2] = {{{0}}};
+    for (; k + 8 <= width; k += 8) {
+        v8 xv[2];
+        for (int c = 0; c < C; c++) xv[c] = load8(x + (m0 + c) * K + k0 + k);
+        for (int r = 0; r < 4; r++) {
+            v8 wv = load8(buf + r * width + k);
+            for (int c = 0; c < C; c++) acc[r][c] += wv * xv[c];
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int c = 0; c < C; c++) {
+            float s = sum8(acc[r][c]);
+            for (long t = k; t < width; t++) s += buf[r * width + t] * x[(m0 + c) * K + k0 + t];
+            y[(m0 + c) * N + n0 + r] += s;
+        }
+}
+
+/* Above two rows of x a full block of 4 weight rows is dequantized once per strip of columns (in L1) and
+ * multiplied into every row, rather than decoded again for each pair of rows. */
+#define STRIP 512
+
+static inline __attribute__((always_inline)) void gemv(const float *x, const uint8_t *q, const float *sc,
+                                                      const float *zs, const float *b, float *y, long M,
+                                                      long N, long K, long gs, int threads, int bits) {
+    long blocks = (N + 3) / 4;
+    /* Strips hold whole groups: the largest multiple of gs up to STRIP (one group when gs is larger). */
+    long strip = gs >= STRIP ? gs : STRIP / gs * gs;
+    int strips = M > 2 && strip <= 4096;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long blk = 0; blk < blocks; blk++) {
+        long n0 = blk * 4, rows = N - n0 < 4 ? N - n0 : 4, m = 0;
+        if (strips && rows == 4) {
+            float buf[4 * 4096];
+            for (m = 0; m < M; m++)
+                for (int r = 0; r < 4; r++) y[m * N + n0 + r] = 0.0f;
+            for (long k0 = 0; k0 < K; k0 += strip) {
+                long k1 = k0 + strip < K ? k0 + strip : K;
+                dequant_strip(q, sc, zs, buf, K, gs, n0, k0, k1, bits);
+                for (m = 0; m + 2 <= M; m += 2) strip_tile(x, buf, y, N, K, n0, m, k0, k1, 2);
+                if (m < M) strip_tile(x, buf, y, N, K, n0, m, k0, k1, 1);
+            }
+            m = M;
+        }
+        for (; m + 2 <= M; m += 2) {
+            if (rows == 4)
+                tile(x, q, sc, zs, y, N, K, gs, n0, m, 4, 2, bits);
+            else
+                for (long r = 0; r < rows; r++) tile(x, q, sc, zs, y, N, K, gs, n0 + r, m, 1, 2, bits);
+        }
+        if (m < M) {
+            if (rows == 4)
+                tile(x, q, sc, zs, y, N, K, gs, n0, m, 4, 1, bits);
+            else
+                for (long r = 0; r < rows; r++) tile(x, q, sc, zs, y, N, K, gs, n0 + r, m, 1, 1, bits);
+        }
+        if (b)
+            for (m = 0; m < M; m++)
+                for (long r = 0; r < rows; r++) y[m * N + n0 + r] += b[n0 + r];
+    }
+}
+
+void tessera_int8_gemv_f32(const float *x, const uint8_t *q, const float *sc, const float *zs, const float *b,
+                           float *y, long M, long N, long K, long gs, int threads) {
+    gemv(x, q, sc, zs, b, y, M, N, K, gs, threads, 8);
+}
+
+void tessera_int4_gemv_f32(const float *x, const uint8_t *q, const float *sc, const float *zs, const float *b,
+                           float *y, long M, long N, long K, long gs, int threads) {
+    gemv(x, q, sc, zs, b, y, M, N, K, gs, threads, 4);
+}
+
+/* The float32 weight [N, K] (w = q * scale - zs), rows over the threads. */
+void tessera_int_dequant_f32(const uint8_t *q, const float *sc, const float *zs, float *w, long N, long K,
+                             long gs, int bits, int threads) {
+    long G = K / gs, row_bytes = bits == 8 ? K : K / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long n = 0; n < N; n++) {
+        const uint8_t *qr = q + n * row_bytes;
+        float *wr = w + n * K;
+        for (long g = 0; g < G; g++) {
+            float s1 = sc[n * G + g], z1 = zs[n * G + g];
+            v8 s = splat8(s1), z = splat8(z1);
+            long k = g * gs, end = k + gs;
+            if (bits == 8) {
+                for (; k + 8 <= end; k += 8) store8(wr + k, deq8_i8((const int8_t *)qr + k, s, z));
+                for (; k < end; k++) wr[k] = (float)((const int8_t *)qr)[k] * s1 - z1;
+            } else {
+                for (; k < end; k += 16) {
+                    v8 lo, hi;
+                    deq16_i4(qr + k / 2, s, z, &lo, &hi);
+                    store8(wr + k, lo);
+                    store8(wr + k + 8, hi);
+                }
+            }
+        }
+    }
+}
