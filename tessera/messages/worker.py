@@ -158,3 +158,5 @@ class WorkerInfo:
     cuda_graph_status: str = ""
     # CPU kernels (platform/cpu_kernels.py): per kernel "loaded", or why not and what runs instead; {} off a CPU.
     cpu_kernels: dict[str, str] = field(default_factory=dict)
+    # --torchao-config: the scheme and what runs it (layers/quantization/int_linear.py); "" for float weights.
+    quantization: str = ""

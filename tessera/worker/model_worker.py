@@ -78,7 +78,8 @@ class ModelWorker:
         self.cpu_kernels = cpu_kernels.load() if self.platform.runs_on_host_cores else {}
         self.model, self.config = load_model(args.model_path, dtype=args.dtype, device=self.device,
                                              language_model_only=args.language_model_only,
-                                             attention_backend=args.attention_backend, config=config)
+                                             attention_backend=args.attention_backend, config=config,
+                                             torchao_config=args.torchao_config)
         self.dtype = next(self.model.parameters()).dtype
         backend_name = self.model.attn_backend.name  # what load_model resolved `auto` to (it needs the dtype)
         self.context_length = args.context_length or self.config.max_position_embeddings
@@ -123,7 +124,8 @@ class ModelWorker:
                                tp_size=self.tp.size,
                                num_parameters=sum(p.numel() for p in self.model.parameters()),
                                cuda_graph_batch_sizes=tuple(self.graph_runner.sizes) if self.graph_runner else (),
-                               cpu_kernels=self.cpu_kernels, cuda_graph_status=self.cuda_graph_status)
+                               cpu_kernels=self.cpu_kernels, cuda_graph_status=self.cuda_graph_status,
+                               quantization=self.model.quantization)
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def decode_graph_runner(self, max_bs: int) -> DecodeGraphRunner:
