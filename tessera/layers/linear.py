@@ -14,6 +14,7 @@ from tessera.layers import cpu_gemv
 from tessera.layers.quantization.affine import AffineWeight
 from tessera.layers.quantization.int_linear import PackedIntWeight
 from tessera.platform import cpu_kernels
+from tessera.platform.device import is_host
 
 # Few rows over a large float32 weight on a CPU with more than one torch thread: oneDNN's fused linear instead
 # of MKL, which runs such products on one core. Small (cache-resident) weights, many rows and one thread stay
@@ -66,10 +67,10 @@ class Linear(nn.Module):
             raise ValueError(f"quantized weight {weight.shape}, want {(self.out_features, self.in_features)}")
         old = self.weight
         device = old.device if old is not None else (self.bias.device if self.bias is not None else torch.device("cpu"))
-        if device.type != "cpu":
+        if not is_host(device):
             dtype = old.dtype if old is not None else torch.get_default_dtype()
             self.weight = nn.Parameter(weight.dequantize(dtype).to(device), requires_grad=False)
-            self.quant_path = f"int{weight.bits} dequantized to {str(dtype).removeprefix('torch.')} on {device.type}"
+            self.quant_path = f"int{weight.bits} dequantized to {str(dtype).removeprefix('torch.')} on {device}"
             return
         self.quantized = PackedIntWeight(weight, path)
         self.quant_path = self.quantized.description

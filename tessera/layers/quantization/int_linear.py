@@ -25,6 +25,7 @@ from tessera.config import TORCHAO_CONFIGS
 from tessera.layers import cpu_gemv
 from tessera.layers.quantization.affine import AffineWeight, quantize
 from tessera.platform import cpu_kernels
+from tessera.platform.device import is_host
 
 PATH_NAMES = {"c": "C int{bits} gemv + dequantized prefill", "torch": "torch int{bits}pack",
               "affine": "int{bits} dequantized by torch per product"}
@@ -96,7 +97,7 @@ class PackedIntWeight:
 
     def _choose(self, weight: AffineWeight) -> str:
         out, inp = weight.shape
-        if not weight.q.is_cpu:
+        if not is_host(weight.q.device):
             raise ValueError("PackedIntWeight runs on the CPU; off it the layer keeps a dequantized weight")
         if self.bits == 4:
             torch_ok = self.group_size in (32, 64, 128, 256) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
@@ -177,13 +178,12 @@ def quantize_linears(model: torch.nn.Module, scheme: str, prefix: str = "model."
     """Quantizes (round to nearest) every float Linear of the language model (our modules under `prefix`;
     the encoders, the embeddings, the LM head and MoE routers stay float), one module at a time, each float
     weight freed as its quantized one is set. Returns what runs, for the startup log and get_server_info."""
-    from tessera.layers.linear import Linear
-
     bits, group, symmetric = parse_scheme(scheme)
     paths: dict[str, int] = {}
     for name, module in model.named_modules():
-        if not (isinstance(module, Linear) and name.startswith(prefix) and module.quantized is None
-                and not name.endswith("router")):
+        # layers/linear's Linear and its subclasses (by what they offer: that module imports this one).
+        if not (hasattr(module, "set_quantized") and getattr(module, "quantized", 0) is None
+                and name.startswith(prefix) and not name.endswith("router")):
             continue
         if group is not None and module.in_features % group:
             raise ValueError(f"torchao_config {scheme}: {name} has {module.in_features} input features, not a "
