@@ -144,7 +144,13 @@ def test_quantize_linears_covers_the_language_model_only():
     assert what.startswith("int4wo-32 (torchao-config), ")
     assert tiny.model["proj"].weight is None and tiny.model["router"].weight is not None
     assert tiny.visual.weight is not None
-    with pytest.raises(ValueError, match="group size 128"):
+    partly = Tiny()
+    partly.model["wide"] = lin.Linear(128, 8)
+    what = quantize_linears(partly, "int4wo-128")  # as torchao: 64 input features stay float at groups of 128
+    assert partly.model["proj"].weight is not None and partly.model["wide"].weight is None
+    assert what.endswith("(1 linears), 1 linears float (input features not a multiple of 128); encoders, "
+                         "embeddings and LM head float")
+    with pytest.raises(ValueError, match="no language-model linear layer"):
         quantize_linears(Tiny(), "int4wo-128")
 
 

@@ -8,34 +8,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from paged_driver import check_text_prefill_and_decode
+from paged_driver import PagedKV, check_text_prefill_and_decode, make_batch
 from qwen2_vl_testing import build_prompt, tiny_vl_config
 from test_qwen2_vl import _greedy_prompt, _greedy_tokens, _hf_greedy_tokens, hf_logits, prefill_step
-from paged_driver import PagedKV, make_batch
 
 from tessera.layers.linear import Linear
-from tessera.layers.quantization.affine import quantize
-from tessera.layers.quantization.int_linear import parse_scheme
+from tessera.layers.quantization.int_linear import fake_quantize_
 from tessera.models.registry import load_model
 
 SCHEMES = ["int8wo", "int4wo-32"]
 
 
-def dequantize_hf(hf: torch.nn.Module, scheme: str, prefix: str) -> int:
-    """HF's own linears under `prefix` (its language model) given the dequantized weights we run."""
-    bits, group, symmetric = parse_scheme(scheme)
-    count = 0
-    with torch.no_grad():
-        for name, module in hf.named_modules():
-            if isinstance(module, torch.nn.Linear) and name.startswith(prefix):
-                module.weight.copy_(quantize(module.weight, bits, group, symmetric).dequantize())
-                count += 1
-    return count
-
-
 def quantized_pair(path, hf, scheme: str, prefix: str):
     ours, _ = load_model(path, torch.float32, torchao_config=scheme)
-    assert dequantize_hf(hf, scheme, prefix) == 7 * 2  # q, k, v, o, gate, up, down x 2 layers
+    assert fake_quantize_(hf, scheme, prefix) == 7 * 2  # q, k, v, o, gate, up, down x 2 layers
     quantized = [m for m in ours.modules() if isinstance(m, Linear) and m.quantized is not None]
     assert len(quantized) == 4 * 2 and ours.quantization.startswith(f"{scheme} (torchao-config)")
     return ours

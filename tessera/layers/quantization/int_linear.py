@@ -176,21 +176,40 @@ class PackedIntWeight:
 
 def quantize_linears(model: torch.nn.Module, scheme: str, prefix: str = "model.") -> str:
     """Quantizes (round to nearest) every float Linear of the language model (our modules under `prefix`;
-    the encoders, the embeddings, the LM head and MoE routers stay float), one module at a time, each float
-    weight freed as its quantized one is set. Returns what runs, for the startup log and get_server_info."""
+    the encoders, the embeddings, the LM head and MoE routers stay float; so does, as in torchao, a linear
+    whose input features are not a multiple of the group size), one module at a time, each float weight
+    freed as its quantized one is set. Returns what runs, for the startup log and get_server_info."""
     bits, group, symmetric = parse_scheme(scheme)
     paths: dict[str, int] = {}
+    kept = 0
     for name, module in model.named_modules():
         # layers/linear's Linear and its subclasses (by what they offer: that module imports this one).
         if not (hasattr(module, "set_quantized") and getattr(module, "quantized", 0) is None
                 and name.startswith(prefix) and not name.endswith("router")):
             continue
         if group is not None and module.in_features % group:
-            raise ValueError(f"torchao_config {scheme}: {name} has {module.in_features} input features, not a "
-                             f"multiple of the group size {group}")
+            kept += 1  # as torchao: a row that does not split into whole groups stays float
+            continue
         module.set_quantized(quantize(module.weight, bits, group, symmetric))
         paths[module.quant_path] = paths.get(module.quant_path, 0) + 1
     if not paths:
-        raise ValueError(f"torchao_config {scheme}: the model has no language-model linear layers to quantize")
-    runs = ", ".join(f"{p} ({n} linears)" if len(paths) > 1 else p for p, n in paths.items())
-    return f"{scheme} (torchao-config), {runs}; encoders, embeddings and LM head float"
+        raise ValueError(f"torchao_config {scheme}: the model has no language-model linear layer to quantize "
+                         f"(with {kept} whose input features are not a multiple of {group})")
+    runs = ", ".join(f"{p} ({n} linears)" if len(paths) > 1 or kept else p for p, n in paths.items())
+    float_too = f", {kept} linears float (input features not a multiple of {group})" if kept else ""
+    return f"{scheme} (torchao-config), {runs}{float_too}; encoders, embeddings and LM head float"
+
+
+@torch.no_grad()
+def fake_quantize_(model: torch.nn.Module, scheme: str, prefix: str) -> int:
+    """Replaces the weight of every torch.nn.Linear under `prefix` by the dequantized weight of the same
+    quantization quantize_linears applies (and skips the same linears): a float model (HF's, as a
+    reference) that computes what our quantized one does. Returns how many linears it changed."""
+    bits, group, symmetric = parse_scheme(scheme)
+    count = 0
+    for name, module in model.named_modules():
+        if (isinstance(module, torch.nn.Linear) and name.startswith(prefix)
+                and (group is None or module.in_features % group == 0)):
+            module.weight.copy_(quantize(module.weight, bits, group, symmetric).dequantize(module.weight.dtype))
+            count += 1
+    return count
