@@ -18,9 +18,11 @@ from tessera.layers.quantization.int_linear import PackedIntWeight, parse_scheme
 from tessera.platform import cpu_kernels
 
 # (out, in, bits, group or None for per channel, symmetric): odd row counts (not a multiple of the kernel's
-# 4-row tiles), per-channel int8 over a row that is not a multiple of 8, groups from 16 to 128.
+# 4-row tiles), per-channel int8 over a row that is not a multiple of 8, groups from 16 to 128, and rows
+# longer than the kernel's 512-column strips (ending mid-group and, for int8, mid-chunk).
 SHAPES = [(37, 100, 8, None, True), (64, 96, 8, 32, False), (45, 80, 8, 20, False), (37, 96, 4, 32, False),
-          (66, 128, 4, 16, False), (20, 256, 4, 128, False), (12, 64, 4, 64, True)]
+          (66, 128, 4, 16, False), (20, 256, 4, 128, False), (12, 64, 4, 64, True), (9, 1003, 8, None, True),
+          (10, 1040, 4, 80, False)]
 ROWS = [1, 2, 3, 5, 17, 48]
 
 

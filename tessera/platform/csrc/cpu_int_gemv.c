@@ -95,31 +95,35 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
         for (int c = 0; c < C; c++) y[(m0 + c) * N + n0 + r] = sum8(acc[r][c]) + tail[r][c];
 }
 
-/* Columns [k0, k1) of w's rows n0 .. n0+3 dequantized into buf [4, k1 - k0] (k0, k1 on group boundaries). */
+/* Columns [k0, k1) of one row of w (q at the row's bytes, sc / zs at its groups) dequantized into out[k0:k1]
+ * (for int4, k0 and k1 are multiples of 16). */
+static inline __attribute__((always_inline)) void dequant_row(const uint8_t *qr, const float *sc, const float *zs,
+                                                             float *out, long k0, long k1, long gs, int bits) {
+    for (long g = k0 / gs; g * gs < k1; g++) {
+        v8 s = splat8(sc[g]), z = splat8(zs[g]);
+        long k = g * gs > k0 ? g * gs : k0, end = g * gs + gs < k1 ? g * gs + gs : k1;
+        if (bits == 8) {
+            for (; k + 8 <= end; k += 8) store8(out + k, deq8_i8((const int8_t *)qr + k, s, z));
+            for (; k < end; k++) out[k] = (float)((const int8_t *)qr)[k] * sc[g] - zs[g];
+        } else {
+            for (; k < end; k += 16) {
+                v8 lo, hi;
+                deq16_i4(qr + k / 2, s, z, &lo, &hi);
+                store8(out + k, lo);
+                store8(out + k + 8, hi);
+            }
+        }
+    }
+}
+
+/* Columns [k0, k1) of w's rows n0 .. n0+3 dequantized into buf [4, k1 - k0]. */
 static inline __attribute__((always_inline)) void dequant_strip(const uint8_t *q, const float *sc,
                                                                const float *zs, float *buf, long K, long gs,
                                                                long n0, long k0, long k1, int bits) {
     long G = K / gs, row_bytes = bits == 8 ? K : K / 2, width = k1 - k0;
-    for (int r = 0; r < 4; r++) {
-        const uint8_t *qr = q + (n0 + r) * row_bytes;
-        float *br = buf + r * width - k0;
-        for (long g = k0 / gs; g < k1 / gs; g++) {
-            float s1 = sc[(n0 + r) * G + g], z1 = zs[(n0 + r) * G + g];
-            v8 s = splat8(s1), z = splat8(z1);
-            long k = g * gs, end = k + gs;
-            if (bits == 8) {
-                for (; k + 8 <= end; k += 8) store8(br + k, deq8_i8((const int8_t *)qr + k, s, z));
-                for (; k < end; k++) br[k] = (float)((const int8_t *)qr)[k] * s1 - z1;
-            } else {
-                for (; k < end; k += 16) {
-                    v8 lo, hi;
-                    deq16_i4(qr + k / 2, s, z, &lo, &hi);
-                    store8(br + k, lo);
-                    store8(br + k + 8, hi);
-                }
-            }
-        }
-    }
+    for (int r = 0; r < 4; r++)
+        dequant_row(q + (n0 + r) * row_bytes, sc + (n0 + r) * G, zs + (n0 + r) * G, buf + r * width - k0, k0, k1,
+                    gs, bits);
 }
 
 /* y[m0 .. m0+C-1, n0 .. n0+3] += x[.., k0:k1] buf^T for a dequantized strip buf [4, k1 - k0]. */
@@ -151,18 +155,15 @@ static inline __attribute__((always_inline)) void gemv(const float *x, const uin
                                                       const float *zs, const float *b, float *y, long M,
                                                       long N, long K, long gs, int threads, int bits) {
     long blocks = (N + 3) / 4;
-    /* Strips hold whole groups: the largest multiple of gs up to STRIP (one group when gs is larger). */
-    long strip = gs >= STRIP ? gs : STRIP / gs * gs;
-    int strips = M > 2 && strip <= 4096;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long blk = 0; blk < blocks; blk++) {
         long n0 = blk * 4, rows = N - n0 < 4 ? N - n0 : 4, m = 0;
-        if (strips && rows == 4) {
-            float buf[4 * 4096];
+        if (M > 2 && rows == 4) {
+            float buf[4 * STRIP];
             for (m = 0; m < M; m++)
                 for (int r = 0; r < 4; r++) y[m * N + n0 + r] = 0.0f;
-            for (long k0 = 0; k0 < K; k0 += strip) {
-                long k1 = k0 + strip < K ? k0 + strip : K;
+            for (long k0 = 0; k0 < K; k0 += STRIP) {
+                long k1 = k0 + STRIP < K ? k0 + STRIP : K;
                 dequant_strip(q, sc, zs, buf, K, gs, n0, k0, k1, bits);
                 for (m = 0; m + 2 <= M; m += 2) strip_tile(x, buf, y, N, K, n0, m, k0, k1, 2);
                 if (m < M) strip_tile(x, buf, y, N, K, n0, m, k0, k1, 1);
@@ -202,24 +203,5 @@ void tessera_int_dequant_f32(const uint8_t *q, const float *sc, const float *zs,
                              long gs, int bits, int threads) {
     long G = K / gs, row_bytes = bits == 8 ? K : K / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (long n = 0; n < N; n++) {
-        const uint8_t *qr = q + n * row_bytes;
-        float *wr = w + n * K;
-        for (long g = 0; g < G; g++) {
-            float s1 = sc[n * G + g], z1 = zs[n * G + g];
-            v8 s = splat8(s1), z = splat8(z1);
-            long k = g * gs, end = k + gs;
-            if (bits == 8) {
-                for (; k + 8 <= end; k += 8) store8(wr + k, deq8_i8((const int8_t *)qr + k, s, z));
-                for (; k < end; k++) wr[k] = (float)((const int8_t *)qr)[k] * s1 - z1;
-            } else {
-                for (; k < end; k += 16) {
-                    v8 lo, hi;
-                    deq16_i4(qr + k / 2, s, z, &lo, &hi);
-                    store8(wr + k, lo);
-                    store8(wr + k + 8, hi);
-                }
-            }
-        }
-    }
+    for (long n = 0; n < N; n++) dequant_row(q + n * row_bytes, sc + n * G, zs + n * G, w + n * K, 0, K, gs, bits);
 }
