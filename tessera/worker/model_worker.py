@@ -122,7 +122,9 @@ class ModelWorker:
                                context_length=self.context_length, vocab_size=self.config.vocab_size,
                                attention_backend=backend_name, decode_kv_mirror=self.use_decode_mirror,
                                tp_size=self.tp.size,
-                               num_parameters=sum(p.numel() for p in self.model.parameters()),
+                               num_parameters=sum(p.numel() for p in self.model.parameters()) + sum(
+                                   m.in_features * m.out_features for m in self.model.modules()
+                                   if getattr(m, "quantized", None) is not None),  # packed, not parameters
                                cuda_graph_batch_sizes=tuple(self.graph_runner.sizes) if self.graph_runner else (),
                                cpu_kernels=self.cpu_kernels, cuda_graph_status=self.cuda_graph_status,
                                quantization=self.model.quantization)
