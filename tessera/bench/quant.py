@@ -12,6 +12,7 @@ prefill: prompt tokens / T(prompt + 1 token), caches flushed before every call.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -20,25 +21,44 @@ from tessera.bench.agreement import GreedyOutput, agreement
 from tessera.demo.runs import report
 
 
-def _timed(engine, ids: list[int], n: int) -> float:
+def _cpu_seconds(engine) -> float:
+    """CPU time of the engine's scheduler processes (the model runs there) so far (Linux; 0 elsewhere)."""
+    total = 0
+    for proc in engine.tokenizer_manager._procs:
+        try:
+            fields = open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _timed(engine, ids: list[int], n: int) -> tuple[float, float]:
+    """(wall, scheduler CPU) seconds for one request of n output tokens from empty caches."""
     engine.flush_cache()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _cpu_seconds(engine)
     out = engine.generate(input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": n, "ignore_eos": True})
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, _cpu_seconds(engine) - c0
     if out["meta_info"]["completion_tokens"] != n:
         raise RuntimeError(f"got {out['meta_info']['completion_tokens']} tokens, expected {n}")
-    return seconds
+    return seconds, cpu
 
 
-def measure(engine, prompt: list[int], n: int, repeats: int) -> tuple[float, float]:
-    """(decode ms/token, prefill tok/s) at batch 1, medians of `repeats` interleaved pairs."""
+def measure(engine, prompt: list[int], n: int, repeats: int) -> dict[str, float]:
+    """Batch-1 decode ms/token and prefill tok/s, medians of `repeats` interleaved pairs, in wall time and
+    in the scheduler's CPU time (on a machine shared with other work, the second is what one thread's
+    compute costs: time-sliced waits are not in it)."""
     _timed(engine, prompt, 2)  # untimed warm-up
-    t1s, tns = [], []
+    ones, ns = [], []
     for _ in range(repeats):
-        t1s.append(_timed(engine, prompt, 1))
-        tns.append(_timed(engine, prompt, n))
-    t1, tn = statistics.median(t1s), statistics.median(tns)
-    return (tn - t1) / (n - 1) * 1000, len(prompt) / t1
+        ones.append(_timed(engine, prompt, 1))
+        ns.append(_timed(engine, prompt, n))
+    out = {}
+    for i, kind in enumerate(("wall", "cpu")):
+        t1, tn = statistics.median(t[i] for t in ones), statistics.median(t[i] for t in ns)
+        out[f"decode_ms_{kind}"] = (tn - t1) / (n - 1) * 1000
+        out[f"prefill_tok_s_{kind}"] = len(prompt) / t1
+    return out
 
 
 def greedy(engine, prompts: list[list[int]], n: int) -> list[GreedyOutput]:
@@ -56,24 +76,25 @@ def run(model_path: str, formats: list[str], rounds: int, threads: int, prompt_l
     vocab = ModelConfig.load(model_path).vocab_size
     prompt = [rng.randrange(10, vocab) for _ in range(prompt_len)]
     prompts = [[rng.randrange(10, vocab) for _ in range(rng.randrange(16, 128))] for _ in range(agreement_prompts)]
-    figures: dict[str, dict] = {f: {"decode_ms": [], "prefill_tok_s": []} for f in formats}
+    figures: dict[str, dict] = {f: {} for f in formats}
     outputs: dict[str, list[GreedyOutput]] = {}
     for r in range(rounds):
         for fmt in formats:
             with Engine(model_path=model_path, torchao_config="" if fmt == "fp32" else fmt, cpu_threads=threads,
                         max_total_tokens=8192, show_progress=False) as engine:
-                decode_ms, prefill = measure(engine, prompt, decode_tokens, 3)
-                figures[fmt]["decode_ms"].append(decode_ms)
-                figures[fmt]["prefill_tok_s"].append(prefill)
+                got = measure(engine, prompt, decode_tokens, 3)
+                for key, value in got.items():
+                    figures[fmt].setdefault(key, []).append(value)
                 if r == 0:
-                    figures[fmt]["quantization"] = engine.get_server_info()["effective"].get("quantization", "")
+                    quantization = engine.get_server_info()["effective"].get("quantization", "")
                     outputs[fmt] = greedy(engine, prompts, agreement_tokens)
-            log(f"round {r + 1} {fmt}: decode {decode_ms:.2f} ms/token, prefill {prefill:.0f} tok/s")
+                    figures[fmt]["quantization"] = quantization
+            log(f"round {r + 1} {fmt}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()))
     result = {"model_path": model_path, "threads": threads, "prompt_len": prompt_len, "rounds": rounds, "formats": {}}
     for fmt, f in figures.items():
-        entry = {"decode_ms": round(statistics.median(f["decode_ms"]), 2),
-                 "prefill_tok_s": round(statistics.median(f["prefill_tok_s"]), 1), "quantization": f["quantization"],
-                 "runs": {k: [round(v, 2) for v in f[k]] for k in ("decode_ms", "prefill_tok_s")}}
+        entry: dict = {"quantization": f.pop("quantization")}
+        entry.update({k: round(statistics.median(v), 2) for k, v in f.items()})
+        entry["runs"] = {k: [round(x, 2) for x in v] for k, v in f.items()}
         if "fp32" in outputs and fmt != "fp32":
             agree = agreement(outputs[fmt], outputs["fp32"])
             entry["agreement_with_fp32"] = {k: agree[k] for k in agree if not isinstance(agree[k], list)}
