@@ -6,12 +6,13 @@
  * multiply-subtract per eight weights); the packer chooses q's offset:
  *   int8: q is the AffineWeight's q - 128 as a signed byte, [N, K] row-major (a symmetric weight has zs 0);
  *   int4: row n, chunk c of 16 columns is 8 bytes, byte i = q[16c + i] | q[16c + 8 + i] << 4, [N, K / 2];
- *         gs and K are multiples of 16 (the packer sends other shapes to torch).
+ *         gs and K are multiples of 16 (the packer sends other shapes elsewhere).
  * At a few rows the product is bound by reading w, so a byte per weight (int8) or half (int4) is the win
- * over float32; the work per weight is a widening load, a conversion and the fused multiply-subtract.
- * Threads and tiles as in cpu_gemv.c (4 weight rows x 2 rows of x, torch's OpenMP pool). Without AVX2 the
- * same code runs on GCC/Clang vector extensions. tessera_int{8,4}_dequant write the float weight [N, K]
- * (the many-row products run it through torch's matmul). Built by tessera/platform/cpu_kernels.py.
+ * over float32; the work per weight is a widening load, a conversion and an FMA. Threads over blocks of
+ * 4 weight rows (torch's OpenMP pool): one row of x runs row4 (scaled per group), two or more the
+ * dequantized strips, edge blocks `tile`. Without AVX2 the same code runs on GCC/Clang vector extensions.
+ * tessera_int_dequant_f32 writes the float weight [N, K] (the many-row products run it through torch's
+ * matmul). Built by tessera/platform/cpu_kernels.py.
  */
 #include <stdint.h>
 
@@ -199,7 +200,7 @@ static inline __attribute__((always_inline)) void strip_tile(const float *x, con
         }
 }
 
-/* Above two rows of x a full block of 4 weight rows is dequantized once per strip of columns (in L1) and
+/* From two rows of x a full block of 4 weight rows is dequantized once per strip of columns (in L1) and
  * multiplied into every row, rather than decoded again for each pair of rows. */
 #define STRIP 512
 
@@ -210,7 +211,7 @@ static inline __attribute__((always_inline)) void gemv(const float *x, const uin
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long blk = 0; blk < blocks; blk++) {
         long n0 = blk * 4, rows = N - n0 < 4 ? N - n0 : 4, m = 0;
-        if (M > 2 && rows == 4) {
+        if (M >= 2 && rows == 4) {
             float buf[4 * STRIP];
             for (m = 0; m < M; m++)
                 for (int r = 0; r < 4; r++) y[m * N + n0 + r] = 0.0f;
