@@ -96,7 +96,7 @@ class PackedIntWeight:
             raise ValueError(f"unknown int kernel path {self.path!r}")
 
     def _choose(self, weight: AffineWeight) -> str:
-        out, inp = weight.shape
+        inp = weight.shape[1]
         if not is_host(weight.q.device):
             raise ValueError("PackedIntWeight runs on the CPU; off it the layer keeps a dequantized weight")
         if self.bits == 4:
@@ -123,24 +123,17 @@ class PackedIntWeight:
     def description(self) -> str:
         return PATH_NAMES[self.path].format(bits=self.bits)
 
-    def nbytes(self) -> int:
-        if self.path == "affine":
-            return sum(t.numel() * t.element_size() for t in (self.affine.q, self.affine.scale, self.affine.zero))
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, getattr(self, "zs", self.scale[:0])))
-
     def dequantize(self) -> torch.Tensor:
-        """The float32 weight [out, in] (what a many-row product multiplies by)."""
+        """The float32 weight [out, in] (what a many-row product multiplies by); the "torch" path keeps
+        only torch's packing and multiplies every product through it instead."""
+        if self.path == "affine":
+            return self.affine.dequantize()
         if self.path != "c":
-            return self._affine().dequantize()
+            raise RuntimeError(f"the {self.path} path keeps no dequantizable weight")
         w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
         cpu_kernels.call("int_dequant", self.q.data_ptr(), self.scale.data_ptr(), self.zs.data_ptr(), w.data_ptr(),
                          self.out_features, self.in_features, self.group_size, self.bits, torch.get_num_threads())
         return w
-
-    def _affine(self) -> AffineWeight:
-        if self.path == "affine":
-            return self.affine
-        raise RuntimeError(f"the {self.path} path keeps no AffineWeight")
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None,
                  dense: Callable[..., torch.Tensor] = F.linear) -> torch.Tensor:
@@ -153,7 +146,7 @@ class PackedIntWeight:
         b32 = bias if bias is None or bias.dtype is torch.float32 else bias.float()
         if self.path == "c" and x2.shape[0] <= max_rows() and cpu_kernels.host_f32_inference(x2, b32):
             y = self._c_gemv(x2.contiguous(), b32)
-        elif self.path == "torch" and not torch.is_grad_enabled():
+        elif self.path == "torch":
             y = self._torch_mm(x2.contiguous())
             y = y if b32 is None else y + b32
         else:
