@@ -19,6 +19,8 @@ BUNDLED_MODELS = ("demo-vl", "demo-asr")
 # Media items one request may carry when --limit-mm-data-per-request does not say (vLLM has such a default
 # too): a message with 50 images is refused up front instead of tying up the preprocessing pool.
 DEFAULT_MM_ITEMS_PER_REQUEST = {"image": 16, "video": 4, "audio": 8}
+# --torchao-config (SGLang's names): weight-only int8 per channel, or int4 in groups of 32..256 columns.
+TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -73,6 +75,9 @@ class ServerArgs:
     # Model / runtime
     # "auto": the checkpoint's dtype (float32 when it records none; float16 becomes bfloat16 on CPU).
     dtype: str = "auto"
+    # Weight-only quantization of the language model's linears at load (layers/quantization/int_linear.py);
+    # "" keeps the checkpoint's float weights. One of TORCHAO_CONFIGS.
+    torchao_config: str = ""
     device: str = "auto"  # auto | cpu | cuda[:N]; auto picks CUDA when available
     tp_size: int = 1
     # Under tensor parallelism, share each step's images out over the ranks (largest first to the least
@@ -202,6 +207,9 @@ class ServerArgs:
             raise ValueError(f"mm_cache_size_mb: must be >= 0, got {self.mm_cache_size_mb}")
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ValueError(f"dtype: expected float32, bfloat16, float16 or auto, got {self.dtype!r}")
+        if self.torchao_config and self.torchao_config not in TORCHAO_CONFIGS:
+            raise ValueError(f"torchao_config: expected one of {', '.join(TORCHAO_CONFIGS)} (or empty for float "
+                             f"weights), got {self.torchao_config!r}")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy: expected fcfs or lpm, got {self.schedule_policy!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):

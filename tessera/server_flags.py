@@ -25,6 +25,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "language_model_only": ("model", "skip the vision/audio encoders: text only, less memory"),
     # runtime
     "dtype": ("runtime", "weights and KV dtype: auto (the checkpoint's), float32, bfloat16, float16"),
+    "torchao_config": ("runtime", "weight-only quantization of the language model at load: int8wo, int4wo-32, "
+                                  "int4wo-64, int4wo-128 or int4wo-256 (default: the checkpoint's float weights)"),
     "device": ("runtime", "auto, cpu, cuda or cuda:N (auto picks CUDA when present)"),
     "attention_backend": ("runtime", "attention kernels: auto (on CUDA flashinfer when installed "
                                      "and the dtype is 16-bit, else triton; torch_native elsewhere), "

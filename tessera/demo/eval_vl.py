@@ -28,12 +28,21 @@ def held_out(num_images: int, num_videos: int, seed: int = HELD_OUT_SEED) -> lis
 
 
 @torch.no_grad()
-def hf_answers(model_path: str, samples: list[scenes.Sample], batch_size: int = 16) -> list[str]:
+def hf_answers(model_path: str, samples: list[scenes.Sample], batch_size: int = 16,
+               torchao_config: str = "") -> list[str]:
+    """torchao_config: HF's language-model linears get the dequantized weights of Tessera's
+    --torchao-config (int_linear.fake_quantize_; tests/models/test_int_quant.py checks that the two
+    generate the same tokens), so the accuracy is the quantized format's."""
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     processor = AutoProcessor.from_pretrained(model_path)
     processor.tokenizer.padding_side = "left"
     model = AutoModelForImageTextToText.from_pretrained(model_path).eval()
+    if torchao_config:
+        from tessera.layers.quantization.int_linear import fake_quantize_
+
+        if not fake_quantize_(model, torchao_config, "model.language_model."):
+            raise ValueError(f"torchao_config: no language-model linears in {model_path}")
     answers = [""] * len(samples)
     for kind in ("image", "video"):
         idx = [i for i, s in enumerate(samples) if s.kind == kind]
@@ -67,13 +76,15 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=500)
     ap.add_argument("--videos", type=int, default=200)
     ap.add_argument("--output-json", default=None)
+    ap.add_argument("--torchao-config", default="", help="evaluate this weight-only quantization "
+                                                         "(int8wo, int4wo-32, ...) of the language model")
     args = ap.parse_args()
     samples = held_out(args.images, args.videos)
     t0 = time.time()
-    answers = hf_answers(args.model_path, samples)
+    answers = hf_answers(args.model_path, samples, torchao_config=args.torchao_config)
     acc = accuracy(samples, answers)
-    result = {"model_path": args.model_path, "images": args.images, "videos": args.videos,
-              "seed": HELD_OUT_SEED, "accuracy": acc, "seconds": round(time.time() - t0, 1)}
+    result = {"model_path": args.model_path, "torchao_config": args.torchao_config, "images": args.images,
+              "videos": args.videos, "seed": HELD_OUT_SEED, "accuracy": acc, "seconds": round(time.time() - t0, 1)}
     report(result, args.output_json)
 
 

@@ -11,7 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.layers import cpu_gemv, half_linear
+from tessera.layers.quantization.affine import AffineWeight
+from tessera.layers.quantization.int_linear import PackedIntWeight
 from tessera.platform import cpu_kernels
+from tessera.platform.device import is_host
 
 # Few rows over a large float32 weight on a CPU with more than one torch thread: oneDNN's fused linear instead
 # of MKL, which runs such products on one core. Small (cache-resident) weights, many rows and one thread stay
@@ -53,16 +56,43 @@ def keep_weights_in(model: nn.Module, dtype: torch.dtype) -> None:
 
 
 class Linear(nn.Module):
-    """y = x @ weight.T (+ bias); weight [out_features, in_features]."""
+    """y = x @ weight.T (+ bias); weight [out_features, in_features]. After set_quantized the weight is an
+    int8 / int4 one packed for its kernel (`quantized`) and `weight` is None."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.quantized: PackedIntWeight | None = None
+        self.quant_path = ""  # what runs the quantized weight ("" while float), for reports
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self._product(x, self.bias)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x, bias, dense=linear)
+        return linear(x, self.weight, bias)
+
+    @torch.no_grad()
+    def set_quantized(self, weight: AffineWeight, path: str | None = None) -> None:
+        """Replaces the float weight by `weight` (this module's [out_features, in_features]: a shard under tensor
+        parallelism), packed now for the kernel chosen for this CPU (int_linear.PackedIntWeight; `path` forces
+        one: "c", "torch" or "affine"). Off the host the weight is kept dequantized in the model's dtype
+        instead. The bias, if any, stays float."""
+        if weight.shape != (self.out_features, self.in_features):
+            raise ValueError(f"quantized weight {weight.shape}, want {(self.out_features, self.in_features)}")
+        old = self.weight
+        device = old.device if old is not None else (self.bias.device if self.bias is not None else torch.device("cpu"))
+        if not is_host(device):
+            dtype = old.dtype if old is not None else torch.get_default_dtype()
+            self.weight = nn.Parameter(weight.dequantize(dtype).to(device), requires_grad=False)
+            self.quant_path = f"int{weight.bits} dequantized to {str(dtype).removeprefix('torch.')} on {device}"
+            return
+        self.quantized = PackedIntWeight(weight, path)
+        self.quant_path = self.quantized.description
+        self.weight = None  # frees the float weight (the module held the only reference after loading)
 
 
 class MergedLinear(Linear):
@@ -103,6 +133,22 @@ class MergedLinear(Linear):
             raise ValueError(f"shard {shard_id!r} of {param_name}: checkpoint shape {tuple(loaded.shape)}, want {want}")
         param[offset:offset + size].copy_(loaded)
 
+    def set_quantized_shards(self, shards: dict[str, AffineWeight], path: str | None = None) -> None:
+        """set_quantized from one AffineWeight per shard as the checkpoint holds it (q_proj, k_proj, ...: its
+        full rows; under tensor parallelism this rank's rows are taken as load_shard takes them)."""
+        if set(shards) != set(self.output_sizes):
+            raise ValueError(f"quantized shards {sorted(shards)}, want {sorted(self.output_sizes)}")
+        parts = []
+        for shard_id, size in self.output_sizes.items():
+            part = shards[shard_id]
+            if shard_id in self.sources:
+                start, full = self.sources[shard_id]
+                if part.shape[0] != full:
+                    raise ValueError(f"shard {shard_id!r}: checkpoint has {part.shape[0]} rows, want {full}")
+                part = part.rows(start, size)
+            parts.append(part)
+        self.set_quantized(AffineWeight.cat_rows(parts), path)
+
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Output [..., out_features] -> one view per shard, in order."""
         return y.split(list(self.output_sizes.values()), dim=-1)
@@ -138,8 +184,15 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from tessera.distributed.parallel_state import all_reduce
 
-        y = all_reduce(linear(x, self.weight))
+        y = all_reduce(self._product(x, None))
         return y if self.bias is None else y + self.bias
+
+    def set_quantized(self, weight: AffineWeight, path: str | None = None) -> None:
+        """As Linear's; also takes the checkpoint's full [out_features, full_in_features] weight, of which this
+        rank keeps its columns (they must fall on group boundaries)."""
+        if weight.shape == (self.out_features, self.full_in_features) != (self.out_features, self.in_features):
+            weight = weight.columns(self.start, self.in_features)
+        super().set_quantized(weight, path)
 
     @torch.no_grad()
     def load_param(self, param_name: str, loaded: torch.Tensor) -> None:

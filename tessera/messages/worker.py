@@ -163,3 +163,5 @@ class WorkerInfo:
     cpu_kernels: dict[str, str] = field(default_factory=dict)
     compute_dtype: str = ""  # activations, norms, the KV pool: float32 for 16-bit weights on a CPU
     linear_kernel: str = ""  # how the linear layers' products run (layers/half_linear.py describe())
+    # --torchao-config: the scheme and what runs it (layers/quantization/int_linear.py); "" for float weights.
+    quantization: str = ""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 
 from tessera.layers.attention import get_attention_backend, resolve_attention_backend
+from tessera.layers.quantization.int_linear import quantize_linears
 from tessera.models.base import TesseraModel
 from tessera.models.config import ModelConfig
 from tessera.models.families import get_family, supported_architectures
@@ -15,6 +17,8 @@ from tessera.layers.linear import keep_weights_in
 from tessera.platform.device import compute_dtype, default_dtype, resolve_device, resolve_dtype
 
 __all__ = ["get_model_class", "load_model", "supported_architectures"]
+
+logger = logging.getLogger(__name__)
 
 
 def get_model_class(architecture: str) -> type[TesseraModel]:
@@ -29,12 +33,15 @@ def load_model(
     device: str | torch.device = "cpu",
     attention_backend: str = "torch_native",
     config: ModelConfig | None = None,
+    torchao_config: str = "",
 ) -> tuple[TesseraModel, ModelConfig]:
     """Builds our model for the local HF checkpoint dir `model_path` and loads its safetensors.
 
     Returns (model in eval mode without grads, its ModelConfig). On a CPU a 16-bit dtype keeps the linear
     layers' weights in it and builds the rest in float32 (Platform.computes_16bit). With language_model_only the encoders are
     neither built nor loaded (their checkpoint tensors are skipped). Raises WeightLoadError on mismatch.
+    torchao_config (config.TORCHAO_CONFIGS) quantizes the language model's linears once loaded; what runs
+    them is then `model.quantization` ("" for float weights).
     """
     config = config or ModelConfig.load(model_path)
     cls = config.family.model_class()
@@ -57,4 +64,7 @@ def load_model(
             keep_weights_in(model, weight_dtype)
     load_weights(model, model_path, cls.weight_mapping(config, language_model_only))
     model.eval().requires_grad_(False)
+    model.quantization = quantize_linears(model, torchao_config) if torchao_config else ""
+    if model.quantization:
+        logger.info("quantization: %s", model.quantization)
     return model, config

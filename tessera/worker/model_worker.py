@@ -87,7 +87,8 @@ class ModelWorker:
         self.cpu_kernels = cpu_kernels.load() if self.platform.runs_on_host_cores else {}
         self.model, self.config = load_model(args.model_path, dtype=args.dtype, device=self.device,
                                              language_model_only=args.language_model_only,
-                                             attention_backend=args.attention_backend, config=config)
+                                             attention_backend=args.attention_backend, config=config,
+                                             torchao_config=args.torchao_config)
         # The weights' dtype (what --dtype asked for) and the dtype the model computes in, which the KV pool
         # and the step's tensors take: float32 for 16-bit weights on a CPU (Platform.computes_16bit).
         self.weight_dtype = resolve_dtype(args.dtype, self.config.dtype, self.device)
@@ -140,9 +141,12 @@ class ModelWorker:
                                context_length=self.context_length, vocab_size=self.config.vocab_size,
                                attention_backend=backend_name, decode_kv_mirror=self.use_decode_mirror,
                                tp_size=self.tp.size,
-                               num_parameters=sum(p.numel() for p in self.model.parameters()),
+                               num_parameters=sum(p.numel() for p in self.model.parameters()) + sum(
+                                   m.in_features * m.out_features for m in self.model.modules()
+                                   if getattr(m, "quantized", None) is not None),  # packed, not parameters
                                cuda_graph_batch_sizes=tuple(self.graph_runner.sizes) if self.graph_runner else (),
-                               cpu_kernels=self.cpu_kernels, cuda_graph_status=self.cuda_graph_status)
+                               cpu_kernels=self.cpu_kernels, cuda_graph_status=self.cuda_graph_status,
+                               quantization=self.model.quantization)
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def decode_graph_runner(self, max_bs: int) -> DecodeGraphRunner:
