@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -12,6 +13,8 @@ from tessera.models.config import ModelConfig
 from tessera.models.families import get_family, supported_architectures
 from tessera.models.weights import load_weights
 from tessera.platform.device import default_dtype, resolve_device, resolve_dtype
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["get_model_class", "load_model", "supported_architectures"]
 
@@ -50,6 +53,9 @@ def load_model(
                          f"{config.family.name} needs")
     with torch.device(dev), default_dtype(torch_dtype):
         model = cls.build(config, backend, language_model_only)
-    load_weights(model, model_path, cls.weight_mapping(config, language_model_only))
+    quantized = load_weights(model, model_path, cls.weight_mapping(config, language_model_only), config.quant)
+    if config.quant is not None:
+        logger.info("quantized checkpoint: %s (%d modules stored quantized)", config.quant.describe(torch_dtype),
+                    len(quantized))
     model.eval().requires_grad_(False)
     return model, config

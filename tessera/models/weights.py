@@ -21,6 +21,11 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from tessera.layers.quantization.affine import AffineWeight
+from tessera.layers.quantization.checkpoint_formats import CheckpointFormatError
+from tessera.models.quant_config import QuantConfig
+from tessera.models.quantized_weights import QuantizedCheckpoint
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 
@@ -114,17 +119,25 @@ def _expected_entries(model: nn.Module) -> set[tuple[str, str | None]]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMapping) -> None:
+def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMapping,
+                 quant: QuantConfig | None = None) -> list[str]:
     """Copies every checkpoint tensor into its parameter (casting to the parameter's dtype and device).
 
-    Raises WeightLoadError naming missing parameters, unexpected checkpoint tensors and shape mismatches.
+    With `quant` (a pre-quantized checkpoint) each quantized linear's stored tensors become one weight
+    (models/quantized_weights.py), dequantized here into the float parameter. Returns the checkpoint names
+    of the modules that were stored quantized. Raises WeightLoadError naming missing parameters,
+    unexpected checkpoint tensors, shape mismatches and inconsistent quantized tensors.
     """
     params = dict(model.named_parameters())
     expected = _expected_entries(model)
     loaded: set[tuple[str, str | None]] = set()
     unexpected: list[str] = []
     mismatched: list[str] = []
-    for ckpt_name, tensor in iter_checkpoint(model_path):
+    quantized = QuantizedCheckpoint(quant) if quant is not None else None
+    for ckpt_name, tensor in _checkpoint_tensors(model_path, quantized):
+        if isinstance(tensor, AffineWeight):
+            # The always-correct path: the float weight it stands for (kernels that run the ints take it whole).
+            tensor = tensor.dequantize(torch.float32)
         try:
             target = mapping.map_name(ckpt_name)
         except KeyError:
@@ -169,6 +182,18 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
             f"checkpoint {model_path} does not match {type(model).__name__}:"
             + _listing("missing", missing) + _listing("unexpected", unexpected) + _listing("shape mismatch", mismatched)
         )
+    return quantized.quantized if quantized is not None else []
+
+
+def _checkpoint_tensors(model_path: str | Path, quantized: QuantizedCheckpoint | None
+                        ) -> Iterator[tuple[str, torch.Tensor | AffineWeight]]:
+    """The checkpoint's tensors, a quantized module's grouped into one weight; a quantized module's tensors
+    that contradict each other or the config raise WeightLoadError naming it."""
+    tensors = iter_checkpoint(model_path)
+    try:
+        yield from tensors if quantized is None else quantized.stream(tensors)
+    except CheckpointFormatError as e:
+        raise WeightLoadError(f"checkpoint {model_path}: {e}") from None
 
 
 def _listing(title: str, names: list[str], limit: int = 20) -> str:
