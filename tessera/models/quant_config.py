@@ -55,7 +55,8 @@ class QuantConfig:
         """A short name for logs and /get_server_info, e.g. "awq 4-bit g128"."""
         if self.format in ("float-quantized", "fp8-block"):
             shape = f"block {self.block[0]}x{self.block[1]}" if self.block else f"per-{self.strategy}"
-            return f"{self.method} fp8 {shape}, dynamic activations"
+            name = "fp8" if self.method == "fp8" else f"{self.method} fp8"
+            return f"{name} {shape}, dynamic activations"
         group = f"g{self.group_size}" if self.group_size else "per-channel"
         zeros = "sym" if self.symmetric else "asym"
         fmt = f" {self.format}" if self.method == "compressed-tensors" else ""

@@ -164,6 +164,29 @@ def is_language_proj(name: str) -> bool:
             and "visual" not in name and "vision" not in name)
 
 
+def save_tiny_qwen3(path: Path) -> Path:
+    """A tiny random text-only Qwen3 saved to `path` (sized to a tokenizer there, if any); norms random, so a
+    dropped one shows, weights wider than HF's init, so greedy choices are not decided by noise."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    vocab = 128
+    if (path / "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        vocab = (len(AutoTokenizer.from_pretrained(path)) + 63) // 64 * 64
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, max_position_embeddings=512,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(0.5 + torch.rand_like(p) if "norm" in n else torch.randn_like(p) * 0.2)
+    model.save_pretrained(path)
+    return path
+
+
 def quantize_checkpoint(src: Path, dst: Path, ref: Path, scheme: Scheme, ignore: list[str],
                         target=is_language_proj) -> list[str]:
     """Writes `dst` (the quantized checkpoint) and `ref` (the dequantized float one) from the float checkpoint
