@@ -123,21 +123,20 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
                  quant: QuantConfig | None = None) -> list[str]:
     """Copies every checkpoint tensor into its parameter (casting to the parameter's dtype and device).
 
-    With `quant` (a pre-quantized checkpoint) each quantized linear's stored tensors become one weight
-    (models/quantized_weights.py), dequantized here into the float parameter. Returns the checkpoint names
-    of the modules that were stored quantized. Raises WeightLoadError naming missing parameters,
-    unexpected checkpoint tensors, shape mismatches and inconsistent quantized tensors.
+    With `quant` (a pre-quantized checkpoint) each quantized linear's stored tensors become one AffineWeight
+    (models/quantized_weights.py); a module's are gathered (every shard of a fused one) and placed together
+    (_place_quantized). Returns the checkpoint names of the modules that were stored quantized. Raises
+    WeightLoadError naming missing parameters, unexpected checkpoint tensors, shape mismatches and
+    inconsistent quantized tensors.
     """
     params = dict(model.named_parameters())
     expected = _expected_entries(model)
     loaded: set[tuple[str, str | None]] = set()
     unexpected: list[str] = []
     mismatched: list[str] = []
+    held: dict[str, dict[str | None, AffineWeight]] = {}  # our weight name -> its quantized shards so far
     quantized = QuantizedCheckpoint(quant) if quant is not None else None
     for ckpt_name, tensor in _checkpoint_tensors(model_path, quantized):
-        if isinstance(tensor, AffineWeight):
-            # The always-correct path: the float weight it stands for (kernels that run the ints take it whole).
-            tensor = tensor.dequantize(torch.float32)
         try:
             target = mapping.map_name(ckpt_name)
         except KeyError:
@@ -150,30 +149,18 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
             target_name = f"{name}[{shard_id}]" if shard_id else name
             unexpected.append(ckpt_name if target_name == ckpt_name else f"{ckpt_name} (-> {target_name})")
             continue
-        if shard_id is not None:
-            module_name, _, param_name = name.rpartition(".")
-            try:
-                # Fused modules (layers/linear.MergedLinear) expose shard_ids and load_shard.
-                getattr(model.get_submodule(module_name), "load_shard")(param_name, shard_id, tensor)
-            except ValueError as e:
-                mismatched.append(f"{ckpt_name}: {e}")
-                continue
-        else:
-            param = params[name]
-            module_name, _, param_name = name.rpartition(".")
-            # Tensor-parallel modules take their rank's slice of the full checkpoint tensor themselves.
-            load_param = getattr(model.get_submodule(module_name), "load_param", None)
-            if load_param is not None:
-                try:
-                    load_param(param_name, tensor)
-                except ValueError as e:
-                    mismatched.append(f"{ckpt_name}: {e}")
-                    continue
-            elif param.shape != tensor.shape:
-                mismatched.append(f"{ckpt_name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
-                continue
+        try:
+            if isinstance(tensor, AffineWeight):
+                shards = held.setdefault(name, {})
+                shards[shard_id] = tensor
+                module = model.get_submodule(name.rpartition(".")[0])
+                if set(shards) >= set(getattr(module, "shard_ids", None) or [None]):
+                    _place_quantized(model, params, name, held.pop(name))
             else:
-                param.copy_(tensor)
+                _copy_into(model, params, name, shard_id, tensor)
+        except ValueError as e:
+            mismatched.append(f"{ckpt_name}: {e}")
+            continue
         loaded.add((name, shard_id))
 
     missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
@@ -183,6 +170,33 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
             + _listing("missing", missing) + _listing("unexpected", unexpected) + _listing("shape mismatch", mismatched)
         )
     return quantized.quantized if quantized is not None else []
+
+
+def _copy_into(model: nn.Module, params: dict[str, nn.Parameter], name: str, shard_id: str | None,
+               tensor: torch.Tensor) -> None:
+    """One checkpoint tensor into parameter `name` (shard `shard_id` of a fused one); ValueError on a shape
+    mismatch."""
+    module_name, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if shard_id is not None:
+        module.load_shard(param_name, shard_id, tensor)  # fused modules (layers/linear.MergedLinear)
+        return
+    # Tensor-parallel modules take their rank's slice of the full checkpoint tensor themselves.
+    load_param = getattr(module, "load_param", None)
+    if load_param is not None:
+        load_param(param_name, tensor)
+    elif params[name].shape != tensor.shape:
+        raise ValueError(f"checkpoint {tuple(tensor.shape)}, model {tuple(params[name].shape)}")
+    else:
+        params[name].copy_(tensor)
+
+
+def _place_quantized(model: nn.Module, params: dict[str, nn.Parameter], name: str,
+                     shards: dict[str | None, AffineWeight]) -> None:
+    """A quantized linear's weight, all its shards at once. The always-correct path: the float weight each
+    stands for, through the float loaders (a linear that runs int weights takes the AffineWeights instead)."""
+    for shard_id, weight in shards.items():
+        _copy_into(model, params, name, shard_id, weight.dequantize(torch.float32))
 
 
 def _checkpoint_tensors(model_path: str | Path, quantized: QuantizedCheckpoint | None
