@@ -158,5 +158,5 @@ class WorkerInfo:
     cuda_graph_status: str = ""
     # CPU kernels (platform/cpu_kernels.py): per kernel "loaded", or why not and what runs instead; {} off a CPU.
     cpu_kernels: dict[str, str] = field(default_factory=dict)
-    # A pre-quantized checkpoint's scheme and what runs it ("awq 4-bit g128 asym, dequantized to float32"); "" float.
+    # A quantized model's scheme and what runs it ("awq 4-bit g128 asym, dequantized to float32"); "" for float.
     quantization: str = ""

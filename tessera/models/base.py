@@ -84,6 +84,8 @@ class TesseraModel(nn.Module):
     # process_logits reads each row's prompt ids (SamplingRow.prompt_ids), which are otherwise sent only
     # when a repetition penalty needs them.
     process_logits_reads_prompt: ClassVar[bool] = False
+    # A pre-quantized checkpoint's scheme and what runs its linears (set by load_model; "" for float weights).
+    quantization: str = ""
 
     @classmethod
     def build(cls, config: ModelConfig, attn_backend: BaseAttentionBackend,

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any
-
-import torch
 
 SUPPORTED = ("compressed-tensors (pack-quantized int4/int8 weight-only, naive-quantized int8 weight-only, "
              "float-quantized fp8 per-tensor/per-channel/block with dynamic activations), awq (gemm, 4-bit, with "
@@ -62,9 +61,10 @@ class QuantConfig:
         fmt = f" {self.format}" if self.method == "compressed-tensors" else ""
         return f"{self.method}{fmt} {self.bits}-bit {group} {zeros}"
 
-    def describe(self, dtype: torch.dtype) -> str:
-        """The scheme and what runs it, for /get_server_info and the startup log."""
-        return f"{self.scheme}, dequantized to {str(dtype).removeprefix('torch.')}"
+    def describe(self, paths: Iterable[str]) -> str:
+        """The scheme and what runs its linears (the loader's answers, e.g. "dequantized to float32"), for
+        /get_server_info and the startup log."""
+        return ", ".join([self.scheme, *sorted(set(paths))])
 
     def ignores(self, module: str) -> bool:
         """Whether the config leaves `module` (a checkpoint module name) unquantized."""

@@ -50,7 +50,7 @@ class QuantizedCheckpoint:
         self.quant = quant
         self.parts = _parts(quant)
         self.names = self.parts.required | self.parts.optional
-        self.quantized: list[str] = []  # checkpoint names of the modules converted, in order
+        self.dequantized: set[str] = set()  # fp8 weights, yielded already as float: `<module>.weight` names
 
     def _is_part(self, suffix: str, tensor: torch.Tensor) -> bool:
         if suffix not in self.names:
@@ -94,7 +94,7 @@ class QuantizedCheckpoint:
                 weight = fmt.ct_naive_int8(p["weight"], p["weight_scale"], p.get("weight_zero_point"))
             else:
                 scale = p["weight_scale_inv"] if q.format == "fp8-block" else p["weight_scale"]
-                self.quantized.append(module)
+                self.dequantized.add(module + ".weight")
                 return fmt.fp8_dequantize(p["weight"], scale, q.block)
         except fmt.CheckpointFormatError as e:
             raise fmt.CheckpointFormatError(f"{module}: {e}") from None
@@ -102,5 +102,4 @@ class QuantizedCheckpoint:
             raise fmt.CheckpointFormatError(
                 f"{module}: stored as {weight.bits}-bit groups of {weight.group_size}, but quantization_config says "
                 f"{q.bits}-bit groups of {q.group_size or 'in_features'}")
-        self.quantized.append(module)
         return weight

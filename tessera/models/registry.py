@@ -53,9 +53,9 @@ def load_model(
                          f"{config.family.name} needs")
     with torch.device(dev), default_dtype(torch_dtype):
         model = cls.build(config, backend, language_model_only)
-    quantized = load_weights(model, model_path, cls.weight_mapping(config, language_model_only), config.quant)
+    placed = load_weights(model, model_path, cls.weight_mapping(config, language_model_only), config.quant)
     if config.quant is not None:
-        logger.info("quantized checkpoint: %s (%d modules stored quantized)", config.quant.describe(torch_dtype),
-                    len(quantized))
+        model.quantization = config.quant.describe(placed.values())
+        logger.info("quantized checkpoint: %s (%d linears stored quantized)", model.quantization, len(placed))
     model.eval().requires_grad_(False)
     return model, config

@@ -120,12 +120,12 @@ def _expected_entries(model: nn.Module) -> set[tuple[str, str | None]]:
 
 @torch.no_grad()
 def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMapping,
-                 quant: QuantConfig | None = None) -> list[str]:
+                 quant: QuantConfig | None = None) -> dict[str, str]:
     """Copies every checkpoint tensor into its parameter (casting to the parameter's dtype and device).
 
     With `quant` (a pre-quantized checkpoint) each quantized linear's stored tensors become one AffineWeight
     (models/quantized_weights.py); a module's are gathered (every shard of a fused one) and placed together
-    (_place_quantized). Returns the checkpoint names of the modules that were stored quantized. Raises
+    (_place_quantized). Returns, per quantized weight (our name), what runs it ({} for a float checkpoint). Raises
     WeightLoadError naming missing parameters, unexpected checkpoint tensors, shape mismatches and
     inconsistent quantized tensors.
     """
@@ -135,6 +135,7 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
     unexpected: list[str] = []
     mismatched: list[str] = []
     held: dict[str, dict[str | None, AffineWeight]] = {}  # our weight name -> its quantized shards so far
+    placed: dict[str, str] = {}
     quantized = QuantizedCheckpoint(quant) if quant is not None else None
     for ckpt_name, tensor in _checkpoint_tensors(model_path, quantized):
         try:
@@ -155,9 +156,11 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
                 shards[shard_id] = tensor
                 module = model.get_submodule(name.rpartition(".")[0])
                 if set(shards) >= set(getattr(module, "shard_ids", None) or [None]):
-                    _place_quantized(model, params, name, held.pop(name))
+                    placed[name] = _place_quantized(model, params, name, held.pop(name))
             else:
                 _copy_into(model, params, name, shard_id, tensor)
+                if quantized is not None and ckpt_name in quantized.dequantized:
+                    placed[name] = f"dequantized to {str(params[name].dtype).removeprefix('torch.')}"
         except ValueError as e:
             mismatched.append(f"{ckpt_name}: {e}")
             continue
@@ -169,7 +172,7 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
             f"checkpoint {model_path} does not match {type(model).__name__}:"
             + _listing("missing", missing) + _listing("unexpected", unexpected) + _listing("shape mismatch", mismatched)
         )
-    return quantized.quantized if quantized is not None else []
+    return placed
 
 
 def _copy_into(model: nn.Module, params: dict[str, nn.Parameter], name: str, shard_id: str | None,
@@ -192,11 +195,25 @@ def _copy_into(model: nn.Module, params: dict[str, nn.Parameter], name: str, sha
 
 
 def _place_quantized(model: nn.Module, params: dict[str, nn.Parameter], name: str,
-                     shards: dict[str | None, AffineWeight]) -> None:
-    """A quantized linear's weight, all its shards at once. The always-correct path: the float weight each
-    stands for, through the float loaders (a linear that runs int weights takes the AffineWeights instead)."""
+                     shards: dict[str | None, AffineWeight]) -> str:
+    """A quantized linear's weight, all its shards at once; returns what runs it. A linear that runs int weights
+    (`set_quantized`, `set_quantized_shards` of a fused one) takes the AffineWeights, a row-parallel one its
+    rank's columns; otherwise the always-correct path: the float weight each stands for, through the float
+    loaders."""
+    module = model.get_submodule(name.rpartition(".")[0])
+    if name.endswith(".weight") and None in shards and hasattr(module, "set_quantized"):
+        weight = shards[None]
+        full = getattr(module, "full_in_features", module.in_features)
+        if weight.shape != (module.out_features, full):
+            raise ValueError(f"checkpoint {weight.shape}, want {(module.out_features, full)}")
+        module.set_quantized(weight if full == module.in_features else weight.columns(module.start, module.in_features))
+        return module.quant_path
+    if name.endswith(".weight") and None not in shards and hasattr(module, "set_quantized_shards"):
+        module.set_quantized_shards(shards)
+        return module.quant_path
     for shard_id, weight in shards.items():
         _copy_into(model, params, name, shard_id, weight.dequantize(torch.float32))
+    return f"dequantized to {str(params[name].dtype).removeprefix('torch.')}"
 
 
 def _checkpoint_tensors(model_path: str | Path, quantized: QuantizedCheckpoint | None

@@ -124,7 +124,7 @@ class ModelWorker:
                                num_parameters=sum(p.numel() for p in self.model.parameters()),
                                cuda_graph_batch_sizes=tuple(self.graph_runner.sizes) if self.graph_runner else (),
                                cpu_kernels=self.cpu_kernels, cuda_graph_status=self.cuda_graph_status,
-                               quantization=self.config.quant.describe(self.dtype) if self.config.quant else "")
+                               quantization=self.model.quantization)
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def decode_graph_runner(self, max_bs: int) -> DecodeGraphRunner:
