@@ -10,16 +10,16 @@ import pytest
 
 from tessera import Engine
 from tests.engine.hf_reference import chat_prompt, hf_greedy
-from tests.models.quant_fixtures import Scheme, quantize_checkpoint
+from tests.models.quant_fixtures import Scheme, check_quantization_report, quantize_checkpoint
 
 MAX_NEW = 8
 SP = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 CT_IGNORE, HF_IGNORE = ["lm_head", "re:.*visual.*"], ["visual", "lm_head"]
-VL_SCHEMES = {
-    "awq-4bit-g32": Scheme("awq"),
-    "gptq-4bit-g32-asym-v1": Scheme("gptq"),
-    "ct-w4a16-g32-sym": Scheme("ct-pack", symmetric=True),
-    "ct-fp8-channel": Scheme("ct-fp8"),
+VL_SCHEMES = {  # name: (scheme, what /get_server_info calls it)
+    "awq-4bit-g32": (Scheme("awq"), "awq 4-bit g32 asym"),
+    "gptq-4bit-g32-asym-v1": (Scheme("gptq"), "gptq 4-bit g32 asym"),
+    "ct-w4a16-g32-sym": (Scheme("ct-pack", symmetric=True), "compressed-tensors pack-quantized 4-bit g32 sym"),
+    "ct-fp8-channel": (Scheme("ct-fp8"), "compressed-tensors fp8 per-channel, dynamic activations"),
 }
 
 
@@ -32,13 +32,12 @@ def _quantized(tmp_path_factory, src, name: str, scheme: Scheme):
     return dst, ref
 
 
-def _check(path, expected: list, prompts: list, images: list, name: str, scheme: Scheme) -> None:
+def _check(path, expected: list, prompts: list, images: list, name: str, reported: str) -> None:
     with Engine(str(path), page_size=4, chunked_prefill_size=16, max_running_requests=4, max_total_tokens=2048,
                 show_progress=False) as engine:
         outs = engine.generate(prompts, SP, image_data=images, return_logprob=True)
         quantization = engine.get_server_info()["effective"]["quantization"]
-    method = {"ct": "compressed-tensors"}.get(scheme.method.split("-")[0], scheme.method.split("-")[0])
-    assert quantization.startswith(method) and quantization.endswith("dequantized to float32"), quantization
+    check_quantization_report(quantization, reported)
     diffs = []
     for i, ((ids, logprobs, prompt_len), out) in enumerate(zip(expected, outs)):
         assert out["output_ids"] == ids, f"{name} case {i}"
@@ -52,7 +51,7 @@ def _check(path, expected: list, prompts: list, images: list, name: str, scheme:
 def test_qwen2_vl_quantized_matches_hf_dequantized(name, tiny_gqa, tmp_path_factory, scene_images):
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
-    scheme = VL_SCHEMES[name]
+    scheme, reported = VL_SCHEMES[name]
     path, ref = _quantized(tmp_path_factory, tiny_gqa, name, scheme)
     processor = AutoProcessor.from_pretrained(tiny_gqa)
     hf = Qwen2VLForConditionalGeneration.from_pretrained(ref).eval()
@@ -61,4 +60,4 @@ def test_qwen2_vl_quantized_matches_hf_dequantized(name, tiny_gqa, tmp_path_fact
              (chat_prompt(processor, 2, "Describe the image."), [scene_images[1], scene_images[2]])]
     expected = [hf_greedy(hf, processor, p, ims, max_new_tokens=MAX_NEW) for p, ims in cases]
     assert len({tuple(ids) for ids, _, _ in expected}) == len(cases), "the reference ignores its inputs"
-    _check(path, expected, [p for p, _ in cases], [ims for _, ims in cases], name, scheme)
+    _check(path, expected, [p for p, _ in cases], [ims for _, ims in cases], name, reported)

@@ -164,6 +164,14 @@ def is_language_proj(name: str) -> bool:
             and "visual" not in name and "vision" not in name)
 
 
+def check_quantization_report(report: str, scheme: str, dtype: str = "float32") -> None:
+    """/get_server_info's effective.quantization: the scheme, then what runs the linears: dequantized to the
+    compute dtype, or int kernels where the linears take the int weights."""
+    assert report.startswith(scheme + ", "), report
+    paths = report[len(scheme) + 2:].split(", ")
+    assert all(p == f"dequantized to {dtype}" or "int" in p for p in paths), report
+
+
 def save_tiny_qwen3(path: Path) -> Path:
     """A tiny random text-only Qwen3 saved to `path` (sized to a tokenizer there, if any); norms random, so a
     dropped one shows, weights wider than HF's init, so greedy choices are not decided by noise."""

@@ -18,19 +18,21 @@ from paged_driver import check_text_prefill_and_decode
 from tessera.models.quant_config import UnsupportedQuantizationError
 from tessera.models.registry import load_model
 from tessera.models.weights import WeightLoadError
-from tests.models.quant_fixtures import Scheme, quantize_checkpoint, save_tiny_qwen3
+from tests.models.quant_fixtures import Scheme, check_quantization_report, quantize_checkpoint, save_tiny_qwen3
 
-SCHEMES = {
-    "awq-4bit-g32": Scheme("awq"),
-    "gptq-4bit-g32-asym-v1": Scheme("gptq"),
-    "gptq-8bit-g32-sym-v2": Scheme("gptq", bits=8, symmetric=True, v2=True),
-    "ct-w4a16-g32-sym": Scheme("ct-pack", symmetric=True),
-    "ct-w4a16-g32-asym": Scheme("ct-pack"),
-    "ct-w8a16-channel-asym": Scheme("ct-pack", bits=8, group=None),
-    "ct-naive-int8-sym": Scheme("ct-naive", bits=8, group=None, symmetric=True),
-    "ct-fp8-channel": Scheme("ct-fp8"),
-    "ct-fp8-tensor": Scheme("ct-fp8", strategy="tensor"),
-    "fp8-block32": Scheme("fp8-block"),
+SCHEMES = {  # name: (scheme, what the model reports)
+    "awq-4bit-g32": (Scheme("awq"), "awq 4-bit g32 asym"),
+    "gptq-4bit-g32-asym-v1": (Scheme("gptq"), "gptq 4-bit g32 asym"),
+    "gptq-8bit-g32-sym-v2": (Scheme("gptq", bits=8, symmetric=True, v2=True), "gptq 8-bit g32 sym"),
+    "ct-w4a16-g32-sym": (Scheme("ct-pack", symmetric=True), "compressed-tensors pack-quantized 4-bit g32 sym"),
+    "ct-w4a16-g32-asym": (Scheme("ct-pack"), "compressed-tensors pack-quantized 4-bit g32 asym"),
+    "ct-w8a16-channel-asym": (Scheme("ct-pack", bits=8, group=None),
+                              "compressed-tensors pack-quantized 8-bit per-channel asym"),
+    "ct-naive-int8-sym": (Scheme("ct-naive", bits=8, group=None, symmetric=True),
+                          "compressed-tensors naive-quantized 8-bit per-channel sym"),
+    "ct-fp8-channel": (Scheme("ct-fp8"), "compressed-tensors fp8 per-channel, dynamic activations"),
+    "ct-fp8-tensor": (Scheme("ct-fp8", strategy="tensor"), "compressed-tensors fp8 per-tensor, dynamic activations"),
+    "fp8-block32": (Scheme("fp8-block"), "fp8 block 32x32, dynamic activations"),
 }
 
 
@@ -50,22 +52,24 @@ def _build(tmp_path_factory, src, name: str, scheme: Scheme):
 def test_quantized_qwen3_matches_hf_dequantized(name, float_qwen3, tmp_path_factory):
     from transformers import Qwen3ForCausalLM
 
-    path, ref, modules = _build(tmp_path_factory, float_qwen3, name, SCHEMES[name])
+    scheme, reported = SCHEMES[name]
+    path, ref, modules = _build(tmp_path_factory, float_qwen3, name, scheme)
     hf = Qwen3ForCausalLM.from_pretrained(ref, attn_implementation="eager").eval()
     float_weights = Qwen3ForCausalLM.from_pretrained(float_qwen3).state_dict()
     assert all(not torch.equal(hf.state_dict()[m + ".weight"], float_weights[m + ".weight"]) for m in modules)
     ours, config = load_model(path, torch.float32)
     assert config.quant is not None and config.quant.ignores("lm_head")
+    check_quantization_report(ours.quantization, reported)
     ids = torch.randint(1, 128, (13,), generator=torch.Generator().manual_seed(2))
     _, tokens = check_text_prefill_and_decode(hf, ours, ids, 10)
     assert len(set(tokens)) >= 3, f"greedy output {tokens} is (nearly) one repeated token"
 
 
-@pytest.mark.parametrize("name", [n for n, s in SCHEMES.items() if s.method.startswith("ct") or "fp8" in s.method])
+@pytest.mark.parametrize("name", [n for n, (s, _) in SCHEMES.items() if s.method.startswith("ct") or "fp8" in s.method])
 def test_transformers_reads_fixture_as_reference(name, float_qwen3, tmp_path_factory):
     from transformers import Qwen3ForCausalLM
 
-    scheme = SCHEMES[name]
+    scheme, _ = SCHEMES[name]
     kwargs = {}
     if scheme.method == "fp8-block":
         pytest.importorskip("accelerate")
