@@ -27,6 +27,12 @@ from tessera.layers.quantization.affine import AffineWeight
 AWQ_UNPACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
+def _owned(t: torch.Tensor) -> torch.Tensor:
+    """A float32 copy: a checkpoint tensor may share the storage of the whole memory-mapped file, and a scale
+    kept as a view of it would keep every page of the file resident while the model lives."""
+    return t.to(torch.float32, copy=True).contiguous()
+
+
 class CheckpointFormatError(ValueError):
     """A quantized module's stored tensors are inconsistent with each other or with the config."""
 
@@ -65,7 +71,7 @@ def awq_gemm(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor) 
 
     q, z = natural(qweight), natural(qzeros)
     group = _group_size(inp, scales.shape[0], "awq")
-    return AffineWeight(q.t().to(torch.uint8).contiguous(), scales.t().float().contiguous(), z.t().float().contiguous(),
+    return AffineWeight(q.t().to(torch.uint8).contiguous(), _owned(scales.t()), _owned(z.t()),
                         4, group)
 
 
@@ -83,7 +89,7 @@ def gptq(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_id
     if g_idx is not None and not torch.equal(g_idx.long(), torch.arange(inp) // group):
         raise CheckpointFormatError("gptq: g_idx is not i // group_size (an act-order checkpoint: desc_act true)")
     zero = z.float() if v2 else z.float() + 1
-    return AffineWeight(q.t().to(torch.uint8).contiguous(), scales.t().float().contiguous(), zero.t().contiguous(),
+    return AffineWeight(q.t().to(torch.uint8).contiguous(), _owned(scales.t()), zero.t().contiguous(),
                         bits, group)
 
 
@@ -93,7 +99,7 @@ def ct_pack_quantized(weight_packed: torch.Tensor, weight_scale: torch.Tensor, w
     out, inp = (int(x) for x in weight_shape.tolist())
     q = unpack_int32(weight_packed, bits, dim=1)[:, :inp]
     offset = 1 << (bits - 1)
-    scale = weight_scale.float().reshape(out, -1)
+    scale = _owned(weight_scale).reshape(out, -1)
     zero = _ct_zero(weight_zero_point, bits, out, scale.shape[1], offset)
     if tuple(q.shape) != (out, inp):
         raise CheckpointFormatError(f"compressed-tensors: weight_packed {tuple(weight_packed.shape)} does not hold "
@@ -106,8 +112,8 @@ def ct_naive_int8(weight: torch.Tensor, weight_scale: torch.Tensor,
                   weight_zero_point: torch.Tensor | None) -> AffineWeight:
     """compressed-tensors naive-quantized int8: the signed weight [out, in], scale [out, groups] (or one)."""
     out, inp = weight.shape
-    scale = weight_scale.float().reshape(-1, 1).expand(out, 1) if weight_scale.numel() == 1 else \
-        weight_scale.float().reshape(out, -1)
+    scale = _owned(weight_scale.reshape(-1, 1).expand(out, 1) if weight_scale.numel() == 1 else
+                   weight_scale.reshape(out, -1))
     zero = _ct_zero(weight_zero_point, 8, out, scale.shape[1], 128)
     q = (weight.to(torch.int16) + 128).to(torch.uint8)
     return AffineWeight(q, scale.contiguous(), zero, 8, _group_size(inp, scale.shape[1], "compressed-tensors"))
