@@ -107,3 +107,49 @@ def test_unsupported_scheme_and_contradicted_ignore_list_are_refused(float_qwen3
         "num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}))
     with pytest.raises(UnsupportedQuantizationError, match="with int8 activation quantization is not supported"):
         load_model(ct)
+
+
+def _ct(weights: dict, acts: dict | None = None, fmt: str = "pack-quantized", **extra) -> dict:
+    group = {"targets": ["Linear"], "weights": weights, "input_activations": acts, "format": fmt}
+    return {"quant_method": "compressed-tensors", "format": fmt, "config_groups": {"group_0": group}, **extra}
+
+
+INT4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128}
+FP8 = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"}
+
+
+@pytest.mark.parametrize("qc,refused", [
+    ({"quant_method": "awq", "version": "gemv", "bits": 4, "group_size": 128}, "awq version 'gemv'"),
+    ({"quant_method": "awq", "version": "gemm", "bits": 4, "zero_point": False}, "awq zero_point false"),
+    ({"quant_method": "gptq", "bits": 4, "checkpoint_format": "marlin"}, "gptq checkpoint_format 'marlin'"),
+    ({"quant_method": "gptq", "bits": 4, "is_marlin_format": True}, "gptq checkpoint_format 'marlin'"),
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
+    ({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]},
+     "fp8 activation_scheme 'static'"),
+    (_ct(FP8, {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}, "float-quantized"),
+     "compressed-tensors float-quantized float8 channel with static activation scales"),
+    (_ct(INT4, fmt="marlin-24"), "compressed-tensors marlin-24 int4 group"),
+    (_ct(INT4, kv_cache_scheme={"num_bits": 8, "type": "float"}), "compressed-tensors kv_cache_scheme"),
+    (_ct({**INT4, "actorder": "group"}), "compressed-tensors pack-quantized int4 group actorder group (g_idx)"),
+])
+def test_unsupported_configs_name_the_scheme(qc, refused):
+    from types import SimpleNamespace
+
+    from tessera.models.quant_config import QuantConfig
+
+    with pytest.raises(UnsupportedQuantizationError) as e:
+        QuantConfig.from_hf(SimpleNamespace(quantization_config=qc))
+    assert f"quantization_config: {refused}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_ignore_lists_match_as_their_tools_do():
+    from types import SimpleNamespace
+
+    from tessera.models.quant_config import QuantConfig
+
+    ct = QuantConfig.from_hf(SimpleNamespace(quantization_config=_ct(INT4, ignore=["lm_head", "re:.*visual.*"])))
+    assert ct.ignores("lm_head") and ct.ignores("model.visual.blocks.0.mlp.fc1")
+    assert not ct.ignores("model.layers.0.mlp.down_proj") and not ct.ignores("model.lm_head_extra")
+    awq = QuantConfig.from_hf(SimpleNamespace(quantization_config={
+        "quant_method": "awq", "bits": 4, "group_size": 64, "modules_to_not_convert": ["visual"]}))
+    assert awq.ignores("model.visual.merger.mlp.0") and not awq.ignores("lm_head") and awq.group_size == 64
