@@ -4,7 +4,8 @@ Each model declares a WeightMapping: prefix rules rename checkpoint names to our
 them), and stacked rules route separate checkpoint tensors (q_proj, k_proj, ...) into shards of a fused
 module (qkv_proj, see layers/linear.MergedLinear). Every parameter (every shard of a fused one) must be
 loaded exactly from the checkpoint, and every checkpoint tensor must land somewhere or be dropped by a rule;
-otherwise WeightLoadError lists what is missing and what is unexpected.
+otherwise WeightLoadError lists what is missing and what is unexpected. A pre-quantized checkpoint's linears
+arrive as one AffineWeight each (models/quantized_weights.py) and are checked by the same rules.
 """
 
 from __future__ import annotations
