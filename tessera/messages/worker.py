@@ -163,5 +163,6 @@ class WorkerInfo:
     cpu_kernels: dict[str, str] = field(default_factory=dict)
     compute_dtype: str = ""  # activations, norms, the KV pool: float32 for 16-bit weights on a CPU
     linear_kernel: str = ""  # how the linear layers' products run (layers/half_linear.py describe())
-    # --torchao-config: the scheme and what runs it (layers/quantization/int_linear.py); "" for float weights.
+    # The quantization scheme and what runs it: a pre-quantized checkpoint's ("awq 4-bit g128 asym, C int4 gemv")
+    # or --torchao-config's (layers/quantization/int_linear.py); "" for float weights.
     quantization: str = ""

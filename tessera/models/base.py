@@ -84,7 +84,8 @@ class TesseraModel(nn.Module):
     # process_logits reads each row's prompt ids (SamplingRow.prompt_ids), which are otherwise sent only
     # when a repetition penalty needs them.
     process_logits_reads_prompt: ClassVar[bool] = False
-    # --torchao-config: what runs the quantized linears (set by load_model; "" for float weights).
+    # A pre-quantized checkpoint's or --torchao-config's scheme and what runs the linears (set by load_model;
+    # "" for float weights).
     quantization: str = ""
 
     @classmethod

@@ -14,6 +14,7 @@ from typing import Any
 
 from tessera.layers.decoder import DecoderDims
 from tessera.models.families import Family, family_for_config
+from tessera.models.quant_config import QuantConfig
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,8 @@ class ModelConfig(DecoderDims):
     cross_attention_len: int = 0
     # generation_config.json as a dict ({} when absent): decoding rules some families read (Whisper's).
     generation_config: dict = field(default_factory=dict)
+    # A pre-quantized checkpoint's quantization_config (None: float weights); unsupported schemes refused here.
+    quant: QuantConfig | None = None
 
     @property
     def positions(self) -> str:
@@ -128,6 +131,7 @@ class ModelConfig(DecoderDims):
             video_token_id=_token_id(hf_config, "video_token_id", "video_token_index"),
             audio_token_id=_token_id(hf_config, "audio_token_id", "audio_token_index"),
             hf_config=hf_config,
+            quant=QuantConfig.from_hf(hf_config),
         )
 
     @classmethod

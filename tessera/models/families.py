@@ -41,6 +41,9 @@ class Family:
     # the token ids do not show).
     encoder_decoder: bool = False
     notes: str = ""  # what the README's support table says is not supported
+    # Pre-quantized checkpoints (models/quant_config.py) the README's table lists: the loader is the same for
+    # every family; "tested" where a parity test against HF on the dequantized checkpoint runs.
+    quantization: str = "AWQ, GPTQ, CT, FP8 (untested)"
 
     @property
     def name(self) -> str:
@@ -62,12 +65,15 @@ class Family:
 
 
 _QWEN_VL_PROCESSOR = "tessera.multimodal.processors.qwen_vl:QwenVLProcessor"
+_QUANT_TESTED = "AWQ, GPTQ, CT, FP8 (tested)"
+_QUANT_MOE = "dense layers (untested); not the MoE experts (stored fused)"
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("Qwen2ForCausalLM", "tessera.models.qwen2:Qwen2ForCausalLM", None, frozenset(), "rope",
            model_types=("qwen2",)),
     Family("Qwen2VLForConditionalGeneration", "tessera.models.qwen2_vl:Qwen2VLForConditionalGeneration",
-           _QWEN_VL_PROCESSOR, frozenset({IMAGE, VIDEO}), "mrope", model_types=("qwen2_vl",)),
+           _QWEN_VL_PROCESSOR, frozenset({IMAGE, VIDEO}), "mrope", model_types=("qwen2_vl",),
+           quantization=_QUANT_TESTED),
     Family("Qwen2_5_VLForConditionalGeneration", "tessera.models.qwen2_5_vl:Qwen2_5_VLForConditionalGeneration",
            _QWEN_VL_PROCESSOR, frozenset({IMAGE, VIDEO}), "mrope", model_types=("qwen2_5_vl",)),
     Family("Qwen2AudioForConditionalGeneration",
@@ -93,7 +99,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            model_types=("gemma3_text",), backend_needs=frozenset({"sliding_window"}),
            notes="attn_logit_softcapping; use_bidirectional_attention; RoPE scaling other than linear"),
     Family("Qwen3ForCausalLM", "tessera.models.qwen3:Qwen3ForCausalLM", None, frozenset(), "rope",
-           model_types=("qwen3",)),
+           model_types=("qwen3",), quantization=_QUANT_TESTED),
     Family("Qwen3VLForConditionalGeneration", "tessera.models.qwen3_vl:Qwen3VLForConditionalGeneration",
            "tessera.multimodal.processors.qwen3_vl:Qwen3VLProcessor", frozenset({IMAGE, VIDEO}), "mrope",
            model_types=("qwen3_vl",),
@@ -111,7 +117,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "tessera.multimodal.processors.llama4:Llama4Processor", frozenset({IMAGE}), "rope",
            model_types=("llama4",), backend_needs=frozenset({"custom_mask"}),
            notes="tensor parallelism (MoE layers); rope_type dynamic; chunked attention runs as per-request "
-                 "masks (no decode K/V mirror)"),
+                 "masks (no decode K/V mirror)", quantization=_QUANT_MOE),
     Family("WhisperForConditionalGeneration", "tessera.models.whisper:WhisperForConditionalGeneration",
            "tessera.multimodal.processors.whisper:WhisperAudioProcessor", frozenset({AUDIO}), "learned",
            model_types=("whisper",), encoder_decoder=True,
@@ -119,7 +125,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                  "beam search and temperature fallback"),
     Family("Llama4ForCausalLM", "tessera.models.llama4:Llama4ForCausalLM", None, frozenset(), "rope",
            model_types=("llama4_text",), backend_needs=frozenset({"custom_mask"}),
-           notes="tensor parallelism (MoE layers); rope_type dynamic"),
+           notes="tensor parallelism (MoE layers); rope_type dynamic", quantization=_QUANT_MOE),
 )}
 
 
@@ -169,12 +175,13 @@ def family_for_config(hf_config: Any) -> Family:
 
 def support_table() -> str:
     """The README's table of supported architectures (a test keeps the README equal to it)."""
-    lines = ["| architecture (`config.json`) | modalities | positions | not supported |", "|---|---|---|---|"]
+    lines = ["| architecture (`config.json`) | modalities | positions | pre-quantized checkpoints | not supported |",
+             "|---|---|---|---|---|"]
     for f in sorted(FAMILIES.values(), key=lambda f: f.name):
         arch = f"`{f.architecture}`" + (f" ({f.vision_model_type} vision)" if f.vision_model_type else "")
         modalities = ", ".join(sorted(m.value for m in f.modalities)) or "text"
         positions = {"rope": "RoPE", "mrope": "M-RoPE", "learned": "learned"}.get(f.positions, f.positions)
-        lines.append(f"| {arch} | {modalities} | {positions} | {f.notes} |")
+        lines.append(f"| {arch} | {modalities} | {positions} | {f.quantization} | {f.notes} |")
     return "\n".join(lines)
 
 

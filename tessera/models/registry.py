@@ -16,6 +16,8 @@ from tessera.models.weights import load_weights
 from tessera.layers.linear import keep_weights_in
 from tessera.platform.device import compute_dtype, default_dtype, resolve_device, resolve_dtype
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["get_model_class", "load_model", "supported_architectures"]
 
 logger = logging.getLogger(__name__)
@@ -44,6 +46,9 @@ def load_model(
     them is then `model.quantization` ("" for float weights).
     """
     config = config or ModelConfig.load(model_path)
+    if torchao_config and config.quant is not None:
+        raise ValueError(f"torchao_config: {torchao_config!r} quantizes a float checkpoint; {model_path} is already "
+                         f"quantized ({config.quant.scheme})")
     cls = config.family.model_class()
     dev = resolve_device(device)
     weight_dtype = resolve_dtype(dtype, config.dtype, dev)
@@ -62,9 +67,12 @@ def load_model(
         model = cls.build(config, backend, language_model_only)
         if weight_dtype != torch_dtype:  # 16-bit weights computed in float32 (layers/half_linear.py)
             keep_weights_in(model, weight_dtype)
-    load_weights(model, model_path, cls.weight_mapping(config, language_model_only))
+    placed = load_weights(model, model_path, cls.weight_mapping(config, language_model_only), config.quant)
+    if config.quant is not None:
+        model.quantization = config.quant.describe(placed.values())
+        logger.info("quantized checkpoint: %s (%d linears stored quantized)", model.quantization, len(placed))
     model.eval().requires_grad_(False)
-    model.quantization = quantize_linears(model, torchao_config) if torchao_config else ""
-    if model.quantization:
+    if torchao_config:
+        model.quantization = quantize_linears(model, torchao_config)
         logger.info("quantization: %s", model.quantization)
     return model, config

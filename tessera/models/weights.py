@@ -4,7 +4,8 @@ Each model declares a WeightMapping: prefix rules rename checkpoint names to our
 them), and stacked rules route separate checkpoint tensors (q_proj, k_proj, ...) into shards of a fused
 module (qkv_proj, see layers/linear.MergedLinear). Every parameter (every shard of a fused one) must be
 loaded exactly from the checkpoint, and every checkpoint tensor must land somewhere or be dropped by a rule;
-otherwise WeightLoadError lists what is missing and what is unexpected.
+otherwise WeightLoadError lists what is missing and what is unexpected. A pre-quantized checkpoint's linears
+arrive as one AffineWeight each (models/quantized_weights.py) and are checked by the same rules.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from tessera.layers.quantization.affine import AffineWeight
+from tessera.layers.quantization.checkpoint_formats import CheckpointFormatError
+from tessera.models.quant_config import QuantConfig
+from tessera.models.quantized_weights import QuantizedCheckpoint
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -114,17 +120,25 @@ def _expected_entries(model: nn.Module) -> set[tuple[str, str | None]]:
 
 
 @torch.no_grad()
-def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMapping) -> None:
+def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMapping,
+                 quant: QuantConfig | None = None) -> dict[str, str]:
     """Copies every checkpoint tensor into its parameter (casting to the parameter's dtype and device).
 
-    Raises WeightLoadError naming missing parameters, unexpected checkpoint tensors and shape mismatches.
+    With `quant` (a pre-quantized checkpoint) each quantized linear's stored tensors become one AffineWeight
+    (models/quantized_weights.py); a module's are gathered (every shard of a fused one) and placed together
+    (_place_quantized). Returns, per quantized weight (our name), what runs it ({} for a float checkpoint). Raises
+    WeightLoadError naming missing parameters, unexpected checkpoint tensors, shape mismatches and
+    inconsistent quantized tensors.
     """
     params = dict(model.named_parameters())
     expected = _expected_entries(model)
     loaded: set[tuple[str, str | None]] = set()
     unexpected: list[str] = []
     mismatched: list[str] = []
-    for ckpt_name, tensor in iter_checkpoint(model_path):
+    held: dict[str, dict[str | None, AffineWeight]] = {}  # our weight name -> its quantized shards so far
+    placed: dict[str, str] = {}
+    quantized = QuantizedCheckpoint(quant) if quant is not None else None
+    for ckpt_name, tensor in _checkpoint_tensors(model_path, quantized):
         try:
             target = mapping.map_name(ckpt_name)
         except KeyError:
@@ -137,30 +151,20 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
             target_name = f"{name}[{shard_id}]" if shard_id else name
             unexpected.append(ckpt_name if target_name == ckpt_name else f"{ckpt_name} (-> {target_name})")
             continue
-        if shard_id is not None:
-            module_name, _, param_name = name.rpartition(".")
-            try:
-                # Fused modules (layers/linear.MergedLinear) expose shard_ids and load_shard.
-                getattr(model.get_submodule(module_name), "load_shard")(param_name, shard_id, tensor)
-            except ValueError as e:
-                mismatched.append(f"{ckpt_name}: {e}")
-                continue
-        else:
-            param = params[name]
-            module_name, _, param_name = name.rpartition(".")
-            # Tensor-parallel modules take their rank's slice of the full checkpoint tensor themselves.
-            load_param = getattr(model.get_submodule(module_name), "load_param", None)
-            if load_param is not None:
-                try:
-                    load_param(param_name, tensor)
-                except ValueError as e:
-                    mismatched.append(f"{ckpt_name}: {e}")
-                    continue
-            elif param.shape != tensor.shape:
-                mismatched.append(f"{ckpt_name}: checkpoint {tuple(tensor.shape)}, model {tuple(param.shape)}")
-                continue
+        try:
+            if isinstance(tensor, AffineWeight):
+                shards = held.setdefault(name, {})
+                shards[shard_id] = tensor
+                module = model.get_submodule(name.rpartition(".")[0])
+                if set(shards) >= set(getattr(module, "shard_ids", None) or [None]):
+                    placed[name] = _place_quantized(model, params, name, held.pop(name))
             else:
-                param.copy_(tensor)
+                _copy_into(model, params, name, shard_id, tensor)
+                if quantized is not None and ckpt_name in quantized.dequantized:
+                    placed[name] = f"dequantized to {str(params[name].dtype).removeprefix('torch.')}"
+        except ValueError as e:
+            mismatched.append(f"{ckpt_name}: {e}")
+            continue
         loaded.add((name, shard_id))
 
     missing = sorted(f"{n}[{s}]" if s else n for n, s in expected - loaded)
@@ -169,6 +173,59 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
             f"checkpoint {model_path} does not match {type(model).__name__}:"
             + _listing("missing", missing) + _listing("unexpected", unexpected) + _listing("shape mismatch", mismatched)
         )
+    return placed
+
+
+def _copy_into(model: nn.Module, params: dict[str, nn.Parameter], name: str, shard_id: str | None,
+               tensor: torch.Tensor) -> None:
+    """One checkpoint tensor into parameter `name` (shard `shard_id` of a fused one); ValueError on a shape
+    mismatch."""
+    module_name, _, param_name = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if shard_id is not None:
+        module.load_shard(param_name, shard_id, tensor)  # fused modules (layers/linear.MergedLinear)
+        return
+    # Tensor-parallel modules take their rank's slice of the full checkpoint tensor themselves.
+    load_param = getattr(module, "load_param", None)
+    if load_param is not None:
+        load_param(param_name, tensor)
+    elif params[name].shape != tensor.shape:
+        raise ValueError(f"checkpoint {tuple(tensor.shape)}, model {tuple(params[name].shape)}")
+    else:
+        params[name].copy_(tensor)
+
+
+def _place_quantized(model: nn.Module, params: dict[str, nn.Parameter], name: str,
+                     shards: dict[str | None, AffineWeight]) -> str:
+    """A quantized linear's weight, all its shards at once; returns what runs it. A linear that runs int weights
+    (`set_quantized`, `set_quantized_shards` of a fused one) takes the AffineWeights, a row-parallel one its
+    rank's columns; otherwise the always-correct path: the float weight each stands for, through the float
+    loaders."""
+    module = model.get_submodule(name.rpartition(".")[0])
+    if name.endswith(".weight") and None in shards and hasattr(module, "set_quantized"):
+        weight = shards[None]
+        full = getattr(module, "full_in_features", module.in_features)
+        if weight.shape != (module.out_features, full):
+            raise ValueError(f"checkpoint {weight.shape}, want {(module.out_features, full)}")
+        module.set_quantized(weight if full == module.in_features else weight.columns(module.start, module.in_features))
+        return module.quant_path
+    if name.endswith(".weight") and None not in shards and hasattr(module, "set_quantized_shards"):
+        module.set_quantized_shards(shards)
+        return module.quant_path
+    for shard_id, weight in shards.items():
+        _copy_into(model, params, name, shard_id, weight.dequantize(torch.float32))
+    return f"dequantized to {str(params[name].dtype).removeprefix('torch.')}"
+
+
+def _checkpoint_tensors(model_path: str | Path, quantized: QuantizedCheckpoint | None
+                        ) -> Iterator[tuple[str, torch.Tensor | AffineWeight]]:
+    """The checkpoint's tensors, a quantized module's grouped into one weight; a quantized module's tensors
+    that contradict each other or the config raise WeightLoadError naming it."""
+    tensors = iter_checkpoint(model_path)
+    try:
+        yield from tensors if quantized is None else quantized.stream(tensors)
+    except CheckpointFormatError as e:
+        raise WeightLoadError(f"checkpoint {model_path}: {e}") from None
 
 
 def _listing(title: str, names: list[str], limit: int = 20) -> str:

@@ -14,6 +14,7 @@ from tessera.config import ASSETS_DIR
 from tests.audio_testing import INSTRUCTION, build_tiny_audio_checkpoint, speechlike, tone
 from tests.engine.conftest import make_tiny_checkpoint
 from tests.models.qwen2_5_vl_testing import make_tiny_qwen2_5_vl_checkpoint
+from tests.models.quant_fixtures import Scheme, quantize_checkpoint
 
 MAX_NEW = 8
 SAMPLING = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
@@ -61,6 +62,15 @@ def test_demo_vl_images_and_video() -> None:
 @pytest.mark.parametrize("kv_heads", [1, 4])  # 1: the KV head is replicated on both ranks; 4: split 2 + 2
 def test_tiny_qwen2_vl_gqa_layouts(tmp_path, kv_heads: int, scene_images) -> None:
     path = str(make_tiny_checkpoint(tmp_path, num_kv_heads=kv_heads, seed=kv_heads))
+    prompts = [_chat(path, [{"type": "image"}, {"type": "text", "text": t}]) for t in ("What?", "Where is it?")]
+    _compare(path, prompts, image_data=scene_images[:2])
+
+
+def test_pre_quantized_awq_checkpoint(tmp_path, scene_images) -> None:
+    """Each rank takes its rows / columns of the quantized weights (group boundaries: 32 of 64 and 128)."""
+    src = make_tiny_checkpoint(tmp_path / "float", num_kv_heads=2)
+    quantize_checkpoint(src, tmp_path / "awq", tmp_path / "reference", Scheme("awq"), ["visual", "lm_head"])
+    path = str(tmp_path / "awq")
     prompts = [_chat(path, [{"type": "image"}, {"type": "text", "text": t}]) for t in ("What?", "Where is it?")]
     _compare(path, prompts, image_data=scene_images[:2])
 
