@@ -2,6 +2,7 @@
 
     python scripts/compare_llamacpp.py [--root /work/llamacpp] [--threads 2] [--reps 3]
         [--tessera-args "--dtype bfloat16"] [--sections micro,serving] [--out-json F] [--out-md F]
+        [--micro-variants "F32=;F16=--dtype bfloat16;Q8_0=--torchao-config int8wo;Q4_0=--torchao-config int4wo-32"]
 
 Not part of `make test`. Steps, each skipped when its output exists:
 1. scripts/build_llamacpp.sh builds llama-bench, llama-server and llama-quantize from llama-cpp-python's
@@ -23,6 +24,7 @@ Figures are printed as a markdown table (and written to --out-md / --out-json).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -172,22 +174,30 @@ def tessera_micro(url: str, rng: random.Random) -> tuple[float, float]:
 
 
 def micro(bin_dir: Path, files: dict[str, Path], ns: argparse.Namespace) -> dict:
+    """One Tessera server per --micro-variants entry, all started before the first measurement (each idles,
+    blocked on its sockets, while another engine runs); every rep runs llama-bench on every GGUF, then each
+    Tessera variant."""
     llama: dict[str, list[tuple[float, float]]] = {q: [] for q in ("F32", *QUANTS)}
-    tessera: list[tuple[float, float]] = []
+    tessera: dict[str, list[tuple[float, float]]] = {q: [] for q in ns.micro_variants}
     rng = random.Random(0)
-    with Server(tessera_cmd("bench-medium", ns.port, ns, ["--max-total-tokens", ns.context]), ns.port,
-                ns.logs / "tessera-micro.log") as srv:
-        tessera_micro(srv.url, rng)  # warm-up: first-call allocations
+    with contextlib.ExitStack() as stack:
+        servers = {}
+        for i, (quant, flags) in enumerate(ns.micro_variants.items()):
+            cmd = tessera_cmd("bench-medium", ns.port + i, ns, ["--max-total-tokens", ns.context, *shlex.split(flags)])
+            servers[quant] = stack.enter_context(Server(cmd, ns.port + i, ns.logs / f"tessera-micro-{quant}.log"))
+            tessera_micro(servers[quant].url, rng)  # warm-up: first-call allocations
         for rep in range(ns.reps):
-            for q in llama:  # the Tessera server sits idle (blocked on its sockets) meanwhile
+            for q in llama:
                 llama[q].append(llama_bench(bin_dir, files[q], ns))
-            tessera.append(tessera_micro(srv.url, rng))
-            log(f"micro rep {rep}: llama.cpp F32 {llama['F32'][-1]}, tessera {tessera[-1]}")
+            for quant, srv in servers.items():
+                tessera[quant].append(tessera_micro(srv.url, rng))
+            log(f"micro rep {rep}: llama.cpp {[llama[q][-1] for q in llama]}, tessera {tessera}")
 
     def med(xs: list[tuple[float, float]]) -> dict:
         return {"prefill_tok_s": statistics.median(x[0] for x in xs), "decode_ms": statistics.median(x[1] for x in xs)}
 
-    return {"llama.cpp": {q: med(v) for q, v in llama.items()}, "tessera": med(tessera), "reps": ns.reps}
+    return {"llama.cpp": {q: med(v) for q, v in llama.items()}, "tessera": {q: med(v) for q, v in tessera.items()},
+            "tessera_flags": ns.micro_variants, "reps": ns.reps}
 
 
 # ---------------------------------------------------------------- serving
@@ -235,18 +245,15 @@ def table(result: dict) -> str:
     label = f"Tessera `{result['tessera_args']}`" if result["tessera_args"] else "Tessera"
     rows = [f"| | llama.cpp | {label} | Tessera ÷ llama.cpp |", "|---|---|---|---|"]
     if "micro" in result:
-        mi, quant = result["micro"], result["llama_quant"]
-        lf, t = mi["llama.cpp"][quant], mi["tessera"]
-        rows.append(f"| bench-medium batch-1 decode, {quant} (depth 256) | {lf['decode_ms']:.1f} ms/token | "
-                    f"{t['decode_ms']:.1f} ms/token | {t['decode_ms'] / lf['decode_ms']:.2f}x the time |")
-        rows.append("| same, llama.cpp " + " / ".join(("F32", *QUANTS)) + " | "
-                    + " / ".join(f"{mi['llama.cpp'][q]['decode_ms']:.1f}" for q in ("F32", *QUANTS))
-                    + " ms/token | | |")
-        rows.append(f"| bench-medium prefill 256 tokens, {quant} | {lf['prefill_tok_s']:,.0f} tok/s | "
-                    f"{t['prefill_tok_s']:,.0f} tok/s | {t['prefill_tok_s'] / lf['prefill_tok_s']:.2f} |")
-        rows.append("| same, llama.cpp " + " / ".join(("F32", *QUANTS)) + " | "
-                    + " / ".join(f"{mi['llama.cpp'][q]['prefill_tok_s']:,.0f}" for q in ("F32", *QUANTS))
-                    + " tok/s | | |")
+        mi = result["micro"]
+        for quant, t in mi["tessera"].items():
+            lf, flags = mi["llama.cpp"][quant], mi["tessera_flags"][quant] or "float32"
+            rows.append(f"| bench-medium batch-1 decode, llama.cpp {quant} vs Tessera `{flags}` (depth 256) | "
+                        f"{lf['decode_ms']:.1f} ms/token | {t['decode_ms']:.1f} ms/token | "
+                        f"{t['decode_ms'] / lf['decode_ms']:.2f}x the time |")
+            rows.append(f"| bench-medium prefill 256 tokens, llama.cpp {quant} vs Tessera `{flags}` | "
+                        f"{lf['prefill_tok_s']:,.0f} tok/s | {t['prefill_tok_s']:,.0f} tok/s | "
+                        f"{t['prefill_tok_s'] / lf['prefill_tok_s']:.2f} |")
     for title, r in result.get("serving", {}).items():
         lc, t = r["llama.cpp"], r["tessera"]
         rows.append(f"| {title}, {r['prompts']} prompts, concurrency {r['concurrency']}: output tok/s | "
@@ -277,11 +284,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the llama.cpp weights the Tessera figures are compared with (F16 for bf16, Q8_0 for int8wo)")
     p.add_argument("--llama-bench-load", default="-lm none",
                    help="llama-bench's flags for how weights are loaded (none: read into memory, no mmap)")
+    p.add_argument("--micro-variants", default="",
+                   help='Tessera configurations for the micro section, each paired with the llama.cpp weights it is '
+                        'compared with: "F32=;F16=--dtype bfloat16;Q8_0=--torchao-config int8wo;Q4_0=--torchao-config '
+                        'int4wo-32" (default: --llama-quant with no extra flags)')
     p.add_argument("--out-json", type=Path, default=None)
     p.add_argument("--out-md", type=Path, default=None)
     ns = p.parse_args(argv)
     ns.llama_bench_load = shlex.split(ns.llama_bench_load)
     ns.sections = set(ns.sections.split(","))
+    variants = [v.split("=", 1) for v in ns.micro_variants.split(";") if v.strip()] or [[ns.llama_quant, ""]]
+    if any(len(v) != 2 or v[0].strip() not in ("F32", *QUANTS) for v in variants):
+        p.error(f"--micro-variants: expected QUANT=FLAGS entries with QUANT in F32/{'/'.join(QUANTS)}, "
+                f"got {ns.micro_variants!r}")
+    ns.micro_variants = {q.strip(): flags.strip() for q, flags in variants}
     if not ns.sections <= {"micro", "serving"}:
         p.error(f"--sections: expected micro and/or serving, got {','.join(sorted(ns.sections))}")
     ns.logs = ns.root / "logs" / time.strftime("%Y%m%d-%H%M%S")
