@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.cache.kv_pool import TokenToKVPool
+from tessera.layers import decode_stack
 from tessera.layers.activation import SiluAndMul
 from tessera.layers.attention import BaseAttentionBackend
 from tessera.distributed.parallel_state import tp_group
@@ -197,6 +198,10 @@ class DecoderModel(nn.Module):
         """
         cos, sin = self.rotary_emb.get_cos_sin(positions, x.dtype)  # once per forward, shared by all layers
         self.attn_backend.init_forward_metadata(fb)
+        if not after_layer:
+            hidden = decode_stack.run(self, x, cos, sin, fb, pool)  # the whole step in one C call, where it applies
+            if hidden is not None:
+                return hidden
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, cos, sin, fb, pool)

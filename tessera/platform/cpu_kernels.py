@@ -43,6 +43,7 @@ class Kernel:
     symbol: str
     argtypes: tuple
     fallback: str  # what runs instead when the kernel is unavailable
+    restype: object = None
 
 
 _P, _L, _F, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_float, ctypes.c_int
@@ -69,6 +70,10 @@ KERNELS: dict[str, Kernel] = {
                         "int4 weights dequantized to float32 for each product"),
     "int_dequant": Kernel("cpu_int_gemv.c", "tessera_int_dequant_f32", (_P,) * 4 + (_L,) * 3 + (_I,) * 2,
                           "dequantization as torch operators"),
+    # A decode step of the whole decoder stack (layers/decode_stack.py): it calls the kernels above by address.
+    "decode_stack": Kernel("cpu_decode_stack.c", "tessera_decode_stack_f32",
+                           (_P, _P, _L) + (_P,) * 5 + (_L, _P, _P, _L, _P) + (_L,) * 6 + (_F, _F, _I),
+                           "the decoder layers one kernel call at a time", _I),
 }
 
 _lock = threading.Lock()
@@ -152,7 +157,7 @@ def _load_one(name: str, kernel: Kernel) -> None:
     except (RuntimeError, OSError, AttributeError) as e:
         _errors[name] = str(e).splitlines()[0][:300]
         return
-    fn.argtypes, fn.restype = list(kernel.argtypes), None
+    fn.argtypes, fn.restype = list(kernel.argtypes), kernel.restype
     _functions[name] = fn
 
 
@@ -204,17 +209,24 @@ def takes(name: str, *tensors) -> bool:
     return available(name) and host_f32_inference(*tensors)
 
 
-def call(name: str, *args) -> None:
-    """Kernel `name` on `args`; while torch's profiler runs, inside a range named tessera::<symbol> (a ctypes
-    call is invisible to it otherwise). Call only where `takes` (or `available`) said so."""
+def call(name: str, *args):
+    """Kernel `name` on `args` (returns what it returns: None for most); while torch's profiler runs, inside a
+    range named tessera::<symbol> (a ctypes call is invisible to it otherwise). Call only where `takes` (or
+    `available`) said so."""
     if not _loaded:
         load()
     fn = _functions[name]
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function(f"tessera::{KERNELS[name].symbol}"):
-            fn(*args)
-    else:
-        fn(*args)
+            return fn(*args)
+    return fn(*args)
+
+
+def addresses() -> dict[str, int]:
+    """The loaded kernels' entry points by name, as integers (what a C driver calling them takes)."""
+    if not _loaded:
+        load()
+    return {name: ctypes.cast(fn, ctypes.c_void_p).value for name, fn in _functions.items()}
 
 
 def onednn_linear():

@@ -62,20 +62,28 @@ def test_greedy_decode_matches_hf_generate(vl_case, page_size):
     assert _greedy_tokens(vl_case, page_size) == _hf_greedy_tokens(vl_case)
 
 
-def test_greedy_decode_through_the_cpu_gemv_kernel_matches_hf(vl_case, monkeypatch):
+@pytest.mark.parametrize("stack", [False, True], ids=["layers", "stack"])
+def test_greedy_decode_through_the_cpu_gemv_kernel_matches_hf(vl_case, stack, monkeypatch):
     """The tiny fixture's weights are below the kernel's size threshold; lowered to 0, every decode projection
-    (one row) runs through tessera/platform/csrc/cpu_gemv.c."""
+    (one row) runs through tessera/platform/csrc/cpu_gemv.c: called layer by layer, or by the decode stack's
+    one C call per step (layers/decode_stack.py), which runs its products there whatever their size."""
     from tessera.layers import cpu_gemv
     from tessera.platform import cpu_kernels
 
     if not cpu_kernels.available("gemv"):
         pytest.skip("no C compiler: the kernel is never built")
-    calls = []
-    real = cpu_gemv.gemv
+    calls, stacks = [], []
+    real, real_call = cpu_gemv.gemv, cpu_kernels.call
+    monkeypatch.setenv("TESSERA_DECODE_STACK", "1" if stack else "0")
     monkeypatch.setattr(cpu_gemv, "GEMV_MIN_WEIGHT", 0)
     monkeypatch.setattr(cpu_gemv, "gemv", lambda x, w, b=None: calls.append(1) or real(x, w, b))
+    monkeypatch.setattr(cpu_kernels, "call", lambda name, *a: stacks.append(name == "decode_stack") or real_call(name, *a))
     assert _greedy_tokens(vl_case, 1) == _hf_greedy_tokens(vl_case)
-    assert len(calls) >= 12 * 2 * 4  # 12 decode steps x 2 layers x (qkv, o, gate_up, down), + the LM head
+    if stack:  # 11 decode steps after the prefill, each one call; the LM head stays in Python
+        assert sum(stacks) >= 11 and len(calls) >= 11
+    else:
+        assert not any(stacks)
+        assert len(calls) >= 12 * 2 * 4  # 12 decode steps x 2 layers x (qkv, o, gate_up, down), + the LM head
 
 
 def _greedy_prompt():

@@ -53,6 +53,12 @@ class BaseAttentionBackend(ABC):
         step's lengths when known. A backend whose kernels must be planned on the host plans here; the default
         does nothing (a backend that plans decode_only batches on the device inside the graph)."""
 
+    def paged_decode_plan(self, fb: ForwardBatch, pool: TokenToKVPool,
+                          num_heads: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(slots, lens) when this step's attention may be run over the pool by the CPU decode kernel outside
+        the backend (layers/decode_stack.py); None (the default): the layers call forward()."""
+        return None
+
     @abstractmethod
     def forward(
         self,

@@ -25,10 +25,15 @@ MAX_GROUP = 16  # query heads per KV head (the kernel's MAX_ROWS)
 def reads_pool(q: torch.Tensor, pool: TokenToKVPool) -> bool:
     """Whether the kernel takes this step's decode attention: q [tokens, heads, D] and the pool in float32 on
     a CPU, in inference (the kernel records no autograd graph), a head size and grouping it handles."""
+    return (cpu_kernels.host_f32_inference(q, contiguous=False) and q.shape[-1] == pool.head_dim
+            and pool_readable(q.shape[1], pool))
+
+
+def pool_readable(num_heads: int, pool: TokenToKVPool) -> bool:
+    """Whether the kernel reads this pool for `num_heads` query heads (reads_pool without a query at hand)."""
     k = pool.k_buffers[0]
-    return (cpu_kernels.host_f32_inference(q, contiguous=False) and cpu_kernels.host_f32_inference(k)
-            and q.shape[-1] == pool.head_dim and pool.head_dim % 8 == 0 and pool.head_dim <= MAX_HEAD_DIM
-            and q.shape[1] % pool.num_kv_heads == 0 and q.shape[1] // pool.num_kv_heads <= MAX_GROUP
+    return (cpu_kernels.host_f32_inference(k) and pool.head_dim % 8 == 0 and pool.head_dim <= MAX_HEAD_DIM
+            and num_heads % pool.num_kv_heads == 0 and num_heads // pool.num_kv_heads <= MAX_GROUP
             and cpu_kernels.takes("decode_attention"))
 
 

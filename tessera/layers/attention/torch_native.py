@@ -120,12 +120,25 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         return _StepMetadata(fb, is_all_decode, decode_rows, decode_slots, decode_mask, extends, keys,
                              [seq_lens[i] for i in decode_reqs])
 
-    def _plan_mirror(self, meta: _StepMetadata, pool: TokenToKVPool, q: torch.Tensor) -> None:
-        """Once per step, on its first layer: the kernel reads the pool, or the mirror is brought up to date."""
+    def paged_decode_plan(self, fb: ForwardBatch, pool: TokenToKVPool,
+                          num_heads: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a step of decode rows only whose attention our CPU kernel runs over the pool in place: the
+        kernel's (slots [B, max_len], lens [B]) int64, the step planned as forward() would plan it (the decode
+        stack in one C call, layers/decode_stack.py, writes the K/V and attends itself). None otherwise."""
+        meta = self._metadata_for(fb)
+        if not meta.is_all_decode or meta.decode_slots is None:
+            return None
+        if not meta.mirror_planned:
+            self._plan_mirror(meta, pool, cpu_decode.pool_readable(num_heads, pool), torch.float32)
+        return (meta.decode_slots, meta.lens_tensor()) if meta.paged else None
+
+    def _plan_mirror(self, meta: _StepMetadata, pool: TokenToKVPool, kernel_reads: bool, dtype: torch.dtype) -> None:
+        """Once per step, on its first layer: the kernel reads the pool (`kernel_reads`: it takes this step's
+        queries), or the mirror is brought up to date."""
         meta.mirror_planned = True
         if self._mirror_layers_left:  # the previous step stopped between layers: its rows are partial
             self._mirror.clear()
-        if meta.decode_rows is not None and cpu_decode.reads_pool(q, pool):
+        if meta.decode_rows is not None and kernel_reads:
             meta.paged = True  # no copy of the K/V needed: free the mirror's memory if an earlier step made one
             if self._mirror.k:
                 self._mirror.clear()
@@ -134,7 +147,7 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
             return
         req_to_token = meta.fb.req_to_token
         meta.mirror_plan = self._mirror.plan(meta.mirror_keys, meta.decode_lens,
-                                             [req_to_token[row] for row, _ in meta.mirror_keys], pool, q.dtype)
+                                             [req_to_token[row] for row, _ in meta.mirror_keys], pool, dtype)
         self._mirror_layers_left = pool.num_layers if meta.mirror_plan is not None else 0
 
     def forward(
@@ -153,7 +166,7 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         meta = self._metadata_for(fb)
         if not meta.mirror_planned:
-            self._plan_mirror(meta, pool, q)
+            self._plan_mirror(meta, pool, cpu_decode.reads_pool(q, pool), q.dtype)
 
         if meta.is_all_decode:
             return self._decode(q, k, v, pool, layer_id, meta, scaling, sliding_window)
