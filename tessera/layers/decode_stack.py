@@ -25,8 +25,10 @@ from torch import nn
 from tessera.layers import cpu_gemv
 from tessera.layers.attention import cpu_decode
 from tessera.layers.forward_batch import ForwardBatch
+from tessera.layers.linear import Linear, MergedLinear
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.platform import cpu_kernels
+from tessera.platform.device import is_host
 
 _P, _L = ctypes.c_void_p, ctypes.c_long
 W_F32, W_BF16, W_F16, W_INT8, W_INT4 = range(5)
@@ -58,7 +60,7 @@ def _weight(linear: nn.Module) -> tuple[_Weight, int, tuple] | None:
     """The C descriptor of one projection, its kind, and the tensors it points into (kept alive with it); None
     where the driver cannot run it (the layer-by-layer path then runs the whole step)."""
     bias = linear.bias
-    if bias is not None and not (bias.dtype is torch.float32 and bias.is_cpu and bias.is_contiguous()):
+    if bias is not None and not cpu_kernels.host_f32_inference(bias):
         return None
     b = bias.data_ptr() if bias is not None else None
     n, k = linear.out_features, linear.in_features
@@ -71,7 +73,7 @@ def _weight(linear: nn.Module) -> tuple[_Weight, int, tuple] | None:
             (q.q, q.scale, q.zs, bias)
     w = linear.weight
     kind = {torch.float32: W_F32, torch.bfloat16: W_BF16, torch.float16: W_F16}.get(w.dtype)
-    if kind is None or not (w.is_cpu and w.is_contiguous() and tuple(w.shape) == (n, k)):
+    if kind is None or not (is_host(w.device) and w.is_contiguous() and tuple(w.shape) == (n, k)):
         return None
     return _Weight(kind, w.data_ptr(), None, None, b, n, k, 0), kind, (w, bias)
 
@@ -100,10 +102,8 @@ def _sources(model: nn.Module) -> list:
 
 
 def _build(model: nn.Module) -> _Plan | None:
-    """The plan for a DecoderModel, or None where any of its parts is outside what the driver runs."""
-    from tessera.layers.decoder import DecoderAttention, DecoderLayer, GatedMLP
-    from tessera.layers.linear import Linear, MergedLinear
-
+    """The plan for a DecoderModel whose layers are all its own blocks with SwiGLU (the model checks that:
+    DecoderModel.plain_blocks), or None where any of their parts is outside what the driver runs."""
     if not all(cpu_kernels.available(k) for k in _STEP_KERNELS):
         return None
     layers = list(model.layers)
@@ -121,8 +121,7 @@ def _build(model: nn.Module) -> _Plan | None:
     keep, kinds = [], set()
     for i, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if not (type(layer) is DecoderLayer and type(attn) is DecoderAttention and type(mlp) is GatedMLP
-                and mlp.act.act == "silu" and type(attn.o_proj) is Linear and type(mlp.down_proj) is Linear
+        if not (type(attn.o_proj) is Linear and type(mlp.down_proj) is Linear
                 and type(attn.qkv_proj) is MergedLinear and type(mlp.gate_up_proj) is MergedLinear
                 and (attn.num_heads, attn.num_kv_heads, attn.head_dim) == (Hq, Hkv, D)
                 and mlp.gate_up_proj.out_features == 2 * I and attn.scaling == first.scaling):
@@ -172,8 +171,8 @@ def _attach_pool(plan: _Plan, pool: TokenToKVPool) -> bool:
     _, _, Hkv, D, _ = plan.dims
     bufs = list(zip(pool.k_buffers, pool.v_buffers))
     if len(bufs) < len(plan.layers) or not all(
-            t.dtype is torch.float32 and t.is_cpu and t.is_contiguous() and t.dim() == 3
-            and tuple(t.shape[1:]) == (Hkv, D) for kv in bufs for t in kv):
+            cpu_kernels.host_f32_inference(t) and t.dim() == 3 and tuple(t.shape[1:]) == (Hkv, D)
+            for kv in bufs for t in kv):
         return False
     for i in range(len(plan.layers)):
         plan.layers[i].k_cache, plan.layers[i].v_cache = bufs[i][0].data_ptr(), bufs[i][1].data_ptr()
@@ -184,8 +183,9 @@ def _attach_pool(plan: _Plan, pool: TokenToKVPool) -> bool:
 def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
         pool: TokenToKVPool) -> torch.Tensor | None:
     """The final-norm hidden states [M, H] of a decode step through the C driver, or None where it does not
-    apply (nothing was written then: the caller runs the layers). The backend's metadata for `fb` must have
-    been initialised (DecoderModel.forward does so first)."""
+    apply (nothing was written then: the caller runs the layers). `model` is a DecoderModel whose layers are
+    all its own blocks with SwiGLU (it asks only then); the backend's metadata for `fb` must have been
+    initialised (DecoderModel.forward does so first)."""
     m = x.shape[0]
     if not (enabled() and x.dim() == 2 and 0 < m <= cpu_gemv.max_rows()
             and cpu_kernels.host_f32_inference(x) and cpu_kernels.host_f32_inference(cos, sin, contiguous=False)):
@@ -196,7 +196,7 @@ def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             or cos.stride() != sin.stride() or cos.stride(1) != 1):
         return None
     loc = fb.out_cache_loc
-    if not (loc.dtype is torch.int64 and loc.is_cpu and loc.is_contiguous() and loc.shape == (m,)):
+    if not (loc.dtype is torch.int64 and is_host(loc.device) and loc.is_contiguous() and loc.shape == (m,)):
         return None
     paged = model.attn_backend.paged_decode_plan(fb, pool, plan.dims[1])
     if paged is None or not _attach_pool(plan, pool):

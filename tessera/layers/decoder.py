@@ -189,6 +189,16 @@ class DecoderModel(nn.Module):
         mrope = list(cfg.mrope_section) if cfg.mrope_section else None
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, mrope)
 
+    def plain_blocks(self) -> bool:
+        """Whether every layer is this file's own block with SwiGLU (not a family's subclass): what the decode
+        stack's C driver runs (layers/decode_stack.py)."""
+        plain = self.__dict__.get("_plain_blocks")
+        if plain is None:
+            plain = all(type(layer) is DecoderLayer and type(layer.self_attn) is DecoderAttention
+                        and type(layer.mlp) is GatedMLP and layer.mlp.act.act == "silu" for layer in self.layers)
+            self.__dict__["_plain_blocks"] = plain
+        return plain
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool,
                 after_layer: Mapping[int, Callable[[torch.Tensor], torch.Tensor]] | None = None) -> torch.Tensor:
         """x: input embeddings [T, H]; positions [T] or [3, T]. Returns the final-norm hidden states [T, H].
@@ -198,7 +208,7 @@ class DecoderModel(nn.Module):
         """
         cos, sin = self.rotary_emb.get_cos_sin(positions, x.dtype)  # once per forward, shared by all layers
         self.attn_backend.init_forward_metadata(fb)
-        if not after_layer:
+        if not after_layer and self.plain_blocks():
             hidden = decode_stack.run(self, x, cos, sin, fb, pool)  # the whole step in one C call, where it applies
             if hidden is not None:
                 return hidden

@@ -55,7 +55,8 @@ class RotaryEmbedding(nn.Module):
             freqs = pos.float()[:, None] * self.inv_freq
         else:
             pos = positions.expand(3, -1) if positions.dim() == 1 else positions
-            freqs = pos.index_select(0, self.section_rows).t().float() * self.inv_freq
+            # row-major [T, head_dim // 2], as the C rotary kernel and the decode stack read cos and sin
+            freqs = pos.index_select(0, self.section_rows).t().contiguous().float() * self.inv_freq
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 

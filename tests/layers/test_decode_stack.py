@@ -13,6 +13,7 @@ from tessera.cache.kv_pool import ReqToTokenPool, TokenToKVPool
 from tessera.layers import decode_stack
 from tessera.layers.forward_batch import ForwardBatch
 from tessera.layers.quantization.affine import quantize
+from tessera.layers.rotary import RotaryEmbedding
 from tessera.models.qwen2 import Qwen2ForCausalLM
 from tessera.models.qwen3 import Qwen3ForCausalLM
 from tessera.models.config import ModelConfig
@@ -60,8 +61,9 @@ def _batch(cfg, lens: list[int], seed: int = 0, mrope: bool = False):
     req.req_to_token[:] = (1 + torch.randperm(4 * b * ctx, generator=gen))[: b * ctx].view(b, ctx)
     n = torch.tensor(lens)
     pos = n.clone()
+    # M-RoPE: three position rows that differ (an image's height and width rows run behind its time row)
     fb = ForwardBatch(input_ids=torch.randint(0, cfg.vocab_size, (b,), generator=gen),
-                      positions=pos.expand(3, -1).clone() if mrope else pos,
+                      positions=torch.stack([pos, pos - 3, pos - 7]) if mrope else pos,
                       out_cache_loc=req.req_to_token[torch.arange(b), n].clone(), req_pool_indices=torch.arange(b),
                       seq_lens=n + 1, extend_lens=torch.ones(b, dtype=torch.int64), req_to_token=req.req_to_token,
                       logits_indices=torch.arange(b), req_generations=[1] * b)
@@ -114,6 +116,7 @@ def test_float32_equals_the_layers_bit_for_bit(lens, monkeypatch):
 def test_sliding_window_and_mrope_positions(monkeypatch):
     model, cfg = _model("qwen2", BIG, window=8)
     assert [w for w in cfg.sliding_windows] == [None, 8, 8]
+    model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, 1000.0, [4, 6, 6])  # Qwen2-VL's M-RoPE over 3 rows
     fb, pool = _batch(cfg, [3, 40, 21], mrope=True)
     _check(model, fb, pool, monkeypatch, exact=True)
 
