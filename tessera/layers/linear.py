@@ -16,23 +16,24 @@ from tessera.layers.quantization.int_linear import PackedIntWeight
 from tessera.platform import cpu_kernels
 from tessera.platform.device import is_host
 
-# Few rows over a large float32 weight on a CPU with more than one torch thread: oneDNN's fused linear instead
-# of MKL, which runs such products on one core. Small (cache-resident) weights, many rows and one thread stay
-# with F.linear, where oneDNN was level or slower. Both limits were measured on one 2-vCPU machine
-# (docs/benchmarks.md, "oneDNN for few-row products"); on another CPU they are a starting point, not a rule.
-ONEDNN_MAX_ROWS = 128
+# A large float32 weight on a CPU with more than one torch thread: oneDNN's fused linear instead of MKL's sgemm,
+# at any number of rows. MKL ran few-row products on one core even with two threads, and on this project's AMD
+# EPYC its sgemm reached 77-95 GFLOP/s at 256-2,048 rows where oneDNN's reached 94-118: a 256-token prefill of
+# bench-medium went from 340 to 473 tok/s (docs/benchmarks.md, "oneDNN for prefill products too"). Small
+# (cache-resident) weights and one thread stay with F.linear, where oneDNN was level or slower. Measured on one
+# 2-vCPU machine; on another CPU (an Intel one, where MKL is at home) it is a starting point, not a rule.
 ONEDNN_MIN_WEIGHT = 1 << 19  # values in the weight
 _onednn_linear = cpu_kernels.onednn_linear()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through our CPU kernel (see cpu_gemv.py) or oneDNN (see ONEDNN_MAX_ROWS) where those measured
+    """F.linear, through our CPU kernel (see cpu_gemv.py) or oneDNN (see ONEDNN_MIN_WEIGHT) where those measured
     faster; inference only. A 16-bit weight with float32 x (a bf16/fp16 model on a CPU) goes to half_linear.py."""
     if weight.dtype is not x.dtype and half_linear.applies(x, weight):
         return half_linear.half_linear(x, weight, bias, linear)
     if cpu_gemv.applies(x, weight, bias):
         return cpu_gemv.gemv(x, weight, bias)
-    if (_onednn_linear is not None and x.dim() == 2 and x.shape[0] <= ONEDNN_MAX_ROWS
+    if (_onednn_linear is not None and x.dim() == 2
             and weight.numel() >= ONEDNN_MIN_WEIGHT and torch.get_num_threads() > 1
             and cpu_kernels.host_f32_inference(x, weight, contiguous=False) and x.is_contiguous()):
         return _onednn_linear(x, weight, bias, "none", [], "")
