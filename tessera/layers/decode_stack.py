@@ -85,7 +85,8 @@ class _Plan:
     layers: ctypes.Array
     kernels: _Kernels
     keep: list  # tensors the table points into
-    sources: list  # the modules' weight objects when the table was made: a replaced weight rebuilds it
+    linears: list  # the projections, in table order
+    sources: list  # their weight objects when the table was made: a replaced weight rebuilds it
     final_norm: torch.Tensor
     dims: tuple[int, int, int, int, int]  # H, Hq, Hkv, D, I
     eps: float
@@ -93,12 +94,15 @@ class _Plan:
     pool_key: tuple | None = None
 
 
-def _sources(model: nn.Module) -> list:
-    out = []
-    for layer in model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            out.append(lin.quantized if lin.quantized is not None else lin.weight)
-    return out
+def _linears(model: nn.Module) -> list[nn.Module]:
+    return [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                      layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+
+
+def _sources(linears: list[nn.Module]) -> list:
+    """Each projection's weight object (its packed int weight once quantized). Read from the modules' dicts: this
+    runs every step, and nn.Module's attribute fallback costs ~1 us a lookup."""
+    return [lin.quantized if lin.quantized is not None else lin._parameters["weight"] for lin in linears]
 
 
 def _build(model: nn.Module) -> _Plan | None:
@@ -149,13 +153,14 @@ def _build(model: nn.Module) -> _Plan | None:
     fns = cpu_kernels.addresses()
     kernels = _Kernels(*(fns.get(_KIND_KERNEL[k]) for k in range(5)), fns["rmsnorm"], fns["rotary"],
                        fns["silu_mul"], fns["decode_attention"])
-    return _Plan(table, kernels, keep, _sources(model), model.norm.weight, (H, Hq, Hkv, D, I), eps,
+    linears = _linears(model)
+    return _Plan(table, kernels, keep, linears, _sources(linears), model.norm.weight, (H, Hq, Hkv, D, I), eps,
                  first.scaling)
 
 
 def _plan_for(model: nn.Module) -> _Plan | None:
     plan = model.__dict__.get("_decode_stack_plan", False)
-    if plan is not False and (plan is None or all(a is b for a, b in zip(plan.sources, _sources(model)))):
+    if plan is None or (plan is not False and all(a is b for a, b in zip(plan.sources, _sources(plan.linears)))):
         return plan
     plan = _build(model)
     model.__dict__["_decode_stack_plan"] = plan
