@@ -6,12 +6,14 @@ Both sides decode `--steps` tokens for a batch of `--batch-size` text requests t
 `--context-len` tokens of KV (HF: one prefill builds its cache; Tessera: every request's slots are scattered
 over the pool, as they are after a server has run for a while). Reported: median step time of each, and
 torch.profiler's operators by self CPU time for Tessera's steps, grouped into what they are (matmul, K/V
-gather, attention, elementwise, ...). The scheduler, the sampler and the frontend are not in this
+gather, attention, elementwise, ...), taken with the layers run one kernel call at a time (the timed steps
+use the decode stack's one C call where it applies). The scheduler, the sampler and the frontend are not in this
 measurement: it is the model step alone, the part that decides throughput once batches are large.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -135,9 +137,19 @@ def run_profile(cfg: ProfileConfig) -> dict:
     model_dir = resolve_bench_model(cfg.model_path)
     ours = _tessera_steps(cfg, model_dir)
     ours_ms = [t * 1e3 for t in _time(ours, cfg.warmup, cfg.steps)]
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        for _ in range(cfg.steps):
-            ours()
+    # The breakdown runs the layers one kernel call at a time: the decode stack (layers/decode_stack.py) is one
+    # C call over the same kernels, which the profiler would see as a single operator.
+    stack = os.environ.get("TESSERA_DECODE_STACK")
+    os.environ["TESSERA_DECODE_STACK"] = "0"
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(cfg.steps):
+                ours()
+    finally:
+        if stack is None:
+            del os.environ["TESSERA_DECODE_STACK"]
+        else:
+            os.environ["TESSERA_DECODE_STACK"] = stack
     # torch's operators, oneDNN's (few-row products) and our C kernels' named ranges (platform/cpu_kernels.call)
     events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::", "tessera::"))]
     total_us = sum(e.self_cpu_time_total for e in events) or 1.0

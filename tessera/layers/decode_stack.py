@@ -168,9 +168,10 @@ def _plan_for(model: nn.Module) -> _Plan | None:
 
 
 def _attach_pool(plan: _Plan, pool: TokenToKVPool) -> bool:
-    """Points the layer table at this pool's K/V buffers (once per pool); False where their layout does not
-    suit the driver (float32 [slots, Hkv, D], contiguous)."""
-    key = (id(pool), pool.k_buffers[0].data_ptr())
+    """Points the layer table at this pool's K/V buffers (when they moved); False where their layout does not
+    suit the driver (float32 [slots, Hkv, D], contiguous). Keyed by every buffer's address: a new pool may
+    reuse a freed one's memory for some layers and not others."""
+    key = tuple(t.data_ptr() for kv in zip(pool.k_buffers, pool.v_buffers) for t in kv)
     if plan.pool_key == key:
         return True
     _, _, Hkv, D, _ = plan.dims

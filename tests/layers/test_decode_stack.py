@@ -188,3 +188,18 @@ def test_replaced_weights_rebuild_the_table(monkeypatch):
     monkeypatch.delenv("TESSERA_DECODE_STACK")
     fb, pool = _batch(cfg, [10], seed=1)
     _check(model, fb, pool, monkeypatch, exact=True)
+
+
+def test_a_pool_whose_buffers_moved_repoints_every_layer(monkeypatch):
+    """A pool made after another was freed (same object id, its first buffer at the old address) can have its
+    other layers' buffers elsewhere: the table must follow every layer's buffers, not the first layer's alone
+    (it read a freed pool's memory before). Here one object's later buffers are replaced."""
+    model, cfg = _model("qwen2", BIG)
+    fb, pool = _batch(cfg, [10, 20])
+    _check(model, fb, pool, monkeypatch, exact=True)
+    monkeypatch.delenv("TESSERA_DECODE_STACK")
+    fb2, _ = _batch(cfg, [10, 20], seed=1)
+    for layer in range(1, pool.num_layers):
+        pool.k_buffers[layer] = torch.randn_like(pool.k_buffers[layer])
+        pool.v_buffers[layer] = torch.randn_like(pool.v_buffers[layer])
+    _check(model, fb2, pool, monkeypatch, exact=True)
