@@ -64,43 +64,6 @@ static inline void deq16_i4(const uint8_t *p, v8 s, v8 zs, v8 *lo, v8 *hi) {
     *hi = fmsub8(*hi, s, zs);
 }
 
-/* One row of x against rows n0 .. n0+3 of w (the batch-1 decode product): per group, the sum of q * x
- * and of x, scaled once at the group's end (sum(q x) s - zs sum(x)), which saves a multiply per weight
- * over dequantizing each one. Groups (and rows) must be multiples of 8 (int8) or 16 (int4). */
-static inline __attribute__((always_inline)) void row4(const float *x, const uint8_t *q, const float *sc,
-                                                      const float *zs, float *y, long N, long K, long gs,
-                                                      long n0, long m, int bits) {
-    long G = K / gs, row_bytes = bits == 8 ? K : K / 2;
-    const float *xr = x + m * K;
-    v8 acc[4] = {{0}};
-    for (long g = 0; g < G; g++) {
-        v8 part[4] = {{0}}, xs = {0};
-        for (long k = g * gs, end = k + gs; k < end; k += bits == 8 ? 8 : 16) {
-            /* The next block's rows, a cache line each time this one's cross one: short rows (768 columns)
-             * end before the hardware prefetcher has learnt their four streams. */
-            long byte = bits == 8 ? k : k / 2;
-            if ((byte & 63) == 0)
-                for (int r = 0; r < 4; r++) __builtin_prefetch(q + (n0 + 4 + r) * row_bytes + byte);
-            if (bits == 8) {
-                v8 xv = load8(xr + k);
-                xs += xv;
-                for (int r = 0; r < 4; r++) part[r] += cvt8_i8((const int8_t *)q + (n0 + r) * row_bytes + k) * xv;
-            } else {
-                v8 xl = load8(xr + k), xh = load8(xr + k + 8);
-                xs += xl + xh;
-                for (int r = 0; r < 4; r++) {
-                    v8 lo, hi;
-                    cvt16_i4(q + (n0 + r) * row_bytes + k / 2, &lo, &hi);
-                    part[r] += lo * xl + hi * xh;
-                }
-            }
-        }
-        for (int r = 0; r < 4; r++)
-            acc[r] += part[r] * splat8(sc[(n0 + r) * G + g]) - xs * splat8(zs[(n0 + r) * G + g]);
-    }
-    for (int r = 0; r < 4; r++) y[m * N + n0 + r] = sum8(acc[r]);
-}
-
 /* Rows n0 .. n0+R-1 of w against rows m0 .. m0+C-1 of x, R <= 4, C <= 2; inlined with constant R, C and
  * bits so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile(const float *x, const uint8_t *q, const float *sc,
@@ -204,7 +167,7 @@ static inline __attribute__((always_inline)) void strip_tile(const float *x, con
 /* One row of x (a batch-1 decode) against weight row n, read start to end: per group the sum of q x in two
  * accumulators, scaled at the group's end; the zero points' share, sum over groups of zs * sum(x in group),
  * comes from xsum (computed once per call). A thread's rows are adjacent, so it reads one sequential stream:
- * over bench-medium's weights int8 went from 8.4 to 11.1 GB/s against row4's four interleaved rows (int4 is
+ * over bench-medium's weights int8 went from 8.4 to 11.1 GB/s against the earlier four interleaved rows (int4 is
  * bound by its unpacking either way: 5.2-6.9 GB/s). */
 static inline __attribute__((always_inline)) float row1(const float *x, const float *xsum, const uint8_t *q,
                                                        const float *sc, const float *zs, long K, long gs, long n,
@@ -286,9 +249,7 @@ static inline __attribute__((always_inline)) void gemv(const float *x, const uin
                 for (long r = 0; r < rows; r++) tile(x, q, sc, zs, y, N, K, gs, n0 + r, m, 1, 2, bits);
         }
         if (m < M) {
-            if (rows == 4 && gs % 16 == 0)
-                row4(x, q, sc, zs, y, N, K, gs, n0, m, bits);
-            else if (rows == 4)
+            if (rows == 4)
                 tile(x, q, sc, zs, y, N, K, gs, n0, m, 4, 1, bits);
             else
                 for (long r = 0; r < rows; r++) tile(x, q, sc, zs, y, N, K, gs, n0 + r, m, 1, 1, bits);
