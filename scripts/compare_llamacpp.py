@@ -15,7 +15,8 @@ Not part of `make test`. Steps, each skipped when its output exists:
    Tessera server's /generate on 256 random prompt tokens (see tessera_micro). Engines alternate, each
    figure is the median of --reps.
 4. serving: llama-server (`--parallel N -c C -lm none --image-min-tokens 64 --image-max-tokens 64`) and
-   `tessera serve --max-total-tokens C` (the same KV capacity), a fresh server per run, engines
+   `tessera serve --max-total-tokens C` (the same KV capacity; Tessera's default thread policy, see
+   --serving-threads), both on the same --threads cores, a fresh server per run, engines
    alternating, both driven by `tessera bench serving` (which also samples the server's peak RSS);
    medians of --reps.
 Figures are printed as a markdown table (and written to --out-md / --out-json).
@@ -131,15 +132,28 @@ class Server:
         self.log_file.close()
 
 
-def tessera_cmd(model: str, port: int, ns: argparse.Namespace, extra: list[str] = ()) -> list:
-    return [sys.executable, "-m", "tessera", "serve", "--model-path", str(model_dir(model)), "--port", port,
-            "--cpu-threads", ns.threads, *extra, *shlex.split(ns.tessera_args)]
+def pinned(ns: argparse.Namespace) -> list:
+    """`taskset` onto the first --threads cores when the machine has more: both servers and all their processes
+    then share the same cores (llama-server's threads, Tessera's frontend and scheduler)."""
+    from tessera.platform.threads import available_cores
+
+    return [] if ns.threads >= available_cores() else ["taskset", "-c", f"0-{ns.threads - 1}"]
+
+
+def tessera_cmd(model: str, port: int, ns: argparse.Namespace, extra: list[str] = (), fixed: bool = True) -> list:
+    """fixed: `--cpu-threads --threads`, as llama-bench's `-t` (micro). Serving runs Tessera's default thread
+    policy instead (platform/threads.py: the model takes the cores its frontend and the client leave, at most
+    --threads of them), unless --serving-threads fixed: a fixed count keeps spinning on cores the frontend needs
+    (see docs/benchmarks.md, "Serving on the cores the frontend leaves")."""
+    threads = ["--cpu-threads", ns.threads] if fixed or ns.serving_threads == "fixed" else []
+    return [*pinned(ns), sys.executable, "-m", "tessera", "serve", "--model-path", str(model_dir(model)),
+            "--port", port, *threads, *extra, *shlex.split(ns.tessera_args)]
 
 
 def llama_server_cmd(bin_dir: Path, files: dict[str, Path], port: int, ns: argparse.Namespace,
                      parallel: int) -> list:
-    return [bin_dir / "llama-server", "-m", files[ns.llama_quant], "--mmproj", files["mmproj"], "--port", port,
-            "-t", ns.threads, "-tb", ns.threads, "--parallel", parallel, "-c", ns.context, "-lm", "none",
+    return [*pinned(ns), bin_dir / "llama-server", "-m", files[ns.llama_quant], "--mmproj", files["mmproj"],
+            "--port", port, "-t", ns.threads, "-tb", ns.threads, "--parallel", parallel, "-c", ns.context, "-lm", "none",
             "--image-min-tokens", 64, "--image-max-tokens", 64, "--no-webui"]
 
 
@@ -227,7 +241,7 @@ def serving(bin_dir: Path, all_files: dict[str, dict[str, Path]], ns: argparse.N
             for engine in ("llama.cpp", "tessera") if rep % 2 == 0 else ("tessera", "llama.cpp"):
                 tag = f"{model}-{engine}-{rep}"
                 cmd = (llama_server_cmd(bin_dir, all_files[model], ns.port, ns, conc) if engine == "llama.cpp"
-                       else tessera_cmd(model, ns.port, ns, ["--max-total-tokens", ns.context]))
+                       else tessera_cmd(model, ns.port, ns, ["--max-total-tokens", ns.context], fixed=False))
                 with Server(cmd, ns.port, ns.logs / f"{tag}.log") as srv:
                     runs[engine].append(bench_serving(srv.url, dataset, extra, conc, prompts // ns.prompts_divisor,
                                                       ns.logs / f"{tag}.json", ns))
@@ -278,6 +292,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=31234)
     p.add_argument("--prompts-divisor", type=int, default=1, help="serving runs send 1/N of their prompts (quick runs)")
     p.add_argument("--sections", default="micro,serving")
+    p.add_argument("--serving-threads", default="adaptive", choices=("adaptive", "fixed"),
+                   help="Tessera's thread policy in the serving runs: its default (adaptive, within --threads cores) "
+                        "or --cpu-threads --threads")
     p.add_argument("--tessera-args", default="", help='extra `tessera serve` flags, e.g. "--dtype bfloat16" or '
                                                      '"--torchao-config int8wo"')
     p.add_argument("--llama-quant", default="F32", choices=("F32", *QUANTS),
@@ -314,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
     result: dict = {"cpu": cpu, "cores": os.cpu_count(), "threads": ns.threads, "context": ns.context,
                     "tessera_args": ns.tessera_args, "llama_quant": ns.llama_quant,
+                    "serving_threads": ns.serving_threads,
                     "load_average_start": os.getloadavg()}
     for section, run_section in (("micro", lambda: micro(bin_dir, files["bench-medium"], ns)),
                                  ("serving", lambda: serving(bin_dir, files, ns))):

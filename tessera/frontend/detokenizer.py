@@ -7,6 +7,9 @@ cut at the string the scheduler reports as matched.
 from __future__ import annotations
 
 REPLACEMENT_CHAR = "\ufffd"
+# A UTF-8 character is at most 4 bytes and every byte-level or byte-fallback token carries at least one: a
+# character still forming (at most 3 of its bytes seen) lies within the last 3 tokens.
+MAX_PENDING_TOKENS = 3
 
 
 def matched_stop_string(finished_reason: dict | None) -> str | None:
@@ -44,14 +47,33 @@ class IncrementalDetokenizer:
         # A trailing replacement char means an incomplete UTF-8 sequence: wait for more bytes,
         # unless the request is over.
         if len(full_text) > len(prefix_text) and (finished or not full_text.endswith(REPLACEMENT_CHAR)):
-            self.text += full_text[len(prefix_text) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            self._take(full_text, prefix_text, len(self.ids))
         elif finished and full_text != prefix_text:
             self.text += full_text[len(prefix_text) :]
+        elif len(self.ids) - self.read_offset > MAX_PENDING_TOKENS:
+            self._release_invalid_bytes(prefix_text)
         matched = matched_stop_string(finished_reason)
         if matched is not None:
             self._cut_at(matched)
         return self._release(finished)
+
+    def _take(self, text: str, prefix_text: str, end: int) -> None:
+        """Makes the decoded window up to token `end` stable text."""
+        self.text += text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, end
+
+    def _release_invalid_bytes(self, prefix_text: str) -> None:
+        """More than MAX_PENDING_TOKENS tokens are held and their text still ends in a replacement char. A
+        character still forming has its bytes in the last MAX_PENDING_TOKENS tokens, so releases the text up to
+        the latest of those tokens where it ends cleanly, or else up to the first of them: the replacement
+        chars before it stand for invalid bytes (a model emitting stray byte tokens) that no later byte can
+        complete. Without this, such a stream sent nothing until it finished."""
+        n = len(self.ids)
+        for end in range(n - 1, n - MAX_PENDING_TOKENS - 1, -1):
+            text = self._decode(self.ids[self.prefix_offset : end])
+            if len(text) > len(prefix_text) and (end == n - MAX_PENDING_TOKENS or not text.endswith(REPLACEMENT_CHAR)):
+                self._take(text, prefix_text, end)
+                return
 
     def _cut_at(self, matched: str) -> None:
         # Released text never holds the start of a stop string (see _release), so the match lies in

@@ -89,3 +89,31 @@ def test_the_detokenizer_does_not_match_stop_strings_itself(tok) -> None:
     # A stop token id (not a string) cuts nothing.
     d = IncrementalDetokenizer(tok, stop=["STOP"])
     assert d.add(ids, {"type": "stop", "matched": 7}) == "a STOP b"
+
+
+def test_stray_bytes_are_released_before_the_end(tok) -> None:
+    """A model that emits lone UTF-8 continuation bytes (a random checkpoint's greedy output, or a broken one's)
+    used to send nothing until it finished: every window ended in a replacement char. Text goes out once more
+    tokens are held than a forming character can span, and a real character after the garbage stays whole."""
+    stray = tok.encode("é")[1]  # 0xA9 alone: a continuation byte without its lead
+    ids = [stray] * 10 + tok.encode("ok 日本🎉") + [stray] * 2
+    d = IncrementalDetokenizer(tok)
+    deltas = [d.add([i]) for i in ids[:-1]] + [d.add(ids[-1:], {"type": "length"})]
+    assert "".join(deltas[:10]).count("\ufffd") >= 6  # the garbage streamed while it was generated
+    assert "".join(deltas) == d.output_text == tok.decode(ids)
+    assert "日本🎉" in "".join(deltas)
+    # each character went out whole: no delta holds a replacement char where the text has none
+    sent = ""
+    for x in deltas:
+        sent += x
+        assert tok.decode(ids).startswith(sent)
+
+
+def test_forming_character_is_still_held(tok) -> None:
+    """Three bytes of a four-byte character are held (not sent as replacement chars), even after garbage."""
+    stray = tok.encode("é")[1]
+    party = tok.encode("🎉")
+    d = IncrementalDetokenizer(tok)
+    out = "".join(d.add([i]) for i in [stray] * 5 + party[:3])
+    assert out == "\ufffd" * 5
+    assert d.add(party[3:]) == "🎉"
