@@ -153,8 +153,8 @@ def tessera_cmd(model: str, port: int, ns: argparse.Namespace, extra: list[str] 
 def llama_server_cmd(bin_dir: Path, files: dict[str, Path], port: int, ns: argparse.Namespace,
                      parallel: int) -> list:
     return [*pinned(ns), bin_dir / "llama-server", "-m", files[ns.llama_quant], "--mmproj", files["mmproj"],
-            "--port", port, "-t", ns.threads, "-tb", ns.threads, "--parallel", parallel, "-c", ns.context, "-lm", "none",
-            "--image-min-tokens", 64, "--image-max-tokens", 64, "--no-webui"]
+            "--port", port, "-t", ns.threads, "-tb", ns.threads, "--parallel", parallel, "-c", ns.context,
+            "-lm", "none", "--image-min-tokens", 64, "--image-max-tokens", 64, "--no-webui"]
 
 
 # ---------------------------------------------------------------- micro: batch-1 prefill and decode
