@@ -141,11 +141,11 @@ def pinned(ns: argparse.Namespace) -> list:
 
 
 def tessera_cmd(model: str, port: int, ns: argparse.Namespace, extra: list[str] = (), fixed: bool = True) -> list:
-    """fixed: `--cpu-threads --threads`, as llama-bench's `-t` (micro). Serving runs Tessera's default thread
-    policy instead (platform/threads.py: the model takes the cores its frontend and the client leave, at most
-    --threads of them), unless --serving-threads fixed: a fixed count keeps spinning on cores the frontend needs
-    (see docs/benchmarks.md, "Serving on the cores the frontend leaves")."""
-    threads = ["--cpu-threads", ns.threads] if fixed or ns.serving_threads == "fixed" else []
+    """fixed: `--cpu-threads --threads`, as llama-bench's `-t` (micro, and serving with --serving-threads fixed).
+    Otherwise Tessera's default thread policy (platform/threads.py: the model takes the cores its frontend and
+    the client leave, at most --threads of them under `pinned`): a fixed count keeps spinning on cores the
+    frontend needs (see docs/benchmarks.md, "Serving on the cores the frontend leaves")."""
+    threads = ["--cpu-threads", ns.threads] if fixed else []
     return [*pinned(ns), sys.executable, "-m", "tessera", "serve", "--model-path", str(model_dir(model)),
             "--port", port, *threads, *extra, *shlex.split(ns.tessera_args)]
 
@@ -241,7 +241,8 @@ def serving(bin_dir: Path, all_files: dict[str, dict[str, Path]], ns: argparse.N
             for engine in ("llama.cpp", "tessera") if rep % 2 == 0 else ("tessera", "llama.cpp"):
                 tag = f"{model}-{engine}-{rep}"
                 cmd = (llama_server_cmd(bin_dir, all_files[model], ns.port, ns, conc) if engine == "llama.cpp"
-                       else tessera_cmd(model, ns.port, ns, ["--max-total-tokens", ns.context], fixed=False))
+                       else tessera_cmd(model, ns.port, ns, ["--max-total-tokens", ns.context],
+                                        fixed=ns.serving_threads == "fixed"))
                 with Server(cmd, ns.port, ns.logs / f"{tag}.log") as srv:
                     runs[engine].append(bench_serving(srv.url, dataset, extra, conc, prompts // ns.prompts_divisor,
                                                       ns.logs / f"{tag}.json", ns))
