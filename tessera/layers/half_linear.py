@@ -7,13 +7,17 @@ per value. Which way each product runs, by rows of x (figures: docs/benchmarks.m
 - few rows (decode): cpu_gemv16.c widens the weight in registers and streams it once (bound by the read);
 - more rows (prefill): the weight widened to float32 in blocks into a reused buffer, then torch's sgemm.
   The widening is ~2% of the sgemm at 256 rows, while torch's own bfloat16 / float16 matmuls ran 5-7x
-  slower than float32 on an AVX2 CPU (no AVX512-BF16 / AMX). Where the CPU has AMX (`amx_bf16`), oneDNN's
-  bfloat16 matmul uses its tiles and should beat sgemm: bfloat16 weights take it there, x rounded to bfloat16
-  (chosen from the CPU's flags; not measured on this project's machines).
+  slower than float32 on an AVX2 CPU (no AVX512-BF16 / AMX).
+
+Where the CPU has AMX (`amx_bf16`), oneDNN's bfloat16 matmul runs on its tiles: on a Sapphire Rapids Xeon it
+took a 256-row product over a bf16 weight 2.1-2.7x faster than the widened sgemm, but it rounds x to bfloat16,
+which moved a tiny model's logprobs by 0.025 where the float32 contract holds them within 1e-4. So it is opt-in
+(TESSERA_BF16_AMX=1), and the default gives every CPU the same numbers.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -28,7 +32,7 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL = {torch.bfloat16: "gemv_bf16", torch.float16: "gemv_f16"}
 # Values of one widened block: 16 MB of float32, L2/L3-sized; a weight up to this size is widened whole.
 BLOCK_VALUES = 1 << 22
-_AMX_BF16 = "amx_bf16" in cpu_kernels.cpu_flags()
+_AMX_BF16 = os.environ.get("TESSERA_BF16_AMX", "0") == "1" and "amx_bf16" in cpu_kernels.cpu_flags()
 _scratch = threading.local()  # per thread (TP ranks are processes; tests may run models on threads)
 
 

@@ -111,8 +111,8 @@ def test_keep_weights_in_converts_linears_tables_and_heads(tied) -> None:
 
 
 def test_amx_cpus_take_onednn_bf16_for_many_rows(monkeypatch) -> None:
-    """Where the CPU has AMX (not this project's machines) many rows of a bf16 weight run oneDNN's bf16 matmul:
-    x rounded to bf16, the result float32 with the bias added; fp16 weights keep the widened path."""
+    """With TESSERA_BF16_AMX=1 on a CPU with AMX many rows of a bf16 weight run oneDNN's bf16 matmul: x rounded
+    to bf16, the result float32 with the bias added; fp16 weights keep the widened path."""
     monkeypatch.setattr(half_linear, "_AMX_BF16", True)
     g = torch.Generator().manual_seed(3)
     w, b, x = _weight(40, 64, torch.bfloat16, g), torch.randn(40, generator=g), torch.randn(100, 64, generator=g)
@@ -124,3 +124,17 @@ def test_amx_cpus_take_onednn_bf16_for_many_rows(monkeypatch) -> None:
         h = w.to(torch.float16)
         torch.testing.assert_close(linear(x, h).double(), _reference(x, h, None), atol=1e-5, rtol=1e-5)
     assert "oneDNN (AMX)" in half_linear.describe(torch.bfloat16)
+
+
+def test_amx_is_opt_in(monkeypatch) -> None:
+    """Without TESSERA_BF16_AMX=1 a CPU with AMX keeps float32 compute (the same numbers as every other CPU)."""
+    import importlib
+
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"amx_bf16", "avx512_bf16"}))
+    try:
+        for value, want in (("", False), ("0", False), ("1", True)):
+            monkeypatch.setenv("TESSERA_BF16_AMX", value)
+            assert importlib.reload(half_linear)._AMX_BF16 is want
+    finally:
+        monkeypatch.undo()
+        importlib.reload(half_linear)

@@ -1,11 +1,11 @@
 """Products with weight-only int8 / int4 weights: an AffineWeight packed once for the kernel chosen here.
 
-Which kernel runs is decided at pack time from the device, the CPU's features and the weight's shape:
+Which kernel runs is decided at pack time from the device and the weight's shape:
 - "c": our C kernels (platform/csrc/cpu_int_gemv.c) for products of up to max_rows() rows; more rows (a
   prefill) dequantize the weight to float32 with the C kernel and run torch's matmul (measured faster from
   there than the kernel, and not slower than float32: docs/benchmarks.md, "Weight-only int8 / int4").
-- "torch": torch's packed CPU ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu), taken where the CPU
-  has AVX-512 (their fast paths); on AVX2 alone they measured slower than a float32 product.
+- "torch": torch's packed CPU ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu), only where
+  TESSERA_INT_KERNEL=torch asks: they measured slower than ours on AVX2 and, by 10-110x, on AVX-512 + AMX.
 - "affine": the AffineWeight kept as it is and dequantized by torch operators for every product (the C
   kernels did not build, or an int4 shape they do not take: groups or rows not a multiple of 16).
 Off the host (CUDA) the caller keeps the dequantized weight in the compute dtype instead (layers/linear.py).
@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -41,23 +40,12 @@ def parse_scheme(name: str) -> tuple[int, int | None, bool]:
     return 4, int(re.fullmatch(r"int4wo-(\d+)", name).group(1)), False
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def prefers_torch_ops() -> bool:
-    """torch's int8pack / int4pack CPU kernels have AVX-512 (and AMX) paths; with AVX2 alone ours win.
-    TESSERA_INT_KERNEL=c or =torch overrides (tests run both here)."""
-    forced = os.environ.get("TESSERA_INT_KERNEL", "")
-    if forced in ("c", "torch"):
-        return forced == "torch"
-    return "avx512f" in _cpu_flags()
+    """Whether torch's int8pack / int4pack CPU ops run the products instead of our C kernels: only when
+    TESSERA_INT_KERNEL=torch asks (=c or unset: ours). On the one AVX-512 + AMX CPU measured (a Sapphire
+    Rapids Xeon, torch 2.14.1) torch's ops ran 10-110x slower than ours at 1-256 rows (docs/benchmarks.md,
+    "Measured on a CPU with AVX-512 and AMX")."""
+    return os.environ.get("TESSERA_INT_KERNEL", "") == "torch"
 
 
 def max_rows() -> int:
@@ -100,7 +88,8 @@ class PackedIntWeight:
         if not is_host(weight.q.device):
             raise ValueError("PackedIntWeight runs on the CPU; off it the layer keeps a dequantized weight")
         if self.bits == 4:
-            torch_ok = self.group_size in (32, 64, 128, 256) and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+            torch_ok = (self.group_size in (32, 64, 128, 256) and self.out_features % 16 == 0  # its packing's rule
+                        and hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"))
         else:
             torch_ok = self.group_size == inp and weight.symmetric and hasattr(torch, "_weight_int8pack_mm")
         if torch_ok and prefers_torch_ops():
