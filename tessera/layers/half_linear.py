@@ -32,8 +32,15 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 _KERNEL = {torch.bfloat16: "gemv_bf16", torch.float16: "gemv_f16"}
 # Values of one widened block: 16 MB of float32, L2/L3-sized; a weight up to this size is widened whole.
 BLOCK_VALUES = 1 << 22
-_AMX_BF16 = os.environ.get("TESSERA_BF16_AMX", "0") == "1" and "amx_bf16" in cpu_kernels.cpu_flags()
 _scratch = threading.local()  # per thread (TP ranks are processes; tests may run models on threads)
+
+
+def amx_bf16_wanted() -> bool:
+    """Whether many-row bf16 products go to oneDNN's bf16 matmul: asked for (TESSERA_BF16_AMX=1) and AMX present."""
+    return os.environ.get("TESSERA_BF16_AMX", "0") == "1" and "amx_bf16" in cpu_kernels.cpu_flags()
+
+
+_AMX_BF16 = amx_bf16_wanted()
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -128,13 +128,9 @@ def test_amx_cpus_take_onednn_bf16_for_many_rows(monkeypatch) -> None:
 
 def test_amx_is_opt_in(monkeypatch) -> None:
     """Without TESSERA_BF16_AMX=1 a CPU with AMX keeps float32 compute (the same numbers as every other CPU)."""
-    import importlib
-
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"amx_bf16", "avx512_bf16"}))
-    try:
-        for value, want in (("", False), ("0", False), ("1", True)):
-            monkeypatch.setenv("TESSERA_BF16_AMX", value)
-            assert importlib.reload(half_linear)._AMX_BF16 is want
-    finally:
-        monkeypatch.undo()
-        importlib.reload(half_linear)
+    for value, want in (("", False), ("0", False), ("1", True)):
+        monkeypatch.setenv("TESSERA_BF16_AMX", value)
+        assert half_linear.amx_bf16_wanted() is want
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2"}))
+    assert half_linear.amx_bf16_wanted() is False

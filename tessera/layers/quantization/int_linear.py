@@ -5,7 +5,7 @@ Which kernel runs is decided at pack time from the device and the weight's shape
   prefill) dequantize the weight to float32 with the C kernel and run torch's matmul (measured faster from
   there than the kernel, and not slower than float32: docs/benchmarks.md, "Weight-only int8 / int4").
 - "torch": torch's packed CPU ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu), only where
-  TESSERA_INT_KERNEL=torch asks: they measured slower than ours on AVX2 and, by 10-110x, on AVX-512 + AMX.
+  TESSERA_INT_KERNEL=torch asks: they measured slower than ours on AVX2 and, by 9-120x, on AVX-512 + AMX.
 - "affine": the AffineWeight kept as it is and dequantized by torch operators for every product (the C
   kernels did not build, or an int4 shape they do not take: groups or rows not a multiple of 16).
 Off the host (CUDA) the caller keeps the dequantized weight in the compute dtype instead (layers/linear.py).
@@ -43,7 +43,7 @@ def parse_scheme(name: str) -> tuple[int, int | None, bool]:
 def prefers_torch_ops() -> bool:
     """Whether torch's int8pack / int4pack CPU ops run the products instead of our C kernels: only when
     TESSERA_INT_KERNEL=torch asks (=c or unset: ours). On the one AVX-512 + AMX CPU measured (a Sapphire
-    Rapids Xeon, torch 2.14.1) torch's ops ran 10-110x slower than ours at 1-256 rows (docs/benchmarks.md,
+    Rapids Xeon, torch 2.14.1) torch's ops ran 9-120x slower than ours at 1-256 rows (docs/benchmarks.md,
     "Measured on a CPU with AVX-512 and AMX")."""
     return os.environ.get("TESSERA_INT_KERNEL", "") == "torch"
 
