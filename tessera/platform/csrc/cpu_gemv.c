@@ -3,32 +3,53 @@
  * x [M, K], w [N, K] (a Linear's weight, row-major), b [N] or NULL, y [M, N]. At a few rows the product is
  * bound by reading w once from memory; MKL ran it on one core and oneDNN reached ~18 GB/s of this machine's
  * ~28 GB/s read bandwidth. Here each OpenMP thread (torch's own pool: the library links the libgomp torch
- * has loaded) streams its share of w's rows once, in tiles of 4 rows x 2 rows of x, eight lanes per
- * accumulator (GCC/Clang vector extensions: AVX on x86, NEON on Arm, whatever -march=native offers).
+ * has loaded) streams its share of w's rows once, in tiles of 4 weight rows x TILE_C rows of x, VL lanes per
+ * accumulator (cpu_vec.h: AVX-512, AVX, NEON, whatever -march=native offers). From a few rows up the tile's
+ * arithmetic is the bound, so AVX-512's 32 registers take 4 x 4 tiles (16 sums, 8 loads per 16 multiply-adds)
+ * where AVX2's 16 take 4 x 2.
  * Built by tessera/platform/cpu_kernels.py.
  */
 #include "cpu_vec.h"
 
-/* Rows n0 .. n0+R-1 of w against rows m0 .. m0+C-1 of x, R <= 4, C <= 2; inlined with constant R and C
+#if VL == 16
+#define TILE_C 4
+#else
+#define TILE_C 2
+#endif
+#define TILE_MIN(c) ((c) < TILE_C ? (c) : TILE_C)
+
+/* Rows n0 .. n0+R-1 of w against rows m0 .. m0+C-1 of x, R <= 4, C <= TILE_C; inlined with constant R and C
  * so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *y, long N, long K,
                                                       long n0, long m0, int R, int C) {
-    v8 acc[4][2] = {{{0}}};
+    vf acc[4][TILE_C] = {{{0}}};
     long k = 0;
-    for (; k + 8 <= K; k += 8) {
-        v8 xv[2];
-        for (int c = 0; c < C; c++) xv[c] = load8(x + (m0 + c) * K + k);
+    for (; k + VL <= K; k += VL) {
+        vf xv[TILE_C];
+        for (int c = 0; c < C; c++) xv[c] = loadv(x + (m0 + c) * K + k);
         for (int r = 0; r < R; r++) {
-            v8 wv = load8(w + (n0 + r) * K + k);
+            vf wv = loadv(w + (n0 + r) * K + k);
             for (int c = 0; c < C; c++) acc[r][c] += wv * xv[c];
         }
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
-            float s = sum8(acc[r][c]);
+            float s = sumv(acc[r][c]);
             for (long t = k; t < K; t++) s += w[(n0 + r) * K + t] * x[(m0 + c) * K + t];
             y[(m0 + c) * N + n0 + r] = s;
         }
+}
+
+/* Every row of x against weight rows n0 .. n0+R-1 (R constant: 4, or 1 at the edge). */
+static inline __attribute__((always_inline)) void rows_of_x(const float *x, const float *w, float *y, long M,
+                                                           long N, long K, long n0, int R) {
+    long m = 0;
+    for (; m + TILE_C <= M; m += TILE_C) tile(x, w, y, N, K, n0, m, R, TILE_C);
+    switch (M - m) { /* a constant C for each remainder (below TILE_C: the min only keeps dead cases in bounds) */
+    case 3: tile(x, w, y, N, K, n0, m, R, TILE_MIN(3)); break;
+    case 2: tile(x, w, y, N, K, n0, m, R, TILE_MIN(2)); break;
+    case 1: tile(x, w, y, N, K, n0, m, R, 1); break;
+    }
 }
 
 void tessera_gemv_f32(const float *x, const float *w, const float *b, float *y, long M, long N, long K,
@@ -36,21 +57,13 @@ void tessera_gemv_f32(const float *x, const float *w, const float *b, float *y, 
     long blocks = (N + 3) / 4;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long blk = 0; blk < blocks; blk++) {
-        long n0 = blk * 4, rows = N - n0 < 4 ? N - n0 : 4, m = 0;
-        for (; m + 2 <= M; m += 2) {
-            if (rows == 4)
-                tile(x, w, y, N, K, n0, m, 4, 2);
-            else
-                for (long r = 0; r < rows; r++) tile(x, w, y, N, K, n0 + r, m, 1, 2);
-        }
-        if (m < M) {
-            if (rows == 4)
-                tile(x, w, y, N, K, n0, m, 4, 1);
-            else
-                for (long r = 0; r < rows; r++) tile(x, w, y, N, K, n0 + r, m, 1, 1);
-        }
+        long n0 = blk * 4, rows = N - n0 < 4 ? N - n0 : 4;
+        if (rows == 4)
+            rows_of_x(x, w, y, M, N, K, n0, 4);
+        else
+            for (long r = 0; r < rows; r++) rows_of_x(x, w, y, M, N, K, n0 + r, 1);
         if (b)
-            for (m = 0; m < M; m++)
+            for (long m = 0; m < M; m++)
                 for (long r = 0; r < rows; r++) y[m * N + n0 + r] += b[n0 + r];
     }
 }

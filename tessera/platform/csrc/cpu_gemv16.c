@@ -5,33 +5,46 @@
  * At a few rows the product is bound by reading w, so half the bytes of float32 is the whole gain: each weight
  * value is widened to float32 in registers (bfloat16: its bits shifted left by 16; float16: F16C's vcvtph2ps)
  * and multiplied-added in float32, so the result is the float32 product of the upcast weight. The loop
- * structure is cpu_gemv.c's: OpenMP (torch's pool) over blocks of 4 weight rows, tiles of 4 x 2 rows of x;
- * one row of x reads the weight row by row instead (row1).
+ * structure is cpu_gemv.c's: OpenMP (torch's pool) over blocks of 4 weight rows, tiles of 4 x TILE_C rows of x,
+ * VL lanes (cpu_vec.h); one row of x reads the weight row by row instead (row1).
  * Built by tessera/platform/cpu_kernels.py.
  */
 #include <stdint.h>
 
 #include "cpu_vec.h"
 
-#if defined(__AVX2__) || defined(__F16C__)
+#if defined(__AVX2__) || defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
+#if VL == 16
+#define TILE_C 4
+#else
+#define TILE_C 2
+#endif
+#define TILE_MIN(c) ((c) < TILE_C ? (c) : TILE_C)
 
-static inline v8 widen_bf16(const uint16_t *p) {
-#if defined(__AVX2__)
-    /* GCC's vector-extension form below compiled to a slower sequence (measured: 8.4 vs 5.4 ms, see
-     * docs/benchmarks.md); zero-extend and shift in two instructions. */
-    __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-    v8 r;
+typedef uint16_t vu16 __attribute__((vector_size(VL * 2)));
+typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
+
+static inline vf widen_bf16(const uint16_t *p) {
+#if VL == 16
+    vf r;
+    __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
     __builtin_memcpy(&r, &v, sizeof r);
     return r;
-#endif
-    v8u16 h;
+#elif defined(__AVX2__)
+    /* GCC's vector-extension form below compiled to a slower sequence (measured: 8.4 vs 5.4 ms, see
+     * docs/benchmarks.md); zero-extend and shift in two instructions. */
+    vf r;
+    __m256 v = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    __builtin_memcpy(&r, &v, sizeof r);
+    return r;
+#else
+    vu16 h;
     __builtin_memcpy(&h, p, sizeof h);
-    return (v8)(__builtin_convertvector(h, v8u32) << 16);
+    return (vf)(__builtin_convertvector(h, vu32) << 16);
+#endif
 }
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -64,37 +77,38 @@ static inline float f16_to_f32(uint16_t h) {
     return f;
 }
 
-static inline v8 widen_f16(const uint16_t *p) {
-#if defined(__F16C__)
-    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-    v8 r;
+static inline vf widen_f16(const uint16_t *p) {
+    vf r;
+#if VL == 16
+    __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
     __builtin_memcpy(&r, &v, sizeof r);
-    return r;
+#elif defined(__F16C__)
+    __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __builtin_memcpy(&r, &v, sizeof r);
 #else
-    v8 r;
-    for (int i = 0; i < 8; i++) r[i] = f16_to_f32(p[i]);
-    return r;
+    for (int i = 0; i < VL; i++) r[i] = f16_to_f32(p[i]);
 #endif
+    return r;
 }
 
-/* Rows n0 .. n0+R-1 of w against rows m0 .. m0+C-1 of x, R <= 4, C <= 2; inlined with constant R, C and
+/* Rows n0 .. n0+R-1 of w against rows m0 .. m0+C-1 of x, R <= 4, C <= TILE_C; inlined with constant R, C and
  * HALF (1: float16, 0: bfloat16) so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile(const float *x, const uint16_t *w, float *y, long N, long K,
                                                       long n0, long m0, int R, int C, int HALF) {
-    v8 acc[4][2] = {{{0}}};
+    vf acc[4][TILE_C] = {{{0}}};
     long k = 0;
-    for (; k + 8 <= K; k += 8) {
-        v8 xv[2];
-        for (int c = 0; c < C; c++) xv[c] = load8(x + (m0 + c) * K + k);
+    for (; k + VL <= K; k += VL) {
+        vf xv[TILE_C];
+        for (int c = 0; c < C; c++) xv[c] = loadv(x + (m0 + c) * K + k);
         for (int r = 0; r < R; r++) {
             const uint16_t *p = w + (n0 + r) * K + k;
-            v8 wv = HALF ? widen_f16(p) : widen_bf16(p);
+            vf wv = HALF ? widen_f16(p) : widen_bf16(p);
             for (int c = 0; c < C; c++) acc[r][c] += wv * xv[c];
         }
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
-            float s = sum8(acc[r][c]);
+            float s = sumv(acc[r][c]);
             for (long t = k; t < K; t++) {
                 uint16_t h = w[(n0 + r) * K + t];
                 s += (HALF ? f16_to_f32(h) : bf16_to_f32(h)) * x[(m0 + c) * K + t];
@@ -103,24 +117,28 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
         }
 }
 
+/* Every row of x against weight rows n0 .. n0+R-1 (R constant: 4, or 1 at the edge). */
+static inline __attribute__((always_inline)) void rows_of_x(const float *x, const uint16_t *w, float *y, long M,
+                                                           long N, long K, long n0, int R, int HALF) {
+    long m = 0;
+    for (; m + TILE_C <= M; m += TILE_C) tile(x, w, y, N, K, n0, m, R, TILE_C, HALF);
+    switch (M - m) { /* a constant C for each remainder (below TILE_C: the min only keeps dead cases in bounds) */
+    case 3: tile(x, w, y, N, K, n0, m, R, TILE_MIN(3), HALF); break;
+    case 2: tile(x, w, y, N, K, n0, m, R, TILE_MIN(2), HALF); break;
+    case 1: tile(x, w, y, N, K, n0, m, R, 1, HALF); break;
+    }
+}
+
 /* One block of 4 weight rows (fewer at the end) against every row of x. */
 static inline __attribute__((always_inline)) void block(const float *x, const uint16_t *w, const float *b, float *y,
                                                        long M, long N, long K, long blk, int HALF) {
-    long n0 = blk * 4, rows = N - n0 < 4 ? N - n0 : 4, m = 0;
-    for (; m + 2 <= M; m += 2) {
-        if (rows == 4)
-            tile(x, w, y, N, K, n0, m, 4, 2, HALF);
-        else
-            for (long r = 0; r < rows; r++) tile(x, w, y, N, K, n0 + r, m, 1, 2, HALF);
-    }
-    if (m < M) {
-        if (rows == 4)
-            tile(x, w, y, N, K, n0, m, 4, 1, HALF);
-        else
-            for (long r = 0; r < rows; r++) tile(x, w, y, N, K, n0 + r, m, 1, 1, HALF);
-    }
+    long n0 = blk * 4, rows = N - n0 < 4 ? N - n0 : 4;
+    if (rows == 4)
+        rows_of_x(x, w, y, M, N, K, n0, 4, HALF);
+    else
+        for (long r = 0; r < rows; r++) rows_of_x(x, w, y, M, N, K, n0 + r, 1, HALF);
     if (b)
-        for (m = 0; m < M; m++)
+        for (long m = 0; m < M; m++)
             for (long r = 0; r < rows; r++) y[m * N + n0 + r] += b[n0 + r];
 }
 
@@ -130,16 +148,16 @@ static inline __attribute__((always_inline)) void block(const float *x, const ui
 static inline __attribute__((always_inline)) void row1(const float *x, const uint16_t *w, const float *b, float *y,
                                                       long N, long K, long n, int HALF) {
     const uint16_t *wr = w + n * K;
-    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     long k = 0;
-    for (; k + 32 <= K; k += 32) {
-        a0 += (HALF ? widen_f16(wr + k) : widen_bf16(wr + k)) * load8(x + k);
-        a1 += (HALF ? widen_f16(wr + k + 8) : widen_bf16(wr + k + 8)) * load8(x + k + 8);
-        a2 += (HALF ? widen_f16(wr + k + 16) : widen_bf16(wr + k + 16)) * load8(x + k + 16);
-        a3 += (HALF ? widen_f16(wr + k + 24) : widen_bf16(wr + k + 24)) * load8(x + k + 24);
+    for (; k + 4 * VL <= K; k += 4 * VL) {
+        a0 += (HALF ? widen_f16(wr + k) : widen_bf16(wr + k)) * loadv(x + k);
+        a1 += (HALF ? widen_f16(wr + k + VL) : widen_bf16(wr + k + VL)) * loadv(x + k + VL);
+        a2 += (HALF ? widen_f16(wr + k + 2 * VL) : widen_bf16(wr + k + 2 * VL)) * loadv(x + k + 2 * VL);
+        a3 += (HALF ? widen_f16(wr + k + 3 * VL) : widen_bf16(wr + k + 3 * VL)) * loadv(x + k + 3 * VL);
     }
-    for (; k + 8 <= K; k += 8) a0 += (HALF ? widen_f16(wr + k) : widen_bf16(wr + k)) * load8(x + k);
-    float s = sum8((a0 + a1) + (a2 + a3));
+    for (; k + VL <= K; k += VL) a0 += (HALF ? widen_f16(wr + k) : widen_bf16(wr + k)) * loadv(x + k);
+    float s = sumv((a0 + a1) + (a2 + a3));
     for (; k < K; k++) s += (HALF ? f16_to_f32(wr[k]) : bf16_to_f32(wr[k])) * x[k];
     y[n] = b ? s + b[n] : s;
 }

@@ -15,101 +15,136 @@
  * tessera_int_dequant_f32 writes the float weight [N, K] (the many-row products run it through torch's
  * matmul). Built by tessera/platform/cpu_kernels.py.
  */
+#include <stddef.h>
 #include <stdint.h>
 
 #include "cpu_vec.h"
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if VL == 16
+#define TILE_C 4
+#elif defined(__AVX2__) && defined(__FMA__)
 #define TESSERA_INT_AVX2 1
 #endif
+#ifndef TILE_C
+#define TILE_C 2
+#endif
+#define TILE_MIN(c) ((c) < TILE_C ? (c) : TILE_C)
+#define I4_VECS (16 / VL) /* vectors per chunk of 16 int4 columns */
 
-/* Eight int8 weights as floats (q itself, not yet scaled). */
-static inline v8 cvt8_i8(const int8_t *q) {
-#ifdef TESSERA_INT_AVX2
-    return (v8)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
+/* VL int8 weights as floats (q itself, not yet scaled). */
+static inline vf cvt_i8(const int8_t *q) {
+#if VL == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+#elif defined(TESSERA_INT_AVX2)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)q)));
 #else
     v8i b = {q[0], q[1], q[2], q[3], q[4], q[5], q[6], q[7]};
     return __builtin_convertvector(b, v8);
 #endif
 }
 
-/* Sixteen int4 weights (one chunk, eight bytes) as floats: columns 0..7 in lo, 8..15 in hi. */
-static inline void cvt16_i4(const uint8_t *p, v8 *lo, v8 *hi) {
-#ifdef TESSERA_INT_AVX2
+/* Sixteen int4 weights (one chunk, eight bytes) as floats, columns in order over I4_VECS vectors. */
+static inline void cvt16_i4(const uint8_t *p, vf out[I4_VECS]) {
+#if VL == 16
+    __m128i b = _mm_loadl_epi64((const __m128i *)p), m = _mm_set1_epi8(15);
+    __m128i cols = _mm_unpacklo_epi64(_mm_and_si128(b, m), _mm_and_si128(_mm_srli_epi16(b, 4), m));
+    out[0] = (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(cols));
+#elif defined(TESSERA_INT_AVX2)
     __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    *lo = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
-    *hi = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+    out[0] = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    out[1] = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
 #else
     v8i b = {p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]};
-    *lo = __builtin_convertvector(b & 15, v8);
-    *hi = __builtin_convertvector(b >> 4, v8);
+    out[0] = __builtin_convertvector(b & 15, v8);
+    out[1] = __builtin_convertvector(b >> 4, v8);
 #endif
 }
 
-static inline v8 fmsub8(v8 a, v8 b, v8 c) {
-#ifdef TESSERA_INT_AVX2
-    return (v8)_mm256_fmsub_ps((__m256)a, (__m256)b, (__m256)c);
+#if VL == 16
+/* Thirty-two int4 weights (two chunks, sixteen bytes) as floats with one widening: lo holds columns 0..7 and
+ * 16..23, hi 8..15 and 24..31, which row1 multiplies with x in that order (permute_x). One widening shuffle per
+ * 32 columns instead of two per 16 (cvt16_i4): the int4 batch-1 product is bound by these shuffles. */
+static inline void cvt32_i4(const uint8_t *p, vf *lo, vf *hi) {
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = (vf)_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *hi = (vf)_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+#endif
+
+/* x with the middle two of every 8 x 4 columns swapped: the column order of cvt32_i4's lo, hi. */
+static void permute_x(const float *x, long K, float *out) {
+    for (long k = 0; k < K; k += 32) {
+        __builtin_memcpy(out + k, x + k, 8 * sizeof(float));
+        __builtin_memcpy(out + k + 8, x + k + 16, 8 * sizeof(float));
+        __builtin_memcpy(out + k + 16, x + k + 8, 8 * sizeof(float));
+        __builtin_memcpy(out + k + 24, x + k + 24, 8 * sizeof(float));
+    }
+}
+
+static inline vf fmsubv(vf a, vf b, vf c) {
+#if defined(TESSERA_INT_AVX2)
+    return (vf)_mm256_fmsub_ps((__m256)a, (__m256)b, (__m256)c);
 #else
-    return a * b - c;
+    return a * b - c; /* contracted to one fused instruction where the target has it (AVX-512 does) */
 #endif
 }
 
-/* Eight int8 weights dequantized. */
-static inline v8 deq8_i8(const int8_t *q, v8 s, v8 zs) { return fmsub8(cvt8_i8(q), s, zs); }
+/* VL int8 weights dequantized. */
+static inline vf deq_i8(const int8_t *q, vf s, vf zs) { return fmsubv(cvt_i8(q), s, zs); }
 
 /* Sixteen int4 weights dequantized. */
-static inline void deq16_i4(const uint8_t *p, v8 s, v8 zs, v8 *lo, v8 *hi) {
-    cvt16_i4(p, lo, hi);
-    *lo = fmsub8(*lo, s, zs);
-    *hi = fmsub8(*hi, s, zs);
+static inline void deq16_i4(const uint8_t *p, vf s, vf zs, vf out[I4_VECS]) {
+    cvt16_i4(p, out);
+    for (int j = 0; j < I4_VECS; j++) out[j] = fmsubv(out[j], s, zs);
 }
 
-/* Rows n0 .. n0+R-1 of w against rows m0 .. m0+C-1 of x, R <= 4, C <= 2; inlined with constant R, C and
+/* Rows n0 .. n0+R-1 of w against rows m0 .. m0+C-1 of x, R <= 4, C <= TILE_C; inlined with constant R, C and
  * bits so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile(const float *x, const uint8_t *q, const float *sc,
                                                       const float *zs, float *y, long N, long K, long gs,
                                                       long n0, long m0, int R, int C, int bits) {
     long G = K / gs, row_bytes = bits == 8 ? K : K / 2;
-    v8 acc[4][2] = {{{0}}};
-    float tail[4][2] = {{0}};
+    vf acc[4][TILE_C] = {{{0}}};
+    float tail[4][TILE_C] = {{0}};
     for (long g = 0; g < G; g++) {
-        v8 s[4], z[4];
+        vf s[4], z[4];
         for (int r = 0; r < R; r++) {
-            s[r] = splat8(sc[(n0 + r) * G + g]);
-            z[r] = splat8(zs[(n0 + r) * G + g]);
+            s[r] = splatv(sc[(n0 + r) * G + g]);
+            z[r] = splatv(zs[(n0 + r) * G + g]);
         }
         long k = g * gs, end = k + gs;
         if (bits == 8) {
-            for (; k + 8 <= end; k += 8) {
-                v8 xv[2];
-                for (int c = 0; c < C; c++) xv[c] = load8(x + (m0 + c) * K + k);
+            for (; k + VL <= end; k += VL) {
+                vf xv[TILE_C];
+                for (int c = 0; c < C; c++) xv[c] = loadv(x + (m0 + c) * K + k);
                 for (int r = 0; r < R; r++) {
-                    v8 w = deq8_i8((const int8_t *)q + (n0 + r) * row_bytes + k, s[r], z[r]);
+                    vf w = deq_i8((const int8_t *)q + (n0 + r) * row_bytes + k, s[r], z[r]);
                     for (int c = 0; c < C; c++) acc[r][c] += w * xv[c];
                 }
             }
-            for (; k < end; k++) /* a group (or row) whose length is not a multiple of 8 */
+            for (; k < end; k++) /* a group (or row) whose length is not a multiple of VL */
                 for (int r = 0; r < R; r++) {
                     float w = (float)((const int8_t *)q)[(n0 + r) * row_bytes + k] * s[r][0] - z[r][0];
                     for (int c = 0; c < C; c++) tail[r][c] += w * x[(m0 + c) * K + k];
                 }
         } else {
             for (; k < end; k += 16) {
-                v8 xl[2], xh[2];
-                for (int c = 0; c < C; c++) {
-                    xl[c] = load8(x + (m0 + c) * K + k);
-                    xh[c] = load8(x + (m0 + c) * K + k + 8);
-                }
+                vf xv[TILE_C][I4_VECS];
+                for (int c = 0; c < C; c++)
+                    for (int j = 0; j < I4_VECS; j++) xv[c][j] = loadv(x + (m0 + c) * K + k + j * VL);
                 for (int r = 0; r < R; r++) {
-                    v8 lo, hi;
-                    deq16_i4(q + (n0 + r) * row_bytes + k / 2, s[r], z[r], &lo, &hi);
-                    for (int c = 0; c < C; c++) acc[r][c] += lo * xl[c] + hi * xh[c];
+                    vf w[I4_VECS];
+                    deq16_i4(q + (n0 + r) * row_bytes + k / 2, s[r], z[r], w);
+                    for (int c = 0; c < C; c++)
+                        for (int j = 0; j < I4_VECS; j++) acc[r][c] += w[j] * xv[c][j];
                 }
             }
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) y[(m0 + c) * N + n0 + r] = sum8(acc[r][c]) + tail[r][c];
+        for (int c = 0; c < C; c++) y[(m0 + c) * N + n0 + r] = sumv(acc[r][c]) + tail[r][c];
 }
 
 /* Columns [k0, k1) of one row of w (q at the row's bytes, sc / zs at its groups) dequantized into out[k0:k1]
@@ -117,17 +152,16 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
 static inline __attribute__((always_inline)) void dequant_row(const uint8_t *qr, const float *sc, const float *zs,
                                                              float *out, long k0, long k1, long gs, int bits) {
     for (long g = k0 / gs; g * gs < k1; g++) {
-        v8 s = splat8(sc[g]), z = splat8(zs[g]);
+        vf s = splatv(sc[g]), z = splatv(zs[g]);
         long k = g * gs > k0 ? g * gs : k0, end = g * gs + gs < k1 ? g * gs + gs : k1;
         if (bits == 8) {
-            for (; k + 8 <= end; k += 8) store8(out + k, deq8_i8((const int8_t *)qr + k, s, z));
+            for (; k + VL <= end; k += VL) storev(out + k, deq_i8((const int8_t *)qr + k, s, z));
             for (; k < end; k++) out[k] = (float)((const int8_t *)qr)[k] * sc[g] - zs[g];
         } else {
             for (; k < end; k += 16) {
-                v8 lo, hi;
-                deq16_i4(qr + k / 2, s, z, &lo, &hi);
-                store8(out + k, lo);
-                store8(out + k + 8, hi);
+                vf w[I4_VECS];
+                deq16_i4(qr + k / 2, s, z, w);
+                for (int j = 0; j < I4_VECS; j++) storev(out + k + j * VL, w[j]);
             }
         }
     }
@@ -147,18 +181,18 @@ static inline __attribute__((always_inline)) void dequant_strip(const uint8_t *q
 static inline __attribute__((always_inline)) void strip_tile(const float *x, const float *buf, float *y, long N,
                                                             long K, long n0, long m0, long k0, long k1, int C) {
     long width = k1 - k0, k = 0;
-    v8 acc[4][2] = {{{0}}};
-    for (; k + 8 <= width; k += 8) {
-        v8 xv[2];
-        for (int c = 0; c < C; c++) xv[c] = load8(x + (m0 + c) * K + k0 + k);
+    vf acc[4][TILE_C] = {{{0}}};
+    for (; k + VL <= width; k += VL) {
+        vf xv[TILE_C];
+        for (int c = 0; c < C; c++) xv[c] = loadv(x + (m0 + c) * K + k0 + k);
         for (int r = 0; r < 4; r++) {
-            v8 wv = load8(buf + r * width + k);
+            vf wv = loadv(buf + r * width + k);
             for (int c = 0; c < C; c++) acc[r][c] += wv * xv[c];
         }
     }
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < C; c++) {
-            float s = sum8(acc[r][c]);
+            float s = sumv(acc[r][c]);
             for (long t = k; t < width; t++) s += buf[r * width + t] * x[(m0 + c) * K + k0 + t];
             y[(m0 + c) * N + n0 + r] += s;
         }
@@ -169,44 +203,54 @@ static inline __attribute__((always_inline)) void strip_tile(const float *x, con
  * comes from xsum (computed once per call). A thread's rows are adjacent, so it reads one sequential stream:
  * over bench-medium's weights int8 went from 8.4 to 11.1 GB/s against the earlier four interleaved rows (int4 is
  * bound by its unpacking either way: 5.2-6.9 GB/s). */
-static inline __attribute__((always_inline)) float row1(const float *x, const float *xsum, const uint8_t *q,
+static inline __attribute__((always_inline)) float row1(const float *x, const float *xp, const float *xsum,
+                                                       const uint8_t *q,
                                                        const float *sc, const float *zs, long K, long gs, long n,
                                                        int bits) {
     long G = K / gs, row_bytes = bits == 8 ? K : K / 2;
     const uint8_t *qr = q + n * row_bytes;
     const float *s = sc + n * G, *z = zs + n * G;
-    v8 acc = {0};
+    vf acc = {0};
     float zsum = 0.0f;
     for (long g = 0; g < G; g++) {
-        v8 p0 = {0}, p1 = {0};
+        vf p0 = {0}, p1 = {0};
         long k = g * gs, end = k + gs;
         if (bits == 8) {
-            for (; k + 16 <= end; k += 16) {
-                p0 += cvt8_i8((const int8_t *)qr + k) * load8(x + k);
-                p1 += cvt8_i8((const int8_t *)qr + k + 8) * load8(x + k + 8);
+            for (; k + 2 * VL <= end; k += 2 * VL) {
+                p0 += cvt_i8((const int8_t *)qr + k) * loadv(x + k);
+                p1 += cvt_i8((const int8_t *)qr + k + VL) * loadv(x + k + VL);
             }
-            for (; k < end; k += 8) p0 += cvt8_i8((const int8_t *)qr + k) * load8(x + k);
+            for (; k < end; k += VL) p0 += cvt_i8((const int8_t *)qr + k) * loadv(x + k);
         } else {
-            for (; k < end; k += 16) {
-                v8 lo, hi;
-                cvt16_i4(qr + k / 2, &lo, &hi);
-                p0 += lo * load8(x + k);
-                p1 += hi * load8(x + k + 8);
+#if VL == 16
+            /* xp: x in cvt32_i4's order, where groups are whole 32-column blocks (else NULL) */
+            for (; xp && k < end; k += 32) {
+                vf lo, hi;
+                cvt32_i4(qr + k / 2, &lo, &hi);
+                p0 += lo * loadv(xp + k);
+                p1 += hi * loadv(xp + k + 16);
+            }
+#endif
+            for (; k < end; k += 16) { /* a chunk's halves take the two accumulators with 8 lanes */
+                vf w[I4_VECS];
+                cvt16_i4(qr + k / 2, w);
+                p0 += w[0] * loadv(x + k);
+                if (I4_VECS == 2) p1 += w[I4_VECS - 1] * loadv(x + k + 8);
             }
         }
-        acc += (p0 + p1) * splat8(s[g]);
+        acc += (p0 + p1) * splatv(s[g]);
         zsum += xsum[g] * z[g];
     }
-    return sum8(acc) - zsum;
+    return sumv(acc) - zsum;
 }
 
 /* Sums of x over each group of gs columns, for row1. */
 static void group_sums(const float *x, long K, long gs, float *out) {
     for (long g = 0; g < K / gs; g++) {
-        v8 a = {0};
+        vf a = {0};
         long k = g * gs;
-        for (; k + 8 <= g * gs + gs; k += 8) a += load8(x + k);
-        float t = sum8(a);
+        for (; k + VL <= g * gs + gs; k += VL) a += loadv(x + k);
+        float t = sumv(a);
         for (; k < g * gs + gs; k++) t += x[k];
         out[g] = t;
     }
@@ -220,10 +264,15 @@ static inline __attribute__((always_inline)) void gemv(const float *x, const uin
                                                       const float *zs, const float *b, float *y, long M,
                                                       long N, long K, long gs, int threads, int bits) {
     if (M == 1 && gs % 16 == 0 && K / gs <= 4096) {
-        float xsum[4096];
+        float xsum[4096], xbuf[VL == 16 && bits == 4 && gs % 32 == 0 && K <= 16384 ? K : 1];
+        const float *xp = NULL;
         group_sums(x, K, gs, xsum);
+        if (VL == 16 && bits == 4 && gs % 32 == 0 && K <= 16384) {
+            permute_x(x, K, xbuf);
+            xp = xbuf;
+        }
 #pragma omp parallel for num_threads(threads) schedule(static)
-        for (long n = 0; n < N; n++) y[n] = row1(x, xsum, q, sc, zs, K, gs, n, bits) + (b ? b[n] : 0.0f);
+        for (long n = 0; n < N; n++) y[n] = row1(x, xp, xsum, q, sc, zs, K, gs, n, bits) + (b ? b[n] : 0.0f);
         return;
     }
     long blocks = (N + 3) / 4;
@@ -237,8 +286,12 @@ static inline __attribute__((always_inline)) void gemv(const float *x, const uin
             for (long k0 = 0; k0 < K; k0 += STRIP) {
                 long k1 = k0 + STRIP < K ? k0 + STRIP : K;
                 dequant_strip(q, sc, zs, buf, K, gs, n0, k0, k1, bits);
-                for (m = 0; m + 2 <= M; m += 2) strip_tile(x, buf, y, N, K, n0, m, k0, k1, 2);
-                if (m < M) strip_tile(x, buf, y, N, K, n0, m, k0, k1, 1);
+                for (m = 0; m + TILE_C <= M; m += TILE_C) strip_tile(x, buf, y, N, K, n0, m, k0, k1, TILE_C);
+                switch (M - m) { /* a constant C for each remainder (TILE_MIN keeps dead cases in bounds) */
+                case 3: strip_tile(x, buf, y, N, K, n0, m, k0, k1, TILE_MIN(3)); break;
+                case 2: strip_tile(x, buf, y, N, K, n0, m, k0, k1, TILE_MIN(2)); break;
+                case 1: strip_tile(x, buf, y, N, K, n0, m, k0, k1, 1); break;
+                }
             }
             m = M;
         }

@@ -43,4 +43,30 @@ static inline v8 exp8(v8 x) {
     return p * (v8)((n + 127) << 23);
 }
 
+/* The widest float vector the products use (vf, VL lanes): 16 lanes where the compiler targets AVX-512 (one
+ * instruction does twice the work of AVX2's, and 32 registers hold larger tiles), else the eight above. Only the
+ * few-row products (cpu_gemv*.c, cpu_int_gemv.c) use it; figures in docs/benchmarks.md, "AVX-512". */
+#if defined(__AVX512F__)
+#define VL 16
+typedef float vf __attribute__((vector_size(64)));
+static inline float sumv(vf v) {
+    return sum8((v8){v[0] + v[8], v[1] + v[9], v[2] + v[10], v[3] + v[11], v[4] + v[12], v[5] + v[13],
+                     v[6] + v[14], v[7] + v[15]});
+}
+#else
+#define VL 8
+typedef v8 vf;
+static inline float sumv(vf v) { return sum8(v); }
+#endif
+
+static inline vf loadv(const float *p) {
+    vf v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storev(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+
+static inline vf splatv(float x) { return x - (vf){0}; }
+
 #endif
