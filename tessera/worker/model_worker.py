@@ -34,7 +34,7 @@ from tessera.worker.cuda_graph import (
     capture_batch_sizes,
 )
 from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
-from tessera.platform import cpu_kernels
+from tessera.platform import cpu_kernels, host_memory
 from tessera.platform.device import (compute_dtype, platform_of, rank_device, resolve_device, resolve_dtype,
                                      to_device_packed)
 from tessera.worker.masks import span_mask
@@ -135,6 +135,8 @@ class ModelWorker:
         self._state_slots: dict[str, torch.Tensor] = {}
         self.cuda_graph_status = ""  # set by _capture_decode_graphs
         self.graph_runner = self._capture_decode_graphs(backend_name)
+        if self.platform.runs_on_host_cores:  # after the weights loaded: their staging copies are not kept
+            host_memory.keep_freed_blocks()
         self.info = WorkerInfo(device=str(self.device), dtype=str(self.weight_dtype).removeprefix("torch."),
                                compute_dtype=str(self.dtype).removeprefix("torch."), linear_kernel=self.linear_kernel,
                                max_total_tokens=size, kv_bytes_per_token=self.kv_pool.bytes_per_token,
