@@ -217,6 +217,14 @@ def micro(bin_dir: Path, files: dict[str, Path], ns: argparse.Namespace) -> dict
 # ---------------------------------------------------------------- serving
 
 
+class FailedRequests(RuntimeError):
+    """A serving run in which some requests failed: its figures are not comparable."""
+
+
+RUN_ATTEMPTS = 3  # a run with failed requests is repeated on a fresh server (llama-server dropped a connection
+# now and then at concurrency 16); the repeats are counted in the result
+
+
 def bench_serving(url: str, dataset: str, extra: list[str], concurrency: int, prompts: int, out: Path,
                   ns: argparse.Namespace) -> dict:
     run([sys.executable, "-m", "tessera", "bench", "serving", "--base-url", url, "--dataset", dataset, *extra,
@@ -226,7 +234,7 @@ def bench_serving(url: str, dataset: str, extra: list[str], concurrency: int, pr
     result = json.loads(out.read_text())
     m = result["metrics"]
     if m["num_failed"]:
-        raise RuntimeError(f"{m['num_failed']} failed requests ({out}): {m['errors']}")
+        raise FailedRequests(f"{m['num_failed']} failed requests ({out}): {m['errors']}")
     mem = result["server_memory"] or {}
     return {"output_tok_s": m["output_throughput"], "ttft_p99_ms": m["ttft_ms"]["p99"],
             "ttft_median_ms": m["ttft_ms"]["median"], "peak_rss_mib": mem.get("peak_rss_mib"),
@@ -237,17 +245,27 @@ def serving(bin_dir: Path, all_files: dict[str, dict[str, Path]], ns: argparse.N
     res: dict = {}
     for title, model, dataset, extra, conc, prompts in SERVING:
         runs: dict[str, list[dict]] = {"llama.cpp": [], "tessera": []}
+        repeated = {"llama.cpp": 0, "tessera": 0}
         for rep in range(ns.reps):
             for engine in ("llama.cpp", "tessera") if rep % 2 == 0 else ("tessera", "llama.cpp"):
                 tag = f"{model}-{engine}-{rep}"
                 cmd = (llama_server_cmd(bin_dir, all_files[model], ns.port, ns, conc) if engine == "llama.cpp"
                        else tessera_cmd(model, ns.port, ns, ["--max-total-tokens", ns.context],
                                         fixed=ns.serving_threads == "fixed"))
-                with Server(cmd, ns.port, ns.logs / f"{tag}.log") as srv:
-                    runs[engine].append(bench_serving(srv.url, dataset, extra, conc, prompts // ns.prompts_divisor,
-                                                      ns.logs / f"{tag}.json", ns))
+                for attempt in range(RUN_ATTEMPTS):
+                    try:
+                        with Server(cmd, ns.port, ns.logs / f"{tag}-{attempt}.log") as srv:
+                            runs[engine].append(bench_serving(srv.url, dataset, extra, conc,
+                                                              prompts // ns.prompts_divisor,
+                                                              ns.logs / f"{tag}-{attempt}.json", ns))
+                        break
+                    except FailedRequests as e:
+                        if attempt == RUN_ATTEMPTS - 1:
+                            raise
+                        repeated[engine] += 1
+                        log(f"{title} rep {rep} {engine}: {e}; repeating the run on a fresh server")
                 log(f"{title} rep {rep} {engine}: {runs[engine][-1]}")
-        res[title] = {"concurrency": conc, "prompts": prompts // ns.prompts_divisor,
+        res[title] = {"concurrency": conc, "prompts": prompts // ns.prompts_divisor, "repeated_runs": repeated,
                       **{e: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "processes"}
                          | {"processes": rs[-1]["processes"]} for e, rs in runs.items()}}
     return res
@@ -280,6 +298,9 @@ def table(result: dict) -> str:
             parts = " + ".join(f"{n.rsplit('.', 1)[-1]} {v:,.0f}" for n, v in t["processes"].items())
             rows.append(f"| same, peak RSS of the server | {lc['peak_rss_mib']:,.0f} MiB | "
                         f"{t['peak_rss_mib']:,.0f} MiB ({parts}) | {t['peak_rss_mib'] / lc['peak_rss_mib']:.2f}x |")
+        rep = r.get("repeated_runs", {})
+        if any(rep.values()):
+            rows.append(f"| same, runs repeated after failed requests | {rep['llama.cpp']} | {rep['tessera']} | |")
     return "\n".join(rows)
 
 

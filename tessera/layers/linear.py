@@ -23,7 +23,13 @@ from tessera.platform.device import is_host
 # (cache-resident) weights and one thread stay with F.linear, where oneDNN was level or slower. Measured on one
 # 2-vCPU machine; on another CPU (an Intel one, where MKL is at home) it is a starting point, not a rule.
 ONEDNN_MIN_WEIGHT = 1 << 19  # values in the weight
+# On a CPU with AVX-512, oneDNN from ONEDNN_MIN_ROWS rows at every weight size and thread count: MKL does not
+# take its AVX-512 paths on AMD's CPUs, and on an AVX-512 AMD EPYC oneDNN ran the vision tower's and demo-vl's
+# small products (weights of 16K-180K values, 256-1,024 rows) 1.7-2.3x faster than F.linear on one thread and
+# on two (docs/benchmarks.md, "AVX-512"). Below that many rows F.linear or our kernel (cpu_gemv) stays.
+ONEDNN_MIN_ROWS = 16
 _onednn_linear = cpu_kernels.onednn_linear()
+_onednn_any_size = "avx512f" in cpu_kernels.cpu_flags()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -34,7 +40,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if cpu_gemv.applies(x, weight, bias):
         return cpu_gemv.gemv(x, weight, bias)
     if (_onednn_linear is not None and x.dim() == 2
-            and weight.numel() >= ONEDNN_MIN_WEIGHT and torch.get_num_threads() > 1
+            and ((weight.numel() >= ONEDNN_MIN_WEIGHT and torch.get_num_threads() > 1)
+                 or (_onednn_any_size and x.shape[0] >= ONEDNN_MIN_ROWS))
             and cpu_kernels.host_f32_inference(x, weight, contiguous=False) and x.is_contiguous()):
         return _onednn_linear(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

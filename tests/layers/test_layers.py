@@ -79,6 +79,7 @@ def test_linear_takes_onednn_over_a_large_weight_on_several_threads(monkeypatch)
 
     if lin._onednn_linear is None:
         pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setattr(lin, "_onednn_any_size", False)  # the AVX-512 rule: the next test
     # Few rows also fit our own kernel (cpu_gemv, taken first, tested in test_cpu_kernels.py): off here.
     monkeypatch.setattr(lin.cpu_gemv, "applies", lambda *a: False)
     calls: list[tuple[int, int]] = []
@@ -104,3 +105,31 @@ def test_linear_takes_onednn_over_a_large_weight_on_several_threads(monkeypatch)
     finally:
         torch.set_num_threads(threads)
     assert calls == [(1, weight.numel()), (7, weight.numel()), (300, weight.numel())]
+
+
+@pytest.mark.parametrize("avx512", [False, True])
+def test_on_avx512_onednn_takes_many_rows_of_any_weight(monkeypatch, avx512):
+    """Where the CPU has AVX-512, many rows of a small weight go through oneDNN on any number of threads (and
+    equal F.linear); few rows stay. Without it, small weights stay on F.linear."""
+    import tessera.layers.linear as lin
+
+    if lin._onednn_linear is None:
+        pytest.skip("this torch build has no oneDNN linear")
+    monkeypatch.setattr(lin, "_onednn_any_size", avx512)
+    calls: list[int] = []
+    real = lin._onednn_linear
+    monkeypatch.setattr(lin, "_onednn_linear", lambda x, w, *a: calls.append(x.shape[0]) or real(x, w, *a))
+    g = torch.Generator().manual_seed(1)
+    small, bias = torch.randn(384, 128, generator=g), torch.randn(384, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                for rows in (lin.ONEDNN_MIN_ROWS - 1, lin.ONEDNN_MIN_ROWS, 256):
+                    x = torch.randn(rows, 128, generator=g)
+                    torch.testing.assert_close(lin.linear(x, small, bias), F.linear(x, small, bias), rtol=1e-5,
+                                               atol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls == ([lin.ONEDNN_MIN_ROWS, 256] * 2 if avx512 else [])
