@@ -238,6 +238,7 @@ def bench_serving(url: str, dataset: str, extra: list[str], concurrency: int, pr
     mem = result["server_memory"] or {}
     return {"output_tok_s": m["output_throughput"], "ttft_p99_ms": m["ttft_ms"]["p99"],
             "ttft_median_ms": m["ttft_ms"]["median"], "peak_rss_mib": mem.get("peak_rss_mib"),
+            "end_rss_mib": mem.get("end_rss_mib"), "end_pss_mib": mem.get("end_pss_mib"),
             "processes": {p["name"]: p["peak_rss_mib"] for p in mem.get("processes", [])}}
 
 
@@ -266,7 +267,8 @@ def serving(bin_dir: Path, all_files: dict[str, dict[str, Path]], ns: argparse.N
                         log(f"{title} rep {rep} {engine}: {e}; repeating the run on a fresh server")
                 log(f"{title} rep {rep} {engine}: {runs[engine][-1]}")
         res[title] = {"concurrency": conc, "prompts": prompts // ns.prompts_divisor, "repeated_runs": repeated,
-                      **{e: {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "processes"}
+                      **{e: {k: statistics.median(r[k] for r in rs) for k in rs[0]
+                            if k != "processes" and all(r[k] is not None for r in rs)}
                          | {"processes": rs[-1]["processes"]} for e, rs in runs.items()}}
     return res
 
@@ -294,10 +296,15 @@ def table(result: dict) -> str:
                     f"{t['output_tok_s'] / lc['output_tok_s']:.2f} |")
         rows.append(f"| same, TTFT p99 | {lc['ttft_p99_ms']:,.0f} ms | {t['ttft_p99_ms']:,.0f} ms | "
                     f"{t['ttft_p99_ms'] / lc['ttft_p99_ms']:.2f} |")
-        if lc["peak_rss_mib"] and t["peak_rss_mib"]:
+        if lc.get("peak_rss_mib") and t.get("peak_rss_mib"):
             parts = " + ".join(f"{n.rsplit('.', 1)[-1]} {v:,.0f}" for n, v in t["processes"].items())
             rows.append(f"| same, peak RSS of the server | {lc['peak_rss_mib']:,.0f} MiB | "
                         f"{t['peak_rss_mib']:,.0f} MiB ({parts}) | {t['peak_rss_mib'] / lc['peak_rss_mib']:.2f}x |")
+        if lc.get("end_pss_mib") and t.get("end_pss_mib"):
+            rows.append(f"| same, RSS / PSS at the end (PSS counts pages shared by processes once) | "
+                        f"{lc['end_rss_mib']:,.0f} / {lc['end_pss_mib']:,.0f} MiB | "
+                        f"{t['end_rss_mib']:,.0f} / {t['end_pss_mib']:,.0f} MiB | "
+                        f"{t['end_pss_mib'] / lc['end_pss_mib']:.2f}x (PSS) |")
         rep = r.get("repeated_runs", {})
         if any(rep.values()):
             rows.append(f"| same, runs repeated after failed requests | {rep['llama.cpp']} | {rep['tessera']} | |")

@@ -4,7 +4,10 @@ A server is more than one process (Tessera: the HTTP frontend, its scheduler rep
 workers; llama-server: one), so its footprint is the sum over the tree rooted at the process that listens
 on the server's port. The sum counts pages shared between processes (libtorch's code, mapped by each) once
 per process, as `ps` and the issue's figures do; each process's own peak (`VmHWM`, its lifetime high-water
-mark, start-up included) is reported beside the sampled peak of the sum.
+mark, start-up included) is reported beside the sampled peak of the sum. At the end of a run the tree's PSS is
+read as well (`Pss` in smaps_rollup: a page shared by n processes counts 1/n in each), what the server costs
+the machine when its processes map the same libraries; it is read once, not sampled, because walking a large
+process's page tables takes milliseconds (17 ms for 1 GB here) on the cores the benchmark measures.
 """
 
 from __future__ import annotations
@@ -36,6 +39,15 @@ def hwm_bytes(pid: int) -> int:
     """The process's peak resident bytes since it started (VmHWM), 0 once it is gone."""
     for line in (_read(f"/proc/{pid}/status") or "").splitlines():
         if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def pss_bytes(pid: int) -> int:
+    """Proportional resident bytes of one process now (shared pages split between their users), 0 once it is
+    gone or where smaps_rollup is unreadable."""
+    for line in (_read(f"/proc/{pid}/smaps_rollup") or "").splitlines():
+        if line.startswith("Pss:"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -113,6 +125,8 @@ class RssSampler:
     peak_by_pid: dict[int, int] = field(default_factory=dict)
     names: dict[int, str] = field(default_factory=dict)
     hwm_by_pid: dict[int, int] = field(default_factory=dict)
+    end_rss: int = 0
+    end_pss: int = 0
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
@@ -142,12 +156,16 @@ class RssSampler:
         if self._thread is not None:
             self._thread.join()
         self.sample()
+        tree = process_tree(self.root)
+        self.end_rss = sum(rss_bytes(pid) for pid in tree)
+        self.end_pss = sum(pss_bytes(pid) for pid in tree)
         return self.report()
 
     def report(self) -> dict:
         """MiB figures: the sampled peak of the sum, and per process its sampled peak and VmHWM."""
         mib = 2**20
         return {"pid": self.root, "peak_rss_mib": self.peak_total / mib,
+                "end_rss_mib": self.end_rss / mib, "end_pss_mib": self.end_pss / mib,
                 "processes": [{"pid": pid, "name": self.names[pid], "peak_rss_mib": peak / mib,
                                "hwm_mib": self.hwm_by_pid.get(pid, 0) / mib}
                               for pid, peak in self.peak_by_pid.items()]}
@@ -156,4 +174,8 @@ class RssSampler:
 def format_memory(report: dict) -> str:
     """One line: the total, then each process."""
     parts = ", ".join(f"{p['name']} {p['peak_rss_mib']:.0f} (hwm {p['hwm_mib']:.0f})" for p in report["processes"])
-    return f"{'Peak server RSS (MiB):':<34}{report['peak_rss_mib']:.0f}  [{parts}]"
+    line = f"{'Peak server RSS (MiB):':<34}{report['peak_rss_mib']:.0f}  [{parts}]"
+    if report.get("end_pss_mib"):
+        line += (f"\n{'Server RSS / PSS at the end (MiB):':<34}{report['end_rss_mib']:.0f} / "
+                 f"{report['end_pss_mib']:.0f}  (PSS counts shared pages once)")
+    return line

@@ -42,3 +42,33 @@ def test_the_serving_benchmark_reports_the_listening_process(fake_server) -> Non
     off = ServingConfig(base_url=fake_server.base_url, dataset="scenes", num_prompts=1, output_len=1,
                         disable_tqdm=True, num_warmup=0, server_pid=0)
     assert asyncio.run(run_benchmark_async(off))["server_memory"] is None
+
+
+def test_pss_at_the_end_counts_pages_two_processes_share_once() -> None:
+    """A child forked after touching a buffer shares its pages with the parent: the tree's RSS counts them
+    twice, its PSS once."""
+    import mmap
+
+    shared = mmap.mmap(-1, CHILD_MIB << 20)  # a shared anonymous map: both processes keep the same pages
+    shared.write(b"\1" * (CHILD_MIB << 20))
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child touches every page (reads), says so, and waits for the parent's word
+        try:
+            sum(shared[i] for i in range(0, CHILD_MIB << 20, 4096))
+            os.write(ready_w, b"x")
+            os.read(done_r, 1)
+        finally:
+            os._exit(0)
+    try:
+        os.read(ready_r, 1)
+        sampler = RssSampler(os.getpid(), interval_s=0.05).start()
+        report = sampler.stop()
+    finally:
+        os.write(done_w, b"x")
+        os.waitpid(pid, 0)
+        for fd in (ready_r, ready_w, done_r, done_w):
+            os.close(fd)
+    assert report["end_rss_mib"] - report["end_pss_mib"] >= 0.9 * CHILD_MIB
+    assert report["end_pss_mib"] > 0
