@@ -28,6 +28,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
         vf xv[TILE_C];
         for (int c = 0; c < C; c++) xv[c] = loadv(x + (m0 + c) * K + k);
         for (int r = 0; r < R; r++) {
+            PREFETCH_AHEAD(w + (n0 + r) * K + k);
             vf wv = loadv(w + (n0 + r) * K + k);
             for (int c = 0; c < C; c++) acc[r][c] += wv * xv[c];
         }

@@ -155,10 +155,14 @@ static inline __attribute__((always_inline)) void dequant_row(const uint8_t *qr,
         vf s = splatv(sc[g]), z = splatv(zs[g]);
         long k = g * gs > k0 ? g * gs : k0, end = g * gs + gs < k1 ? g * gs + gs : k1;
         if (bits == 8) {
-            for (; k + VL <= end; k += VL) storev(out + k, deq_i8((const int8_t *)qr + k, s, z));
+            for (; k + VL <= end; k += VL) {
+                if (k % 64 == 0) PREFETCH_AHEAD(qr + k);
+                storev(out + k, deq_i8((const int8_t *)qr + k, s, z));
+            }
             for (; k < end; k++) out[k] = (float)((const int8_t *)qr)[k] * sc[g] - zs[g];
         } else {
             for (; k < end; k += 16) {
+                if (k % 128 == 0) PREFETCH_AHEAD(qr + k / 2);
                 vf w[I4_VECS];
                 deq16_i4(qr + k / 2, s, z, w);
                 for (int j = 0; j < I4_VECS; j++) storev(out + k + j * VL, w[j]);
@@ -217,6 +221,7 @@ static inline __attribute__((always_inline)) float row1(const float *x, const fl
         long k = g * gs, end = k + gs;
         if (bits == 8) {
             for (; k + 2 * VL <= end; k += 2 * VL) {
+                if (k % 64 == 0) PREFETCH_AHEAD(qr + k); /* a 64-byte line per 64 weights */
                 p0 += cvt_i8((const int8_t *)qr + k) * loadv(x + k);
                 p1 += cvt_i8((const int8_t *)qr + k + VL) * loadv(x + k + VL);
             }

@@ -69,4 +69,14 @@ static inline void storev(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 
 static inline vf splatv(float x) { return x - (vf){0}; }
 
+/* Software prefetch of a weight stream WEIGHT_PREFETCH_BYTES ahead of where a tile reads it, in AVX-512 builds
+ * (measured there: 1.07-1.25x at 4-16 rows of x, level at one row, on an AMD EPYC VM whose hardware
+ * prefetchers fell behind 4 interleaved rows under the tiles' arithmetic); a no-op elsewhere (not measured). */
+#define WEIGHT_PREFETCH_BYTES 4096
+#if VL == 16
+#define PREFETCH_AHEAD(p) __builtin_prefetch((const char *)(p) + WEIGHT_PREFETCH_BYTES)
+#else
+#define PREFETCH_AHEAD(p) ((void)0)
+#endif
+
 #endif
