@@ -130,9 +130,10 @@ class RssSampler:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def sample(self) -> None:
-        total = 0
-        for pid in process_tree(self.root):
+    def sample(self) -> list[int]:
+        """One reading of the tree; returns its pids (and keeps the sum in end_rss, the latest reading)."""
+        total, tree = 0, process_tree(self.root)
+        for pid in tree:
             rss = rss_bytes(pid)
             total += rss
             if pid not in self.names:
@@ -140,6 +141,8 @@ class RssSampler:
             self.peak_by_pid[pid] = max(self.peak_by_pid.get(pid, 0), rss)
             self.hwm_by_pid[pid] = max(self.hwm_by_pid.get(pid, 0), hwm_bytes(pid))
         self.peak_total = max(self.peak_total, total)
+        self.end_rss = total
+        return tree
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -155,10 +158,7 @@ class RssSampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.sample()
-        tree = process_tree(self.root)
-        self.end_rss = sum(rss_bytes(pid) for pid in tree)
-        self.end_pss = sum(pss_bytes(pid) for pid in tree)
+        self.end_pss = sum(pss_bytes(pid) for pid in self.sample())
         return self.report()
 
     def report(self) -> dict:

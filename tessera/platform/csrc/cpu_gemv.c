@@ -11,13 +11,6 @@
  */
 #include "cpu_vec.h"
 
-#if VL == 16
-#define TILE_C 4
-#else
-#define TILE_C 2
-#endif
-#define TILE_MIN(c) ((c) < TILE_C ? (c) : TILE_C)
-
 /* Rows n0 .. n0+R-1 of w against rows m0 .. m0+C-1 of x, R <= 4, C <= TILE_C; inlined with constant R and C
  * so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *y, long N, long K,

@@ -17,13 +17,6 @@
 #include <immintrin.h>
 #endif
 
-#if VL == 16
-#define TILE_C 4
-#else
-#define TILE_C 2
-#endif
-#define TILE_MIN(c) ((c) < TILE_C ? (c) : TILE_C)
-
 typedef uint16_t vu16 __attribute__((vector_size(VL * 2)));
 typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
 

@@ -22,15 +22,9 @@
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
-#if VL == 16
-#define TILE_C 4
-#elif defined(__AVX2__) && defined(__FMA__)
+#if VL == 8 && defined(__AVX2__) && defined(__FMA__)
 #define TESSERA_INT_AVX2 1
 #endif
-#ifndef TILE_C
-#define TILE_C 2
-#endif
-#define TILE_MIN(c) ((c) < TILE_C ? (c) : TILE_C)
 #define I4_VECS (16 / VL) /* vectors per chunk of 16 int4 columns */
 
 /* VL int8 weights as floats (q itself, not yet scaled). */
@@ -269,10 +263,11 @@ static inline __attribute__((always_inline)) void gemv(const float *x, const uin
                                                       const float *zs, const float *b, float *y, long M,
                                                       long N, long K, long gs, int threads, int bits) {
     if (M == 1 && gs % 16 == 0 && K / gs <= 4096) {
-        float xsum[4096], xbuf[VL == 16 && bits == 4 && gs % 32 == 0 && K <= 16384 ? K : 1];
+        int widen32 = VL == 16 && bits == 4 && gs % 32 == 0 && K <= 16384; /* row1's cvt32_i4 path */
+        float xsum[4096], xbuf[widen32 ? K : 1];
         const float *xp = NULL;
         group_sums(x, K, gs, xsum);
-        if (VL == 16 && bits == 4 && gs % 32 == 0 && K <= 16384) {
+        if (widen32) {
             permute_x(x, K, xbuf);
             xp = xbuf;
         }

@@ -59,6 +59,15 @@ typedef v8 vf;
 static inline float sumv(vf v) { return sum8(v); }
 #endif
 
+/* Rows of x per tile of the few-row products (against 4 weight rows): AVX-512's 32 registers hold 4 x 4
+ * accumulators, AVX2's 16 hold 4 x 2. TILE_MIN keeps a remainder's constant within the tile (dead cases). */
+#if VL == 16
+#define TILE_C 4
+#else
+#define TILE_C 2
+#endif
+#define TILE_MIN(c) ((c) < TILE_C ? (c) : TILE_C)
+
 static inline vf loadv(const float *p) {
     vf v;
     __builtin_memcpy(&v, p, sizeof v);
