@@ -1,4 +1,4 @@
-"""KV storage: per-layer key/value buffers indexed by token slot.
+"""KV storage: per-layer key/value buffers indexed by token slot, and how many slots a server's pool gets.
 
 Slot 0 is reserved as a dummy (padding writes land there), so valid slots are 1..size.
 Which slots are free is the allocator's business (cache/allocator.py); this class only stores.
@@ -7,6 +7,36 @@ Which slots are free is the allocator's business (cache/allocator.py); this clas
 from __future__ import annotations
 
 import torch
+
+from tessera.config import ServerArgs
+
+# A CPU pool's default (no --max-total-tokens): what the running requests can use at most
+# (max_running_requests x context_length), capped at the bytes of the weights, so KV never more than doubles the
+# model's footprint; but never under one full-length request nor CPU_KV_MIN_TOKENS (a tiny model's weights would
+# leave almost no pool).
+CPU_KV_MIN_TOKENS = 16384
+
+
+def kv_pool_tokens(args: ServerArgs, bytes_per_token: int, cuda_mem_info: tuple[int, int] | None,
+                   weight_bytes: int = 0, context_length: int = 0) -> int:
+    """KV pool size in tokens, whole pages: --max-total-tokens when given; on CUDA (cuda_mem_info = free,
+    total bytes, read after the weights are loaded) what --mem-fraction-static of the device leaves after
+    everything already in use; on CPU, sized from the model and the requests (see CPU_KV_MIN_TOKENS)."""
+    page = args.page_size
+    if args.max_total_tokens is not None:
+        tokens = args.max_total_tokens
+    elif cuda_mem_info is not None:
+        free, total = cuda_mem_info
+        budget = total * args.mem_fraction_static - (total - free)
+        tokens = int(budget // bytes_per_token)
+        if tokens < 2 * page:
+            raise ValueError(f"mem_fraction_static: {args.mem_fraction_static} of {total / 2**30:.1f} GiB leaves no "
+                             f"room for the KV pool after the weights ({(total - free) / 2**30:.1f} GiB in use)")
+    else:
+        needed = args.max_running_requests * context_length
+        tokens = min(needed, max(weight_bytes // bytes_per_token, context_length, CPU_KV_MIN_TOKENS))
+        tokens = max(tokens, 2 * page)
+    return tokens // page * page
 
 
 class TokenToKVPool:

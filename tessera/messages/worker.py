@@ -166,3 +166,4 @@ class WorkerInfo:
     # The quantization scheme and what runs it: a pre-quantized checkpoint's ("awq 4-bit g128 asym, C int4 gemv")
     # or --torchao-config's (layers/quantization/int_linear.py); "" for float weights.
     quantization: str = ""
+    encode_ahead: bool = False  # media encoded on a thread of their own before their prefill (worker/encode_ahead.py)

@@ -7,7 +7,7 @@ sampled tokens, check stop conditions -> send incremental outputs -> release fin
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Protocol
 
@@ -17,7 +17,7 @@ import zmq
 from tessera import messages
 from tessera.config import ServerArgs
 from tessera.constrained.matcher import GrammarCompiler
-from tessera.messages.items import Modality
+from tessera.messages.items import Modality, MultimodalDataItem
 from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.models.config import ModelConfig
 from tessera.platform.device import platform_of
@@ -42,6 +42,15 @@ class StepWorker(Protocol):
     def flush_cache(self) -> None: ...
 
     def cache_stats(self) -> tuple[int, int, int]: ...
+
+    # Encoding a request's media before its prefill, on a core of its own (worker/encode_ahead.py).
+    def start_encode_ahead(self) -> bool: ...
+
+    def encode_ahead(self, items: Sequence[MultimodalDataItem]) -> None: ...
+
+    def media_ready(self, items: Sequence[MultimodalDataItem]) -> bool: ...
+
+    def background_cores(self) -> int: ...
 
 
 class RankGroup(Protocol):
@@ -111,11 +120,14 @@ class Scheduler:
         # Threads per step on a CPU (see platform/threads.py); None: the fixed count set at process start.
         self.threads: AdaptiveThreads | None = None
         if args.adaptive_threads and platform_of(self.worker.device).runs_on_host_cores:
-            self.threads = AdaptiveThreads(available_cores())
+            # Media are encoded ahead on a core the policy leaves to that thread while it has work.
+            reserved = self.worker.background_cores if self.worker.start_encode_ahead() else None
+            self.threads = AdaptiveThreads(available_cores(), reserved=reserved)
             self.worker.between_phases = self.threads.before_step
-        # Constrained requests whose grammar is compiling (off the loop): they join the policy when it is ready.
+        # Constrained requests' grammars compile off the loop (held until ready, see _admit_ready).
         self.grammars = GrammarCompiler(self.tokenizer, info.vocab_size, self.eos_ids)
-        self.grammar_waiting: dict[str, tuple[Req, Future]] = {}
+        # Requests not yet in the policy's queue: a grammar compiling (the future) or media being encoded ahead.
+        self.held: dict[str, tuple[Req, Future | None]] = {}
         self.num_forward_steps = 0
         self.num_steps_all_cores = 0
         self.num_prefill_tokens_computed = 0
@@ -146,19 +158,23 @@ class Scheduler:
                 self._emit([self._output(req, finished={"type": "length", "length": 0})])
                 return
             self.reqs[req.rid] = req
-            if sp.constraint is not None:
-                self.grammar_waiting[req.rid] = (req, self.grammars.submit(*sp.constraint))
-                self._admit_compiled()
-            else:
+            items = msg.mm_inputs.items if msg.mm_inputs is not None else []
+            if items:
+                self.worker.encode_ahead(items)
+            grammar = self.grammars.submit(*sp.constraint) if sp.constraint is not None else None
+            if grammar is None and self.worker.media_ready(items):
                 self.policy.add(req)
+            else:
+                self.held[req.rid] = (req, grammar)
+                self._admit_ready()
         elif isinstance(msg, messages.AbortReq):
             req = self.reqs.pop(msg.rid, None)
             if req is not None:
-                waiting = self.grammar_waiting.pop(msg.rid, None)
-                if waiting is not None:
-                    waiting[1].cancel()
-                else:
+                held = self.held.pop(msg.rid, None)
+                if held is None:
                     self.policy.remove(req)
+                elif held[1] is not None:
+                    held[1].cancel()
                 req.finished_reason = {"type": "abort", "message": "aborted by client"}
                 self._emit([self._output(req, req.finished_reason)])
         elif isinstance(msg, messages.FlushCacheReq):
@@ -172,20 +188,29 @@ class Scheduler:
         else:
             raise TypeError(f"unexpected message {type(msg).__name__}")
 
-    def _admit_compiled(self) -> None:
-        """Constrained requests whose matcher is ready join the policy's queue; a grammar that failed to
-        build fails its request (the frontend checked it, so this is a tokenizer-specific problem)."""
-        for rid, (req, fut) in list(self.grammar_waiting.items()):
-            if not fut.done():
+    def _admit_ready(self) -> None:
+        """Held requests join the policy's queue once their grammar's matcher is built and their media are
+        encoded ahead (worker/encode_ahead.py: the admitting step then has only the language model to run). A
+        grammar that failed to build fails its request (the frontend checked it, so this is a
+        tokenizer-specific problem)."""
+        # With nothing to run, the oldest request is not held for its media: its step encodes what the
+        # encode-ahead thread has not started, beside that thread, instead of the loop idling.
+        idle = not (self.policy.running or self.policy.waiting)
+        for rid, (req, grammar) in list(self.held.items()):
+            if grammar is not None and not grammar.done():
                 continue
-            del self.grammar_waiting[rid]
-            try:
-                req.grammar = fut.result()
-            except Exception as e:
-                self.reqs.pop(rid, None)
-                req.finished_reason = {"type": "error", "message": f"{type(e).__name__}: {e}"}
-                self._emit([self._output(req, req.finished_reason)])
+            if not idle and not self.worker.media_ready(req.mm_inputs.items if req.mm_inputs is not None else []):
                 continue
+            idle = False
+            del self.held[rid]
+            if grammar is not None:
+                try:
+                    req.grammar = grammar.result()
+                except Exception as e:
+                    self.reqs.pop(rid, None)
+                    req.finished_reason = {"type": "error", "message": f"{type(e).__name__}: {e}"}
+                    self._emit([self._output(req, req.finished_reason)])
+                    continue
             self.policy.add(req)
 
     def stats(self) -> messages.SchedulerStats:
@@ -193,7 +218,7 @@ class Scheduler:
         total = kv.allocator.num_pages * kv.allocator.page_size
         hits, misses, used = self.worker.cache_stats()
         return messages.SchedulerStats(
-            num_running=len(self.policy.running), num_waiting=len(self.policy.waiting) + len(self.grammar_waiting),
+            num_running=len(self.policy.running), num_waiting=len(self.policy.waiting) + len(self.held),
             kv_used_tokens=total - kv.allocator.num_free_tokens - self.tree.evictable_size(),
             kv_total_tokens=total, radix_cache_tokens=self.tree.total_size(),
             prefix_hit_tokens=kv.prefix_hit_tokens, prefix_total_tokens=kv.prefix_total_tokens,
@@ -346,13 +371,14 @@ class Scheduler:
         poller.register(self.recv_sock, zmq.POLLIN)
         while True:
             busy = bool(self.policy.running or self.policy.waiting)
-            # While only grammars are compiling, wake up often to admit them (the compile thread has no socket).
-            events = dict(poller.poll(0 if busy else 2 if self.grammar_waiting else 1000))
+            # While requests are only held (a grammar compiling, media encoded ahead), wake up often to admit them
+            # (neither thread has a socket).
+            events = dict(poller.poll(0 if busy else 2 if self.held else 1000))
             while events:
                 self.handle(messages.recv(self.recv_sock))
                 events = dict(poller.poll(0))
-            if self.grammar_waiting:
-                self._admit_compiled()
+            if self.held:
+                self._admit_ready()
             self.step()
             self.summary.tick(self.stats, self.num_output_tokens, busy)
 

@@ -8,13 +8,16 @@ request from the first prefill chunk that needs it until the prompt's KV is comp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Callable
+import os
+import threading
+from collections.abc import Callable, Sequence
 
 import torch
 
 from tessera.cache.encoder_cache import EncoderCache
-from tessera.cache.kv_pool import TokenToKVPool
+from tessera.cache.kv_pool import TokenToKVPool, kv_pool_tokens
 from tessera.config import ServerArgs
 from tessera.distributed.encoder_dp import dp_sharded_encode
 from tessera.distributed.parallel_state import min_over_ranks, tp_group
@@ -26,6 +29,7 @@ from tessera.models.registry import load_model
 from tessera.multimodal.materialize import materializer_for
 from tessera.messages.items import Modality, MultimodalDataItem
 from tessera.layers.forward_batch import ForwardBatch
+from tessera.worker.encode_ahead import EncodeAhead
 from tessera.worker.sampler import Sampler, SamplingBatchInfo
 from tessera.worker.cuda_graph import (
     DEFAULT_MAX_BS,
@@ -42,37 +46,10 @@ from tessera.worker.prompt_logprobs import extra_logits_rows, prompt_logprobs
 
 logger = logging.getLogger("tessera.worker")
 
-# Items per encoder call on a CPU when the thread policy is adaptive (see _encode).
+# Items per encoder call on a CPU when the thread policy is adaptive (see _encode), and per encode-ahead call.
 CPU_ENCODE_CHUNK = 8
-# A CPU pool's default (no --max-total-tokens): what the running requests can use at most
-# (max_running_requests x context_length), capped at the bytes of the weights, so KV never more than doubles the
-# model's footprint; but never under one full-length request nor CPU_KV_MIN_TOKENS (a tiny model's weights would
-# leave almost no pool).
-CPU_KV_MIN_TOKENS = 16384
-
-
-def kv_pool_tokens(args: ServerArgs, bytes_per_token: int, cuda_mem_info: tuple[int, int] | None,
-                   weight_bytes: int = 0, context_length: int = 0) -> int:
-    """KV pool size in tokens, whole pages: --max-total-tokens when given; on CUDA (cuda_mem_info = free,
-    total bytes, read after the weights are loaded) what --mem-fraction-static of the device leaves after
-    everything already in use; on CPU, sized from the model and the requests (see CPU_KV_MIN_TOKENS)."""
-    page = args.page_size
-    if args.max_total_tokens is not None:
-        tokens = args.max_total_tokens
-    elif cuda_mem_info is not None:
-        free, total = cuda_mem_info
-        budget = total * args.mem_fraction_static - (total - free)
-        tokens = int(budget // bytes_per_token)
-        if tokens < 2 * page:
-            raise ValueError(f"mem_fraction_static: {args.mem_fraction_static} of {total / 2**30:.1f} GiB leaves no "
-                             f"room for the KV pool after the weights ({(total - free) / 2**30:.1f} GiB in use)")
-    else:
-        needed = args.max_running_requests * context_length
-        tokens = min(needed, max(weight_bytes // bytes_per_token, context_length, CPU_KV_MIN_TOKENS))
-        tokens = max(tokens, 2 * page)
-    return tokens // page * page
-
-
+# Items the encode-ahead thread queues or holds, per running request the server admits.
+ENCODE_AHEAD_ITEMS_PER_REQUEST = 4
 class ModelWorker:
     def __init__(self, args: ServerArgs, eos_token_ids: set[int], config: ModelConfig | None = None):
         """Joins nothing itself: under tensor parallelism the group is initialised before (tp_launch)."""
@@ -117,6 +94,8 @@ class ModelWorker:
         self.pad_row = args.max_running_requests + 1
         self.encoder_cache = EncoderCache(args.mm_cache_size_mb * 1024 * 1024, args.keep_mm_feature_on_device)
         self.encoders = self.model.encoders()
+        self.ahead: EncodeAhead | None = None  # start_encode_ahead
+        self._encoder_lock = threading.Lock()
         # Images the frontend sent as raw pixels are preprocessed here, by whichever rank encodes them.
         self.materialize = None if args.language_model_only else materializer_for(
             args.tokenizer_path or args.model_path, self.config.hf_config, self.config.family.processor_class(),
@@ -191,6 +170,8 @@ class ModelWorker:
     # ---- cache control ---------------------------------------------------------------------------
     def flush_cache(self) -> None:
         self.encoder_cache.clear()
+        if self.ahead is not None:
+            self.ahead.clear()
 
     def cache_stats(self) -> tuple[int, int, int]:
         """Encoder cache (hits, misses, bytes)."""
@@ -213,6 +194,10 @@ class ModelWorker:
                 emb = held.get(item.hash)
             if emb is None:
                 emb = self.encoder_cache.get(item.hash)
+            if emb is None and self.ahead is not None:
+                emb = self.ahead.take(item.hash)
+                if emb is not None:
+                    self.encoder_cache.put(item.hash, emb)
             if emb is None:
                 missing.setdefault(item.hash, []).append(p.item)
             else:
@@ -237,14 +222,11 @@ class ModelWorker:
             by_modality.setdefault(fi.mm_items[indices[0]].modality, []).append(indices[0])
         out: dict[int, torch.Tensor] = {}
         for modality, indices in by_modality.items():
-            encoder = self.encoders.get(modality)
-            if encoder is None:
-                raise ValueError(f"{modality.value}: this model has no {modality.value} encoder")
             items = [fi.mm_items[i] for i in indices]
-            if self.materialize is not None:
-                encoder = lambda its, enc=encoder: enc(self.materialize(its))  # noqa: E731
             if self.args.mm_enable_dp_encoder and self.tp.size > 1:  # each rank encodes a share, then all_gather
-                embeds = dp_sharded_encode(encoder, items, [it.num_tokens for it in items], self.dtype, self.device)
+                embeds = dp_sharded_encode(self._encoder_for(modality), items, [it.num_tokens for it in items],
+                                           self.dtype, self.device)
+                self._check_counts(items, embeds)
             elif self.between_phases is not None and self.platform.runs_on_host_cores and self.tp.size == 1:
                 # Chunks of a few items, the thread count re-decided before each: a CPU tower's per-item cost
                 # does not depend on the call's size (demo-vl's tower over 64 images: 0.669 / 0.684 / 0.711 s
@@ -253,17 +235,67 @@ class ModelWorker:
                 embeds = []
                 for i in range(0, len(items), CPU_ENCODE_CHUNK):
                     self.between_phases()
-                    embeds.extend(encoder(items[i : i + CPU_ENCODE_CHUNK]))
+                    embeds.extend(self._encode_items(items[i : i + CPU_ENCODE_CHUNK]))
             else:
-                embeds = encoder(items)
+                embeds = self._encode_items(items)
             for item, emb in zip(items, embeds):
-                if emb.shape[0] != item.num_tokens:
-                    raise EmbeddingCountError(f"{modality.value}: encoder gave {emb.shape[0]} embeddings for "
-                                              f"{item.num_tokens} placeholder tokens")
                 self.encoder_cache.put(item.hash, emb)
                 for i in missing[item.hash]:
                     out[i] = emb
         return out
+
+    def _encoder_for(self, modality: Modality) -> Callable[[list[MultimodalDataItem]], list[torch.Tensor]]:
+        encoder = self.encoders.get(modality)
+        if encoder is None:
+            raise ValueError(f"{modality.value}: this model has no {modality.value} encoder")
+        if self.materialize is not None:
+            return lambda items: encoder(self.materialize(items))
+        return encoder
+
+    def _encode_items(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        """One encoder call over items of one modality, each output checked against its placeholder count.
+        One call at a time: the step's and the encode-ahead thread's share the towers (and their plan caches)."""
+        with self._encoder_lock:
+            embeds = self._encoder_for(items[0].modality)(items)
+        self._check_counts(items, embeds)
+        return embeds
+
+    @staticmethod
+    def _check_counts(items: list[MultimodalDataItem], embeds: list[torch.Tensor]) -> None:
+        for item, emb in zip(items, embeds):
+            if emb.shape[0] != item.num_tokens:
+                raise EmbeddingCountError(f"{item.modality.value}: encoder gave {emb.shape[0]} embeddings for "
+                                          f"{item.num_tokens} placeholder tokens")
+
+    # ---- encoding ahead (see worker/encode_ahead.py) ---------------------------------------------------
+    def start_encode_ahead(self) -> bool:
+        """Starts the encode-ahead thread where it applies: one rank on host cores, a model with encoders,
+        TESSERA_ENCODE_AHEAD not 0. The scheduler calls this when its thread policy can leave the thread a
+        core (adaptive threads); returns whether it runs."""
+        if (self.ahead is None and self.platform.runs_on_host_cores and self.tp.size == 1 and self.encoders
+                and os.environ.get("TESSERA_ENCODE_AHEAD", "1") != "0"):
+            self.ahead = EncodeAhead(self._encode_items, CPU_ENCODE_CHUNK,
+                                     capacity=ENCODE_AHEAD_ITEMS_PER_REQUEST * self.args.max_running_requests)
+            self.info = dataclasses.replace(self.info, encode_ahead=True)
+        return self.ahead is not None
+
+    def encode_ahead(self, items: Sequence[MultimodalDataItem]) -> None:
+        """Queues a newly arrived request's media for the encode-ahead thread (nothing when it is not running):
+        the items with an encoder that are neither precomputed nor in the encoder cache."""
+        if self.ahead is None:
+            return
+        todo = [it for it in items if it.precomputed_embedding is None and it.modality in self.encoders
+                and it.hash not in self.encoder_cache]
+        if todo:
+            self.ahead.submit(todo)
+
+    def media_ready(self, items: Sequence[MultimodalDataItem]) -> bool:
+        """Whether a step needing `items` would find none of them still being encoded ahead."""
+        return self.ahead is None or all(self.ahead.ready(it.hash) for it in items)
+
+    def background_cores(self) -> int:
+        """Cores this worker's own background work holds now (the thread policy leaves them free)."""
+        return 1 if self.ahead is not None and self.ahead.busy else 0
 
     def _fill_request_state(self, fi: ForwardInput) -> torch.Tensor | None:
         """Writes the per-request state of newly admitted requests (from their items' encoder outputs: the

@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from tessera.frontend.preprocess_threads import one_torch_thread
+from tessera.platform.threads import one_torch_thread
 
 
 def _count_in_new_thread() -> int:

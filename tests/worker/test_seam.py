@@ -177,7 +177,7 @@ def test_a_worker_fed_decoded_messages_matches_one_fed_the_originals() -> None:
 
 
 def test_kv_pool_sizing() -> None:
-    from tessera.worker.model_worker import CPU_KV_MIN_TOKENS, kv_pool_tokens
+    from tessera.cache.kv_pool import CPU_KV_MIN_TOKENS, kv_pool_tokens
 
     gib = 2**30
     args = ServerArgs(model_path="demo-vl", page_size=16)
