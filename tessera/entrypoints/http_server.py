@@ -29,6 +29,7 @@ from tessera.entrypoints.openai.chat import create_chat_completion
 from tessera.entrypoints.openai.completions import create_completion
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
 from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
+from tessera.entrypoints.warmup import warm_up
 from tessera.entrypoints.openai.transcriptions import TranscriptionServing
 from tessera.entrypoints.playground import add_playground_routes
 from tessera.frontend.request import GenerateRequest
@@ -54,6 +55,7 @@ class ServerState:
         self.scheduler_died = False  # every scheduler process exited while serving: the server stops, exit 1
         self.draining = False  # SIGTERM: no new requests, in-flight ones finish (or end cleanly at the deadline)
         self.server = None  # the uvicorn server, when launch_server runs one
+        self.warming_up = False  # the warm-up request is running: /health says 503 until it is done (as SGLang)
         self.started = time.time()
 
     @property
@@ -198,6 +200,8 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
             return "the server is shutting down"
         if state.tm is not None and state.tm.worker_info is not None and not state.tm.ready:
             return "the scheduler process has exited"
+        if state.ready and state.warming_up:
+            return "the warm-up request is running"
         return "the model is still loading"
 
     def serving() -> OpenAIServing:
@@ -209,7 +213,7 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if state.ready:
+        if state.ready and not state.warming_up:
             return {"status": "ok"}
         return error_response(f"not ready: {not_ready_reason()}", 503)
 
@@ -369,9 +373,15 @@ async def _serve(args: ServerArgs, config: ModelConfig) -> int:
         while not server.started and not server.should_exit:
             await asyncio.sleep(0.05)
         if server.started:
+            if state.warming_up and state.tm is not None:
+                try:
+                    await warm_up(args, state.tm, api_key_of(args.api_key, args.api_key_file))
+                finally:
+                    state.warming_up = False
             print(f"Tessera is ready: serving {args.model_name!r}; listening on http://{args.host}:{args.port}"
                   f" (OpenAI API at /v1)", flush=True)
 
+    state.warming_up = not args.skip_server_warmup  # from the first request on: /health waits for it
     tasks = [asyncio.create_task(announce()), asyncio.create_task(state.watch())]
     try:
         # uvicorn handles SIGINT/SIGTERM: it stops accepting, waits for the in-flight requests (which

@@ -46,8 +46,12 @@ from tessera.worker.prompt_logprobs import extra_logits_rows, prompt_logprobs
 
 logger = logging.getLogger("tessera.worker")
 
-# Items per encoder call on a CPU when the thread policy is adaptive (see _encode), and per encode-ahead call.
+# Items per encoder call on a CPU when the thread policy is adaptive (see _encode).
 CPU_ENCODE_CHUNK = 8
+# Items per encode-ahead call: a request is held until the call with its last item ends, so larger calls hold the
+# first requests for the later ones' images (demo-vl, waves of 16 image requests: the slowest first token 389-498
+# ms with 1, 554-616 with 8), and the tower's per-item cost does not depend on the call's size (see _encode).
+ENCODE_AHEAD_CHUNK = 1
 # Items the encode-ahead thread queues or holds, per running request the server admits.
 ENCODE_AHEAD_ITEMS_PER_REQUEST = 4
 class ModelWorker:
@@ -274,7 +278,7 @@ class ModelWorker:
         core (adaptive threads); returns whether it runs."""
         if (self.ahead is None and self.platform.runs_on_host_cores and self.tp.size == 1 and self.encoders
                 and os.environ.get("TESSERA_ENCODE_AHEAD", "1") != "0"):
-            self.ahead = EncodeAhead(self._encode_items, CPU_ENCODE_CHUNK,
+            self.ahead = EncodeAhead(self._encode_items, ENCODE_AHEAD_CHUNK,
                                      capacity=ENCODE_AHEAD_ITEMS_PER_REQUEST * self.args.max_running_requests)
             self.info = dataclasses.replace(self.info, encode_ahead=True)
         return self.ahead is not None
