@@ -72,7 +72,7 @@ class ServerArgs:
     api_key: str | None = None
     api_key_file: str | None = None  # the key in a file (or TESSERA_API_KEY): not on the command line
     max_queued_requests: int | None = None  # generations waiting beyond the running slots; more: HTTP 503
-    # The HTTP server's one request through the whole path before it says it is ready (SGLang's flag).
+    # The HTTP server's warm-up requests through the whole path before it says it is ready (SGLang's flag).
     skip_server_warmup: bool = False
     # Model / runtime
     # "auto": the checkpoint's dtype (float32 when it records none; float16 becomes bfloat16 on CPU).

@@ -84,8 +84,8 @@ FLAGS: dict[str, tuple[str, str]] = {
                                "so it is not in the server's command line"),
     "max_queued_requests": ("server", "generations allowed to wait beyond the running slots (max_running_requests x "
                                       "dp_size); more get HTTP 503 with Retry-After (default: no limit)"),
-    "skip_server_warmup": ("server", "start serving without the warm-up request (one short generation, with an image "
-                                     "where the model takes images, that runs the lazy first-call setup)"),
+    "skip_server_warmup": ("server", "start serving without the warm-up (four short generations, each with an image "
+                                     "where the model takes images, that run the lazy first-call setup)"),
     "log_level": ("server", "debug, info, warning, error (debug also prints tracebacks of CLI errors)"),
     "enable_metrics": ("server", "serve Prometheus metrics at /metrics (false: /metrics answers 404)"),
     "disable_tqdm": ("server", "no progress bars (weight loading; Engine.generate batches)"),

@@ -1,18 +1,20 @@
-"""The HTTP server's warm-up: one short chat request to its own port before it says it is ready.
+"""The HTTP server's warm-up: a few short chat requests to its own port before it says it is ready.
 
 Why: a fresh server's first requests pay one-time costs (the HF processor's and tokenizer's lazy setup, image
-decoding and resizing, oneDNN's first kernels, the encode-ahead thread's first call, the HTTP and SSE path,
-malloc growing the heap). On demo-vl the first wave of 16 image requests waited up to 700-750 ms for its first
-tokens against 400-600 ms in later waves (docs/benchmarks.md, "Encoding ahead"). SGLang's server warms up the
-same way, with a request to itself (`--skip-server-warmup` turns it off, as there).
+decoding and resizing, the frontend's preprocessing threads, oneDNN's first kernels, the encode-ahead thread's
+first call, the HTTP and SSE path, malloc growing the heap). On demo-vl the first wave of 16 image requests
+waited up to 700-750 ms for its first tokens against 400-600 ms in later waves; one warm-up request brought it
+to 534-644 ms, four at once (one per preprocessing thread) to 387-520 (docs/benchmarks.md, "Encoding ahead").
+SGLang's server warms up the same way, with requests to itself (`--skip-server-warmup` turns it off, as there).
 
-The request streams a few tokens for one plain 320 x 240 PNG where the model takes images (a size the
-processors resize), text only otherwise. It is an ordinary request (counted in /metrics like any other); the
-caches it filled are flushed afterwards.
+Each request streams a few tokens for one plain PNG (320 x 240, a size the processors resize; a colour of its
+own, so none is a cache hit) where the model takes images, text only otherwise. They are ordinary requests
+(counted in /metrics like any other); the caches they filled are flushed afterwards.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import logging
@@ -27,6 +29,7 @@ from tessera.frontend.tokenizer_manager import TokenizerManager
 logger = logging.getLogger("tessera.server")
 
 WARMUP_TOKENS = 4
+WARMUP_REQUESTS = 4  # at once: one per frontend preprocessing thread (tokenizer_manager.PREPROCESS_THREADS)
 WARMUP_TIMEOUT_S = 120
 
 
@@ -40,29 +43,35 @@ def local_url(host: str, port: int) -> str:
 
 
 async def warm_up(args: ServerArgs, tm: TokenizerManager, api_key: str | None) -> None:
-    """Runs the warm-up request; a failure is logged and the server serves anyway (a model whose prompts
+    """Runs the warm-up requests; a failure is logged and the server serves anyway (a model whose prompts
     need more than text and images, e.g. Whisper's audio, is simply not warmed up)."""
-    content: list[dict] = [{"type": "text", "text": "Describe the picture."}]
-    if tm.info.has_image_understanding:
-        png = io.BytesIO()
-        Image.new("RGB", (320, 240), (128, 96, 64)).save(png, format="PNG")
-        url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
-        content.insert(0, {"type": "image_url", "image_url": {"url": url}})
-    body = {"model": args.model_name, "messages": [{"role": "user", "content": content}],
-            "max_tokens": WARMUP_TOKENS, "temperature": 0, "stream": True}
+
+    def body(i: int) -> dict:
+        content: list[dict] = [{"type": "text", "text": "Describe the picture."}]
+        if tm.info.has_image_understanding:
+            png = io.BytesIO()
+            Image.new("RGB", (320, 240), (64 * i, 96, 255 - 64 * i)).save(png, format="PNG")
+            url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+            content.insert(0, {"type": "image_url", "image_url": {"url": url}})
+        return {"model": args.model_name, "messages": [{"role": "user", "content": content}],
+                "max_tokens": WARMUP_TOKENS, "temperature": 0, "stream": True}
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    url = f"{local_url(args.host, args.port)}/v1/chat/completions"
     start = time.monotonic()
     try:
         async with httpx.AsyncClient(timeout=WARMUP_TIMEOUT_S) as client:
-            async with client.stream("POST", f"{local_url(args.host, args.port)}/v1/chat/completions",
-                                     json=body, headers=headers) as response:
-                async for _ in response.aiter_lines():
-                    pass
-                if response.status_code != 200:
-                    raise RuntimeError(f"HTTP {response.status_code}")
+            async def one(i: int) -> None:
+                async with client.stream("POST", url, json=body(i), headers=headers) as response:
+                    async for _ in response.aiter_lines():
+                        pass
+                    if response.status_code != 200:
+                        raise RuntimeError(f"HTTP {response.status_code}")
+
+            await asyncio.gather(*(one(i) for i in range(WARMUP_REQUESTS)))
         await tm.flush_cache()
     except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation, never a reason not to serve
-        logger.warning("warm-up request failed (%s: %s); serving without it", type(e).__name__, e)
+        logger.warning("warm-up requests failed (%s: %s); serving without it", type(e).__name__, e)
         return
-    logger.info("warm-up request done (%s) in %.2f s", "an image and text" if len(content) > 1 else "text",
-                time.monotonic() - start)
+    logger.info("warm-up requests done (%d, %s) in %.2f s", WARMUP_REQUESTS,
+                "each an image and text" if tm.info.has_image_understanding else "text", time.monotonic() - start)

@@ -15,6 +15,6 @@ def test_local_url_reaches_wildcard_addresses_through_loopback() -> None:
 
 def test_the_server_warms_up_before_it_says_it_is_ready(vl_server) -> None:
     out = vl_server.output()
-    done, ready = out.find("warm-up request done (an image and text)"), out.find("Tessera is ready")
+    done, ready = out.find("warm-up requests done (4, each an image and text)"), out.find("Tessera is ready")
     assert 0 <= done < ready, out[-2000:]
-    assert "warm-up request failed" not in out
+    assert "warm-up requests failed" not in out
