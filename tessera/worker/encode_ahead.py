@@ -14,7 +14,8 @@ Contract:
   runs), or None: then the step encodes the item itself, exactly as without this class. An item still queued
   is taken off the queue (the step's own call is sooner than the queue). A call that failed here gives None
   for its items, so the step's own call raises the error where the step's batch is failed as before.
-- At most `capacity` items are queued or held: past that, submissions wait for the step. Results nobody took
+- At most `capacity` items are queued or held, and no more is queued while the results nobody has taken yet
+  hold `budget_bytes` (the encoder cache's size): past either, items wait for their step. Results nobody took
   (a request aborted before its prefill) are dropped oldest first when room is needed.
 - `busy` says whether the thread has work: the thread policy then leaves it a core (platform/threads.py).
 """
@@ -38,8 +39,9 @@ Encode = Callable[[list[MultimodalDataItem]], list[torch.Tensor]]
 
 
 class EncodeAhead:
-    def __init__(self, encode: Encode, chunk: int, capacity: int):
-        self._encode, self._chunk, self._capacity = encode, chunk, capacity
+    def __init__(self, encode: Encode, chunk: int, capacity: int, budget_bytes: int):
+        self._encode, self._chunk, self._capacity, self._budget = encode, chunk, capacity, budget_bytes
+        self._held_bytes = 0  # of the finished results nobody has taken
         self._queue: deque[MultimodalDataItem] = deque()
         self._results: OrderedDict[int, Future] = OrderedDict()  # item hash -> its embedding, in arrival order
         self._cv = threading.Condition()
@@ -58,7 +60,8 @@ class EncodeAhead:
             for item in items:
                 if item.hash in self._results:
                     continue
-                if len(self._results) >= self._capacity and not self._drop_one_done():
+                if self._held_bytes >= self._budget or (len(self._results) >= self._capacity
+                                                          and not self._drop_one_done()):
                     break
                 self._results[item.hash] = Future()
                 self._queue.append(item)
@@ -84,21 +87,28 @@ class EncodeAhead:
         except Exception:  # noqa: BLE001 - the step encodes the item itself and raises there
             embedding = None
         with self._cv:
-            self._results.pop(item_hash, None)
+            if self._results.pop(item_hash, None) is not None and embedding is not None:
+                self._held_bytes -= _nbytes(embedding)
         return embedding
 
     def clear(self) -> None:
         """Drops the results nobody took (a cache flush); queued and running items finish as usual."""
         with self._cv:
             for h in [h for h, f in self._results.items() if f.done()]:
-                del self._results[h]
+                self._forget(h)
 
     def _drop_one_done(self) -> bool:
         for h, f in self._results.items():
             if f.done():
-                del self._results[h]
+                self._forget(h)
                 return True
         return False
+
+    def _forget(self, item_hash: int) -> None:
+        """Drops a finished result (the caller holds the lock)."""
+        result = self._results.pop(item_hash)
+        if result.exception() is None:
+            self._held_bytes -= _nbytes(result.result())
 
     def _next_call(self) -> tuple[list[MultimodalDataItem], list[Future]]:
         """Up to `chunk` queued items of the first one's modality (the others keep their places)."""
@@ -126,7 +136,13 @@ class EncodeAhead:
                 for r in results:
                     r.set_exception(e)
             else:
+                with self._cv:
+                    self._held_bytes += sum(_nbytes(emb) for emb in embeddings)
                 for r, emb in zip(results, embeddings):
                     r.set_result(emb)
             with self._cv:
                 self._running = 0
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

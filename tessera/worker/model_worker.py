@@ -279,7 +279,8 @@ class ModelWorker:
         if (self.ahead is None and self.platform.runs_on_host_cores and self.tp.size == 1 and self.encoders
                 and os.environ.get("TESSERA_ENCODE_AHEAD", "1") != "0"):
             self.ahead = EncodeAhead(self._encode_items, ENCODE_AHEAD_CHUNK,
-                                     capacity=ENCODE_AHEAD_ITEMS_PER_REQUEST * self.args.max_running_requests)
+                                     capacity=ENCODE_AHEAD_ITEMS_PER_REQUEST * self.args.max_running_requests,
+                                     budget_bytes=self.args.mm_cache_size_mb * 1024 * 1024)
             self.info = dataclasses.replace(self.info, encode_ahead=True)
         return self.ahead is not None
 

@@ -41,7 +41,7 @@ class Tower:
 def test_items_are_encoded_once_on_the_thread_in_calls_of_one_modality() -> None:
     tower = Tower()
     tower.gate.clear()
-    ahead = EncodeAhead(tower, chunk=2, capacity=16)
+    ahead = EncodeAhead(tower, chunk=2, capacity=16, budget_bytes=1 << 20)
     ahead.submit([_item(1)])
     assert tower.started.wait(10)  # the first call runs alone (held at the gate)...
     ahead.submit([_item(2), _item(3, Modality.AUDIO), _item(4), _item(5), _item(2)])  # ...2 is asked twice
@@ -59,7 +59,7 @@ def test_items_are_encoded_once_on_the_thread_in_calls_of_one_modality() -> None
 def test_a_queued_item_is_left_to_the_step_and_a_failed_call_gives_none() -> None:
     tower = Tower(fail_on=7)
     tower.gate.clear()
-    ahead = EncodeAhead(tower, chunk=1, capacity=16)
+    ahead = EncodeAhead(tower, chunk=1, capacity=16, budget_bytes=1 << 20)
     ahead.submit([_item(6)])
     assert tower.started.wait(10)
     ahead.submit([_item(7), _item(8)])
@@ -77,7 +77,7 @@ def test_a_queued_item_is_left_to_the_step_and_a_failed_call_gives_none() -> Non
 
 def test_capacity_bounds_what_is_queued_and_held() -> None:
     tower = Tower()
-    ahead = EncodeAhead(tower, chunk=4, capacity=2)
+    ahead = EncodeAhead(tower, chunk=4, capacity=2, budget_bytes=1 << 20)
     ahead.submit([_item(1), _item(2)])
     while ahead.busy:
         threading.Event().wait(0.01)
@@ -90,3 +90,19 @@ def test_capacity_bounds_what_is_queued_and_held() -> None:
     ahead.clear()  # a cache flush drops finished results
     while ahead.busy:
         threading.Event().wait(0.01)
+
+
+def test_results_nobody_took_stop_new_work_at_the_byte_budget() -> None:
+    tower = Tower()  # each embedding: 2 x 3 float32 = 24 bytes
+    ahead = EncodeAhead(tower, chunk=4, capacity=16, budget_bytes=48)
+    ahead.submit([_item(1), _item(2)])
+    while ahead.busy:
+        threading.Event().wait(0.01)
+    ahead.submit([_item(3)])  # 48 bytes held: not queued, its step will encode it
+    assert ahead.ready(3) and ahead.take(3) is None and tower.calls == [[1, 2]]
+    assert ahead.take(1) is not None  # 24 bytes held now: room again
+    ahead.submit([_item(3)])
+    while not ahead.ready(3):
+        threading.Event().wait(0.01)
+    assert float(ahead.take(3)[0, 0]) == 3
+    assert tower.calls == [[1, 2], [3]]
