@@ -56,6 +56,8 @@ async def warm_up(args: ServerArgs, tm: TokenizerManager, api_key: str | None) -
         return {"model": args.model_name, "messages": [{"role": "user", "content": content}],
                 "max_tokens": WARMUP_TOKENS, "temperature": 0, "stream": True}
 
+    # No more than the running slots: a warm-up request must never wait in the queue or be refused by its cap.
+    count = min(WARMUP_REQUESTS, args.max_running_requests)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = f"{local_url(args.host, args.port)}/v1/chat/completions"
     start = time.monotonic()
@@ -68,10 +70,10 @@ async def warm_up(args: ServerArgs, tm: TokenizerManager, api_key: str | None) -
                     if response.status_code != 200:
                         raise RuntimeError(f"HTTP {response.status_code}")
 
-            await asyncio.gather(*(one(i) for i in range(WARMUP_REQUESTS)))
+            await asyncio.gather(*(one(i) for i in range(count)))
         await tm.flush_cache()
     except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation, never a reason not to serve
         logger.warning("warm-up requests failed (%s: %s); serving without it", type(e).__name__, e)
         return
-    logger.info("warm-up requests done (%d, %s) in %.2f s", WARMUP_REQUESTS,
+    logger.info("warm-up requests done (%d, %s) in %.2f s", count,
                 "each an image and text" if tm.info.has_image_understanding else "text", time.monotonic() - start)
