@@ -65,10 +65,10 @@ async def warm_up(args: ServerArgs, tm: TokenizerManager, api_key: str | None) -
         async with httpx.AsyncClient(timeout=WARMUP_TIMEOUT_S) as client:
             async def one(i: int) -> None:
                 async with client.stream("POST", url, json=body(i), headers=headers) as response:
-                    async for _ in response.aiter_lines():
-                        pass
                     if response.status_code != 200:
                         raise RuntimeError(f"HTTP {response.status_code}")
+                    async for _ in response.aiter_lines():
+                        pass
 
             await asyncio.gather(*(one(i) for i in range(count)))
         await tm.flush_cache()

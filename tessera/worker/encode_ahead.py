@@ -88,7 +88,7 @@ class EncodeAhead:
             embedding = None
         with self._cv:
             if self._results.pop(item_hash, None) is not None and embedding is not None:
-                self._held_bytes -= _nbytes(embedding)
+                self._held_bytes -= embedding.nbytes
         return embedding
 
     def clear(self) -> None:
@@ -108,7 +108,7 @@ class EncodeAhead:
         """Drops a finished result (the caller holds the lock)."""
         result = self._results.pop(item_hash)
         if result.exception() is None:
-            self._held_bytes -= _nbytes(result.result())
+            self._held_bytes -= result.result().nbytes
 
     def _next_call(self) -> tuple[list[MultimodalDataItem], list[Future]]:
         """Up to `chunk` queued items of the first one's modality (the others keep their places)."""
@@ -137,12 +137,8 @@ class EncodeAhead:
                     r.set_exception(e)
             else:
                 with self._cv:
-                    self._held_bytes += sum(_nbytes(emb) for emb in embeddings)
+                    self._held_bytes += sum(emb.nbytes for emb in embeddings)
                 for r, emb in zip(results, embeddings):
                     r.set_result(emb)
             with self._cv:
                 self._running = 0
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
