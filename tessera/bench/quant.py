@@ -3,6 +3,9 @@ with float32, per --torchao-config format (docs/benchmarks.md, "Weight-only int8
 
     python -m tessera.bench.quant [--model-path DIR] [--formats fp32,int8wo,int4wo-32,int4wo-128]
 
+Formats: fp32, a --torchao-config name, or a 16-bit one: bfloat16 / float16 (--dtype; a bf16 model's prefill
+products in bf16 where the CPU has them) and bfloat16-f32 (TESSERA_BF16_COMPUTE=0: float32 products).
+
 Default model: bench-medium (tessera.bench.medium). Rounds alternate the formats (one Engine per format
 per round, so a slow spell of a shared machine hits each alike); figures are medians over the rounds.
 Decode: (T(prompt + n tokens) - T(prompt + 1 token)) / (n - 1), so prefill and per-call costs cancel;
@@ -19,6 +22,7 @@ import time
 
 from tessera.bench.agreement import GreedyOutput, agreement
 from tessera.demo.runs import report
+from tessera.platform.launch import environment
 
 
 def _cpu_seconds(engine) -> float:
@@ -66,6 +70,17 @@ def greedy(engine, prompts: list[list[int]], n: int) -> list[GreedyOutput]:
     return [GreedyOutput(o["output_ids"]) for o in engine.generate(input_ids=prompts, sampling_params=params)]
 
 
+def engine_settings(fmt: str) -> tuple[dict, dict[str, str]]:
+    """(Engine kwargs, environment for its scheduler process) of one format name."""
+    if fmt == "fp32":
+        return {"dtype": "float32"}, {}
+    if fmt in ("bfloat16", "float16"):
+        return {"dtype": fmt}, {}
+    if fmt == "bfloat16-f32":
+        return {"dtype": "bfloat16"}, {"TESSERA_BF16_COMPUTE": "0"}
+    return {"torchao_config": fmt}, {}
+
+
 def run(model_path: str, formats: list[str], rounds: int, threads: int, prompt_len: int, decode_tokens: int,
         agreement_prompts: int, agreement_tokens: int, log=print) -> dict:
     from tessera.entrypoints.engine import Engine
@@ -80,13 +95,15 @@ def run(model_path: str, formats: list[str], rounds: int, threads: int, prompt_l
     outputs: dict[str, list[GreedyOutput]] = {}
     for r in range(rounds):
         for fmt in formats:
-            with Engine(model_path=model_path, torchao_config="" if fmt == "fp32" else fmt, cpu_threads=threads,
-                        max_total_tokens=8192, show_progress=False) as engine:
+            kwargs, env = engine_settings(fmt)
+            with environment(env), Engine(model_path=model_path, cpu_threads=threads, max_total_tokens=8192,
+                                           show_progress=False, **kwargs) as engine:
                 got = measure(engine, prompt, decode_tokens, 3)
                 for key, value in got.items():
                     figures[fmt].setdefault(key, []).append(value)
                 if r == 0:
-                    quantization = engine.get_server_info()["effective"].get("quantization", "")
+                    effective = engine.get_server_info()["effective"]
+                    quantization = effective.get("quantization") or effective.get("linear_kernel", "")
                     outputs[fmt] = greedy(engine, prompts, agreement_tokens)
                     figures[fmt]["quantization"] = quantization
             log(f"round {r + 1} {fmt}: " + ", ".join(f"{k} {v:.2f}" for k, v in got.items()))

@@ -13,7 +13,6 @@ measurement: it is the model step alone, the part that decides throughput once b
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.layers.forward_batch import ForwardBatch
+from tessera.platform.launch import environment
 
 # aten op -> group, first match wins (substring).
 _GROUPS = (
@@ -139,17 +139,10 @@ def run_profile(cfg: ProfileConfig) -> dict:
     ours_ms = [t * 1e3 for t in _time(ours, cfg.warmup, cfg.steps)]
     # The breakdown runs the layers one kernel call at a time: the decode stack (layers/decode_stack.py) is one
     # C call over the same kernels, which the profiler would see as a single operator.
-    stack = os.environ.get("TESSERA_DECODE_STACK")
-    os.environ["TESSERA_DECODE_STACK"] = "0"
-    try:
+    with environment({"TESSERA_DECODE_STACK": "0"}):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(cfg.steps):
                 ours()
-    finally:
-        if stack is None:
-            del os.environ["TESSERA_DECODE_STACK"]
-        else:
-            os.environ["TESSERA_DECODE_STACK"] = stack
     # torch's operators, oneDNN's (few-row products) and our C kernels' named ranges (platform/cpu_kernels.call)
     events = [e for e in prof.key_averages() if e.key.startswith(("aten::", "mkldnn::", "tessera::"))]
     total_us = sum(e.self_cpu_time_total for e in events) or 1.0

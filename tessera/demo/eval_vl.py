@@ -1,6 +1,10 @@
 """Accuracy of demo-vl with HF transformers greedy generation on held-out scenes.
 
     python -m tessera.demo.eval_vl --model-path tessera/assets/demo-vl [--images 500 --videos 200]
+    python -m tessera.demo.eval_vl --engine --dtype bfloat16     # Tessera's own tokens, in a format HF lacks
+
+With --engine the answers come from tessera.Engine (the arithmetic a server runs, e.g. a bf16 model's bf16
+products on a CPU, which no HF configuration reproduces); without it from HF with the same weights.
 
 Exact match per question type on images and videos from a seed never used in training
 (training draws from seeds derived from --seed 1234 and evaluates on 999_999 during training).
@@ -61,6 +65,24 @@ def hf_answers(model_path: str, samples: list[scenes.Sample], batch_size: int = 
     return answers
 
 
+def engine_answers(model_path: str, samples: list[scenes.Sample], dtype: str = "auto",
+                   torchao_config: str = "", batch_size: int = 64) -> list[str]:
+    """Greedy answers from tessera.Engine (24 tokens at most, as hf_answers), in batches."""
+    from tessera import Engine
+
+    answers: list[str] = []
+    with Engine(model_path=model_path, dtype=dtype, torchao_config=torchao_config, show_progress=False) as engine:
+        for b in range(0, len(samples), batch_size):
+            group = samples[b : b + batch_size]
+            prompts = [engine.apply_chat_template([{"role": "user", "content": [
+                {"type": s.kind}, {"type": "text", "text": s.question}]}]) for s in group]
+            outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": 24},
+                                   image_data=[[s.frames[0]] if s.kind == "image" else None for s in group],
+                                   video_data=[[list(s.frames)] if s.kind == "video" else None for s in group])
+            answers += [o["text"].strip() for o in outs]
+    return answers
+
+
 def accuracy(samples: list[scenes.Sample], answers: list[str]) -> dict[str, float]:
     totals: dict[str, list[int]] = {}
     for s, a in zip(samples, answers):
@@ -78,12 +100,20 @@ def main() -> None:
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--torchao-config", default="", help="evaluate this weight-only quantization "
                                                          "(int8wo, int4wo-32, ...) of the language model")
+    ap.add_argument("--engine", action="store_true", help="answers from tessera.Engine instead of HF")
+    ap.add_argument("--dtype", default="auto", help="with --engine: the Engine's --dtype (auto, bfloat16, ...)")
     args = ap.parse_args()
+    if args.dtype != "auto" and not args.engine:
+        ap.error("--dtype is the Engine's: add --engine")
     samples = held_out(args.images, args.videos)
     t0 = time.time()
-    answers = hf_answers(args.model_path, samples, torchao_config=args.torchao_config)
+    if args.engine:
+        answers = engine_answers(args.model_path, samples, args.dtype, args.torchao_config)
+    else:
+        answers = hf_answers(args.model_path, samples, torchao_config=args.torchao_config)
     acc = accuracy(samples, answers)
-    result = {"model_path": args.model_path, "torchao_config": args.torchao_config, "images": args.images,
+    result = {"model_path": args.model_path, "answers_from": "tessera" if args.engine else "hf",
+              "dtype": args.dtype, "torchao_config": args.torchao_config, "images": args.images,
               "videos": args.videos, "seed": HELD_OUT_SEED, "accuracy": acc, "seconds": round(time.time() - t0, 1)}
     report(result, args.output_json)
 

@@ -9,10 +9,13 @@ per value. Which way each product runs, by rows of x (figures: docs/benchmarks.m
   The widening is ~2% of the sgemm at 256 rows, while torch's own bfloat16 / float16 matmuls ran 5-7x
   slower than float32 on an AVX2 CPU (no AVX512-BF16 / AMX).
 
-Where the CPU has AMX (`amx_bf16`), oneDNN's bfloat16 matmul runs on its tiles: on a Sapphire Rapids Xeon it
-took a 256-row product over a bf16 weight 2.1-2.7x faster than the widened sgemm, but it rounds x to bfloat16,
-which moved a tiny model's logprobs by 0.025 where the float32 contract holds them within 1e-4. So it is opt-in
-(TESSERA_BF16_AMX=1), and the default gives every CPU the same numbers.
+Where the CPU multiplies bfloat16 itself (`avx512_bf16` or `amx_bf16` in /proc/cpuinfo), many rows of a bf16
+weight go to oneDNN's bf16 matmul instead: x rounded to bf16, float32 accumulation, the result rounded to bf16
+and returned as float32, as SGLang/vLLM/HF compute a bf16 model. On a Zen 5 (AVX512-BF16, no AMX) it took
+bench-medium's 48 products at 256 rows 4.6x faster than the widened sgemm, and won from 8 rows; on a Sapphire
+Rapids Xeon (AMX) 2.1-2.7x. It moves logprobs by bf16 rounding (0.025 on a tiny model), so
+TESSERA_BF16_COMPUTE=0 keeps float32 compute, the same numbers on every CPU; =1 asks for it on any CPU (oneDNN
+then emulates bf16, slowly). Few rows (decode) keep the float32 kernel: it is faster there and exact.
 """
 
 from __future__ import annotations
@@ -35,12 +38,31 @@ BLOCK_VALUES = 1 << 22
 _scratch = threading.local()  # per thread (TP ranks are processes; tests may run models on threads)
 
 
-def amx_bf16_wanted() -> bool:
-    """Whether many-row bf16 products go to oneDNN's bf16 matmul: asked for (TESSERA_BF16_AMX=1) and AMX present."""
-    return os.environ.get("TESSERA_BF16_AMX", "0") == "1" and "amx_bf16" in cpu_kernels.cpu_flags()
+def bf16_compute_wanted() -> bool:
+    """Whether many-row bf16 products round x to bf16 for oneDNN's bf16 matmul: TESSERA_BF16_COMPUTE=1 / 0,
+    else (unset or `auto`) where the CPU has bf16 dot products (AVX512-BF16 or AMX)."""
+    value = os.environ.get("TESSERA_BF16_COMPUTE", "auto").strip().lower()
+    if value in ("0", "1"):
+        return value == "1"
+    if value not in ("", "auto"):
+        raise ValueError(f"TESSERA_BF16_COMPUTE must be 0, 1 or auto, got {value!r}")
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_kernels.cpu_flags())
 
 
-_AMX_BF16 = amx_bf16_wanted()
+_BF16_COMPUTE = bf16_compute_wanted()
+
+
+def bf16_products() -> bool:
+    """Whether this process runs many-row products over 16-bit and int weights in bf16 (bf16_compute_wanted)."""
+    return _BF16_COMPUTE
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] float32 @ weight [N, K] bfloat16 .T (+ float32 bias) through oneDNN's bf16 matmul, in float32."""
+    y = F.linear(x.to(torch.bfloat16), weight).float()
+    if bias is not None:
+        y += bias
+    return y
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -60,10 +82,8 @@ def half_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
             and (bias is None or (bias.dtype == torch.float32 and bias.shape == weight.shape[:1]))
             and not torch.is_grad_enabled() and cpu_kernels.available(_KERNEL[weight.dtype])):
         y = _gemv16(rows.contiguous(), weight.contiguous(), bias)
-    elif _AMX_BF16 and weight.dtype == torch.bfloat16:
-        y = F.linear(rows.to(torch.bfloat16), weight).float()
-        if bias is not None:
-            y += bias
+    elif _BF16_COMPUTE and weight.dtype == torch.bfloat16:
+        y = bf16_linear(rows, weight, bias)
     else:
         y = _widened_linear(rows, weight, bias, fp32_linear)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
@@ -112,6 +132,6 @@ def describe(dtype: torch.dtype) -> str:
     few = (f"C kernel {_KERNEL[dtype]} up to {cpu_gemv.GEMV_MAX_ROWS} rows ({cpu_gemv.GEMV_MAX_ROWS_ONE_THREAD} on "
            "one thread)" if cpu_kernels.available(_KERNEL[dtype])
            else f"no {_KERNEL[dtype]} kernel ({cpu_kernels.status()[_KERNEL[dtype]]})")
-    many = ("x in bfloat16 through oneDNN (AMX)" if _AMX_BF16 and dtype == torch.bfloat16
-            else "weight widened to float32 in blocks, then sgemm")
-    return f"{name} weights, float32 compute: {few}; more rows: {many}"
+    if _BF16_COMPUTE and dtype == torch.bfloat16:
+        return f"{name} weights: {few} in float32; more rows: x rounded to bfloat16, oneDNN bf16 matmul"
+    return f"{name} weights, float32 compute: {few}; more rows: weight widened to float32 in blocks, then sgemm"

@@ -70,6 +70,8 @@ KERNELS: dict[str, Kernel] = {
                         "int4 weights dequantized to float32 for each product"),
     "int_dequant": Kernel("cpu_int_gemv.c", "tessera_int_dequant_f32", (_P,) * 4 + (_L,) * 3 + (_I,) * 2,
                           "dequantization as torch operators"),
+    "int_dequant_bf16": Kernel("cpu_int_gemv.c", "tessera_int_dequant_bf16", (_P,) * 4 + (_L,) * 3 + (_I,) * 2,
+                               "dequantization to float32, then rounding to bfloat16"),
     # A decode step of the whole decoder stack (layers/decode_stack.py): it calls the kernels above by address.
     "decode_stack": Kernel("cpu_decode_stack.c", "tessera_decode_stack_f32",
                            (_P, _P, _L) + (_P,) * 5 + (_L, _P, _P, _L, _P) + (_L,) * 6 + (_F, _F, _I),

@@ -10,6 +10,7 @@ preprocessing workers, all one way.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing
 import os
@@ -18,11 +19,27 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 STOP_TIMEOUT_S = 10  # a child that has not exited this long after SIGTERM is killed
+
+
+@contextlib.contextmanager
+def environment(overrides: dict[str, str]) -> Iterator[None]:
+    """Environment variables set for children started inside the block (they read their switches, e.g.
+    TESSERA_BF16_COMPUTE, at import), then restored: for benchmarks that compare settings in one run."""
+    old = {k: os.environ.get(k) for k in overrides}
+    os.environ.update(overrides)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def spawn(module: str, argv: Sequence[str], settings: dict[str, Any]) -> subprocess.Popen:

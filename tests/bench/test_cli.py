@@ -37,3 +37,4 @@ def test_user_errors_are_one_line(args: tuple[str, ...], field: str) -> None:
     out = run_cli(*args)
     assert out.returncode == 2
     assert field in out.stderr and "Traceback" not in out.stderr
+

@@ -70,6 +70,7 @@ def test_many_rows_widen_blocks_into_sgemm(dtype, monkeypatch) -> None:
     """Past the kernel's rows: the weight widened in blocks (small blocks here, so a block boundary and a last
     partial block fall inside the weight) and the bias split with it; the same as widening it whole."""
     monkeypatch.setattr(half_linear, "BLOCK_VALUES", 1000)
+    monkeypatch.setattr(half_linear, "_BF16_COMPUTE", False)  # the float32-compute path, on any CPU
     monkeypatch.setattr(half_linear, "_gemv16", lambda *a: pytest.fail("kernel taken for many rows"))
     g = torch.Generator().manual_seed(1)
     w, b = _weight(37, 101, dtype, g), torch.randn(37, generator=g)  # blocks of 9 rows: 4 whole and 1 row
@@ -82,6 +83,7 @@ def test_many_rows_widen_blocks_into_sgemm(dtype, monkeypatch) -> None:
 
 def test_without_the_kernel_few_rows_widen_too(monkeypatch) -> None:
     monkeypatch.setattr(cpu_kernels, "available", lambda name: False)
+    monkeypatch.setattr(half_linear, "_BF16_COMPUTE", False)
     monkeypatch.setattr(half_linear, "_gemv16", lambda *a: pytest.fail("kernel called while unavailable"))
     g = torch.Generator().manual_seed(2)
     w, x = _weight(33, 65, torch.bfloat16, g), torch.randn(2, 65, generator=g)
@@ -110,27 +112,38 @@ def test_keep_weights_in_converts_linears_tables_and_heads(tied) -> None:
     assert (model.head.weight is model.embed.weight) == tied
 
 
-def test_amx_cpus_take_onednn_bf16_for_many_rows(monkeypatch) -> None:
-    """With TESSERA_BF16_AMX=1 on a CPU with AMX many rows of a bf16 weight run oneDNN's bf16 matmul: x rounded
-    to bf16, the result float32 with the bias added; fp16 weights keep the widened path."""
-    monkeypatch.setattr(half_linear, "_AMX_BF16", True)
+def test_bf16_compute_takes_onednn_for_many_rows_only(monkeypatch) -> None:
+    """With bf16 compute on, many rows of a bf16 weight run oneDNN's bf16 matmul: x rounded to bf16, the result
+    float32 with the bias added, within bf16 rounding of the exact product; few rows keep the exact float32
+    kernel; fp16 weights keep the widened path."""
+    monkeypatch.setattr(half_linear, "_BF16_COMPUTE", True)
     g = torch.Generator().manual_seed(3)
     w, b, x = _weight(40, 64, torch.bfloat16, g), torch.randn(40, generator=g), torch.randn(100, 64, generator=g)
     with torch.inference_mode():
         y = linear(x, w, b)
         assert y.dtype == torch.float32
         torch.testing.assert_close(y, torch.nn.functional.linear(x.bfloat16(), w).float() + b)
+        exact = _reference(x, w, b)
+        err = (y.double() - exact).abs().max().item()
+        assert 1e-6 < err < 0.05 * exact.abs().max().item()  # rounded, and only by bf16's 8 bits
+        if cpu_kernels.available("gemv_bf16"):  # decode rows: exact, whatever the flag
+            torch.testing.assert_close(linear(x[:2], w, b).double(), exact[:2], atol=1e-5, rtol=1e-5)
         monkeypatch.setattr(half_linear, "F", None)  # fp16 must not reach F.linear's bf16 call
         h = w.to(torch.float16)
         torch.testing.assert_close(linear(x, h).double(), _reference(x, h, None), atol=1e-5, rtol=1e-5)
-    assert "oneDNN (AMX)" in half_linear.describe(torch.bfloat16)
+    assert "oneDNN bf16" in half_linear.describe(torch.bfloat16)
+    assert "float32 compute" in half_linear.describe(torch.float16)
 
 
-def test_amx_is_opt_in(monkeypatch) -> None:
-    """Without TESSERA_BF16_AMX=1 a CPU with AMX keeps float32 compute (the same numbers as every other CPU)."""
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"amx_bf16", "avx512_bf16"}))
-    for value, want in (("", False), ("0", False), ("1", True)):
-        monkeypatch.setenv("TESSERA_BF16_AMX", value)
-        assert half_linear.amx_bf16_wanted() is want
-    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: frozenset({"avx2"}))
-    assert half_linear.amx_bf16_wanted() is False
+def test_bf16_compute_follows_the_cpu_unless_set(monkeypatch) -> None:
+    """Unset or `auto`: on where the CPU has bf16 dot products (AVX512-BF16 or AMX), off elsewhere; 0 and 1
+    decide on any CPU; anything else is an error naming the variable."""
+    for flags, value, want in ((frozenset({"amx_bf16"}), "", True), (frozenset({"avx512_bf16"}), "auto", True),
+                               (frozenset({"avx2", "f16c"}), "auto", False), (frozenset({"avx512_bf16"}), "0", False),
+                               (frozenset({"avx2"}), "1", True)):
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setenv("TESSERA_BF16_COMPUTE", value)
+        assert half_linear.bf16_compute_wanted() is want, (flags, value)
+    monkeypatch.setenv("TESSERA_BF16_COMPUTE", "yes")
+    with pytest.raises(ValueError, match="TESSERA_BF16_COMPUTE"):
+        half_linear.bf16_compute_wanted()

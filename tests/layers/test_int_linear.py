@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tessera.config import ServerArgs
+from tessera.layers import half_linear
 from tessera.layers import linear as lin
 from tessera.layers.quantization import int_linear
 from tessera.layers.quantization.affine import AffineWeight, quantize
@@ -59,7 +60,8 @@ def test_c_kernel_matches_dequantized_product(shape):
 
 def test_paths_agree_and_rows_past_the_kernel_go_dequantized(monkeypatch):
     """Every path ("c", torch's packed ops, "affine") gives the dequantized product, for few rows and for a
-    prefill's many (which the C path runs as its dequantized weight through `dense`)."""
+    prefill's many (which the C path runs as its dequantized weight through `dense`, in float32 here)."""
+    monkeypatch.setattr(half_linear, "_BF16_COMPUTE", False)
     dense_calls = []
     for shape in [(64, 128, 8, None, True), (64, 128, 4, 32, False)]:
         aw, bias = weight_case(*shape, seed=2)
@@ -73,6 +75,23 @@ def test_paths_agree_and_rows_past_the_kernel_go_dequantized(monkeypatch):
                     y = packed(x, bias, dense=lambda a, b, c: dense_calls.append(a.shape[0]) or lin.linear(a, b, c))
                 check(y, x @ w.T + bias)
     assert 2 * (int_linear.max_rows() + 5) in dense_calls
+
+
+def test_bf16_products_take_many_rows_only(monkeypatch):
+    """Where the CPU has bf16 dot products, a prefill's rows multiply the dequantized weight rounded to bf16
+    (x rounded too), within bf16 rounding of the exact product; few rows stay on the exact kernel."""
+    monkeypatch.setattr(half_linear, "_BF16_COMPUTE", True)
+    aw, bias = weight_case(64, 128, 4, 32, False, seed=3)
+    w = aw.dequantize()
+    for path in ["affine"] + (["c"] if c_kernels() else []):
+        packed = PackedIntWeight(aw, path)
+        x = torch.randn(int_linear.max_rows() + 5, aw.shape[1])
+        with torch.inference_mode():
+            y = packed(x, bias, dense=lambda *a: pytest.fail("float32 product taken with bf16 products on"))
+            check(packed(x[:3], bias), x[:3] @ w.T + bias)
+        torch.testing.assert_close(y, half_linear.bf16_linear(x, w.bfloat16(), bias))
+        err = (y - (x @ w.T + bias)).abs().max().item()
+        assert 1e-6 < err < 0.05 * (x @ w.T).abs().max().item()
 
 
 def test_portable_c_path_without_avx2(tmp_path):
@@ -184,3 +203,17 @@ def test_affine_weight_is_the_interface():
     x = torch.randn(4, 64)
     with torch.inference_mode():
         check(layer(x), x @ aw.dequantize().T)
+
+
+@pytest.mark.parametrize("shape", [(48, 1040, 8, None, True), (32, 1056, 4, 32, False)])
+def test_dequantized_to_bf16_is_the_float32_weight_rounded(shape):
+    """int_dequant_bf16 (columns in chunks of 512, the last one partial here) rounds to nearest, ties to even:
+    torch's own float32 -> bfloat16 rounding of the float32 dequantization."""
+    if not (c_kernels() and cpu_kernels.available("int_dequant_bf16")):
+        pytest.skip("no C kernels")
+    aw, _ = weight_case(*shape, seed=4)
+    packed = PackedIntWeight(aw, "c")
+    w32 = packed.dequantize()
+    w16 = packed.dequantize(torch.bfloat16)
+    assert w16.dtype == torch.bfloat16 and torch.equal(w16, w32.to(torch.bfloat16))
+    assert not torch.equal(w16.float(), w32)  # the values were rounded, not all representable already

@@ -15,13 +15,17 @@ import pytest
 import torch
 from paged_driver import check_text_prefill_and_decode
 
+from tessera.layers import half_linear
 from tessera.layers.linear import Linear
 from tessera.models.registry import load_model
 from tessera.platform import cpu_kernels
 
 
 @pytest.mark.parametrize(("dtype", "tied"), [(torch.bfloat16, False), (torch.float16, True)])
-def test_16bit_checkpoint_matches_hf_over_the_upcast_weights(dtype, tied, tmp_path) -> None:
+def test_16bit_checkpoint_matches_hf_over_the_upcast_weights(dtype, tied, tmp_path, monkeypatch) -> None:
+    """Float32 compute over 16-bit weights (TESSERA_BF16_COMPUTE=0 on a CPU with bf16 products) is HF in float32
+    over the upcast weights."""
+    monkeypatch.setattr(half_linear, "_BF16_COMPUTE", False)
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     cfg = Qwen3Config(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,

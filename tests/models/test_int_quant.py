@@ -12,11 +12,19 @@ from paged_driver import PagedKV, check_text_prefill_and_decode, make_batch
 from qwen2_vl_testing import build_prompt, tiny_vl_config
 from test_qwen2_vl import _greedy_prompt, _greedy_tokens, _hf_greedy_tokens, hf_logits, prefill_step
 
+from tessera.layers import half_linear
 from tessera.layers.linear import Linear
 from tessera.layers.quantization.int_linear import fake_quantize_
 from tessera.models.registry import load_model
 
 SCHEMES = ["int8wo", "int4wo-32"]
+
+
+@pytest.fixture(autouse=True)
+def float32_products(monkeypatch):
+    """HF multiplies the dequantized weights in float32: so do we here, on any CPU (a prefill's products are
+    bf16 where the CPU has bf16 dot products; tests/layers/test_int_linear.py covers those)."""
+    monkeypatch.setattr(half_linear, "_BF16_COMPUTE", False)
 
 
 def quantized_pair(path, hf, scheme: str, prefix: str):

@@ -3,7 +3,9 @@
 Which kernel runs is decided at pack time from the device and the weight's shape:
 - "c": our C kernels (platform/csrc/cpu_int_gemv.c) for products of up to max_rows() rows; more rows (a
   prefill) dequantize the weight to float32 with the C kernel and run torch's matmul (measured faster from
-  there than the kernel, and not slower than float32: docs/benchmarks.md, "Weight-only int8 / int4").
+  there than the kernel, and not slower than float32: docs/benchmarks.md, "Weight-only int8 / int4"); where
+  the CPU has bf16 dot products (half_linear.bf16_products), that matmul is oneDNN's bf16 one over the
+  dequantized weight rounded to bf16, as for a bf16 model.
 - "torch": torch's packed CPU ops (_weight_int8pack_mm, _weight_int4pack_mm_for_cpu), only where
   TESSERA_INT_KERNEL=torch asks: they measured slower than ours on AVX2 and, by 9-120x, on AVX-512 + AMX.
 - "affine": the AffineWeight kept as it is and dequantized by torch operators for every product (the C
@@ -21,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.config import TORCHAO_CONFIGS
-from tessera.layers import cpu_gemv
+from tessera.layers import cpu_gemv, half_linear
 from tessera.layers.quantization.affine import AffineWeight, quantize
 from tessera.platform import cpu_kernels
 from tessera.platform.device import is_host
@@ -112,15 +114,18 @@ class PackedIntWeight:
     def description(self) -> str:
         return PATH_NAMES[self.path].format(bits=self.bits)
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight [out, in] (what a many-row product multiplies by); the "torch" path keeps
-        only torch's packing and multiplies every product through it instead."""
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight [out, in] in float32 (what a many-row product multiplies by) or rounded to bfloat16; the
+        "torch" path keeps only torch's packing and multiplies every product through it instead."""
         if self.path == "affine":
-            return self.affine.dequantize()
+            return self.affine.dequantize().to(dtype)
         if self.path != "c":
             raise RuntimeError(f"the {self.path} path keeps no dequantizable weight")
-        w = torch.empty(self.out_features, self.in_features, dtype=torch.float32)
-        cpu_kernels.call("int_dequant", self.q.data_ptr(), self.scale.data_ptr(), self.zs.data_ptr(), w.data_ptr(),
+        kernel = {torch.float32: "int_dequant", torch.bfloat16: "int_dequant_bf16"}[dtype]
+        if not cpu_kernels.available(kernel):
+            return self.dequantize().to(dtype)
+        w = torch.empty(self.out_features, self.in_features, dtype=dtype)
+        cpu_kernels.call(kernel, self.q.data_ptr(), self.scale.data_ptr(), self.zs.data_ptr(), w.data_ptr(),
                          self.out_features, self.in_features, self.group_size, self.bits, torch.get_num_threads())
         return w
 
@@ -138,6 +143,8 @@ class PackedIntWeight:
         elif self.path == "torch":
             y = self._torch_mm(x2.contiguous())
             y = y if b32 is None else y + b32
+        elif x2.shape[0] > max_rows() and half_linear.bf16_products():  # 3x the float32 sgemm at 256 rows
+            y = half_linear.bf16_linear(x2, self.dequantize(torch.bfloat16), b32)
         else:
             y = dense(x2, self.dequantize(), b32)
         return y.to(dtype).reshape(*lead, self.out_features)

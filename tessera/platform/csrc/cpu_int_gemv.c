@@ -13,7 +13,8 @@
  * of 16 columns; others `tile`), two or more the dequantized strips, edge blocks `tile`. Without AVX2 the
  * same code runs on GCC/Clang vector extensions.
  * tessera_int_dequant_f32 writes the float weight [N, K] (the many-row products run it through torch's
- * matmul). Built by tessera/platform/cpu_kernels.py.
+ * matmul); tessera_int_dequant_bf16 the same values rounded to bfloat16 (to nearest, ties to even), for
+ * oneDNN's bf16 matmul where the CPU has bf16 dot products. Built by tessera/platform/cpu_kernels.py.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -329,4 +330,25 @@ void tessera_int_dequant_f32(const uint8_t *q, const float *sc, const float *zs,
     long G = K / gs, row_bytes = bits == 8 ? K : K / 2;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (long n = 0; n < N; n++) dequant_row(q + n * row_bytes, sc + n * G, zs + n * G, w + n * K, 0, K, gs, bits);
+}
+
+#define DEQ_BF16_CHUNK 512 /* columns dequantized to float32 on the stack, then rounded: a multiple of 16 */
+
+void tessera_int_dequant_bf16(const uint8_t *q, const float *sc, const float *zs, uint16_t *w, long N, long K,
+                              long gs, int bits, int threads) {
+    long G = K / gs, row_bytes = bits == 8 ? K : K / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long n = 0; n < N; n++) {
+        float buf[DEQ_BF16_CHUNK];
+        for (long k0 = 0; k0 < K; k0 += DEQ_BF16_CHUNK) {
+            long k1 = k0 + DEQ_BF16_CHUNK < K ? k0 + DEQ_BF16_CHUNK : K;
+            dequant_row(q + n * row_bytes, sc + n * G, zs + n * G, buf - k0, k0, k1, gs, bits);
+            uint16_t *out = w + n * K + k0;
+            for (long k = 0; k < k1 - k0; k++) {  /* vectorized by the compiler */
+                uint32_t u;
+                __builtin_memcpy(&u, buf + k, 4);
+                out[k] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+            }
+        }
+    }
 }
