@@ -68,7 +68,7 @@ def hf_answers(model_path: str, samples: list[scenes.Sample], batch_size: int = 
 def engine_answers(model_path: str, samples: list[scenes.Sample], dtype: str = "auto",
                    torchao_config: str = "", batch_size: int = 64) -> list[str]:
     """Greedy answers from tessera.Engine (24 tokens at most, as hf_answers), in batches."""
-    from tessera import Engine
+    from tessera.entrypoints.engine import Engine
 
     answers: list[str] = []
     with Engine(model_path=model_path, dtype=dtype, torchao_config=torchao_config, show_progress=False) as engine:
