@@ -90,3 +90,41 @@ def test_media_held_until_ready_idle_admits_the_oldest_and_abort_answers() -> No
         sched.recv_sock.close(0)
         sched.send_sock.close(0)
         out.close(0)
+
+
+def test_the_loop_yields_its_steps_while_media_are_encoded_ahead() -> None:
+    """poll_timeout_ms: with requests held for their media and nothing queued, a busy loop on host cores under
+    the adaptive thread policy waits HELD_POLL_MS before each step (the encode-ahead thread and the frontend
+    get the cores); with requests queued, a fixed thread count or nothing held it never waits; idle, it
+    sleeps long unless requests are held."""
+    from tessera.platform.threads import AdaptiveThreads
+    from tessera.scheduler.scheduler import HELD_POLL_MS
+
+    args = ServerArgs.for_engine("demo-vl", max_total_tokens=4096, cpu_threads=1)
+    config = ModelInfo.load(args).config
+    n = next(_ports)
+    worker = FakeWorker()
+    sched = Scheduler(args, f"inproc://held-in-{n}", f"inproc://held-out-{n}", worker, config, {2})
+    try:
+        assert sched.threads is None and sched.poll_timeout_ms() == 1000
+        sched.handle(_request("a", 1))  # admitted at once (nothing else runs): queued, not held
+        sched.handle(_request("b", 2))
+        assert list(sched.held) == ["b"] and sched.policy.waiting
+        assert sched.poll_timeout_ms() == 0  # a request to prefill: step at once
+        running = sched.policy.waiting.popleft()
+        sched.policy.running.append(running)
+        assert sched.poll_timeout_ms() == 0  # a fixed thread count: the cores are the model's
+        sched.threads = AdaptiveThreads(2, busy_clock=lambda: None, set_threads=lambda k: None)
+        assert sched.poll_timeout_ms() == HELD_POLL_MS
+        sched.handle(messages.AbortReq("b"))
+        assert not sched.held and sched.poll_timeout_ms() == 0  # nothing held: decode at full speed
+        sched.policy.running.remove(running)
+        sched.handle(_request("c", 3))
+        assert sched.policy.waiting and not sched.held  # idle again: admitted at once
+        sched.policy.waiting.clear()
+        worker.ready.clear()
+        sched.held["d"] = (running, None)
+        assert sched.poll_timeout_ms() == HELD_POLL_MS  # idle with one held: wake up to admit it
+    finally:
+        sched.recv_sock.close(0)
+        sched.send_sock.close(0)
