@@ -24,12 +24,12 @@ import httpx
 from PIL import Image
 
 from tessera.config import ServerArgs
-from tessera.frontend.tokenizer_manager import TokenizerManager
+from tessera.frontend.tokenizer_manager import PREPROCESS_THREADS, TokenizerManager
 
 logger = logging.getLogger("tessera.server")
 
 WARMUP_TOKENS = 4
-WARMUP_REQUESTS = 4  # at once: one per frontend preprocessing thread (tokenizer_manager.PREPROCESS_THREADS)
+WARMUP_REQUESTS = PREPROCESS_THREADS  # at once: one per frontend preprocessing thread
 WARMUP_TIMEOUT_S = 120
 
 

@@ -112,7 +112,9 @@ class PackedIntWeight:
 
     @property
     def description(self) -> str:
-        return PATH_NAMES[self.path].format(bits=self.bits)
+        """What runs this weight's products, as get_server_info and the startup log report it."""
+        name = PATH_NAMES[self.path].format(bits=self.bits)
+        return f"{name} (bf16 products)" if self.path != "torch" and half_linear.bf16_products() else name
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight [out, in] in float32 (what a many-row product multiplies by) or rounded to bfloat16; the
