@@ -148,10 +148,14 @@ def _build(model: nn.Module) -> _Plan | None:
         table[i] = _Layer(layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
                           qn, kn, *ws, None, None, attn.sliding_window or 0)
         keep.extend(n.weight for n in norms)
-    if not all(cpu_kernels.available(_KIND_KERNEL[k]) for k in kinds):
+    int4 = {lin.quantized.kernel for lin in _linears(model) if lin.quantized is not None and lin.quantized.bits == 4}
+    if len(int4) > 1:  # one int4 kernel per table; a model never mixes them (its weights come from one source)
+        return None
+    names = {**_KIND_KERNEL, W_INT4: int4.pop() if int4 else "int4_gemv"}
+    if not all(cpu_kernels.available(names[k]) for k in kinds):
         return None
     fns = cpu_kernels.addresses()
-    kernels = _Kernels(*(fns.get(_KIND_KERNEL[k]) for k in range(5)), fns["rmsnorm"], fns["rotary"],
+    kernels = _Kernels(*(fns.get(names[k]) for k in range(5)), fns["rmsnorm"], fns["rotary"],
                        fns["silu_mul"], fns["decode_attention"])
     linears = _linears(model)
     return _Plan(table, kernels, keep, linears, _sources(linears), model.norm.weight, (H, Hq, Hkv, D, I), eps,

@@ -84,11 +84,11 @@ class Linear(nn.Module):
         return linear(x, self.weight, bias)
 
     @torch.no_grad()
-    def set_quantized(self, weight: AffineWeight, path: str | None = None) -> None:
+    def set_quantized(self, weight: AffineWeight, path: str | None = None, bf16_activations: bool = False) -> None:
         """Replaces the float weight by `weight` (this module's [out_features, in_features]: a shard under tensor
         parallelism), packed now for the kernel chosen for this CPU (int_linear.PackedIntWeight; `path` forces
-        one: "c", "torch" or "affine"). Off the host the weight is kept dequantized in the model's dtype
-        instead. The bias, if any, stays float."""
+        one: "c", "torch" or "affine"; `bf16_activations` as there). Off the host the weight is kept dequantized
+        in the model's dtype instead. The bias, if any, stays float."""
         if weight.shape != (self.out_features, self.in_features):
             raise ValueError(f"quantized weight {weight.shape}, want {(self.out_features, self.in_features)}")
         old = self.weight
@@ -98,7 +98,7 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(weight.dequantize(dtype).to(device), requires_grad=False)
             self.quant_path = f"int{weight.bits} dequantized to {str(dtype).removeprefix('torch.')} on {device}"
             return
-        self.quantized = PackedIntWeight(weight, path)
+        self.quantized = PackedIntWeight(weight, path, bf16_activations)
         self.quant_path = self.quantized.description
         self.weight = None  # frees the float weight (the module held the only reference after loading)
 
@@ -195,12 +195,12 @@ class RowParallelLinear(Linear):
         y = all_reduce(self._product(x, None))
         return y if self.bias is None else y + self.bias
 
-    def set_quantized(self, weight: AffineWeight, path: str | None = None) -> None:
+    def set_quantized(self, weight: AffineWeight, path: str | None = None, bf16_activations: bool = False) -> None:
         """As Linear's; also takes the checkpoint's full [out_features, full_in_features] weight, of which this
         rank keeps its columns (they must fall on group boundaries)."""
         if weight.shape == (self.out_features, self.full_in_features) != (self.out_features, self.in_features):
             weight = weight.columns(self.start, self.in_features)
-        super().set_quantized(weight, path)
+        super().set_quantized(weight, path, bf16_activations)
 
     @torch.no_grad()
     def load_param(self, param_name: str, loaded: torch.Tensor) -> None:

@@ -63,11 +63,13 @@ KERNELS: dict[str, Kernel] = {
                         "bfloat16 weights widened to float32 by torch before the product"),
     "gemv_f16": Kernel("cpu_gemv16.c", "tessera_gemv_f16", (_P,) * 4 + (_L,) * 3 + (_I,),
                        "float16 weights widened to float32 by torch before the product"),
-    # Weight-only int8 / int4 products (layers/quantization/int_linear.py): one source, three symbols.
+    # Weight-only int8 / int4 products (layers/quantization/int_linear.py): one source, five symbols.
     "int8_gemv": Kernel("cpu_int_gemv.c", "tessera_int8_gemv_f32", (_P,) * 6 + (_L,) * 4 + (_I,),
                         "int8 weights dequantized to float32 for each product"),
     "int4_gemv": Kernel("cpu_int_gemv.c", "tessera_int4_gemv_f32", (_P,) * 6 + (_L,) * 4 + (_I,),
                         "int4 weights dequantized to float32 for each product"),
+    "int4_gemv_bf16x": Kernel("cpu_int_gemv.c", "tessera_int4_gemv_bf16x", (_P,) * 6 + (_L,) * 4 + (_I,),
+                              "the int4 product over float32 x"),
     "int_dequant": Kernel("cpu_int_gemv.c", "tessera_int_dequant_f32", (_P,) * 4 + (_L,) * 3 + (_I,) * 2,
                           "dequantization as torch operators"),
     "int_dequant_bf16": Kernel("cpu_int_gemv.c", "tessera_int_dequant_bf16", (_P,) * 4 + (_L,) * 3 + (_I,) * 2,

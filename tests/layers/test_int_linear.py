@@ -77,9 +77,43 @@ def test_paths_agree_and_rows_past_the_kernel_go_dequantized(monkeypatch):
     assert 2 * (int_linear.max_rows() + 5) in dense_calls
 
 
+# Rows of 128 columns and groups of 32, 64, 128, 256 take the AVX512-BF16 batch-1 kernel where the CPU has it;
+# the others (and two or more rows) the float32 kernel over x rounded to bf16.
+BF16X_SHAPES = [(37, 256, 4, 32, False), (20, 384, 4, 64, False), (9, 768, 4, 128, False), (16, 512, 4, 256, True),
+                (37, 96, 4, 32, False), (66, 128, 4, 16, False), (10, 1040, 4, 80, False)]
+
+
+@pytest.mark.parametrize("shape", BF16X_SHAPES, ids=lambda s: "x".join(map(str, s[:2])) + f"-g{s[3]}")
+def test_int4_kernel_with_bf16_activations_is_the_product_over_x_rounded(shape, monkeypatch):
+    """With bf16 products on, the few-row products of a torchao int4 weight (bf16 activations) round x to bf16 and
+    are otherwise exact: the float32 product of the rounded x and the dequantized weight, up to the order of the
+    sums (the batch-1 kernel adds 128 to every weight and takes 128 x the group's sum back off, which costs a few
+    bits: hence 3e-5 of the largest value). A pre-quantized checkpoint's int4 weight keeps float32 x."""
+    if not (c_kernels() and cpu_kernels.available("int4_gemv_bf16x")):
+        pytest.skip("no C kernels")
+    monkeypatch.setattr(half_linear, "_BF16_COMPUTE", True)
+    aw, bias = weight_case(*shape, seed=5)
+    packed = PackedIntWeight(aw, "c", bf16_activations=True)
+    assert packed.kernel == "int4_gemv_bf16x" and PackedIntWeight(aw, "c").kernel == "int4_gemv"
+    w = aw.dequantize()
+    gen = torch.Generator().manual_seed(6)
+    with torch.inference_mode():
+        for m in (1, 2, 5):
+            x = torch.randn(m, aw.shape[1], generator=gen)
+            want = x.bfloat16().float() @ w.T + bias
+            y = packed._c_gemv(x, bias)
+            torch.testing.assert_close(y, want, atol=3e-5 * float(want.abs().max()), rtol=0)
+            assert not torch.allclose(y, x @ w.T + bias, atol=1e-6, rtol=1e-6)  # x was rounded
+    monkeypatch.setattr(half_linear, "_BF16_COMPUTE", False)  # float32 products everywhere: x as it is
+    assert packed.kernel == "int4_gemv"
+    with torch.inference_mode():
+        check(packed._c_gemv(x, bias), x @ w.T + bias)
+
+
 def test_bf16_products_take_many_rows_only(monkeypatch):
     """Where the CPU has bf16 dot products, a prefill's rows multiply the dequantized weight rounded to bf16
-    (x rounded too), within bf16 rounding of the exact product; few rows stay on the exact kernel."""
+    (x rounded too), within bf16 rounding of the exact product; few rows stay on the C kernel (int4's over x
+    rounded to bf16 for torchao's int4: the test above) or, without it, on the exact float32 product."""
     monkeypatch.setattr(half_linear, "_BF16_COMPUTE", True)
     aw, bias = weight_case(64, 128, 4, 32, False, seed=3)
     w = aw.dequantize()
@@ -114,6 +148,12 @@ def test_portable_c_path_without_avx2(tmp_path):
             fn(x.data_ptr(), packed.q.data_ptr(), packed.scale.data_ptr(), packed.zs.data_ptr(), bias.data_ptr(),
                y.data_ptr(), m, 36, 96, packed.group_size, 1)
             check(y, x @ aw.dequantize().T + bias)
+            if bits == 4:  # bf16 x: the same numbers as the float32 product over the rounded x
+                bf16x = portable.tessera_int4_gemv_bf16x
+                bf16x.argtypes, bf16x.restype = cpu_kernels.KERNELS["int4_gemv_bf16x"].argtypes, None
+                bf16x(x.data_ptr(), packed.q.data_ptr(), packed.scale.data_ptr(), packed.zs.data_ptr(),
+                      bias.data_ptr(), y.data_ptr(), m, 36, 96, packed.group_size, 1)
+                check(y, x.bfloat16().float() @ aw.dequantize().T + bias)
 
 
 def _machine() -> str:

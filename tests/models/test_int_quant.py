@@ -14,6 +14,7 @@ from test_qwen2_vl import _greedy_prompt, _greedy_tokens, _hf_greedy_tokens, hf_
 
 from tessera.layers import half_linear
 from tessera.layers.linear import Linear
+from tessera.layers.quantization import int_linear
 from tessera.layers.quantization.int_linear import fake_quantize_
 from tessera.models.registry import load_model
 
@@ -75,3 +76,37 @@ def test_qwen2_quantized_matches_hf_dequantized(scheme, tmp_path):
     ours = quantized_pair(tmp_path, hf, scheme, "model.layers.")
     ids = torch.randint(0, 96, (60,), generator=torch.Generator().manual_seed(1))
     check_text_prefill_and_decode(hf, ours, ids, 12)
+
+
+def test_qwen2_vl_int4_with_bf16_products_is_hf_over_bf16_activations(tmp_path, monkeypatch):
+    """With bf16 products on (the default where the CPU has bf16 dot products), torchao's int4 weights take x
+    rounded to bf16, as torchao's int4 kernels take bf16 activations: HF's dequantized linears over inputs rounded
+    to bf16 are then the reference (the prompt is shorter than the kernel's row limit, so the prefill is the
+    few-row kernel too, not the bf16 matmul over a rounded weight)."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from tessera.platform import cpu_kernels
+
+    if not cpu_kernels.available("int4_gemv_bf16x"):
+        pytest.skip("no C kernels")
+    monkeypatch.setattr(half_linear, "_BF16_COMPUTE", True)
+    torch.manual_seed(0)
+    hf = Qwen2VLForConditionalGeneration._from_config(tiny_vl_config(), attn_implementation="eager").eval()
+    hf.save_pretrained(tmp_path)
+    prefix = "model.language_model."
+    pair = SimpleNamespace(hf=hf, ours=quantized_pair(tmp_path, hf, "int4wo-32", prefix))
+    assert {lin.quantized.kernel for lin in pair.ours.modules()
+            if isinstance(lin, Linear) and lin.quantized is not None} == {"int4_gemv_bf16x"}
+    prompt = build_prompt([3, ("image", (1, 2, 4)), 2], seed=1)
+    assert prompt.input_ids.shape[0] <= int_linear.max_rows()  # 16 on one thread
+    exact = hf_logits(hf, prompt)
+    for name, module in hf.named_modules():
+        if name.startswith(prefix) and isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda _m, args: (args[0].bfloat16().float(), *args[1:]))
+    want = hf_logits(hf, prompt)
+    assert (want - exact).abs().max() > 1e-3  # 10x the tolerance below: the test tells the two kernels apart
+    kv = PagedKV(pair.ours.lm_config)
+    with torch.inference_mode():
+        logits = pair.ours(make_batch(kv, [prefill_step(pair, kv.new_request(), prompt, all_logits=True)]), kv.pool)
+    torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
+    assert _greedy_tokens(pair, 4) == _hf_greedy_tokens(pair)

@@ -1,7 +1,8 @@
 """Products with weight-only int8 / int4 weights: an AffineWeight packed once for the kernel chosen here.
 
 Which kernel runs is decided at pack time from the device and the weight's shape:
-- "c": our C kernels (platform/csrc/cpu_int_gemv.c) for products of up to max_rows() rows; more rows (a
+- "c": our C kernels (platform/csrc/cpu_int_gemv.c) for products of up to max_rows() rows (torchao int4 ones
+  over x rounded to bf16 where bf16 products are on: int4_kernel); more rows (a
   prefill) dequantize the weight to float32 with the C kernel and run torch's matmul (measured faster from
   there than the kernel, and not slower than float32: docs/benchmarks.md, "Weight-only int8 / int4"); where
   the CPU has bf16 dot products (half_linear.bf16_products), that matmul is oneDNN's bf16 one over the
@@ -56,6 +57,17 @@ def max_rows() -> int:
     return cpu_gemv.max_rows()
 
 
+def int4_kernel(bf16_activations: bool) -> str:
+    """The C kernel of an int4 weight's products of up to max_rows() rows. For a weight whose format takes bf16
+    activations (bf16_activations: torchao's int4 kernels do) with bf16 products on (half_linear), the one that
+    rounds x to bf16, whose batch-1 product runs AVX512-BF16 dot products where the CPU has them (1.5x the float
+    kernel over bench-medium's weights: docs/benchmarks.md); the float32 one otherwise (as for pre-quantized
+    checkpoints, which HF runs over float activations)."""
+    if bf16_activations and half_linear.bf16_products() and cpu_kernels.available("int4_gemv_bf16x"):
+        return "int4_gemv_bf16x"
+    return "int4_gemv"
+
+
 def _pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q [N, K] (values < 16, K a multiple of 16) -> [N, K / 2]: chunk c of 16 columns is 8 bytes,
     byte i = q[16c + i] | q[16c + 8 + i] << 4 (cpu_int_gemv.c's layout)."""
@@ -66,10 +78,13 @@ def _pack_int4(q: torch.Tensor) -> torch.Tensor:
 
 class PackedIntWeight:
     """One linear weight [out, in] in the packed form of one kernel; call it as the product x @ w.T (+ bias).
-    Holds no float copy of the weight."""
+    Holds no float copy of the weight. bf16_activations: the weight's format takes x in bf16 (torchao's int4
+    weight-only kernels take bf16 activations; what SGLang runs with --torchao-config int4wo-G), so the C path may
+    round x to bf16 (int4_kernel)."""
 
-    def __init__(self, weight: AffineWeight, path: str | None = None):
+    def __init__(self, weight: AffineWeight, path: str | None = None, bf16_activations: bool = False):
         self.bits, self.group_size = weight.bits, weight.group_size
+        self.bf16_activations = bf16_activations and weight.bits == 4
         self.out_features, self.in_features = weight.shape
         self.path = path or self._choose(weight)
         if self.path == "c":
@@ -109,6 +124,11 @@ class PackedIntWeight:
             self.q = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.q.to(torch.int32).contiguous(), 1)
             zero_f = (8.0 - weight.zero.float()) * weight.scale.float()
             self.scale = torch.stack([weight.scale.float(), zero_f], dim=-1).transpose(0, 1).contiguous()
+
+    @property
+    def kernel(self) -> str:
+        """The C kernel of the few-row products (the "c" path)."""
+        return "int8_gemv" if self.bits == 8 else int4_kernel(self.bf16_activations)
 
     @property
     def description(self) -> str:
@@ -154,7 +174,7 @@ class PackedIntWeight:
     def _c_gemv(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         m = x.shape[0]
         y = torch.empty(m, self.out_features, dtype=torch.float32)
-        cpu_kernels.call(f"int{self.bits}_gemv", x.data_ptr(), self.q.data_ptr(), self.scale.data_ptr(),
+        cpu_kernels.call(self.kernel, x.data_ptr(), self.q.data_ptr(), self.scale.data_ptr(),
                          self.zs.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(), m,
                          self.out_features, self.in_features, self.group_size, torch.get_num_threads())
         return y
@@ -181,7 +201,7 @@ def quantize_linears(model: torch.nn.Module, scheme: str, prefix: str = "model."
         if group is not None and module.in_features % group:
             kept += 1  # as torchao: a row that does not split into whole groups stays float
             continue
-        module.set_quantized(quantize(module.weight, bits, group, symmetric))
+        module.set_quantized(quantize(module.weight, bits, group, symmetric), bf16_activations=bits == 4)
         paths[module.quant_path] = paths.get(module.quant_path, 0) + 1
     if not paths:
         raise ValueError(f"torchao_config {scheme}: the model has no language-model linear layer to quantize "

@@ -12,12 +12,15 @@
  * 4 weight rows (torch's OpenMP pool): one row of x runs row1 over whole weight rows (groups of a multiple
  * of 16 columns; others `tile`), two or more the dequantized strips, edge blocks `tile`. Without AVX2 the
  * same code runs on GCC/Clang vector extensions.
+ * tessera_int4_gemv_bf16x is the int4 product over x rounded to bfloat16 (torchao's int4 weights, which take bf16
+ * activations, where bf16 products are on): with AVX512-BF16, one row runs bf16 dot products (row1_dp).
  * tessera_int_dequant_f32 writes the float weight [N, K] (the many-row products run it through torch's
  * matmul); tessera_int_dequant_bf16 the same values rounded to bfloat16 (to nearest, ties to even), for
  * oneDNN's bf16 matmul where the CPU has bf16 dot products. Built by tessera/platform/cpu_kernels.py.
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "cpu_vec.h"
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -27,6 +30,20 @@
 #define TESSERA_INT_AVX2 1
 #endif
 #define I4_VECS (16 / VL) /* vectors per chunk of 16 int4 columns */
+
+/* bfloat16 of a float (its top 16 bits, rounded) and back. */
+static inline uint16_t bf16_bits(float f) { /* to nearest, ties to even */
+    uint32_t u;
+    __builtin_memcpy(&u, &f, 4);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_value(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &u, 4);
+    return f;
+}
 
 /* VL int8 weights as floats (q itself, not yet scaled). */
 static inline vf cvt_i8(const int8_t *q) {
@@ -314,6 +331,87 @@ static inline __attribute__((always_inline)) void gemv(const float *x, const uin
     }
 }
 
+#if VL == 16 && defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TESSERA_INT4_DPBF16 1
+/* One row of x against int4 weight rows with AVX512-BF16 dot products (x rounded to bfloat16): a 64-byte block
+ * of 128 columns is 32 16-bit words whose nibble j, ORed into 0x4300, is the bfloat16 of 128 + q (exact: 7
+ * mantissa bits), so a block is one load, three shifts, four ternary logic ops and four dot products, and no
+ * shuffle (row1's widening shuffles bound it at about a third of the read rate). Lane l of nibble j holds
+ * column 16 (l / 4) + 2 (l % 4) + {0, 8, 1, 9}[j] of the block (the packing's order; xb is x in that order).
+ * The 128 offset and the zero points come off per group: sum w x = sum_g s_g sum(e x) - (128 s_g + zs_g) X_g,
+ * X_g the sum of the rounded x over group g. A dot product's 32-bit lane i covers chunk i / 2 (16 columns),
+ * so groups of 32 or 64 columns are lanes 4g.. or 8g.. of a block, scaled lane by lane. */
+static const int DP_OFFSET[4] = {0, 8, 1, 9};
+
+/* x [K] -> xb in the blocks' lane order, and xg[g] the sum of the rounded x over group g. */
+static void dp_prepare(const float *x, long K, long gs, uint16_t *xb, float *xg) {
+    for (long g = 0; g < K / gs; g++) xg[g] = 0.0f;
+    for (long b = 0; b < K / 128; b++)
+        for (int j = 0; j < 4; j++)
+            for (int l = 0; l < 32; l++) {
+                long col = 128 * b + 16 * (l / 4) + 2 * (l % 4) + DP_OFFSET[j];
+                uint16_t h = bf16_bits(x[col]);
+                xb[128 * b + 32 * j + l] = h;
+                xg[col / gs] += bf16_value(h);
+            }
+}
+
+static inline __m512 dp_block(const uint8_t *p, const uint16_t *xb, __m512 acc) {
+    const __m512i low = _mm512_set1_epi16(0x000F), one28 = _mm512_set1_epi16(0x4300);
+    __m512i w = _mm512_loadu_si512((const void *)p);
+    __m512i e0 = _mm512_ternarylogic_epi32(w, low, one28, 0xEA); /* (w & 15) | 0x4300 */
+    __m512i e1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, one28, 0xEA);
+    __m512i e2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low, one28, 0xEA);
+    __m512i e3 = _mm512_or_si512(_mm512_srli_epi16(w, 12), one28);
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)e0, (__m512bh)_mm512_loadu_si512((const void *)xb));
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)e1, (__m512bh)_mm512_loadu_si512((const void *)(xb + 32)));
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)e2, (__m512bh)_mm512_loadu_si512((const void *)(xb + 64)));
+    return _mm512_dpbf16_ps(acc, (__m512bh)e3, (__m512bh)_mm512_loadu_si512((const void *)(xb + 96)));
+}
+
+static float row1_dp(const uint16_t *xb, const float *xg, const uint8_t *q, const float *sc, const float *zs,
+                     long K, long gs, long n) {
+    long G = K / gs, blocks = K / 128;
+    const uint8_t *qr = q + n * (K / 2);
+    const float *s = sc + n * G, *z = zs + n * G;
+    __m512 total = _mm512_setzero_ps();
+    if (gs >= 128) {
+        long per = gs / 128;
+        for (long g = 0; g < G; g++) {
+            __m512 acc = _mm512_setzero_ps();
+            for (long b = g * per; b < (g + 1) * per; b++) {
+                if (b % 2 == 0) PREFETCH_AHEAD(qr + 64 * b);
+                acc = dp_block(qr + 64 * b, xb + 128 * b, acc);
+            }
+            total = _mm512_fmadd_ps(acc, _mm512_set1_ps(s[g]), total);
+        }
+    } else { /* 2 or 4 groups a block */
+        long per = 128 / gs;
+        __m512i idx = gs == 32 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                               : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+        __mmask16 m = (__mmask16)((1u << per) - 1);
+        for (long b = 0; b < blocks; b++) {
+            if (b % 2 == 0) PREFETCH_AHEAD(qr + 64 * b);
+            __m512 acc = dp_block(qr + 64 * b, xb + 128 * b, _mm512_setzero_ps());
+            __m512 sv = _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(m, s + b * per));
+            total = _mm512_fmadd_ps(acc, sv, total);
+        }
+    }
+    __m512 corr = _mm512_setzero_ps();
+    long g = 0;
+    for (; g + 16 <= G; g += 16)
+        corr = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + g), _mm512_set1_ps(128.0f), _mm512_loadu_ps(z + g)),
+                               _mm512_loadu_ps(xg + g), corr);
+    if (g < G) {
+        __mmask16 m = (__mmask16)((1u << (G - g)) - 1);
+        corr = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, s + g), _mm512_set1_ps(128.0f),
+                                               _mm512_maskz_loadu_ps(m, z + g)),
+                               _mm512_maskz_loadu_ps(m, xg + g), corr);
+    }
+    return _mm512_reduce_add_ps(total) - _mm512_reduce_add_ps(corr);
+}
+#endif
+
 void tessera_int8_gemv_f32(const float *x, const uint8_t *q, const float *sc, const float *zs, const float *b,
                            float *y, long M, long N, long K, long gs, int threads) {
     gemv(x, q, sc, zs, b, y, M, N, K, gs, threads, 8);
@@ -322,6 +420,32 @@ void tessera_int8_gemv_f32(const float *x, const uint8_t *q, const float *sc, co
 void tessera_int4_gemv_f32(const float *x, const uint8_t *q, const float *sc, const float *zs, const float *b,
                            float *y, long M, long N, long K, long gs, int threads) {
     gemv(x, q, sc, zs, b, y, M, N, K, gs, threads, 4);
+}
+
+/* The int4 product with x rounded to bfloat16 (the bf16 products of layers/half_linear.py): one row runs row1_dp
+ * where the CPU has AVX512-BF16 and the shape fits (K a multiple of 128; groups of 32, 64 or a multiple of 128
+ * columns); otherwise, and for more rows, the float32 product over the rounded x, so the numbers mean the same
+ * on every CPU up to the order of the sums. */
+void tessera_int4_gemv_bf16x(const float *x, const uint8_t *q, const float *sc, const float *zs, const float *b,
+                             float *y, long M, long N, long K, long gs, int threads) {
+#ifdef TESSERA_INT4_DPBF16
+    if (M == 1 && K % 128 == 0 && K <= 16384 && (gs == 32 || gs == 64 || gs % 128 == 0)) {
+        uint16_t xb[K];
+        float xg[K / 32];
+        dp_prepare(x, K, gs, xb, xg);
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (long n = 0; n < N; n++) y[n] = row1_dp(xb, xg, q, sc, zs, K, gs, n) + (b ? b[n] : 0.0f);
+        return;
+    }
+#endif
+    float *xr = (float *)malloc((size_t)(M * K) * sizeof(float));
+    if (!xr) { /* no memory for the copy: the unrounded product (a sum of the same terms, less rounded) */
+        gemv(x, q, sc, zs, b, y, M, N, K, gs, threads, 4);
+        return;
+    }
+    for (long i = 0; i < M * K; i++) xr[i] = bf16_value(bf16_bits(x[i]));
+    gemv(xr, q, sc, zs, b, y, M, N, K, gs, threads, 4);
+    free(xr);
 }
 
 /* The float32 weight [N, K] (w = q * scale - zs), rows over the threads. */
@@ -344,11 +468,7 @@ void tessera_int_dequant_bf16(const uint8_t *q, const float *sc, const float *zs
             long k1 = k0 + DEQ_BF16_CHUNK < K ? k0 + DEQ_BF16_CHUNK : K;
             dequant_row(q + n * row_bytes, sc + n * G, zs + n * G, buf - k0, k0, k1, gs, bits);
             uint16_t *out = w + n * K + k0;
-            for (long k = 0; k < k1 - k0; k++) {  /* vectorized by the compiler */
-                uint32_t u;
-                __builtin_memcpy(&u, buf + k, 4);
-                out[k] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-            }
+            for (long k = 0; k < k1 - k0; k++) out[k] = bf16_bits(buf[k]); /* vectorized by the compiler */
         }
     }
 }
