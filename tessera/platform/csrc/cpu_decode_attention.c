@@ -153,11 +153,13 @@ static void attend(const float *q, keys_t keys, long heads, float *out, long G, 
 void tessera_decode_attention_f32(const float *q, const float *k, const float *v, const long *slots, long slots_stride,
                                   const long *lens, float *out, long B, long Hkv, long G, long D, long key_stride,
                                   long head_stride, float scale, long window, int threads) {
-    /* Waking a second thread costs more than a few small heads take (1 request x 150 keys: 9 us on one
-     * thread, 17 on two). */
+    /* Waking a second thread costs more than a few small heads take: on the Xeon of the first measurement 1
+     * request x 150 keys took 9 us on one thread, 17 on two; on the 2-vCPU EPYC (Zen 5) of issue 33's later
+     * passes, 4 KV heads x 3 x 64 at 100 / 150 / 256 keys took 14 / 15-18 / 30-38 us on one thread and 10-12 /
+     * 12-14 / 17-20 on two (warm caches), so the threshold sits under 100 such keys. */
     long total = 0;
     for (long b = 0; b < B; b++) total += lens[b];
-    int parallel = total * Hkv * G * D >= (1L << 18);
+    int parallel = total * Hkv * G * D >= (1L << 16);
     /* KV heads per task: as many as fit MAX_ROWS query rows, once there are a few requests per thread. */
     long heads = 1;
     if (!parallel || B >= 4L * threads)
