@@ -341,19 +341,36 @@ static inline __attribute__((always_inline)) void gemv(const float *x, const uin
  * The 128 offset and the zero points come off per group: sum w x = sum_g s_g sum(e x) - (128 s_g + zs_g) X_g,
  * X_g the sum of the rounded x over group g. A dot product's 32-bit lane i covers chunk i / 2 (16 columns),
  * so groups of 32 or 64 columns are lanes 4g.. or 8g.. of a block, scaled lane by lane. */
-static const int DP_OFFSET[4] = {0, 8, 1, 9};
 
-/* x [K] -> xb in the blocks' lane order, and xg[g] the sum of the rounded x over group g. */
+/* x [K] -> xb in the blocks' lane order, and xg[g] the sum of the rounded x over group g. Per block the 128
+ * columns are rounded in 4 instructions (32 each, to nearest even) and each nibble's lanes gathered by two
+ * word permutes: lane l < 16 reads column c < 64 of the block, lane l + 16 column c + 64 (c as above). */
+/* Lane l of nibble j reads column (16 (l / 4) + 2 (l % 4) + {0, 8, 1, 9}[j]) % 64 of its half of the block. */
+static const uint16_t DP_INDEX[4][32] = {
+    {0, 2, 4, 6, 16, 18, 20, 22, 32, 34, 36, 38, 48, 50, 52, 54, 0, 2, 4, 6, 16, 18, 20, 22, 32, 34, 36, 38, 48, 50, 52, 54},
+    {8, 10, 12, 14, 24, 26, 28, 30, 40, 42, 44, 46, 56, 58, 60, 62, 8, 10, 12, 14, 24, 26, 28, 30, 40, 42, 44, 46, 56, 58, 60, 62},
+    {1, 3, 5, 7, 17, 19, 21, 23, 33, 35, 37, 39, 49, 51, 53, 55, 1, 3, 5, 7, 17, 19, 21, 23, 33, 35, 37, 39, 49, 51, 53, 55},
+    {9, 11, 13, 15, 25, 27, 29, 31, 41, 43, 45, 47, 57, 59, 61, 63, 9, 11, 13, 15, 25, 27, 29, 31, 41, 43, 45, 47, 57, 59, 61, 63}};
+
 static void dp_prepare(const float *x, long K, long gs, uint16_t *xb, float *xg) {
+    const __m512i odd = _mm512_set1_epi32((int)0xFFFF0000u);
     for (long g = 0; g < K / gs; g++) xg[g] = 0.0f;
-    for (long b = 0; b < K / 128; b++)
-        for (int j = 0; j < 4; j++)
-            for (int l = 0; l < 32; l++) {
-                long col = 128 * b + 16 * (l / 4) + 2 * (l % 4) + DP_OFFSET[j];
-                uint16_t h = bf16_bits(x[col]);
-                xb[128 * b + 32 * j + l] = h;
-                xg[col / gs] += bf16_value(h);
-            }
+    for (long b = 0; b < K / 128; b++) {
+        __m512i r[4];
+        for (int i = 0; i < 4; i++) {
+            const float *p = x + 128 * b + 32 * i;
+            r[i] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + 16), _mm512_loadu_ps(p));
+            /* the rounded values as floats: even words shifted up, odd words masked */
+            __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(r[i], 16));
+            __m512 oddv = _mm512_castsi512_ps(_mm512_and_si512(r[i], odd));
+            xg[(128 * b + 32 * i) / gs] += _mm512_reduce_add_ps(_mm512_add_ps(even, oddv));
+        }
+        for (int j = 0; j < 4; j++) {
+            __m512i ix = _mm512_loadu_si512((const void *)DP_INDEX[j]);
+            __m512i lo = _mm512_permutex2var_epi16(r[0], ix, r[1]), hi = _mm512_permutex2var_epi16(r[2], ix, r[3]);
+            _mm512_storeu_si512((void *)(xb + 128 * b + 32 * j), _mm512_mask_blend_epi16(0xFFFF0000u, lo, hi));
+        }
+    }
 }
 
 static inline __m512 dp_block(const uint8_t *p, const uint16_t *xb, __m512 acc) {
