@@ -44,11 +44,12 @@ def test_every_kernel_is_built_and_loaded_where_a_compiler_is():
 @needs_cc
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"),
-                         [(1, 64, 32), (2, 67, 40), (3, 5, 8), (5, 130, 67), (8, 1, 7), (7, 33, 300), (17, 70, 300),
+                         [(1, 64, 32), (1, 37, 300), (2, 67, 40), (3, 5, 8), (5, 130, 67), (8, 1, 7), (7, 33, 300), (17, 70, 300),
                           (48, 9, 64)])
 def test_kernel_equals_f_linear(threads, rows, out_features, in_features):
     """Every tile remainder: rows of x odd and even, weight rows not a multiple of 4, in_features not a multiple
-    of 8 (the scalar tail); with and without bias; on one and two threads."""
+    of 8 (the scalar tail; at one row past the four-accumulator loop too); with and without bias; on one and two
+    threads."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=g)
     w = torch.randn(out_features, in_features, generator=g)

@@ -397,7 +397,7 @@ static float row1_dp(const uint16_t *xb, const float *xg, const uint8_t *q, cons
         for (long g = 0; g < G; g++) {
             __m512 acc = _mm512_setzero_ps();
             for (long b = g * per; b < (g + 1) * per; b++) {
-                if (b % 2 == 0) PREFETCH_AHEAD(qr + 64 * b);
+                PREFETCH_AHEAD(qr + 64 * b);
                 acc = dp_block(qr + 64 * b, xb + 128 * b, acc);
             }
             total = _mm512_fmadd_ps(acc, _mm512_set1_ps(s[g]), total);
@@ -408,7 +408,7 @@ static float row1_dp(const uint16_t *xb, const float *xg, const uint8_t *q, cons
                                : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
         __mmask16 m = (__mmask16)((1u << per) - 1);
         for (long b = 0; b < blocks; b++) {
-            if (b % 2 == 0) PREFETCH_AHEAD(qr + 64 * b);
+            PREFETCH_AHEAD(qr + 64 * b);
             __m512 acc = dp_block(qr + 64 * b, xb + 128 * b, _mm512_setzero_ps());
             __m512 sv = _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(m, s + b * per));
             total = _mm512_fmadd_ps(acc, sv, total);
