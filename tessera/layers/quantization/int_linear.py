@@ -60,8 +60,8 @@ def max_rows() -> int:
 def int4_kernel(bf16_activations: bool) -> str:
     """The C kernel of an int4 weight's products of up to max_rows() rows. For a weight whose format takes bf16
     activations (bf16_activations: torchao's int4 kernels do) with bf16 products on (half_linear), the one that
-    rounds x to bf16, whose batch-1 product runs AVX512-BF16 dot products where the CPU has them (1.5x the float
-    kernel over bench-medium's weights: docs/benchmarks.md); the float32 one otherwise (as for pre-quantized
+    rounds x to bf16 and runs AVX512-BF16 dot products where the CPU has them (1.5-2.3x the float kernel over
+    bench-medium's weights at 1-8 rows: docs/benchmarks.md); the float32 one otherwise (as for pre-quantized
     checkpoints, which HF runs over float activations)."""
     if bf16_activations and half_linear.bf16_products() and cpu_kernels.available("int4_gemv_bf16x"):
         return "int4_gemv_bf16x"

@@ -13,7 +13,7 @@
  * of 16 columns; others `tile`), two or more the dequantized strips, edge blocks `tile`. Without AVX2 the
  * same code runs on GCC/Clang vector extensions.
  * tessera_int4_gemv_bf16x is the int4 product over x rounded to bfloat16 (torchao's int4 weights, which take bf16
- * activations, where bf16 products are on): with AVX512-BF16, one row runs bf16 dot products (row1_dp).
+ * activations, where bf16 products are on): with AVX512-BF16 it runs bf16 dot products (rows_dp).
  * tessera_int_dequant_f32 writes the float weight [N, K] (the many-row products run it through torch's
  * matmul); tessera_int_dequant_bf16 the same values rounded to bfloat16 (to nearest, ties to even), for
  * oneDNN's bf16 matmul where the CPU has bf16 dot products. Built by tessera/platform/cpu_kernels.py.
@@ -333,7 +333,7 @@ static inline __attribute__((always_inline)) void gemv(const float *x, const uin
 
 #if VL == 16 && defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define TESSERA_INT4_DPBF16 1
-/* One row of x against int4 weight rows with AVX512-BF16 dot products (x rounded to bfloat16): a 64-byte block
+/* Rows of x against int4 weight rows with AVX512-BF16 dot products (x rounded to bfloat16): a 64-byte block
  * of 128 columns is 32 16-bit words whose nibble j, ORed into 0x4300, is the bfloat16 of 128 + q (exact: 7
  * mantissa bits), so a block is one load, three shifts, four ternary logic ops and four dot products, and no
  * shuffle (row1's widening shuffles bound it at about a third of the read rate). Lane l of nibble j holds
@@ -373,34 +373,44 @@ static void dp_prepare(const float *x, long K, long gs, uint16_t *xb, float *xg)
     }
 }
 
-static inline __m512 dp_block(const uint8_t *p, const uint16_t *xb, __m512 acc) {
+/* A block's four nibble vectors as bf16 of 128 + q. */
+static inline __attribute__((always_inline)) void dp_decode(const uint8_t *p, __m512i e[4]) {
     const __m512i low = _mm512_set1_epi16(0x000F), one28 = _mm512_set1_epi16(0x4300);
     __m512i w = _mm512_loadu_si512((const void *)p);
-    __m512i e0 = _mm512_ternarylogic_epi32(w, low, one28, 0xEA); /* (w & 15) | 0x4300 */
-    __m512i e1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, one28, 0xEA);
-    __m512i e2 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low, one28, 0xEA);
-    __m512i e3 = _mm512_or_si512(_mm512_srli_epi16(w, 12), one28);
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)e0, (__m512bh)_mm512_loadu_si512((const void *)xb));
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)e1, (__m512bh)_mm512_loadu_si512((const void *)(xb + 32)));
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)e2, (__m512bh)_mm512_loadu_si512((const void *)(xb + 64)));
-    return _mm512_dpbf16_ps(acc, (__m512bh)e3, (__m512bh)_mm512_loadu_si512((const void *)(xb + 96)));
+    e[0] = _mm512_ternarylogic_epi32(w, low, one28, 0xEA); /* (w & 15) | 0x4300 */
+    e[1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 4), low, one28, 0xEA);
+    e[2] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 8), low, one28, 0xEA);
+    e[3] = _mm512_or_si512(_mm512_srli_epi16(w, 12), one28);
 }
 
-static float row1_dp(const uint16_t *xb, const float *xg, const uint8_t *q, const float *sc, const float *zs,
-                     long K, long gs, long n) {
+static inline __attribute__((always_inline)) __m512 dp_dot(const __m512i e[4], const uint16_t *xb, __m512 acc) {
+    for (int j = 0; j < 4; j++)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)e[j], (__m512bh)_mm512_loadu_si512((const void *)(xb + 32 * j)));
+    return acc;
+}
+
+/* Weight row n against C <= 4 rows of x (xb [C, K] in lane order, xg [C, G]): y[c * N + n], each block decoded
+ * once for the C rows (more rows of x: the caller's groups of four re-read the row from L1). */
+static inline __attribute__((always_inline)) void rows_dp(const uint16_t *xb, const float *xg, const uint8_t *q,
+                                                         const float *sc, const float *zs, const float *bias,
+                                                         float *y, long N, long K, long gs, long n, int C) {
     long G = K / gs, blocks = K / 128;
     const uint8_t *qr = q + n * (K / 2);
     const float *s = sc + n * G, *z = zs + n * G;
-    __m512 total = _mm512_setzero_ps();
+    __m512 total[4];
+    for (int c = 0; c < C; c++) total[c] = _mm512_setzero_ps();
+    __m512i e[4];
     if (gs >= 128) {
         long per = gs / 128;
         for (long g = 0; g < G; g++) {
-            __m512 acc = _mm512_setzero_ps();
+            __m512 acc[4];
+            for (int c = 0; c < C; c++) acc[c] = _mm512_setzero_ps();
             for (long b = g * per; b < (g + 1) * per; b++) {
                 PREFETCH_AHEAD(qr + 64 * b);
-                acc = dp_block(qr + 64 * b, xb + 128 * b, acc);
+                dp_decode(qr + 64 * b, e);
+                for (int c = 0; c < C; c++) acc[c] = dp_dot(e, xb + c * K + 128 * b, acc[c]);
             }
-            total = _mm512_fmadd_ps(acc, _mm512_set1_ps(s[g]), total);
+            for (int c = 0; c < C; c++) total[c] = _mm512_fmadd_ps(acc[c], _mm512_set1_ps(s[g]), total[c]);
         }
     } else { /* 2 or 4 groups a block */
         long per = 128 / gs;
@@ -409,23 +419,60 @@ static float row1_dp(const uint16_t *xb, const float *xg, const uint8_t *q, cons
         __mmask16 m = (__mmask16)((1u << per) - 1);
         for (long b = 0; b < blocks; b++) {
             PREFETCH_AHEAD(qr + 64 * b);
-            __m512 acc = dp_block(qr + 64 * b, xb + 128 * b, _mm512_setzero_ps());
+            dp_decode(qr + 64 * b, e);
             __m512 sv = _mm512_permutexvar_ps(idx, _mm512_maskz_loadu_ps(m, s + b * per));
-            total = _mm512_fmadd_ps(acc, sv, total);
+            for (int c = 0; c < C; c++)
+                total[c] = _mm512_fmadd_ps(dp_dot(e, xb + c * K + 128 * b, _mm512_setzero_ps()), sv, total[c]);
         }
     }
-    __m512 corr = _mm512_setzero_ps();
-    long g = 0;
-    for (; g + 16 <= G; g += 16)
-        corr = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + g), _mm512_set1_ps(128.0f), _mm512_loadu_ps(z + g)),
-                               _mm512_loadu_ps(xg + g), corr);
-    if (g < G) {
-        __mmask16 m = (__mmask16)((1u << (G - g)) - 1);
-        corr = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, s + g), _mm512_set1_ps(128.0f),
-                                               _mm512_maskz_loadu_ps(m, z + g)),
-                               _mm512_maskz_loadu_ps(m, xg + g), corr);
+    for (int c = 0; c < C; c++) {
+        const float *xgc = xg + c * G;
+        __m512 corr = _mm512_setzero_ps();
+        long g = 0;
+        for (; g + 16 <= G; g += 16)
+            corr = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + g), _mm512_set1_ps(128.0f), _mm512_loadu_ps(z + g)),
+                                   _mm512_loadu_ps(xgc + g), corr);
+        if (g < G) {
+            __mmask16 mk = (__mmask16)((1u << (G - g)) - 1);
+            corr = _mm512_fmadd_ps(_mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, s + g), _mm512_set1_ps(128.0f),
+                                                   _mm512_maskz_loadu_ps(mk, z + g)),
+                                   _mm512_maskz_loadu_ps(mk, xgc + g), corr);
+        }
+        y[c * N + n] = _mm512_reduce_add_ps(total[c]) - _mm512_reduce_add_ps(corr) + (bias ? bias[n] : 0.0f);
     }
-    return _mm512_reduce_add_ps(total) - _mm512_reduce_add_ps(corr);
+}
+
+/* y = x w^T (+ b) for M rows of x over x rounded to bf16 through rows_dp; 0 (nothing done) where the shape does not
+ * fit it (K a multiple of 128 up to 16384; groups of 32, 64 or a multiple of 128 columns) or no memory. */
+static int gemv_dp(const float *x, const uint8_t *q, const float *sc, const float *zs, const float *b, float *y,
+                   long M, long N, long K, long gs, int threads) {
+    if (!(K % 128 == 0 && K <= 16384 && (gs == 32 || gs == 64 || gs % 128 == 0)))
+        return 0;
+    long G = K / gs;
+    uint16_t *xb = (uint16_t *)malloc((size_t)(M * K) * sizeof(uint16_t));
+    float *xg = (float *)malloc((size_t)(M * G) * sizeof(float));
+    if (!xb || !xg) {
+        free(xb);
+        free(xg);
+        return 0;
+    }
+    for (long m = 0; m < M; m++) dp_prepare(x + m * K, K, gs, xb + m * K, xg + m * G);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (long n = 0; n < N; n++)
+        for (long m0 = 0; m0 < M; m0 += 4) {
+            const uint16_t *xbm = xb + m0 * K;
+            const float *xgm = xg + m0 * G;
+            float *ym = y + m0 * N;
+            switch (M - m0 < 4 ? M - m0 : 4) { /* a constant row count for each case */
+            case 1: rows_dp(xbm, xgm, q, sc, zs, b, ym, N, K, gs, n, 1); break;
+            case 2: rows_dp(xbm, xgm, q, sc, zs, b, ym, N, K, gs, n, 2); break;
+            case 3: rows_dp(xbm, xgm, q, sc, zs, b, ym, N, K, gs, n, 3); break;
+            default: rows_dp(xbm, xgm, q, sc, zs, b, ym, N, K, gs, n, 4); break;
+            }
+        }
+    free(xb);
+    free(xg);
+    return 1;
 }
 #endif
 
@@ -439,21 +486,15 @@ void tessera_int4_gemv_f32(const float *x, const uint8_t *q, const float *sc, co
     gemv(x, q, sc, zs, b, y, M, N, K, gs, threads, 4);
 }
 
-/* The int4 product with x rounded to bfloat16 (the bf16 products of layers/half_linear.py): one row runs row1_dp
- * where the CPU has AVX512-BF16 and the shape fits (K a multiple of 128; groups of 32, 64 or a multiple of 128
- * columns); otherwise, and for more rows, the float32 product over the rounded x, so the numbers mean the same
- * on every CPU up to the order of the sums. */
+/* The int4 product with x rounded to bfloat16 (the bf16 products of layers/half_linear.py): rows_dp where the CPU
+ * has AVX512-BF16 and the shape fits (K a multiple of 128; groups of 32, 64 or a multiple of 128 columns);
+ * otherwise the float32 product over the rounded x, so the numbers mean the same on every CPU up to the order of
+ * the sums. */
 void tessera_int4_gemv_bf16x(const float *x, const uint8_t *q, const float *sc, const float *zs, const float *b,
                              float *y, long M, long N, long K, long gs, int threads) {
 #ifdef TESSERA_INT4_DPBF16
-    if (M == 1 && K % 128 == 0 && K <= 16384 && (gs == 32 || gs == 64 || gs % 128 == 0)) {
-        uint16_t xb[K];
-        float xg[K / 32];
-        dp_prepare(x, K, gs, xb, xg);
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (long n = 0; n < N; n++) y[n] = row1_dp(xb, xg, q, sc, zs, K, gs, n) + (b ? b[n] : 0.0f);
+    if (gemv_dp(x, q, sc, zs, b, y, M, N, K, gs, threads))
         return;
-    }
 #endif
     float *xr = (float *)malloc((size_t)(M * K) * sizeof(float));
     if (!xr) { /* no memory for the copy: the unrounded product (a sum of the same terms, less rounded) */
