@@ -449,6 +449,14 @@ static int gemv_dp(const float *x, const uint8_t *q, const float *sc, const floa
     if (!(K % 128 == 0 && K <= 16384 && (gs == 32 || gs == 64 || gs % 128 == 0)))
         return 0;
     long G = K / gs;
+    if (M == 1) { /* a batch-1 decode: x's layout on the stack, no allocation per product */
+        uint16_t xb1[K];
+        float xg1[G];
+        dp_prepare(x, K, gs, xb1, xg1);
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (long n = 0; n < N; n++) rows_dp(xb1, xg1, q, sc, zs, b, y, N, K, gs, n, 1);
+        return 1;
+    }
     uint16_t *xb = (uint16_t *)malloc((size_t)(M * K) * sizeof(uint16_t));
     float *xg = (float *)malloc((size_t)(M * G) * sizeof(float));
     if (!xb || !xg) {
