@@ -6,7 +6,7 @@
  * has loaded) streams its share of w's rows once, in tiles of 4 weight rows x TILE_C rows of x, VL lanes per
  * accumulator (cpu_vec.h: AVX-512, AVX, NEON, whatever -march=native offers). From a few rows up the tile's
  * arithmetic is the bound, so AVX-512's 32 registers take 4 x 4 tiles (16 sums, 8 loads per 16 multiply-adds)
- * where AVX2's 16 take 4 x 2. The tile's loaded vectors are pinned to registers (cpu_vec.h IN_REGISTER): otherwise
+ * where AVX2's 16 take 4 x 2. The tile's loaded vectors are pinned to registers (cpu_vec.h loadv_pinned): otherwise
  * GCC re-reads x from memory in every multiply-add and the loop is bound by loads.
  * Built by tessera/platform/cpu_kernels.py.
  */
@@ -20,14 +20,10 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
     long k = 0;
     for (; k + VL <= K; k += VL) {
         vf xv[TILE_C];
-        for (int c = 0; c < C; c++) {
-            xv[c] = loadv(x + (m0 + c) * K + k);
-            IN_REGISTER(xv[c]);
-        }
+        for (int c = 0; c < C; c++) xv[c] = loadv_pinned(x + (m0 + c) * K + k);
         for (int r = 0; r < R; r++) {
             PREFETCH_AHEAD(w + (n0 + r) * K + k);
-            vf wv = loadv(w + (n0 + r) * K + k);
-            IN_REGISTER(wv);
+            vf wv = loadv_pinned(w + (n0 + r) * K + k);
             for (int c = 0; c < C; c++) acc[r][c] += wv * xv[c];
         }
     }

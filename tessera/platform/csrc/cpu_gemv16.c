@@ -92,10 +92,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
     long k = 0;
     for (; k + VL <= K; k += VL) {
         vf xv[TILE_C];
-        for (int c = 0; c < C; c++) {
-            xv[c] = loadv(x + (m0 + c) * K + k);
-            IN_REGISTER(xv[c]);
-        }
+        for (int c = 0; c < C; c++) xv[c] = loadv_pinned(x + (m0 + c) * K + k);
         for (int r = 0; r < R; r++) {
             const uint16_t *p = w + (n0 + r) * K + k;
             if (k % (2 * VL) == 0) PREFETCH_AHEAD(p); /* a 64-byte line per two steps */

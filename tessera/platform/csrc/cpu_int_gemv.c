@@ -130,10 +130,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
         if (bits == 8) {
             for (; k + VL <= end; k += VL) {
                 vf xv[TILE_C];
-                for (int c = 0; c < C; c++) {
-                    xv[c] = loadv(x + (m0 + c) * K + k);
-                    IN_REGISTER(xv[c]);
-                }
+                for (int c = 0; c < C; c++) xv[c] = loadv_pinned(x + (m0 + c) * K + k);
                 for (int r = 0; r < R; r++) {
                     vf w = deq_i8((const int8_t *)q + (n0 + r) * row_bytes + k, s[r], z[r]);
                     for (int c = 0; c < C; c++) acc[r][c] += w * xv[c];
@@ -203,13 +200,9 @@ static inline __attribute__((always_inline)) void strip_tile(const float *x, con
     vf acc[4][TILE_C] = {{{0}}};
     for (; k + VL <= width; k += VL) {
         vf xv[TILE_C];
-        for (int c = 0; c < C; c++) {
-            xv[c] = loadv(x + (m0 + c) * K + k0 + k);
-            IN_REGISTER(xv[c]);
-        }
+        for (int c = 0; c < C; c++) xv[c] = loadv_pinned(x + (m0 + c) * K + k0 + k);
         for (int r = 0; r < 4; r++) {
-            vf wv = loadv(buf + r * width + k);
-            IN_REGISTER(wv);
+            vf wv = loadv_pinned(buf + r * width + k);
             for (int c = 0; c < C; c++) acc[r][c] += wv * xv[c];
         }
     }

@@ -78,16 +78,18 @@ static inline void storev(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
 
 static inline vf splatv(float x) { return x - (vf){0}; }
 
-/* Makes a loaded vector opaque to the compiler, so that it stays in its register: left alone, GCC folds a tile's
- * x loads into every multiply-add as a memory operand (8 loads of x per 8 multiply-adds of a 4 x 2 tile instead
- * of 2), which made AVX2's few-row products bound by loads rather than multiply-adds (docs/benchmarks.md, "Back
- * on an AVX2 EPYC"). */
-/* Only where one register holds a vf (AVX: 256 bits, AVX-512: 512); a build without AVX splits vf into halves. */
+/* A load kept in its register: an empty asm makes the vector opaque to the compiler, which otherwise folds a
+ * tile's x loads into every multiply-add as a memory operand (8 loads of x per 8 multiply-adds of a 4 x 2 tile
+ * instead of 2) and makes AVX2's few-row products bound by loads rather than multiply-adds (docs/benchmarks.md,
+ * "Back on an AVX2 EPYC"). Only where one register holds a vf (AVX: 256 bits, AVX-512: 512); a build without AVX
+ * splits vf into halves, and there it is a plain load. */
+static inline vf loadv_pinned(const float *p) {
+    vf v = loadv(p);
 #if defined(__AVX__)
-#define IN_REGISTER(v) __asm__("" : "+v"(v))
-#else
-#define IN_REGISTER(v) ((void)0)
+    __asm__("" : "+v"(v));
 #endif
+    return v;
+}
 
 /* Software prefetch of a weight stream WEIGHT_PREFETCH_BYTES ahead of where a tile reads it, in AVX-512 builds
  * (measured there: 1.07-1.25x at 4-16 rows of x, level at one row, on an AMD EPYC VM whose hardware
