@@ -48,6 +48,7 @@ import torch
 
 from tessera.bench import gpu_sections as sec
 from tessera.bench.gpu_report import MET, markdown, targets
+from tessera.platform.device import resolve_device
 
 # What the sections import, and what `tessera serve` (the serving section's subprocess) imports at start.
 ENTRY_MODULES = ("tessera.entrypoints.engine", "tessera.entrypoints.http_server", "tessera.bench.offline",
@@ -177,8 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     if work == out or out in work.parents or work in out.parents:
         parser.error(f"--work-dir: {work} must be neither inside --out {out} (which is copied back and must stay "
                      "small) nor contain it")
-    if args.device.startswith("cuda:"):
-        torch.cuda.set_device(torch.device(args.device))  # cuda:N: that GPU for this process's own tensors too
+    if args.device.startswith("cuda"):
+        # That GPU for this process's own tensors too; resolve_device gives `cuda` its index (set_device needs one).
+        torch.cuda.set_device(resolve_device(args.device))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         report = run(out, sec.Plan.make(args.device, args.tiny, args.budget_s), work)

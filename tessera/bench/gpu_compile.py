@@ -252,7 +252,31 @@ def drive_triton_attention(shape: Shape, dtype: torch.dtype, note: Callable[[str
             backend.forward(q, k, v, 0, fb, pool, shape.head_dim ** -0.5, window)
 
 
-DRIVERS: tuple[Callable[[Shape, torch.dtype, Callable[[str], None]], None], ...] = (drive_triton_attention,)
+def drive_triton_ops(shape: Shape, dtype: torch.dtype, note: Callable[[str], None]) -> None:
+    """The decoder layer's fused kernels (layers/triton_ops.py) at the shape's sizes: the norms with and
+    without a residual, SwiGLU, and the rotary + KV write of a decode and a prefill step."""
+    from tessera.layers import triton_ops
+
+    hidden = shape.num_heads * shape.head_dim
+    for step in steps(shape)[:3]:
+        note(f"{shape.source} {str(dtype).removeprefix('torch.')} fused ops {step.name}")
+        fb, pool, _ = _batch(shape, step, dtype)
+        t = int(fb.extend_lens.sum())
+        x, residual = torch.randn(t, hidden).to(dtype), torch.randn(t, hidden).to(dtype)
+        weight = torch.ones(hidden, dtype=dtype)
+        triton_ops.rmsnorm(x, None, weight, 1e-6)
+        triton_ops.rmsnorm(x, residual, weight, 1e-6)
+        triton_ops.silu_and_mul(torch.randn(t, 2 * 4 * hidden).to(dtype))
+        qkv = torch.randn(t, (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim).to(dtype)
+        cos = torch.randn(t, shape.head_dim // 2).to(dtype)
+        k_buf, v_buf = pool.get_kv(0)
+        for qk_norm in (None, (torch.ones(shape.head_dim, dtype=dtype),) * 2 + (1e-6,)):  # Qwen3's q/k norms
+            triton_ops.rotary_store_kv(qkv, cos, cos.clone(), k_buf, v_buf, fb.out_cache_loc, shape.num_heads,
+                                       shape.num_kv_heads, shape.head_dim, qk_norm)
+
+
+DRIVERS: tuple[Callable[[Shape, torch.dtype, Callable[[str], None]], None], ...] = (drive_triton_attention,
+                                                                                   drive_triton_ops)
 
 
 def record_launches(kernels: dict[str, Any]) -> list[Launch]:

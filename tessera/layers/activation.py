@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.layers import fused
 from tessera.platform import cpu_kernels
 
 
@@ -16,6 +17,8 @@ class SiluAndMul(nn.Module):
     of a silu pass, a product pass and a temporary; within ~1e-7 relative of torch's silu (another exp)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.active(x) and (out := fused.ops().silu_and_mul(x)) is not None:
+            return out
         if (x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1
                 and cpu_kernels.takes("silu_mul") and cpu_kernels.host_f32_inference(x, contiguous=False)):
             m, d = x.shape[0], x.shape[1] // 2

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessera.cache.kv_pool import TokenToKVPool
-from tessera.layers import decode_stack
+from tessera.layers import decode_stack, fused
 from tessera.layers.activation import SiluAndMul
 from tessera.layers.attention import BaseAttentionBackend
 from tessera.distributed.parallel_state import tp_group
@@ -120,6 +120,18 @@ class DecoderAttention(nn.Module):
                 pool: TokenToKVPool) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if (self.attn_backend.reads_new_kv_from_pool and fused.active(qkv)
+                and (self.q_norm is None or type(self.q_norm) is RMSNorm)):  # Gemma's (1 + w) norms: below
+            # One kernel (q/k norms,) rotates q and k and writes k and v into the pool (the backend then only
+            # reads it).
+            k_buf, v_buf = pool.get_kv(self.layer_id)
+            qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            q = fused.ops().rotary_store_kv(qkv, cos, sin, k_buf, v_buf, fb.out_cache_loc, self.num_heads,
+                                            self.num_kv_heads, self.head_dim, qk_norm)
+            if q is not None:
+                o = self.attn_backend.forward(q, None, None, self.layer_id, fb, pool, self.scaling,
+                                              self.sliding_window)
+                return self.o_proj(o)
         if self.q_norm is None or self.k_norm is None:
             # q and k are adjacent columns of the fused projection: one rotary pass over both heads' sets
             # (half the elementwise kernels of rotating them apart; a decode step is bound by such small ops).

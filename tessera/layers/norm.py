@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tessera.layers import fused
 from tessera.platform import cpu_kernels
 
 
@@ -39,6 +40,10 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if fused.active(x):  # one Triton kernel for the add and the norm (layers/triton_ops.py)
+            out = fused.ops().rmsnorm(x, residual, self.weight, self.eps)
+            if out is not None:
+                return out
         if _kernel_applies(x, residual, self.weight):
             return _cpu_rmsnorm(x, residual, self.weight, self.eps)
         if residual is None:

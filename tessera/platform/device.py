@@ -33,6 +33,8 @@ class Platform:
     # without AMX torch's 16-bit matmuls are slower than float32 ones (docs/benchmarks.md, "16-bit weights on
     # a CPU"); layers/half_linear.py runs the products.
     computes_16bit = False
+    # The layers' elementwise work runs as fused Triton kernels (layers/triton_ops.py) rather than torch ops.
+    runs_triton = False
 
     def bind(self, device: torch.device) -> None:
         """Makes `device` the process's current device (a rank on cuda:1 must not allocate on cuda:0)."""
@@ -67,6 +69,7 @@ class CudaPlatform(Platform):
     varlen_attention = True
     runs_on_host_cores = False
     computes_16bit = True
+    runs_triton = True
 
     def bind(self, device: torch.device) -> None:
         # What names no device uses the current one: new streams and graph pools, Triton launches, NCCL's
@@ -127,17 +130,21 @@ def is_host(device: torch.device | str) -> bool:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """"auto" -> cuda when available, else cpu; "cuda" without CUDA -> ValueError in one line."""
+    """"auto" -> cuda:0 when available, else cpu; "cuda" without CUDA -> ValueError in one line.
+
+    An accelerator always comes back with its index ("cuda" -> cuda:0, as SGLang's gpu_id 0): torch's
+    set_device, and every call that must name one device, refuse a device without an index, and "the current
+    device" means nothing to a process that has not chosen one yet (CUDA_VISIBLE_DEVICES picks which GPU is 0)."""
     name = str(device)
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     if not (name in ("cpu", "cuda") or (name.startswith("cuda:") and name[5:].isdigit())):
         raise ValueError(f"device: expected auto, cpu or cuda[:N], got {name!r}")
     if name.startswith("cuda") and not torch.cuda.is_available():
         build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
         raise ValueError(f"device: {name!r} requested but no CUDA device is available ({build}); "
                          "use --device cpu or --device auto")
-    return torch.device(name)
+    return torch.device("cuda", 0) if name == "cuda" else torch.device(name)
 
 
 def rank_device(device: torch.device, index: int) -> torch.device:

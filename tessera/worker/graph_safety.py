@@ -101,8 +101,13 @@ def _name(func: Any) -> str:
     return qualname.replace("TensorBase.", "Tensor.").replace("_VariableFunctionsClass.", "torch.")
 
 
-class _State:
-    suspended = 0  # > 0 inside a kernel launch
+class LaunchState:
+    """What a kernel launch tells the modes around it: they pause inside one (`suspended`); `launched` gets
+    each outermost launch's kernel name (bench/kernel_census.py counts them)."""
+
+    def __init__(self, launched: Callable[[str], None] | None = None):
+        self.suspended = 0  # > 0 inside a kernel launch
+        self.launched = launched
 
 
 class _Check:
@@ -111,7 +116,7 @@ class _Check:
 
     why: Callable[[Any, tuple, dict], tuple[str, str] | None]
 
-    def __init__(self, state: _State):
+    def __init__(self, state: LaunchState):
         super().__init__()
         self.state = state
 
@@ -173,15 +178,19 @@ def _kernel_launchers() -> list[tuple[type, str]]:
 
 
 @contextlib.contextmanager
-def _launches_exempt(state: _State) -> Iterator[None]:
+def launches_exempt(state: LaunchState) -> Iterator[None]:
+    """Inside the body every Triton launch suspends the modes that share `state` (and is reported to it)."""
     patched = []
     for cls, attr in _kernel_launchers():
         original = cls.__dict__[attr]
 
-        def launch(*args, _original=original, **kwargs):
+        def launch(self, *args, _original=original, **kwargs):
+            if state.launched is not None and not state.suspended:
+                fn = getattr(self, "fn", self)
+                state.launched(getattr(fn, "__name__", type(fn).__name__))
             state.suspended += 1
             try:
-                return _original(*args, **kwargs)
+                return _original(self, *args, **kwargs)
             finally:
                 state.suspended -= 1
 
@@ -198,6 +207,6 @@ def _launches_exempt(state: _State) -> Iterator[None]:
 def graph_safe() -> Iterator[None]:
     """Runs the body under the check: the first op a CUDA-graph capture could not record raises
     GraphSafetyError. Triton kernel launches inside are exempt (see the module docstring)."""
-    state = _State()
-    with _launches_exempt(state), _FunctionCheck(state), _DispatchCheck(state):
+    state = LaunchState()
+    with launches_exempt(state), _FunctionCheck(state), _DispatchCheck(state):
         yield

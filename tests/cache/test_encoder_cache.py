@@ -55,6 +55,7 @@ def test_cpu_tensors_stay_put_either_way(keep):
     assert stored.device.type == "cpu" and torch.equal(stored, emb)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("keep", [False, True])
 def test_real_device(keep):

@@ -13,6 +13,8 @@ from tessera.platform.device import compute_dtype, resolve_device
 from tests.engine.conftest import make_tiny_checkpoint
 from tests.engine.hf_reference import chat_prompt, hf_greedy_distributions
 
+pytestmark = pytest.mark.cuda  # on a GPU machine: the CUDA engine in bfloat16 (the Triton path), against HF
+
 COMPUTE = compute_dtype(torch.bfloat16, resolve_device("auto"))  # what the engine computes a bf16 model in
 # Chosen-token logprobs and the prefill's top 20 against HF's, per compute dtype. float32 (a CPU): measured
 # 7.9e-6 / 7.2e-6 apart (the same float32 products, summed in another order). bfloat16: measured 6e-4 / 0.02 on

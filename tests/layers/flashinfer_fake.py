@@ -99,6 +99,8 @@ class _Wrapper:
         assert k_cache.dim() == 4 and k_cache.shape[1] == 1 and k_cache.shape[2] == p["num_kv_heads"]
         assert q.shape[1:] == (p["num_qo_heads"], p["head_dim"]) and q.dtype == p["q_data_type"]
         assert k_cache.dtype == p["kv_data_type"]
+        # As FlashInfer's kernels: q contiguous, and everything on the device the plan was made on.
+        assert q.is_contiguous() and q.device == k_cache.device == v_cache.device == p["kv_indices"].device
         kv_indptr, kv_indices = p["kv_indptr"], p["kv_indices"]
         if self.use_cuda_graph:  # a replay reads the buffers as they are now
             kv_indptr, kv_indices = self.buffers[0].tolist(), self.buffers[1]

@@ -5,24 +5,19 @@ sets TRITON_INTERPRET=1 before triton is imported."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from tessera.layers.attention import get_attention_backend
+from tests.kernel_device import DEVICE, RUNS_KERNELS, batch_to, pool_to, run_interpreted
 from tests.layers.test_attention_backend import make_case
 
-RUNS_KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+pytestmark = pytest.mark.cuda
 
 
 @pytest.mark.skipif(RUNS_KERNELS, reason="the kernels run in this process")
 def test_under_the_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                         env=env, capture_output=True, text=True, timeout=600)
+    out = run_interpreted(__file__)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]
     assert " passed" in out.stdout and "skipped" not in out.stdout.splitlines()[-1].split("passed")[0]
 
@@ -65,7 +60,9 @@ def _both_backends(heads, case, window, dtype=torch.float32, graph_plan=False):
             pool.k_buffers[0], pool.v_buffers[0] = pool.k_buffers[0].to(dtype), pool.v_buffers[0].to(dtype)
             pool.dtype = dtype
             t = int(fb.extend_lens.sum())
-            q, k, v = (torch.randn(t, n, 8, generator=g).to(dtype) for n in (num_heads, num_kv_heads, num_kv_heads))
+            q, k, v = (torch.randn(t, n, 8, generator=g).to(dtype).to(DEVICE)
+                       for n in (num_heads, num_kv_heads, num_kv_heads))
+            pool, fb = pool_to(pool, DEVICE), batch_to(fb, DEVICE)
             if name == "torch_native":  # the reference computes in float32 from the same rounded values
                 pool.k_buffers[0], pool.v_buffers[0] = pool.k_buffers[0].float(), pool.v_buffers[0].float()
                 pool.dtype = torch.float32
@@ -122,6 +119,7 @@ def test_tiny_qwen2_with_the_triton_backend_matches_hf(tmp_path) -> None:
     torch.manual_seed(0)
     hf = Qwen2ForCausalLM._from_config(cfg, attn_implementation="eager").eval()
     hf.save_pretrained(tmp_path)
-    ours, _ = load_model(tmp_path, torch.float32, attention_backend="triton")
+    ours, _ = load_model(tmp_path, torch.float32, device=DEVICE, attention_backend="triton")
+    hf.to(DEVICE)
     ids = torch.randint(0, 96, (37,), generator=torch.Generator().manual_seed(1))
     check_text_prefill_and_decode(hf, ours, ids, 6)

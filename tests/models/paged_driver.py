@@ -13,16 +13,19 @@ import torch
 
 from tessera.cache.kv_pool import ReqToTokenPool, TokenToKVPool
 from tessera.layers.forward_batch import ForwardBatch
+from tests.kernel_device import batch_to
 
 
 class PagedKV:
     def __init__(self, lm_config, page_size: int = 1, num_pages: int = 256, max_reqs: int = 4,
-                 max_context_len: int = 256, dtype: torch.dtype = torch.float32):
+                 max_context_len: int = 256, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu"):
         self.page_size = page_size
+        self.device = torch.device(device)
         self.pool = TokenToKVPool(
-            num_pages * page_size, lm_config.num_layers, lm_config.num_kv_heads, lm_config.head_dim, dtype
+            num_pages * page_size, lm_config.num_layers, lm_config.num_kv_heads, lm_config.head_dim, dtype, device
         )
-        self.req_pool = ReqToTokenPool(max_reqs, max_context_len)
+        self.req_pool = ReqToTokenPool(max_reqs, max_context_len, device)
         pages = list(range(num_pages))
         self.free_pages = pages if page_size == 1 else pages[::-1]
         self.pages: dict[int, list[int]] = {}
@@ -77,7 +80,7 @@ def make_batch(kv: PagedKV, steps: list[Step]) -> ForwardBatch:
         logits_idx += list(range(start, start + n)) if s.all_logits else [start + n - 1]
         start += n
     has_masks = any(s.custom_mask is not None for s in steps)
-    return ForwardBatch(
+    return batch_to(ForwardBatch(
         input_ids=torch.cat([s.input_ids for s in steps]),
         positions=torch.cat([s.positions for s in steps], dim=-1),
         out_cache_loc=torch.cat(locs),
@@ -89,7 +92,7 @@ def make_batch(kv: PagedKV, steps: list[Step]) -> ForwardBatch:
         mm_embed_rows=torch.cat(rows) if rows else None,
         mm_embeds=torch.cat(embeds) if embeds else None,
         custom_masks=[s.custom_mask for s in steps] if has_masks else None,
-    )
+    ), kv.device)
 
 
 def share_prefix(kv: PagedKV, src_row: int, dst_row: int, num_tokens: int) -> None:
@@ -124,11 +127,12 @@ def check_text_prefill_and_decode(hf, ours, ids: torch.Tensor, num_new: int,
     """A text-only prompt `ids` [L]: our prefill logits equal HF's (fp32, 1e-4) and our greedy tokens, decoded
     over paged KV at 1-D positions, equal HF generate's. Returns (HF's prefill logits, its tokens)."""
     n = len(ids)
+    device = next(ours.parameters()).device  # HF's model is on the same device
     with torch.inference_mode():
-        ref = hf(input_ids=ids[None]).logits[0]
-        want = hf.generate(input_ids=ids[None], attention_mask=torch.ones(1, n, dtype=torch.long),
+        ref = hf(input_ids=ids[None].to(device)).logits[0]
+        want = hf.generate(input_ids=ids[None].to(device), attention_mask=torch.ones(1, n, dtype=torch.long, device=device),
                            max_new_tokens=num_new, do_sample=False, pad_token_id=0, eos_token_id=None)[0, n:].tolist()
-        kv = PagedKV(ours.lm_config, page_size=page_size)
+        kv = PagedKV(ours.lm_config, page_size=page_size, device=device)
         row = kv.new_request()
         logits = ours(make_batch(kv, [Step(row, ids, torch.arange(n), all_logits=True)]), kv.pool)
         torch.testing.assert_close(logits, ref, atol=1e-4, rtol=0)

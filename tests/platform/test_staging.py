@@ -8,7 +8,8 @@ import torch
 
 from tessera.platform.device import pack_and_copy, platform_of, to_device_packed
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -34,7 +34,7 @@ from tessera.worker.cuda_graph import (
     pick_bucket,
 )
 
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+from tests.kernel_device import DEVICE, HAS_CUDA, IN_INTERPRETER, RUNS_KERNELS, run_interpreted
 
 
 def test_capture_batch_sizes_and_buckets() -> None:
@@ -81,15 +81,35 @@ class _FakeCuda:
 
     def __init__(self, monkeypatch, fail_at: int):
         self.captures = 0
-        stream = type("Stream", (), {"wait_stream": lambda self, other: None})()
-        for name, value in {"graph_pool_handle": lambda: None, "Stream": lambda: stream,
-                            "current_stream": lambda: stream, "stream": lambda s: contextlib.nullcontext(),
-                            "CUDAGraph": lambda: object(), "synchronize": lambda *a: None, "graph": self.graph}.items():
+        # Like torch's, the stand-ins refuse what is not theirs: a stream waits only on a stream, and a capture
+        # takes a CUDAGraph, the pool handle and a stream (not None: the runner captures on a side stream).
+        self.pool = ("pool",)
+        fake = self
+
+        class Stream:
+            def wait_stream(self, other) -> None:
+                if not isinstance(other, Stream):
+                    raise TypeError(f"wait_stream expects a Stream, got {type(other).__name__}")
+
+        class CUDAGraph:
+            pass
+
+        self.Stream, self.CUDAGraph, stream = Stream, CUDAGraph, Stream()
+        for name, value in {"graph_pool_handle": lambda: fake.pool, "Stream": Stream,
+                            "current_stream": lambda: stream, "stream": self.stream,
+                            "CUDAGraph": CUDAGraph, "synchronize": lambda *a: None, "graph": self.graph}.items():
             monkeypatch.setattr(torch.cuda, name, value)
         self.fail_at = fail_at
 
+    def stream(self, s):
+        if not isinstance(s, self.Stream):
+            raise TypeError(f"torch.cuda.stream expects a Stream, got {type(s).__name__}")
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
     def graph(self, graph, pool=None, stream=None):
+        if not isinstance(graph, self.CUDAGraph) or pool is not self.pool or not isinstance(stream, self.Stream):
+            raise TypeError(f"torch.cuda.graph({graph!r}, pool={pool!r}, stream={stream!r})")
         self.captures += 1
         if self.captures == self.fail_at:
             raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
@@ -131,15 +151,15 @@ def test_the_worker_reports_why_it_has_no_graphs(monkeypatch, caplog) -> None:
     assert worker.graph_runner is None and worker.info.cuda_graph_status == "off: device cpu"
     assert worker.info.cuda_graph_batch_sizes == ()
     # As on a GPU whose capture fails: the worker decodes eagerly and says why.
-    _FakeCuda(monkeypatch, fail_at=1)
+    fake = _FakeCuda(monkeypatch, fail_at=1)
 
     def capture(runner) -> None:
         runner._capturing = runner.sizes[-1]
-        with torch.cuda.graph(None):
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=fake.pool, stream=torch.cuda.Stream()):
             pass
 
     monkeypatch.setattr(DecodeGraphRunner, "capture", capture)
-    worker.device = torch.device("cuda")
+    worker.device = torch.device("cuda", 0)
     worker.platform = platform_of(worker.device)
     with caplog.at_level(logging.ERROR, logger="tessera.worker"):
         assert worker._capture_decode_graphs("triton") is None
@@ -191,15 +211,17 @@ def _apply_greedy_step(policy, batch, logits: torch.Tensor) -> None:
             policy.finish(s.req)
 
 
-def run_padded_against_eager(attention_backend: str, with_image: bool = True) -> list[int]:
+def run_padded_against_eager(attention_backend: str, with_image: bool = True,
+                             device: torch.device = torch.device("cpu")) -> list[int]:
     """Drives two workers through the same scheduler steps: one eager, one whose decode steps run the padded
-    forward a graph captures. Asserts equal logits every step; returns the padded steps' batch sizes."""
+    forward a graph captures (uncaptured: run eagerly). Asserts equal logits every step; returns the padded
+    steps' batch sizes."""
     from tessera.frontend.model_info import ModelInfo
     from tessera.models.config import eos_token_ids
     from tessera.worker.model_worker import ModelWorker
 
-    args = ServerArgs.for_engine("demo-vl", max_total_tokens=2048, max_running_requests=4, device="cpu",
-                                 attention_backend=attention_backend)
+    args = ServerArgs.for_engine("demo-vl", max_total_tokens=2048, max_running_requests=4, device=str(device),
+                                 attention_backend=attention_backend, disable_cuda_graph=True)
     info = ModelInfo.load(args)
     eos = eos_token_ids(info.config)
     eager, padded = ModelWorker(args, eos, info.config), ModelWorker(args, eos, info.config)
@@ -235,21 +257,22 @@ def test_padded_decode_equals_eager_decode_torch_native() -> None:
 
 
 @pytest.mark.slow  # a second interpreter process: ~12 s of CPU
-@pytest.mark.skipif(torch.cuda.is_available() or IN_INTERPRETER, reason="the kernels run in this process")
+@pytest.mark.cuda
+@pytest.mark.skipif(RUNS_KERNELS, reason="the kernels run in this process")
 def test_padded_decode_equals_eager_decode_triton_interpreted() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "triton_kernels",
-                          __file__], env=env, capture_output=True, text=True, timeout=600)
+    out = run_interpreted(__file__, "-k", "triton_kernels")
     assert out.returncode == 0 and "1 passed" in out.stdout, out.stdout[-4000:] + out.stderr[-2000:]
 
 
-@pytest.mark.skipif(not (torch.cuda.is_available() or IN_INTERPRETER), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.cuda
+@pytest.mark.skipif(not RUNS_KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")
 def test_padded_decode_with_triton_kernels() -> None:
-    sizes = run_padded_against_eager("triton", with_image=torch.cuda.is_available())  # interpreted: text only
+    sizes = run_padded_against_eager("triton", with_image=HAS_CUDA, device=DEVICE)  # interpreted: text only
     assert 3 in sizes and 1 in sizes, sizes
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_replayed_graphs_equal_eager_on_cuda() -> None:
     """Never run on a GPU so far (none at hand when it was written)."""
     from tessera.frontend.model_info import ModelInfo

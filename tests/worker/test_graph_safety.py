@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from tessera.bench.kernel_census import random_model
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.attention import get_attention_backend
 from tessera.models.config import ModelConfig
@@ -25,8 +26,7 @@ from tessera.models.families import FAMILIES, Family
 from tessera.worker.cuda_graph import DecodeGraphRunner, DecodeInputs, capture_batch_sizes
 from tessera.worker.graph_safety import GraphSafetyError, graph_safe
 
-IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from tests.kernel_device import DEVICE, IN_INTERPRETER, RUNS_KERNELS, run_interpreted
 
 
 def _text(**extra: Any) -> dict:
@@ -81,20 +81,6 @@ def test_every_family_has_a_tiny_config() -> None:
         assert ModelConfig.from_hf(make()).family is FAMILIES[name]
 
 
-def _random_model(family: Family, config: ModelConfig) -> torch.nn.Module:
-    """The family's model, as the worker builds it (Triton backend), with random weights in bfloat16."""
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device(DEVICE):
-            model = family.model_class().build(config, get_attention_backend("triton"))
-    finally:
-        torch.set_default_dtype(old)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-    return model.eval().requires_grad_(False)
 
 
 def _padded_decode(model: torch.nn.Module, mrope: bool) -> torch.Tensor:
@@ -115,7 +101,8 @@ def _padded_decode(model: torch.nn.Module, mrope: bool) -> torch.Tensor:
         return runner.forward(inputs, bucket=4)
 
 
-@pytest.mark.skipif(not (IN_INTERPRETER or torch.cuda.is_available()), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.cuda
+@pytest.mark.skipif(not RUNS_KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_decode_forward_is_graph_safe(name: str) -> None:
     """Families the worker captures must pass; one that opts out (cuda_graph_decode = False) must fail, or its
@@ -125,7 +112,7 @@ def test_decode_forward_is_graph_safe(name: str) -> None:
     if family.encoder_decoder:
         pytest.skip("encoder-decoder: the worker runs its decode eagerly (no cross-attention slots in a graph)")
     config = ModelConfig.from_hf(_tiny_configs()[name]())
-    model = _random_model(family, config)
+    model = random_model(config, DEVICE)
     mrope = config.positions == "mrope"
     if not type(model).cuda_graph_decode:
         with pytest.raises(GraphSafetyError):
@@ -157,12 +144,11 @@ def test_kernel_launches_are_exempt() -> None:
 
 
 @pytest.mark.slow  # a second process running every family in the interpreter: ~20 s of CPU
-@pytest.mark.skipif(torch.cuda.is_available() or IN_INTERPRETER, reason="the checks run in this process")
+@pytest.mark.cuda
+@pytest.mark.skipif(RUNS_KERNELS, reason="the checks run in this process")
 def test_every_family_under_the_triton_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
     tests = "test_decode_forward_is_graph_safe or test_kernel_launches_are_exempt"
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-k", tests,
-                          __file__], env=env, capture_output=True, text=True, timeout=600)
+    out = run_interpreted(__file__, "-n", "0", "-k", tests)
     checked = sum(1 for f in FAMILIES.values() if not f.encoder_decoder) + 1  # + the launch test
     skipped = len(FAMILIES) + 1 - checked
     summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""

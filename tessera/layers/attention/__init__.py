@@ -24,20 +24,15 @@ def available_attention_backends() -> list[str]:
 
 
 def resolve_attention_backend(name: str, device: torch.device | str, dtype: torch.dtype | None = None) -> str:
-    """`auto` on CUDA: flashinfer when flashinfer-python is installed and the model's dtype is float16 or
-    bfloat16 (None: not known yet, taken as such), as SGLang does; else triton when triton is installed (its
-    kernels read the paged pool directly, in any dtype). Both plan decode steps that a CUDA graph can replay.
-    torch_native elsewhere (CPU: the Triton kernels would only run in the interpreter). Any other name is
-    returned as it is."""
+    """`auto` on CUDA: triton when triton is installed (its kernels read the paged pool directly, in any dtype,
+    and plan decode steps that a CUDA graph can replay; the layers' fused kernels write K/V for it). FlashInfer
+    stays opt-in (`--attention-backend flashinfer`) until it has run on a GPU: its backend is tested only
+    against a stand-in of its API. torch_native elsewhere (CPU: the Triton kernels would only run in the
+    interpreter). Any other name is returned as it is; `dtype` is kept for the callers' sake."""
     if name != "auto":
         return name
     if torch.device(device).type != "cuda":
         return "torch_native"
-    if importlib.util.find_spec("flashinfer") is not None:
-        from tessera.layers.attention.flashinfer_backend import FlashInferAttentionBackend
-
-        if dtype is None or dtype in FlashInferAttentionBackend.dtypes:
-            return "flashinfer"
     if importlib.util.find_spec("triton") is not None:
         return "triton"
     return "torch_native"

@@ -17,7 +17,9 @@ class BaseAttentionBackend(ABC):
       - q is [T, num_heads, head_dim]; k and v are [T, num_kv_heads, head_dim] for the T = sum(extend_lens)
         new tokens of this step, flattened in request order (rows of request i start at
         fb.extend_start_loc[i]). num_heads must be a multiple of num_kv_heads (GQA; MHA when equal).
-      - First writes k, v into `pool` for `layer_id` at slots fb.out_cache_loc (one slot per row),
+      - First writes k, v into `pool` for `layer_id` at slots fb.out_cache_loc (one slot per row); k and v
+        are None when the caller has written them there itself (only to a backend that says
+        `reads_new_kv_from_pool`: the fused rotary + KV write of layers/triton_ops.py),
         then, for each request i, lets its queries attend over the keys/values at slots
         fb.req_to_token[fb.req_pool_indices[i], :fb.seq_lens[i]] (which include the slots just written).
       - Mask: query j of request i sits at absolute position prefix_len + j (prefix_len = seq_len - extend_len)
@@ -42,6 +44,9 @@ class BaseAttentionBackend(ABC):
     dtypes: frozenset[torch.dtype] | None = None
 
     name = "unnamed"  # its registry name, set by get_attention_backend
+    # Whether forward reads the step's new K/V only from the pool (after writing them there), so that a layer
+    # may write them itself and pass k = v = None.
+    reads_new_kv_from_pool = False
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         """Prepares per-step state shared by all layers. Default: nothing to prepare."""
@@ -63,8 +68,8 @@ class BaseAttentionBackend(ABC):
     def forward(
         self,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         layer_id: int,
         fb: ForwardBatch,
         pool: TokenToKVPool,

@@ -124,6 +124,7 @@ def _cumsum_host(lens: list[int]) -> torch.Tensor:
 class FlashInferAttentionBackend(BaseAttentionBackend):
     features = BaseAttentionBackend.features | {"cuda_graph"}
     dtypes = frozenset({torch.float16, torch.bfloat16})
+    reads_new_kv_from_pool = True
 
     def __init__(self) -> None:
         try:
@@ -175,10 +176,11 @@ class FlashInferAttentionBackend(BaseAttentionBackend):
         return _Plan(fb, False, indptr, indices, last, qo_indptr, mask,
                      host=(_cumsum_host(ext), _cumsum_host(seq), host_last))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, fb: ForwardBatch,
                 pool: TokenToKVPool, scaling: float, sliding_window: int | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if k is not None and v is not None:
+            pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         if self._plan is None or self._plan.fb is not fb:
             self._plan = self._plan_for(fb)
         kind = _Kind(num_heads, pool.num_kv_heads, head_dim, sliding_window or None, q.dtype, pool.dtype, scaling)

@@ -40,6 +40,7 @@ class _Meta:
 
 class TritonAttentionBackend(BaseAttentionBackend):
     features = BaseAttentionBackend.features | {"cuda_graph"}
+    reads_new_kv_from_pool = True
 
     def __init__(self) -> None:
         self._meta: _Meta | None = None
@@ -71,10 +72,11 @@ class TritonAttentionBackend(BaseAttentionBackend):
         return _Meta(fb, ints(rows), ints(seq), ints(ext), ints(starts), flat, ints(indptr, torch.int64),
                      max(ext, default=0), all(e == 1 for e in ext) and not parts)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, fb: ForwardBatch,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, layer_id: int, fb: ForwardBatch,
                 pool: TokenToKVPool, scaling: float, sliding_window: int | None = None) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        pool.set_kv(layer_id, fb.out_cache_loc, k, v)
+        if k is not None and v is not None:
+            pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         meta = self._meta if self._meta is not None and self._meta.fb is fb else self._build(fb)
         self._meta = meta
         k_buf, v_buf = pool.get_kv(layer_id)
