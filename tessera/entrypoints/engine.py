@@ -209,7 +209,7 @@ class Engine:
     def get_server_info(self) -> dict:
         """As SGLang's /get_server_info: the server arguments, the settings they resolved to (device,
         dtype, KV pool size, ...) and the scheduler's counters."""
-        return {**self.tokenizer_manager.server_info(), "stats": dataclasses.asdict(self.get_stats())}
+        return {**self.tokenizer_manager.server_info(), "stats": self.get_stats().report()}
 
     def get_frontend_stats(self) -> FrontendStats:
         """The frontend's counters (preprocessing-cache hits and misses, ...)."""

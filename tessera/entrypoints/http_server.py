@@ -284,7 +284,7 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
     @app.get("/get_server_info")
     async def server_info():
         tm = serving().tm
-        return {**tm.server_info(), "stats": vars(await tm.get_stats())}
+        return {**tm.server_info(), "stats": (await tm.get_stats()).report()}
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's clients use both
     async def flush_cache():

@@ -60,6 +60,13 @@ class Metrics:
         self.mm_items = Gauge("tessera_mm_items", "Media items received by the scheduler, by how they were "
                               "preprocessed (deferred: raw pixels, preprocessed by the encoder's worker)",
                               ["model_name", "preprocessing"], registry=r)
+        self.device_busy = Gauge("tessera_device_busy_seconds", "Seconds the device computed model steps",
+                                 labels, registry=r)
+        self.device_idle = Gauge("tessera_device_idle_between_steps_seconds", "Seconds the device sat idle between "
+                                 "consecutive model steps while there was work (the scheduler's host work)",
+                                 labels, registry=r)
+        self.device_idle_fraction = Gauge("tessera_device_idle_fraction", "Idle between steps / (idle + busy)",
+                                          labels, registry=r)
         self.preprocess_hit_rate = Gauge("tessera_preprocess_cache_hit_rate",
                                          "Media items served from the preprocessing cache / items", labels, registry=r)
 
@@ -106,4 +113,7 @@ class Metrics:
                 self.mm_transport_bytes.labels(m, modality).set(n)
             self.mm_items.labels(m, "deferred").set(stats.mm_deferred_items)
             self.mm_items.labels(m, "eager").set(stats.mm_eager_items)
+            self.device_busy.labels(m).set(stats.device_busy_s)
+            self.device_idle.labels(m).set(stats.device_idle_s)
+            self.device_idle_fraction.labels(m).set(stats.device_idle_fraction)
         return generate_latest(self.registry)

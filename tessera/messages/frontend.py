@@ -65,6 +65,20 @@ class SchedulerStats:
     mm_transport_bytes_total: int = 0  # the sum over modalities
     mm_deferred_items: int = 0
     mm_eager_items: int = 0
+    # Seconds the device computed model steps, and sat idle between consecutive steps while there was work
+    # (platform/device.py StepClock): the share an overlap scheduler would win back.
+    device_busy_s: float = 0.0
+    device_idle_s: float = 0.0
+
+    @property
+    def device_idle_fraction(self) -> float:
+        """Idle between steps / (idle + busy); 0 before the first two steps."""
+        total = self.device_busy_s + self.device_idle_s
+        return self.device_idle_s / total if total > 0 else 0.0
+
+    def report(self) -> dict:
+        """The counters as get_server_info's "stats" shows them, with the idle fraction."""
+        return {**dataclasses.asdict(self), "device_idle_fraction": round(self.device_idle_fraction, 4)}
 
     @classmethod
     def sum(cls, parts: list[SchedulerStats]) -> SchedulerStats:

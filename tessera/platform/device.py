@@ -9,6 +9,7 @@ plays the same part).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -60,6 +61,82 @@ class Platform:
         every call of fns[key], outside the capture."""
         raise RuntimeError(f"graphs are not supported on {self.kind}")
 
+    def step_clock(self) -> StepClock:
+        """Times the device's model steps and the gaps between them (see StepClock)."""
+        return StepClock()
+
+
+class StepClock:
+    """How long the device computed model steps, and how long it sat idle between consecutive ones (the host
+    work of the scheduler, the sampler's read-back, building the next step's input): the time an overlap of host
+    and device work could win back. `begin()` as a step's first work is queued, `end()` once its results were
+    read back (the device has finished it), `idle()` when the scheduler had nothing to run (the gap that
+    follows is not counted). On the host, wall-clock times; CudaStepClock times the device itself."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+        self._last_end: float | None = None
+        self._begin = 0.0
+
+    def begin(self) -> None:
+        self._begin = time.perf_counter()
+        if self._last_end is not None:
+            self.idle_s += max(0.0, self._begin - self._last_end)
+
+    def end(self) -> None:
+        self._last_end = time.perf_counter()
+        self.busy_s += self._last_end - self._begin
+
+    def idle(self) -> None:
+        self._last_end = None
+
+    def times(self) -> tuple[float, float]:
+        """(busy, idle between steps) in seconds so far."""
+        return self.busy_s, self.idle_s
+
+
+class CudaStepClock(StepClock):
+    """StepClock from CUDA events on the current stream: a step's busy time is the span of its work on the
+    device, an idle gap runs from the previous step's end to this step's first kernel. A step's events are read
+    when the next one begins (or when asked): the step's own read-back has waited for them, so reading them
+    never stalls the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._start = None
+        self._pending = None  # (start, stop) of the last step, not yet read
+        self._prev_stop = None
+
+    def begin(self) -> None:
+        self._settle()
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+
+    def end(self) -> None:
+        stop = torch.cuda.Event(enable_timing=True)
+        stop.record()
+        self._pending = (self._start, stop)
+
+    def idle(self) -> None:
+        self._settle()
+        self._prev_stop = None
+
+    def times(self) -> tuple[float, float]:
+        self._settle()
+        return self.busy_s, self.idle_s
+
+    def _settle(self) -> None:
+        if self._pending is None:
+            return
+        start, stop = self._pending
+        self._pending = None
+        stop.synchronize()
+        self.busy_s += start.elapsed_time(stop) / 1e3
+        if self._prev_stop is not None:
+            self.idle_s += max(0.0, self._prev_stop.elapsed_time(start) / 1e3)
+        self._prev_stop = stop
+
 
 class CudaPlatform(Platform):
     kind = "cuda"
@@ -87,6 +164,9 @@ class CudaPlatform(Platform):
 
     def is_capturing(self) -> bool:
         return torch.cuda.is_current_stream_capturing()
+
+    def step_clock(self) -> StepClock:
+        return CudaStepClock()
 
     def capture_graphs(self, fns: dict[int, Callable[[], None]], warmup: int = 2,
                        before: Callable[[int], None] | None = None) -> dict[int, object]:

@@ -55,6 +55,12 @@ class StepWorker(Protocol):
 
     def background_cores(self) -> int: ...
 
+    # How long the device ran steps and sat idle between consecutive ones (platform StepClock); idle() marks
+    # a pause of the scheduler (no batch), whose gap is not the device's idle time.
+    def device_times(self) -> tuple[float, float]: ...
+
+    def idle(self) -> None: ...
+
 
 class RankGroup(Protocol):
     """The other tensor-parallel ranks (distributed/tp_launch.py's TPGroupHandle)."""
@@ -220,6 +226,7 @@ class Scheduler:
         kv = self.policy.kv
         total = kv.allocator.num_pages * kv.allocator.page_size
         hits, misses, used = self.worker.cache_stats()
+        busy_s, idle_s = self.worker.device_times()
         return messages.SchedulerStats(
             num_running=len(self.policy.running), num_waiting=len(self.policy.waiting) + len(self.held),
             kv_used_tokens=total - kv.allocator.num_free_tokens - self.tree.evictable_size(),
@@ -232,6 +239,7 @@ class Scheduler:
             dp_rank=self.dp_rank, mm_transport_bytes=dict(self.mm_transport_bytes),
             mm_transport_bytes_total=sum(self.mm_transport_bytes.values()),
             mm_deferred_items=self.mm_items["deferred"], mm_eager_items=self.mm_items["eager"],
+            device_busy_s=busy_s, device_idle_s=idle_s,
         )
 
     # ---- stepping -------------------------------------------------------------------------
@@ -396,6 +404,7 @@ class Scheduler:
                 events = dict(poller.poll(0))
             if self.held:
                 self._admit_ready()
-            self.step()
+            if not self.step():
+                self.worker.idle()
             self.summary.tick(self.stats, self.num_output_tokens, busy)
 

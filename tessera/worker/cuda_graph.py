@@ -203,3 +203,34 @@ class DecodeGraphRunner:
             logger.error("CUDA graph capture failed at %s; decode runs eagerly", reason, exc_info=True)
             return reason
         return None
+
+
+def capture_decode_graphs(worker, backend_name: str) -> tuple[DecodeGraphRunner | None, str]:
+    """A model worker's decode graphs and its status for /get_server_info: (None, "off: <why>") where they do
+    not apply, (None, "capture failed, ...") when a capture failed (logged there as an error), else (runner,
+    "captured")."""
+    args, platform, model = worker.args, worker.platform, worker.model
+    why_not = None
+    if args.disable_cuda_graph:
+        why_not = "--disable-cuda-graph"
+    elif not platform.supports_graphs:
+        why_not = f"device {platform.kind}"
+    elif "cuda_graph" not in model.attn_backend.features:
+        why_not = f"attention backend {backend_name} plans on the host"
+    elif not type(model).cuda_graph_decode:
+        why_not = f"{type(model).__name__} has host-side work in its decode step"
+    elif worker.request_state is not None:
+        why_not = f"{type(model).__name__} reads per-request state the graph inputs do not carry"
+    elif worker.tp.size > 1:
+        why_not = "tensor parallelism (collectives are not captured)"
+    if why_not:
+        if platform.supports_graphs:
+            logger.info("CUDA graphs off: %s", why_not)
+        return None, f"off: {why_not}"
+    runner = worker.decode_graph_runner(min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, args.max_running_requests))
+    failure = runner.try_capture()  # logged there, as an error
+    if failure is not None:
+        platform.synchronize(worker.device)
+        return None, f"capture failed, decode runs eagerly: {failure}"
+    logger.info("CUDA graphs captured for decode batch sizes %s", runner.sizes)
+    return runner, "captured"

@@ -31,12 +31,7 @@ from tessera.messages.items import Modality, MultimodalDataItem
 from tessera.layers.forward_batch import ForwardBatch
 from tessera.worker.encode_ahead import EncodeAhead
 from tessera.worker.sampler import Sampler, SamplingBatchInfo
-from tessera.worker.cuda_graph import (
-    DEFAULT_MAX_BS,
-    DecodeGraphRunner,
-    DecodeInputs,
-    capture_batch_sizes,
-)
+from tessera.worker.cuda_graph import DecodeGraphRunner, DecodeInputs, capture_batch_sizes, capture_decode_graphs
 from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.platform import cpu_kernels, host_memory
 from tessera.platform.device import (compute_dtype, platform_of, rank_device, resolve_device, resolve_dtype,
@@ -64,6 +59,7 @@ class ModelWorker:
             self.device = rank_device(self.device, args.base_gpu_id + self.tp.rank)  # one accelerator per rank
         self.platform = platform_of(self.device)
         self.platform.bind(self.device)
+        self.clock = self.platform.step_clock()  # device busy / idle between steps, for get_server_info
         # Built (or found in the cache) once, before the first step; what did not load is in the report.
         self.cpu_kernels = cpu_kernels.load() if self.platform.runs_on_host_cores else {}
         self.model, self.config = load_model(args.model_path, dtype=args.dtype, device=self.device,
@@ -140,35 +136,8 @@ class ModelWorker:
                                  self.pad_row, self.config.positions == "mrope")
 
     def _capture_decode_graphs(self, backend_name: str) -> DecodeGraphRunner | None:
-        """The decode graphs (see worker/cuda_graph.py), or None where they do not apply or capture failed:
-        every step then runs eagerly. Sets cuda_graph_status, which /get_server_info reports."""
-        args = self.args
-        why_not = None
-        if args.disable_cuda_graph:
-            why_not = "--disable-cuda-graph"
-        elif not self.platform.supports_graphs:
-            why_not = f"device {self.platform.kind}"
-        elif "cuda_graph" not in self.model.attn_backend.features:
-            why_not = f"attention backend {backend_name} plans on the host"
-        elif not type(self.model).cuda_graph_decode:
-            why_not = f"{type(self.model).__name__} has host-side work in its decode step"
-        elif self.request_state is not None:
-            why_not = f"{type(self.model).__name__} reads per-request state the graph inputs do not carry"
-        elif self.tp.size > 1:
-            why_not = "tensor parallelism (collectives are not captured)"
-        if why_not:
-            self.cuda_graph_status = f"off: {why_not}"
-            if self.platform.supports_graphs:
-                logger.info("CUDA graphs off: %s", why_not)
-            return None
-        runner = self.decode_graph_runner(min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, args.max_running_requests))
-        failure = runner.try_capture()  # logged there, as an error
-        if failure is not None:
-            self.cuda_graph_status = f"capture failed, decode runs eagerly: {failure}"
-            self.platform.synchronize(self.device)
-            return None
-        self.cuda_graph_status = "captured"
-        logger.info("CUDA graphs captured for decode batch sizes %s", runner.sizes)
+        """The decode graphs, or None (every step then runs eagerly); sets cuda_graph_status."""
+        runner, self.cuda_graph_status = capture_decode_graphs(self, backend_name)
         return runner
 
     # ---- cache control ---------------------------------------------------------------------------
@@ -417,7 +386,20 @@ class ModelWorker:
         return self.model(fb, self.kv_pool)
 
     @torch.inference_mode()
+    def device_times(self) -> tuple[float, float]:
+        return self.clock.times()
+
+    def idle(self) -> None:
+        self.clock.idle()
+
     def execute(self, fi: ForwardInput) -> StepOutput:
+        self.clock.begin()
+        try:
+            return self._execute(fi)
+        finally:
+            self.clock.end()
+
+    def _execute(self, fi: ForwardInput) -> StepOutput:
         logits = self.forward(fi)
         if self.tp.rank != 0:  # only rank 0 samples
             return StepOutput([])

@@ -158,3 +158,16 @@ def test_pending_requests_fail_when_the_scheduler_dies(tiny_gqa):
             for _ in stream:
                 pass
         assert time.monotonic() - t0 < 10
+
+
+def test_server_info_reports_the_device_time_between_steps(engine):
+    """get_server_info()["stats"]: how long the device ran steps and sat idle between consecutive ones (on a CPU,
+    wall time), and the idle share, which an overlap of host and device work would win back."""
+    before = engine.get_server_info()["stats"]
+    engine.generate("Count to ten:", {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
+    stats = engine.get_server_info()["stats"]
+    assert stats["device_busy_s"] > before["device_busy_s"]
+    assert stats["device_idle_s"] > before["device_idle_s"]  # eleven decode steps follow one another
+    assert 0 < stats["device_idle_fraction"] < 1
+    assert stats["device_idle_fraction"] == round(stats["device_idle_s"] / (stats["device_idle_s"]
+                                                                           + stats["device_busy_s"]), 4)

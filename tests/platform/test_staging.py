@@ -37,3 +37,23 @@ def test_packed_copy_gives_the_same_bits_as_views_of_one_buffer() -> None:
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))  # bits
     assert len({t.untyped_storage().data_ptr() for t in out}) == 1
+
+
+def test_step_clock_counts_gaps_between_consecutive_steps_only() -> None:
+    import time
+
+    from tessera.platform.device import StepClock
+
+    clock = StepClock()
+    for _ in range(2):
+        clock.begin()
+        time.sleep(0.02)
+        clock.end()
+        time.sleep(0.01)  # host work between steps: the device's idle time
+    busy, idle = clock.times()
+    assert 0.035 < busy < 0.2 and 0.008 < idle < 0.05  # one gap (between the two steps)
+    clock.idle()  # the scheduler had nothing to run: the pause is not the device's idle time
+    time.sleep(0.05)
+    clock.begin()
+    clock.end()
+    assert clock.times()[1] == idle

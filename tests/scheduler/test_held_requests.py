@@ -48,6 +48,12 @@ class FakeWorker:
     def cache_stats(self) -> tuple[int, int, int]:
         return 0, 0, 0
 
+    def device_times(self) -> tuple[float, float]:
+        return 0.0, 0.0
+
+    def idle(self) -> None:
+        pass
+
 
 def _request(rid: str, image_hash: int) -> messages.TokenizedGenerateReq:
     item = SimpleNamespace(hash=image_hash, modality=Modality.IMAGE, transport_bytes=0, deferred=None)

@@ -256,6 +256,9 @@ def test_metrics_exposes_serving_figures(server, client):
     assert values["tessera_preprocess_cache_hit_rate"] > 0
     assert values["tessera_mm_transport_bytes"] > 0
     assert values["tessera_time_to_first_token_seconds_count"] >= 2
+    # The device's time: busy in steps, idle between consecutive ones (the scheduler's host work).
+    assert values["tessera_device_busy_seconds"] > 0 and values["tessera_device_idle_between_steps_seconds"] > 0
+    assert 0 < values["tessera_device_idle_fraction"] < 1
     for name in ("tessera_requests_total", "tessera_time_to_first_token_seconds", "tessera_inter_token_latency_seconds",
                  "tessera_num_running_reqs", "tessera_num_queue_reqs", "tessera_kv_cache_usage",
                  "tessera_prefix_cache_hit_rate", "tessera_encoder_cache_hit_rate",
