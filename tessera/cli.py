@@ -12,6 +12,24 @@ EXAMPLE_IMAGE = ASSETS_DIR / "examples" / "scene.png"
 EXAMPLE_SPEECH = ASSETS_DIR / "examples" / "speech.wav"
 
 
+def _check_media_before_loading(args: ServerArgs, given: dict[str, list[str]]) -> None:
+    """What can be told without the model, in seconds rather than after it loads: a local file that is not
+    there, media the model does not take."""
+    import os
+
+    from tessera.messages.items import Modality
+    from tessera.models.config import ModelConfig
+    from tessera.models.families import refuse_media
+
+    for name, items in given.items():
+        for item in items:
+            if "://" not in item and not item.startswith("data:") and not os.path.isfile(item):
+                raise ValueError(f"--{name} {item}: no such file")
+    served = ModelConfig.load(args.model_path).family.served_modalities(args.language_model_only)
+    refuse_media(args.model_name, served, [Modality(name) for name, items in given.items() if items],
+                 args.language_model_only)
+
+
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from tessera.entrypoints.engine import Engine
 
@@ -19,6 +37,7 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
     kwargs = {k: v for k, v in vars(args).items() if k != "model_path"}
     kwargs["allowed_local_media_path"] = kwargs.get("allowed_local_media_path") or "/"
     images, videos, audios = ns.image or [], ns.video or [], ns.audio or []
+    _check_media_before_loading(args, {"image": images, "video": videos, "audio": audios})
     with Engine(args.model_path, show_progress=False, **kwargs) as engine:
         info = engine.tokenizer_manager.info
         if not (images or videos or audios or ns.no_image):  # the bundled example the model understands

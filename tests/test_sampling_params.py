@@ -152,8 +152,8 @@ def test_from_dict_builds_and_normalizes() -> None:
 
 
 def test_from_dict_rejects_unknown_keys_by_name() -> None:
-    with pytest.raises(ValueError, match="max_tokens"):
-        SamplingParams.from_dict({"max_tokens": 8})
+    with pytest.raises(ValueError, match="max_length"):
+        SamplingParams.from_dict({"max_length": 8})
     with pytest.raises(ValueError, match="best_of, typical_p"):
         SamplingParams.from_dict({"typical_p": 0.9, "temperature": 0.5, "best_of": 2})
 
@@ -177,3 +177,13 @@ def test_verify_accepts_exactly_the_documented_ranges(temperature: float, top_p:
     else:
         with pytest.raises(ValueError, match=r"^(temperature|top_p|top_k) "):
             params.verify(VOCAB)
+
+
+def test_max_tokens_is_vllms_name_for_max_new_tokens() -> None:
+    """engine.generate(p, {"max_tokens": 8}) as a vLLM or OpenAI user writes it; two different values refused."""
+    assert SamplingParams.from_dict({"max_tokens": 8}).max_new_tokens == 8
+    assert SamplingParams.from_dict({"max_tokens": 8, "max_new_tokens": 8}).max_new_tokens == 8
+    with pytest.raises(ValueError, match="max_tokens .* and max_new_tokens .* disagree"):
+        SamplingParams.from_dict({"max_tokens": 8, "max_new_tokens": 9})
+    with pytest.raises(ValueError, match=r"unknown sampling parameter\(s\): n_predict \(n_predict: use max_new_tokens\)"):
+        SamplingParams.from_dict({"n_predict": 8})

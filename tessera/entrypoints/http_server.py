@@ -29,7 +29,7 @@ from tessera.entrypoints.openai.chat import create_chat_completion
 from tessera.entrypoints.openai.completions import create_completion
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
 from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
-from tessera.entrypoints.warmup import warm_up
+from tessera.entrypoints.warmup import WarmupError, warm_up
 from tessera.entrypoints.openai.transcriptions import TranscriptionServing
 from tessera.entrypoints.playground import add_playground_routes
 from tessera.frontend.request import GenerateRequest
@@ -56,6 +56,7 @@ class ServerState:
         self.draining = False  # SIGTERM: no new requests, in-flight ones finish (or end cleanly at the deadline)
         self.server = None  # the uvicorn server, when launch_server runs one
         self.warming_up = False  # the warm-up request is running: /health says 503 until it is done (as SGLang)
+        self.warmup_error: str | None = None  # it failed: the server stops instead of serving
         self.started = time.time()
 
     @property
@@ -320,6 +321,11 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
 
 def launch_server(args: ServerArgs) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="[%(asctime)s %(name)s] %(message)s")
+    if args.log_level.lower() != "debug":
+        # One "listening" line, ours, once the warm-up has passed: uvicorn's startup lines ("Uvicorn running on
+        # ... (Press CTRL+C to quit)") come before the model is warm (its level is set in _serve), and httpx
+        # logs each warm-up request.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     api_key_of(args.api_key, args.api_key_file)  # an unreadable key file is a one-line error before the model loads
     config = ModelConfig.load(args.model_path)  # an unsupported architecture is a one-line error now, not a 503 later
     return asyncio.run(_serve(args, config))
@@ -363,7 +369,10 @@ async def _serve(args: ServerArgs, config: ModelConfig) -> int:
             loop.remove_signal_handler(sig)
     if state.load_error is not None:
         raise ValueError(f"model failed to load: {state.load_error}")  # the CLI prints it as one line, exit 2
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+    level = args.log_level.lower()
+    config = uvicorn.Config(app, host=args.host, port=args.port,
+                            # our format; uvicorn's own lines only from warnings on (launch_server), but in debug
+                            log_config=None, log_level=level if level not in ("info", "trace") else "warning",
                             timeout_keep_alive=5, access_log=False,  # our middleware writes the access log
                             timeout_graceful_shutdown=DRAIN_TIMEOUT_S + 5)
     server = uvicorn.Server(config)
@@ -376,6 +385,11 @@ async def _serve(args: ServerArgs, config: ModelConfig) -> int:
             if state.warming_up and state.tm is not None:
                 try:
                     await warm_up(args, state.tm, api_key_of(args.api_key, args.api_key_file))
+                except Exception as e:  # noqa: BLE001 - whatever it was, the server cannot serve: say why, stop
+                    state.warmup_error = f"{type(e).__name__}: {e}" if not isinstance(e, WarmupError) else str(e)
+                    logger.error("the warm-up request failed (%s); stopping", state.warmup_error)
+                    server.should_exit = True
+                    return
                 finally:
                     state.warming_up = False
             print(f"Tessera is ready: serving {args.model_name!r}; listening on http://{args.host}:{args.port}"
@@ -393,5 +407,8 @@ async def _serve(args: ServerArgs, config: ModelConfig) -> int:
         await state.close()
     if state.scheduler_died:
         raise RuntimeError("the scheduler process exited; the server stopped")
+    if state.warmup_error is not None:
+        raise ValueError(f"the server could not answer its own warm-up request ({state.warmup_error}); check the "
+                         "flags it names (--skip-server-warmup starts without the check)")
     return 0
 

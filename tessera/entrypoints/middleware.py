@@ -130,8 +130,11 @@ class ServerMiddleware:
         try:
             if self.expected and not (path.startswith(OPEN_PATHS) or is_public(path)) and method != "OPTIONS":
                 # Constant time: how long the comparison takes says nothing about how much of the key matched.
-                if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                    await _send_json(send_wrapper, error_body("invalid API key", 401), 401)
+                given_key = headers.get(b"authorization", b"")
+                if not hmac.compare_digest(given_key, self.expected):
+                    why = ("invalid API key" if given_key else
+                           "missing API key: send the header 'Authorization: Bearer <key>'")
+                    await _send_json(send_wrapper, error_body(why, 401), 401)
                     return
             declared = headers.get(b"content-length", b"")
             if self.max_body is not None and declared.isdigit() and int(declared) > self.max_body:
@@ -164,7 +167,9 @@ async def _send_json(send, body: bytes, status: int) -> None:
 
 
 def _log_access(method: str, path: str, status: int, r: RequestRecord, latency: float, disconnected: bool) -> None:
-    level = logging.DEBUG if path.startswith(QUIET_PATHS) else logging.INFO
+    # The server's own warm-up requests (entrypoints/warmup.py) are not users' traffic.
+    quiet = path.startswith(QUIET_PATHS) or r.request_id.startswith("warmup-")
+    level = logging.DEBUG if quiet else logging.INFO
     if not logger.isEnabledFor(level):
         return
     tokens = ""

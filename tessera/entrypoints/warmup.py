@@ -8,8 +8,14 @@ to 534-644 ms, four at once (one per preprocessing thread) to 387-520 (docs/benc
 SGLang's server warms up the same way, with requests to itself (`--skip-server-warmup` turns it off, as there).
 
 Each request streams a few tokens for one plain PNG (320 x 240, a size the processors resize; a colour of its
-own, so none is a cache hit) where the model takes images, text only otherwise. They are ordinary requests
-(counted in /metrics like any other); the caches they filled are flushed afterwards.
+own, so none is a cache hit) where the model takes images, one second of a tone where it takes audio, text only
+otherwise. They are ordinary requests (counted in /metrics like any other; their access-log lines, request ids
+`warmup-N`, at debug level); the caches they filled are flushed afterwards. An encoder-decoder speech model
+(Whisper) is warmed up with one transcription instead.
+
+Ready means ready: a warm-up that fails raises WarmupError with the server's own answer, and the server exits
+with it instead of saying it is ready (a request it cannot serve, e.g. under a --max-total-tokens too small for
+any prompt, would be refused for every user too).
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import logging
 import time
 
 import httpx
+import numpy as np
+import soundfile as sf
 from PIL import Image
 
 from tessera.config import ServerArgs
@@ -42,38 +50,66 @@ def local_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+class WarmupError(RuntimeError):
+    """The server could not answer its own warm-up request: it cannot serve."""
+
+
+def _tone_wav(seconds: float = 1.0, rate: int = 16000) -> bytes:
+    buf = io.BytesIO()
+    t = np.arange(int(seconds * rate)) / rate
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), rate, format="WAV")
+    return buf.getvalue()
+
+
 async def warm_up(args: ServerArgs, tm: TokenizerManager, api_key: str | None) -> None:
-    """Runs the warm-up requests; a failure is logged and the server serves anyway (a model whose prompts
-    need more than text and images, e.g. Whisper's audio, is simply not warmed up)."""
+    """Runs the warm-up requests; raises WarmupError with the server's answer when one fails."""
+    info = tm.info
 
     def body(i: int) -> dict:
-        content: list[dict] = [{"type": "text", "text": "Describe the picture."}]
-        if tm.info.has_image_understanding:
+        content: list[dict] = [{"type": "text", "text": "Describe the picture." if info.has_image_understanding
+                                else "Transcribe the audio." if info.has_audio_understanding else "Hello."}]
+        if info.has_image_understanding:
             png = io.BytesIO()
             Image.new("RGB", (320, 240), (64 * i, 96, 255 - 64 * i)).save(png, format="PNG")
             url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
             content.insert(0, {"type": "image_url", "image_url": {"url": url}})
+        elif info.has_audio_understanding:
+            wav = base64.b64encode(_tone_wav()).decode()
+            content.insert(0, {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}})
         return {"model": args.model_name, "messages": [{"role": "user", "content": content}],
                 "max_tokens": WARMUP_TOKENS, "temperature": 0, "stream": True}
 
-    # No more than the running slots: a warm-up request must never wait in the queue or be refused by its cap.
-    count = min(WARMUP_REQUESTS, args.max_running_requests)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    url = f"{local_url(args.host, args.port)}/v1/chat/completions"
+    base, headers = local_url(args.host, args.port), {"Authorization": f"Bearer {api_key}"} if api_key else {}
     start = time.monotonic()
-    try:
-        async with httpx.AsyncClient(timeout=WARMUP_TIMEOUT_S) as client:
+    async with httpx.AsyncClient(timeout=WARMUP_TIMEOUT_S) as client:
+        async def check(response: httpx.Response) -> None:
+            if response.status_code != 200:
+                await response.aread()
+                try:
+                    why = response.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    why = response.text[:300]
+                raise WarmupError(f"HTTP {response.status_code}: {why}")
+
+        if info.config.family.encoder_decoder:  # Whisper: a transcription, its only kind of request
+            files = {"file": ("warmup.wav", _tone_wav(), "audio/wav")}
+            response = await client.post(f"{base}/v1/audio/transcriptions", files=files,
+                                         data={"model": args.model_name},
+                                         headers={**headers, "X-Request-Id": "warmup-0"})
+            await check(response)
+            count, what = 1, "a transcription"
+        else:
             async def one(i: int) -> None:
-                async with client.stream("POST", url, json=body(i), headers=headers) as response:
-                    if response.status_code != 200:
-                        raise RuntimeError(f"HTTP {response.status_code}")
+                async with client.stream("POST", f"{base}/v1/chat/completions", json=body(i),
+                                         headers={**headers, "X-Request-Id": f"warmup-{i}"}) as response:
+                    await check(response)
                     async for _ in response.aiter_lines():
                         pass
 
+            # No more than the running slots: a warm-up request must never wait in the queue or be refused.
+            count = min(WARMUP_REQUESTS, args.max_running_requests)
             await asyncio.gather(*(one(i) for i in range(count)))
-        await tm.flush_cache()
-    except Exception as e:  # noqa: BLE001 - a warm-up is an optimisation, never a reason not to serve
-        logger.warning("warm-up requests failed (%s: %s); serving without it", type(e).__name__, e)
-        return
-    logger.info("warm-up requests done (%d, %s) in %.2f s", count,
-                "each an image and text" if tm.info.has_image_understanding else "text", time.monotonic() - start)
+            what = ("each an image and text" if info.has_image_understanding else
+                    "each audio and text" if info.has_audio_understanding else "text")
+    await tm.flush_cache()
+    logger.info("warm-up requests done (%d, %s) in %.2f s", count, what, time.monotonic() - start)

@@ -38,4 +38,4 @@ def check_lengths(req: GenerateRequest, input_ids: list[int], mm_inputs: Multimo
         held = f" + cross-attention K/V ({cross})" if cross else ""
         raise ValueError(
             f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({sp.max_new_tokens}){held} exceeds "
-            f"the KV pool ({max_total_tokens} tokens)")
+            f"the KV pool ({max_total_tokens} tokens; the server's --max-total-tokens)")

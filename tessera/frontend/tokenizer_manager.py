@@ -34,6 +34,8 @@ from tessera.version import __version__ as tessera_version
 from tessera import messages
 from tessera.messages.worker import WorkerInfo
 from tessera.models.config import ModelConfig
+from tessera.models.families import refuse_media
+from tessera.messages.items import Modality
 from tessera.platform.launch import stop_processes
 
 logger = logging.getLogger("tessera")
@@ -312,6 +314,9 @@ class TokenizerManager:
             sp.logprobs = True
         sp.verify(self.info.vocab_size)
         mm_inputs = None
+        given = [m for m, data in ((Modality.IMAGE, req.image_data), (Modality.VIDEO, req.video_data),
+                                   (Modality.AUDIO, req.audio_data)) if data]
+        refuse_media(self.args.model_name, self.info.modalities, given, self.args.language_model_only)
         if self._needs_media_processing(req):
             if self.mm_processor is None:
                 raise ValueError(self.info.no_media_reason())

@@ -91,10 +91,19 @@ class SamplingParams:
         """
         if not isinstance(d, dict):
             raise ValueError(f"sampling_params must be a dict, got {type(d).__name__}")
+        if "max_tokens" in d:  # vLLM's SamplingParams (and the OpenAI API) call it so; SGLang max_new_tokens
+            d = dict(d)
+            value = d.pop("max_tokens")
+            if "max_new_tokens" in d and d["max_new_tokens"] != value:
+                raise ValueError(f"max_tokens ({value}) and max_new_tokens ({d['max_new_tokens']}) disagree: "
+                                 "they are one setting; give one")
+            d["max_new_tokens"] = value
         known = {f.name for f in fields(cls)}
         unknown = sorted(str(k) for k in d if k not in known)
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}")
+            hints = {"n_predict": "max_new_tokens", "stop_sequences": "stop", "max_completion_tokens": "max_new_tokens"}
+            hint = "".join(f" ({k}: use {hints[k]})" for k in unknown if k in hints)
+            raise ValueError(f"unknown sampling parameter(s): {', '.join(unknown)}{hint}")
         return cls(**d).normalize()
 
     def normalize(self) -> SamplingParams:

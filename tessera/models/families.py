@@ -64,6 +64,21 @@ class Family:
         return frozenset() if language_model_only else self.modalities
 
 
+def refuse_media(model_name: str, served: frozenset[Modality], given: list[Modality],
+                 language_model_only: bool = False) -> None:
+    """A ValueError in the user's words when a request brings media the served model does not take (checked
+    before anything is loaded or decoded): "demo-asr takes audio (and text), not images"."""
+    refused = [m for m in given if m not in served]
+    if not refused:
+        return
+    names = ", ".join(sorted({f"{m.value}s" for m in refused}))
+    if language_model_only:
+        raise ValueError(f"media: {model_name} runs with --language-model-only and takes text only, not {names}")
+    takes = " and ".join(sorted(m.value for m in served)) if served else "nothing"
+    raise ValueError(f"media: {model_name} takes {takes} (and text), not {names}" if served else
+                     f"media: {model_name} takes text only, not {names}")
+
+
 _QWEN_VL_PROCESSOR = "tessera.multimodal.processors.qwen_vl:QwenVLProcessor"
 _QUANT_TESTED = "AWQ, GPTQ, CT, FP8 (tested)"
 _QUANT_MOE = "dense layers (untested); not the MoE experts (stored fused)"

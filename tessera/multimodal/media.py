@@ -86,7 +86,8 @@ def _check_image_size(width: int, height: int, limits: MediaLimits) -> None:
         raise MediaError(f"image has an empty size {width}x{height}")
     if width * height > limits.max_image_pixels:
         raise MediaError(
-            f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_image_pixels}"
+            f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_image_pixels} "
+            "(the server's --max-image-pixels)"
         )
 
 
@@ -120,7 +121,8 @@ def _decode_image_bytes(data: bytes, limits: MediaLimits) -> Image.Image:
         raise MediaError(f"data is not a recognised image (supported: {', '.join(IMAGE_FORMATS)})") from e
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         # PIL's own header check fired first (its MAX_IMAGE_PIXELS is a second, global cap).
-        raise MediaError(f"image size is over the limit of {limits.max_image_pixels} pixels: {e}") from e
+        raise MediaError(f"image size is over the limit of {limits.max_image_pixels} pixels (the server's "
+                         f"--max-image-pixels): {e}") from e
     except Exception as e:  # noqa: BLE001 - any header-parser failure is bad input
         raise MediaError(f"cannot read image header: {type(e).__name__}: {e}") from e
     # Pixel cap before decoding the pixel data (decompression-bomb safety).
@@ -218,8 +220,13 @@ def _first_stream(data: bytes, kind: str, containers: str, purpose: str) -> Iter
     """(av, container, stream): PyAV's first `kind` ("video" or "audio") stream of `data`, opened among
     `containers` only. FFmpeg errors of any kind inside the block are bad input: MediaError."""
     av = _import_av(purpose)
+    image = _image_kind(data)
+    if image and not (kind == "video" and image == "a GIF"):  # FFmpeg would only say "Invalid argument"
+        raise MediaError(f"data is {image} image, not {kind} (send it as an image)")
+    opened = False
     try:
         with av.open(io.BytesIO(data), options={"format_whitelist": containers}) as container:
+            opened = True
             streams = getattr(container.streams, kind)
             if not streams:
                 raise MediaError(f"media has no {kind} stream")
@@ -227,7 +234,18 @@ def _first_stream(data: bytes, kind: str, containers: str, purpose: str) -> Iter
     except MediaError:
         raise
     except Exception as e:  # noqa: BLE001 - FFmpeg errors of any kind are bad input
+        if not opened:
+            raise MediaError(f"corrupt, truncated or unsupported {kind} data: not readable as any of "
+                             f"{containers.replace(',', ', ')}") from e
         raise MediaError(f"corrupt, truncated or unsupported {kind} data: {type(e).__name__}: {e}") from e
+
+
+def _image_kind(data: bytes) -> str:
+    """"a PNG" (etc.) when the bytes start like an image file, else ""."""
+    for magic, name in ((b"\x89PNG", "a PNG"), (b"\xff\xd8\xff", "a JPEG"), (b"GIF8", "a GIF"), (b"BM", "a BMP")):
+        if data[:len(magic)] == magic:
+            return name
+    return "a WebP" if data[:4] == b"RIFF" and data[8:12] == b"WEBP" else ""
 
 
 def _decode_video(data: bytes, limits: MediaLimits, **sampling: int | float | None) -> VideoClip:

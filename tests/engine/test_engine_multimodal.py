@@ -165,7 +165,7 @@ def test_bad_media_is_refused_and_good_requests_complete(engine, hf, scene_image
         (dict(prompt=one, image_data="data:image/png;base64,@@not base64@@"), "invalid base64 image data"),
         (dict(prompt=two, image_data=[good_image, good_image]), "too many image items: 2 given, at most 1"),
         (dict(prompt=one, image_data=12345), "unsupported image source type int"),
-        (dict(prompt="Listen.", audio_data=[b"RIFF0000WAVE"]), "does not accept audio inputs"),
+        (dict(prompt="Listen.", audio_data=[b"RIFF0000WAVE"]), "takes image and video (and text), not audios"),
         (dict(prompt=video_prompt, video_data=encode_mp4(scene_video)[:-300]), "truncated"),
     ]
     want = expected_ids(hf, one, [good_image])
@@ -207,7 +207,7 @@ def test_language_model_only_refuses_media_and_serves_text(tiny_gqa, hf, scene_i
     processor, _ = hf
     text_prompt = chat_prompt(processor, 0, "Hello there, how are you?")
     with Engine(str(tiny_gqa), language_model_only=True, max_total_tokens=4096, show_progress=False) as eng:
-        with pytest.raises(ValueError, match="language-model-only mode; image inputs are refused"):
+        with pytest.raises(ValueError, match="runs with --language-model-only and takes text only, not images"):
             eng.generate(chat_prompt(processor, 1, QUESTION), SP, image_data=scene_images[0])
         out = eng.generate(text_prompt, SP)
         assert out["output_ids"] == expected_ids(hf, text_prompt)

@@ -167,3 +167,17 @@ def test_audio_arrays_and_tuples():
 def test_bad_audio_raises_media_error(src, limits, message):
     with pytest.raises(MediaError, match=message):
         load_audio(src, limits=limits, sampling_rate=16000)
+
+
+def test_an_image_sent_as_audio_or_video_is_named() -> None:
+    """FFmpeg's own word for a PNG given as audio is "Invalid argument ... returned 22"."""
+    import io as _io
+
+    from PIL import Image
+
+    png = _io.BytesIO()
+    Image.new("RGB", (8, 8)).save(png, format="PNG")
+    with pytest.raises(MediaError, match="data is a PNG image, not audio"):
+        load_audio(png.getvalue(), limits=OFFLINE, sampling_rate=16000)
+    with pytest.raises(MediaError, match="unsupported audio data: not readable as any of mp3, aac"):
+        load_audio(b"not audio at all" * 20, limits=OFFLINE, sampling_rate=16000)

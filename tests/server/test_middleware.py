@@ -89,6 +89,9 @@ def test_api_key_guards_all_but_health_and_metrics():
         assert c.get("/health").status_code == 200
         r = c.post("/v1/chat/completions", json={})
         assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert "missing API key" in r.json()["error"]["message"]  # none sent: say how to send one
+        wrong = c.post("/v1/chat/completions", json={}, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["message"] == "invalid API key"
         ok = c.post("/v1/chat/completions", json={}, headers={"Authorization": "Bearer sekret"})
         assert ok.status_code == 200
 

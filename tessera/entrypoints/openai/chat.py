@@ -7,7 +7,6 @@ is a 4xx naming the field (see serving.prepare); tool-call text is parsed out of
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -29,7 +28,7 @@ from tessera.entrypoints.openai.protocol import (
     stream_options,
     user_names,
 )
-from tessera.entrypoints.openai.serving import OpenAIServing, cache_salt_of
+from tessera.entrypoints.openai.serving import OpenAIServing, cache_salt_of, response_id
 from tessera.entrypoints.openai.streaming import (
     ChunkWriter,
     event_stream,
@@ -114,7 +113,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, body:
     base.update(video_kwargs_of(body))
     reqs = serving.fan_out(base, sp)
     tokenized = await serving.prepare(reqs, user_names(body, chat=True))
-    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    rid, created = response_id("chatcmpl", request), int(time.time())
     if opts.stream:
         return event_stream(_chat_stream(serving, reqs, tokenized, rid, created, opts, plan, echo_text))
     outs = await serving.collect_all(request, reqs, tokenized)

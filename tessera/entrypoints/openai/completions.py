@@ -9,7 +9,6 @@ come from the same prefill rows (prompt_logprobs.py).
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -30,7 +29,7 @@ from tessera.entrypoints.openai.protocol import (
     stream_options,
     user_names,
 )
-from tessera.entrypoints.openai.serving import OpenAIServing, cache_salt_of, check_batch
+from tessera.entrypoints.openai.serving import OpenAIServing, cache_salt_of, check_batch, response_id
 from tessera.entrypoints.openai.streaming import (
     ChunkWriter,
     event_stream,
@@ -66,7 +65,7 @@ async def create_completion(serving: OpenAIServing, request: Request, body: dict
             text = serving.tm.tokenizer.decode(p["input_ids"])
         echoes += [text if echo else ""] * len(new)
     tokenized = await serving.prepare(reqs, user_names(body, chat=False))
-    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    rid, created = response_id("cmpl", request), int(time.time())
     if opts.stream:
         return event_stream(_completion_stream(serving, reqs, tokenized, rid, created, opts, echoes, len(prompts)))
     outs = await serving.collect_all(request, reqs, tokenized)

@@ -10,6 +10,7 @@ endpoints themselves live beside this file (chat.py, completions.py, transcripti
 from __future__ import annotations
 
 import asyncio
+import uuid
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -182,6 +183,13 @@ class OpenAIServing:
 
     def token_text(self, token_id: int) -> str:
         return self.tm.tokenizer.decode([token_id])
+
+
+def response_id(prefix: str, request) -> str:
+    """The response's `id`: the prefix and the request id the server answers in the x-request-id header (the
+    client's own when it sent one), so a client can match a response with the server's log line."""
+    rid = (request.scope.get("state") or {}).get("request_id")
+    return f"{prefix}-{rid or uuid.uuid4().hex}"
 
 
 def cache_salt_of(body: dict) -> str | None:
