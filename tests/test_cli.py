@@ -18,6 +18,10 @@ def test_help_lists_subcommands() -> None:
     assert out.returncode == 0
     for sub in ("serve", "generate", "bench"):
         assert sub in out.stdout
+    from tessera.bench.cli import SUBCOMMANDS
+
+    for bench in SUBCOMMANDS:  # every benchmark is named, not only the first two
+        assert bench in out.stdout, bench
 
 
 @pytest.mark.parametrize("sub", ["serve", "generate"])
@@ -158,3 +162,29 @@ def test_allowed_media_domains_in_both_forms(argv) -> None:
 
     args = ServerArgs.from_cli_args(build_parser().parse_args(["serve", *argv]))
     assert args.allowed_media_domains == ("a.com", "*.b.org")
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--image", "/nope.png"], "error: --image /nope.png: no such file"),
+    (["--model-path", "demo-asr", "--image", "tessera/assets/examples/scene.png"],
+     "error: media: demo-asr takes audio (and text), not images"),
+    (["--model-path", "demo-vl", "--audio", "tessera/assets/examples/speech.wav"],
+     "error: media: demo-vl takes image and video (and text), not audios"),
+])
+def test_generate_checks_its_media_before_the_model_loads(argv, message) -> None:
+    out = run_cli("generate", *argv, timeout=60)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1] == message, out.stderr[-2000:]
+    assert "Loading" not in out.stderr and "weights" not in out.stderr  # nothing was loaded first
+
+
+def test_a_server_whose_warm_up_fails_exits_with_the_reason_instead_of_saying_it_is_ready() -> None:
+    """--max-total-tokens 50 fits no chat prompt: every request would be refused, so the server does not start."""
+    from tests.server.server_process import free_port
+
+    out = run_cli("serve", "--port", str(free_port()), "--max-total-tokens", "50", timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the server could not answer its own warm-up request") and \
+        "--max-total-tokens" in last, last
+    assert "ready" not in out.stdout and "listening" not in out.stdout + out.stderr
+    assert "Traceback" not in out.stderr

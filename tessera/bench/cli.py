@@ -271,14 +271,15 @@ def _cmd_overload(ns: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+SUBCOMMANDS = {"serving": _add_serving, "offline": _add_offline, "profile": _add_profile, "soak": _add_soak,
+               "overload": _add_overload}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tessera bench", description="Tessera benchmarks")
     sub = p.add_subparsers(dest="bench", required=True)
-    _add_serving(sub)
-    _add_offline(sub)
-    _add_profile(sub)
-    _add_soak(sub)
-    _add_overload(sub)
+    for add in SUBCOMMANDS.values():
+        add(sub)
     return p
 
 

@@ -110,14 +110,40 @@ class ServerState:
         self.draining = True
         in_flight = len(tm.states)
         if in_flight:
-            logger.info("shutting down: draining %d in-flight request(s) for up to %.0f s", in_flight,
-                        DRAIN_TIMEOUT_S)
+            logger.info("shutting down: draining %d in-flight request(s) for up to %.0f s (interrupt again to "
+                        "end them now)", in_flight, DRAIN_TIMEOUT_S)
         deadline = time.monotonic() + DRAIN_TIMEOUT_S
         while tm.states and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         if tm.states:
             logger.warning("shutting down: ending %d request(s) that did not finish in time", len(tm.states))
-            tm.fail_all("the server is shutting down")
+            self.end_in_flight()
+
+    def end_in_flight(self) -> None:
+        """Ends every request in flight now, each with a 503 in OpenAI's error shape (a final error event and
+        [DONE] for a stream), one log line each."""
+        if self.tm is None:
+            return
+        for rid in list(self.tm.states):
+            logger.warning("request %s ended: the server is shutting down", rid)
+        self.tm.fail_all("the server is shutting down")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server with one shutdown path. The first SIGINT/SIGTERM stops accepting and drains (uvicorn's
+    own); a second ends the requests in flight cleanly (ServerState.end_in_flight) instead of uvicorn's forced
+    exit, which cut connections mid-response (a plain-text 500, a stream without [DONE], tracebacks). The
+    signals are not raised again once the server has stopped (uvicorn does, to exit 130 after a clean drain)."""
+
+    def __init__(self, config: uvicorn.Config, on_second_signal) -> None:
+        super().__init__(config)
+        self.on_second_signal = on_second_signal
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit:
+            self.on_second_signal()
+        else:
+            self.should_exit = True
 
 
 def log_startup_summary(args: ServerArgs, tm: TokenizerManager) -> None:
@@ -375,7 +401,7 @@ async def _serve(args: ServerArgs, config: ModelConfig) -> int:
                             log_config=None, log_level=level if level not in ("info", "trace") else "warning",
                             timeout_keep_alive=5, access_log=False,  # our middleware writes the access log
                             timeout_graceful_shutdown=DRAIN_TIMEOUT_S + 5)
-    server = uvicorn.Server(config)
+    server = _Server(config, lambda: loop.call_soon_threadsafe(state.end_in_flight))
     state.server = server
 
     async def announce() -> None:
@@ -405,6 +431,7 @@ async def _serve(args: ServerArgs, config: ModelConfig) -> int:
         for t in tasks:
             t.cancel()
         await state.close()
+    logger.info("server stopped")
     if state.scheduler_died:
         raise RuntimeError("the scheduler process exited; the server stopped")
     if state.warmup_error is not None:
