@@ -2,20 +2,33 @@
 PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
-STAMP   := $(VENV)/.installed
+STAMP   := $(VENV)/.installed-serve
+TEST_STAMP := $(VENV)/.installed-test
 HOST    ?= 127.0.0.1
 PORT    ?= 30000
 MODEL   ?= demo-vl
 ARGS    ?=
+# constraints.txt pins every package to the versions CI tests (pyproject.toml only gives ranges). compat: the
+# checkout goes on sys.path itself, so a script run from the clone's parent folder imports the package, not the
+# clone's folder as an empty namespace package.
+PIP_INSTALL := $(BIN)/pip install --progress-bar on -c constraints.txt --config-settings editable_mode=compat
 
 .PHONY: setup serve test test-fast eval-vl train-vl eval-asr train-asr clean
 
-# constraints.txt pins every package to the versions CI tests (pyproject.toml only gives ranges).
+# `make serve` installs what serving needs; `make test` adds the test tools (pytest, lm-eval, selenium, ...).
 $(STAMP): pyproject.toml constraints.txt
+	@echo "== Setting up $(VENV) (first time only): torch, transformers and Tessera's other dependencies."
+	@echo "   About 2-3 minutes and ~6 GB with PyPI's torch (3.2 GB of it CUDA libraries, used on a GPU only);"
+	@echo "   see the README for the smaller CPU-only torch."
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(PIP_INSTALL) -e .
 	touch $(STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	@echo "== Adding the test tools to $(VENV)"
+	$(PIP_INSTALL) -e '.[test]'
+	touch $(TEST_STAMP)
 
 setup: $(STAMP)
 
@@ -28,10 +41,10 @@ serve: $(STAMP)
 TEST_WORKERS ?= 2
 PYTEST  := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(PYTEST) $(ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	$(PYTEST) -m "not slow" $(ARGS)
 
 eval-vl: $(STAMP)
