@@ -18,16 +18,21 @@ PIP_INSTALL := $(BIN)/pip install --progress-bar on -c constraints.txt --config-
 # `make serve` installs what serving needs; `make test` adds the test tools (pytest, lm-eval, selenium, ...).
 $(STAMP): pyproject.toml constraints.txt
 	@echo "== Setting up $(VENV) (first time only): torch, transformers and Tessera's other dependencies."
-	@echo "   About 2-3 minutes and ~6 GB with PyPI's torch (3.2 GB of it CUDA libraries, used on a GPU only);"
+	@echo "   About 1.5 minutes and 5.9 GB with PyPI's torch (3.2 GB of it CUDA libraries, used on a GPU only);"
 	@echo "   see the README for the smaller CPU-only torch."
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(PIP_INSTALL) -e .
 	touch $(STAMP)
 
+# SGLang's benchmark client, which tests/server/test_peer_clients.py points at `tessera serve`: the sglang
+# package without its dependencies (its GPU stack), plus the few modules bench_serving imports (~15 s).
+PEER_CLIENT := sglang orjson pybase64 msgspec ipython traitlets apache-tvm-ffi sentencepiece gguf
+
 $(TEST_STAMP): $(STAMP)
 	@echo "== Adding the test tools to $(VENV)"
 	$(PIP_INSTALL) -e '.[test]'
+	$(BIN)/pip install --progress-bar on -c constraints.txt --no-deps $(PEER_CLIENT)
 	touch $(TEST_STAMP)
 
 setup: $(STAMP)

@@ -151,7 +151,7 @@ def log_startup_summary(args: ServerArgs, tm: TokenizerManager) -> None:
     w = tm.worker_info
     if w is None:
         return
-    params = w.num_parameters * w.tp_size
+    params = w.num_parameters
     size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
     kv_bytes = w.max_total_tokens * w.kv_bytes_per_token * args.dp_size
     replicas = f" x {args.dp_size} replicas" if args.dp_size > 1 else ""
@@ -308,6 +308,7 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
         in_frontend = len(state.tm.states) if state.tm is not None else None
         return Response(state.metrics.render(stats, frontend, replicas, in_frontend), media_type="text/plain; version=0.0.4")
 
+    @app.get("/server_info")  # SGLang's current name
     @app.get("/get_server_info")
     async def server_info():
         tm = serving().tm

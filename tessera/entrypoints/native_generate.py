@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tessera.entrypoints.openai.errors import APIError
+from tessera.entrypoints.openai.peer_fields import GENERATE_NOOPS, refusal
 from tessera.entrypoints.openai.serving import OpenAIServing, check_batch
 from tessera.entrypoints.openai.streaming import event_stream, sse
 from tessera.frontend.request import GenerateRequest
@@ -57,10 +58,13 @@ def _per_prompt(body: dict, name: str, n: int, batch: bool) -> list[Any]:
 
 
 async def generate(serving: OpenAIServing, request: Request, body: dict):
-    unknown = sorted(set(body) - ACCEPTED)
-    if unknown:
-        raise APIError(f"{unknown[0]}: unknown or unsupported field (accepted: {', '.join(sorted(ACCEPTED))})",
-                       param=unknown[0])
+    for name in sorted(set(body) - ACCEPTED):  # SGLang's own fields pass at their no-op values
+        if name not in GENERATE_NOOPS:
+            raise APIError(f"{name}: unknown or unsupported field (accepted: {', '.join(sorted(ACCEPTED))})",
+                           param=name)
+        why = refusal(name, body[name], GENERATE_NOOPS)
+        if why is not None:
+            raise APIError(f"{name}: {why} (accepted only at its no-op value)", param=name)
     modalities = body.get("modalities")
     if modalities is not None and (not isinstance(modalities, list)
                                    or not all(isinstance(m, str) and m in MODALITIES for m in modalities)):

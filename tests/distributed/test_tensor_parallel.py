@@ -30,9 +30,11 @@ def _run(model_path: str, tp: int, prompts: list[str], **media) -> tuple[list[li
 
 
 def _compare(model_path: str, prompts: list[str], **media) -> None:
-    ids1, lp1, _ = _run(model_path, 1, prompts, **media)
+    ids1, lp1, info1 = _run(model_path, 1, prompts, **media)
     ids2, lp2, info = _run(model_path, 2, prompts, **media)
     assert info["effective"]["tp_size"] == 2
+    # The whole model's parameters, not rank 0's shard times the ranks (replicated norms and towers once).
+    assert info["effective"]["num_parameters"] == info1["effective"]["num_parameters"]
     assert ids2 == ids1
     for a, b in zip(lp1, lp2):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-5

@@ -12,6 +12,7 @@ from numbers import Integral, Real
 from typing import Any
 
 from tessera.entrypoints.openai.errors import APIError, param_of
+from tessera.entrypoints.openai.peer_fields import OPENAI_NOOPS, refusal
 from tessera.entrypoints.openai.response_format import constraint_from_openai
 from tessera.messages.sampling import SamplingParams
 
@@ -54,13 +55,20 @@ _REFUSED: dict[str, tuple[Any, str]] = {
 
 
 def check_fields(body: dict, accepted: set[str]) -> None:
-    """400 for a refused field set to anything but its no-op value, and for any unknown field."""
+    """400 for a refused field set to anything but its no-op value (here or a peer's, peer_fields.py), and for
+    any unknown field."""
     for name, value in body.items():
         if name in _REFUSED:
             noop, why = _REFUSED[name]
             if value is not None and value != noop:
                 raise APIError(f"{name}: {why}", param=name)
-        elif name not in accepted:
+        elif name in accepted:
+            continue
+        elif name in OPENAI_NOOPS:
+            why = refusal(name, value, OPENAI_NOOPS)
+            if why is not None:
+                raise APIError(f"{name}: {why} (accepted only at its no-op value)", param=name)
+        else:
             raise APIError(f"{name}: unknown parameter", param=name)
     if body.get("best_of") not in (None, 1) and body.get("best_of") != body.get("n", 1):
         raise APIError("best_of: only best_of == n is supported (every sample is returned)", param="best_of")
@@ -156,7 +164,7 @@ def sampling_params_from_openai(body: dict, default_max_tokens: int, vocab_size:
         if logprobs is not None and not isinstance(logprobs, bool):
             raise APIError("logprobs: must be a boolean (use top_logprobs for alternatives)", param="logprobs")
         kw["logprobs"] = bool(logprobs)
-        if body.get("top_logprobs") is not None:
+        if body.get("top_logprobs") not in (None, 0):  # 0: vLLM's default, sent by its clients without logprobs
             if not logprobs:
                 raise APIError("top_logprobs: requires logprobs to be true", param="top_logprobs")
             kw["top_logprobs_num"] = body["top_logprobs"]
