@@ -74,7 +74,8 @@ def _png_header_claiming(width: int, height: int) -> bytes:
         ({"url": "x"}, OFFLINE, "unsupported image source type dict"),
         (np.zeros((4, 4, 3), np.float32), OFFLINE, "uint8"),
         (np.zeros((4, 4, 5), np.uint8), OFFLINE, "shape"),
-        (Image.new("RGB", (200, 100)), MediaLimits(max_image_pixels=10_000), "over the limit of 10000"),
+        (Image.new("RGB", (200, 100)), MediaLimits(max_image_pixels=10_000),
+         "over the limit of 10000 \\(the server's --max-image-pixels\\)"),
         (encode_png(Image.new("RGB", (200, 100))), MediaLimits(max_image_pixels=10_000), "over the limit"),
         # The pixel cap is checked from the header, before any decode of 10^10 pixels.
         (_png_header_claiming(100_000, 100_000), OFFLINE, "over the limit"),

@@ -81,3 +81,8 @@ def test_long_audio_is_cut_into_windows_and_joined(client):
     assert len(result.segments) == 6 and all(s.end - s.start <= 6.0 for s in result.segments)
     assert [s.text for s in result.segments] == [info["transcript"] for _, info in CASES]
     assert result.text == " ".join(info["transcript"] for _, info in CASES)
+
+
+def test_the_warm_up_sends_audio_to_an_audio_model(demo_asr_server):
+    """demo-asr's warm-up requests carry a clip (a text-only warm-up left the audio path cold)."""
+    assert "warm-up requests done (4, each audio and text)" in demo_asr_server.output()
