@@ -95,7 +95,9 @@ def discover_kernels() -> dict[str, Any]:
     found = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         text = path.read_text()
-        names = re.findall(r"^@triton\.jit\b.*\n(?:@.*\n)*def (\w+)", text, flags=re.M)
+        # Launched kernels are named *_kernel; other jit functions are helpers they call (compiled with them).
+        names = [n for n in re.findall(r"^@triton\.jit\b.*\n(?:@.*\n)*def (\w+)", text, flags=re.M)
+                 if n.endswith("_kernel")]
         if not names:
             continue
         module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -266,11 +268,16 @@ def drive_triton_ops(shape: Shape, dtype: torch.dtype, note: Callable[[str], Non
         weight = torch.ones(hidden, dtype=dtype)
         triton_ops.rmsnorm(x, None, weight, 1e-6)
         triton_ops.rmsnorm(x, residual, weight, 1e-6)
+        triton_ops.rmsnorm(x, None, weight, 1e-6, gemma=True)
+        triton_ops.gemma_norm_add(x, residual, weight, weight, 1e-6)
+        triton_ops.gemma_norm_add(x, residual, weight, None, 1e-6)
         triton_ops.silu_and_mul(torch.randn(t, 2 * 4 * hidden).to(dtype))
+        triton_ops.gelu_tanh_and_mul(torch.randn(t, 2 * 4 * hidden).to(dtype))
         qkv = torch.randn(t, (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim).to(dtype)
         cos = torch.randn(t, shape.head_dim // 2).to(dtype)
         k_buf, v_buf = pool.get_kv(0)
-        for qk_norm in (None, (torch.ones(shape.head_dim, dtype=dtype),) * 2 + (1e-6,)):  # Qwen3's q/k norms
+        norm_w = torch.ones(shape.head_dim, dtype=dtype)
+        for qk_norm in (None, (norm_w, norm_w, 1e-6, False), (norm_w, norm_w, 1e-6, True)):  # Qwen3's, Gemma's
             triton_ops.rotary_store_kv(qkv, cos, cos.clone(), k_buf, v_buf, fb.out_cache_loc, shape.num_heads,
                                        shape.num_kv_heads, shape.head_dim, qk_norm)
 

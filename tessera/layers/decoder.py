@@ -81,6 +81,8 @@ class GatedActivation(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._silu is not None:
             return self._silu(x)
+        if fused.active(x) and (out := fused.ops().gelu_tanh_and_mul(x)) is not None:
+            return out
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 
@@ -120,12 +122,14 @@ class DecoderAttention(nn.Module):
                 pool: TokenToKVPool) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        norm_kind = getattr(self.q_norm, "fused_kind", None)  # "rms" (Qwen3), "gemma"; None: no q/k norm
         if (self.attn_backend.reads_new_kv_from_pool and fused.active(qkv)
-                and (self.q_norm is None or type(self.q_norm) is RMSNorm)):  # Gemma's (1 + w) norms: below
+                and (self.q_norm is None or norm_kind is not None)):
             # One kernel (q/k norms,) rotates q and k and writes k and v into the pool (the backend then only
             # reads it).
             k_buf, v_buf = pool.get_kv(self.layer_id)
-            qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps,
+                                                        norm_kind == "gemma")
             q = fused.ops().rotary_store_kv(qkv, cos, sin, k_buf, v_buf, fb.out_cache_loc, self.num_heads,
                                             self.num_kv_heads, self.head_dim, qk_norm)
             if q is not None:

@@ -20,6 +20,7 @@ from torch import nn
 
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.distributed.parallel_state import tp_group
+from tessera.layers import fused
 from tessera.layers.attention import BaseAttentionBackend
 from tessera.layers.decoder import DecoderAttention, DecoderDims, DecoderOptions, GatedMLP
 from tessera.layers.linear import VocabParallelEmbedding
@@ -35,12 +36,16 @@ class GemmaRMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * (1 + weight), computed in float32 and cast back to x's dtype at the
     end (transformers' Gemma3RMSNorm; a checkpoint's zero weight is the identity scale)."""
 
+    fused_kind = "gemma"  # see layers/triton_ops.py
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused.active(x) and (out := fused.ops().rmsnorm(x, None, self.weight, self.eps, gemma=True)) is not None:
+            return out
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
@@ -88,8 +93,24 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
                 pool: TokenToKVPool) -> torch.Tensor:
+        if fused.active(x):  # each norm-add-norm sandwich in one kernel (layers/triton_ops.py)
+            out = self._fused(x, cos, sin, fb, pool)
+            if out is not None:
+                return out
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, fb, pool))
         return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+    def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
+               pool: TokenToKVPool) -> torch.Tensor | None:
+        ops, eps = fused.ops(), self.input_layernorm.eps
+        attn = self.self_attn(self.input_layernorm(x), cos, sin, fb, pool)
+        done = ops.gemma_norm_add(attn, x, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
+                                  eps)
+        if done is None:
+            return None
+        h, x = done
+        done = ops.gemma_norm_add(self.mlp(h), x, self.post_feedforward_layernorm.weight, None, eps)
+        return None if done is None else done[1]
 
 
 def _rotary(head_dim: int, params: dict[str, Any], layer_type: str) -> RotaryEmbedding:

@@ -23,6 +23,8 @@ class RMSNorm(nn.Module):
     another order, so it matches transformers to ~1e-6, not bit for bit; the residual sum is the same single add.
     """
 
+    fused_kind = "rms"  # what layers/triton_ops.py's kernels compute for it (a q/k norm in the rotary kernel)
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size))

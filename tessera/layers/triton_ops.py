@@ -30,8 +30,19 @@ def _warps(block: int) -> int:
 
 
 @triton.jit
+def _norm(h, W, offs, mask, n, eps, dtype: tl.constexpr, GEMMA: tl.constexpr):
+    """RMSNorm of the float32 row h, in the model's rounding: Llama/Qwen's casts the normalised value back to
+    the dtype before the weight multiply; Gemma's scales by (1 + w) in float32 and casts once."""
+    h = h * tl.rsqrt(tl.sum(h * h, 0) / n + eps)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    if GEMMA:
+        return (h * (1.0 + w)).to(dtype)
+    return (w * h.to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rmsnorm_kernel(X, R, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, n, eps,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, GEMMA: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n
@@ -41,22 +52,23 @@ def _rmsnorm_kernel(X, R, W, Out, Sum, stride_x, stride_r, stride_o, stride_s, n
         s = (x.to(tl.float32) + tl.load(R + row * stride_r + offs, mask=mask, other=0.0).to(tl.float32))
         x = s.to(Sum.dtype.element_ty)
         tl.store(Sum + row * stride_s + offs, x, mask=mask)
-    h = x.to(tl.float32)
-    var = tl.sum(h * h, 0) / n
-    h = h * tl.rsqrt(var + eps)
-    # transformers: the normalised value is cast back to the input dtype before the weight multiply.
-    h = h.to(Out.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + row * stride_o + offs, (w * h).to(Out.dtype.element_ty), mask=mask)
+    out = _norm(x.to(tl.float32), W, offs, mask, n, eps, Out.dtype.element_ty, GEMMA)
+    tl.store(Out + row * stride_o + offs, out, mask=mask)
+
+
+def _rows(*tensors: torch.Tensor | None) -> bool:
+    """[rows, hidden] operands of one shape and dtype with unit column stride (None entries skipped)."""
+    first = next(t for t in tensors if t is not None)
+    return all(t is None or (t.dim() == 2 and t.stride(1) == 1 and t.shape == first.shape and t.dtype == first.dtype)
+               for t in tensors)
 
 
 def rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-            eps: float) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-    """norm(x) or (norm(x + residual), x + residual) in one kernel; None where the operands do not fit it
-    (not [rows, hidden] with unit column stride, or a weight of another dtype: torch's form then runs)."""
-    if not (x.dim() == 2 and x.stride(1) == 1 and weight.dtype == x.dtype and weight.shape == x.shape[1:]
-            and (residual is None or (residual.shape == x.shape and residual.stride(1) == 1
-                                      and residual.dtype == x.dtype))):
+            eps: float, gemma: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """norm(x) or (norm(x + residual), x + residual) in one kernel (`gemma`: Gemma's (1 + w) norm); None where
+    the operands do not fit it (not [rows, hidden] with unit column stride, or a weight of another dtype: torch's
+    form then runs)."""
+    if not (_rows(x, residual) and weight.dtype == x.dtype and weight.shape == x.shape[1:]):
         return None
     rows, n = x.shape
     out = torch.empty_like(x)
@@ -65,8 +77,41 @@ def rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     r = residual if residual is not None else x
     s = summed if summed is not None else out
     _rmsnorm_kernel[(rows,)](x, r, weight, out, s, x.stride(0), r.stride(0), out.stride(0), s.stride(0), n, eps,
-                             HAS_RES=residual is not None, BLOCK=block, num_warps=_warps(block))
+                             HAS_RES=residual is not None, BLOCK=block, GEMMA=gemma, num_warps=_warps(block))
     return out if summed is None else (out, summed)
+
+
+@triton.jit
+def _norm_add_kernel(A, X, WPost, WNext, Sum, Out, stride_a, stride_x, stride_s, stride_o, n, eps,
+                     HAS_NEXT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    dtype = Sum.dtype.element_ty
+    a = tl.load(A + row * stride_a + offs, mask=mask, other=0.0).to(tl.float32)
+    normed = _norm(a, WPost, offs, mask, n, eps, dtype, True).to(tl.float32)
+    s = (tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32) + normed).to(dtype)
+    tl.store(Sum + row * stride_s + offs, s, mask=mask)
+    if HAS_NEXT:
+        tl.store(Out + row * stride_o + offs, _norm(s.to(tl.float32), WNext, offs, mask, n, eps, dtype, True),
+                 mask=mask)
+
+
+def gemma_norm_add(a: torch.Tensor, x: torch.Tensor, w_post: torch.Tensor, w_next: torch.Tensor | None,
+                   eps: float) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """Gemma's sandwich: s = x + norm_post(a), and norm_next(s) when w_next is given, in one kernel ->
+    (norm_next(s) or None, s); None where the operands do not fit."""
+    if not (_rows(a, x) and all(w is None or (w.dtype == x.dtype and w.shape == x.shape[1:])
+                                for w in (w_post, w_next))):
+        return None
+    rows, n = x.shape
+    summed = torch.empty_like(x)
+    out = torch.empty_like(x) if w_next is not None else summed
+    block = triton.next_power_of_2(n)
+    _norm_add_kernel[(rows,)](a, x, w_post, w_next if w_next is not None else w_post, summed, out, a.stride(0),
+                              x.stride(0), summed.stride(0), out.stride(0), n, eps, HAS_NEXT=w_next is not None,
+                              BLOCK=block, num_warps=_warps(block))
+    return (out if w_next is not None else None), summed
 
 
 @triton.jit
@@ -80,22 +125,43 @@ def _silu_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr):
     tl.store(Out + row * stride_o + offs, (act * up).to(Out.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
-    """[rows, 2d] laid out [gate | up] -> silu(gate) * up [rows, d]; None where x does not fit."""
+@triton.jit
+def _gelu_tanh_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < d
+    gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(X + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
+    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi) (x + 0.044715 x^3)
+    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
+    act = (0.5 * gate * (1.0 + tanh)).to(Out.dtype.element_ty).to(tl.float32)  # torch rounds gelu's output
+    tl.store(Out + row * stride_o + offs, (act * up).to(Out.dtype.element_ty), mask=mask)
+
+
+def _gated(kernel, x: torch.Tensor) -> torch.Tensor | None:
     if not (x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1):
         return None
     rows, d = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, d, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(d))
-    _silu_mul_kernel[(rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block,
-                                                   num_warps=_warps(block))
+    kernel[(rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block, num_warps=_warps(block))
     return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """[rows, 2d] laid out [gate | up] -> silu(gate) * up [rows, d]; None where x does not fit."""
+    return _gated(_silu_mul_kernel, x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """[rows, 2d] laid out [gate | up] -> gelu(gate, approximate="tanh") * up [rows, d] (Gemma's MLP)."""
+    return _gated(_gelu_tanh_mul_kernel, x)
 
 
 @triton.jit
 def _rotary_store_kernel(QKV, Cos, Sin, QOut, K, V, Loc, QNormW, KNormW, stride_t, stride_cos, stride_qt,
                          stride_qh, stride_kt, stride_kh, num_heads, num_kv_heads, eps,
-                         HALF: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr):
+                         HALF: tl.constexpr, BLOCK: tl.constexpr, QK_NORM: tl.constexpr, GEMMA: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     dtype = QOut.dtype.element_ty
@@ -109,8 +175,12 @@ def _rotary_store_kernel(QKV, Cos, Sin, QOut, K, V, Loc, QNormW, KNormW, stride_
         r = tl.rsqrt((tl.sum(x1 * x1, 0) + tl.sum(x2 * x2, 0)) / (2 * HALF) + eps)
         w1 = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        x1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-        x2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        if GEMMA:  # (1 + w) in float32, one rounding (Gemma3RMSNorm)
+            x1 = (x1 * r * (1.0 + w1)).to(dtype).to(tl.float32)
+            x2 = (x2 * r * (1.0 + w2)).to(dtype).to(tl.float32)
+        else:
+            x1 = (w1 * (x1 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            x2 = (w2 * (x2 * r).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
     cos = tl.load(Cos + t * stride_cos + offs, mask=mask, other=0.0).to(tl.float32)
     sin = tl.load(Sin + t * stride_cos + offs, mask=mask, other=0.0).to(tl.float32)
     # torch's rotate-half in the model's dtype: each product is rounded to it before the sum (a no-op in
@@ -138,10 +208,11 @@ def _rotary_store_kernel(QKV, Cos, Sin, QOut, K, V, Loc, QNormW, KNormW, stride_
 
 def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
                     v_buf: torch.Tensor, loc: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor | None:
+                    qk_norm: tuple[torch.Tensor, torch.Tensor, float, bool] | None = None) -> torch.Tensor | None:
     """qkv [T, (H + 2 Hkv) * D] (q | k | v heads), cos/sin [T, D // 2] -> rotated q [T, H, D]; the rotated k and
     the v of token t are written to k_buf/v_buf [slots, Hkv, D] at slot loc[t]. `qk_norm` = (q weight, k weight,
-    eps): each q and k head RMSNormed first (Qwen3). None where it does not fit."""
+    eps, gemma): each q and k head RMSNormed first (Qwen3; Gemma's (1 + w) norm when gemma). None where it does
+    not fit."""
     half = head_dim // 2
     if not (qkv.dim() == 2 and qkv.stride(1) == 1 and head_dim % 2 == 0 and cos.shape == sin.shape
             and cos.shape == (qkv.shape[0], half) and cos.stride() == sin.stride() and cos.stride(1) == 1
@@ -150,9 +221,9 @@ def rotary_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_b
         return None
     num_tokens = qkv.shape[0]
     q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
-    q_w, k_w, eps = qk_norm if qk_norm is not None else (qkv, qkv, 0.0)
+    q_w, k_w, eps, gemma = qk_norm if qk_norm is not None else (qkv, qkv, 0.0, False)
     _rotary_store_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, cos, sin, q, k_buf, v_buf, loc, q_w, k_w, qkv.stride(0), cos.stride(0), q.stride(0), q.stride(1),
         k_buf.stride(0), k_buf.stride(1), num_heads, num_kv_heads, eps, HALF=half,
-        BLOCK=triton.next_power_of_2(half), QK_NORM=qk_norm is not None, num_warps=1)
+        BLOCK=triton.next_power_of_2(half), QK_NORM=qk_norm is not None, GEMMA=gemma, num_warps=1)
     return q

@@ -52,19 +52,21 @@ def test_every_kernel_compiles_for_sm_80_and_sm_90(recorded) -> None:
 def test_the_launches_cover_every_family_dtype_and_plan(recorded) -> None:
     kernels, launches = recorded
     assert {key.split(":")[1] for key in kernels} >= {"decode_kernel", "extend_kernel"}
-    assert {key.split(":")[1] for key in kernels} >= {"_rmsnorm_kernel", "_silu_mul_kernel", "_rotary_store_kernel"}
+    fused_names = ("_rmsnorm_kernel", "_norm_add_kernel", "_silu_mul_kernel", "_gelu_tanh_mul_kernel",
+                   "_rotary_store_kernel")
+    assert {key.split(":")[1] for key in kernels} >= set(fused_names)
     seen, fused = set(), set()
     for launch in launches:
         sig = gpu_compile.bind(launch, 90)[0]
         if "Q" in sig:  # attention
             seen.add((launch.kernel.__name__, sig["Q"], sig["SeqLens"]))
         else:  # the layers' fused kernels: every one in every dtype
-            fused.add((launch.kernel.__name__, sig["X"] if "X" in sig else sig["QKV"]))
+            fused.add((launch.kernel.__name__, next(sig[k] for k in ("X", "QKV", "A") if k in sig)))
     dtypes = {mangle_type(torch.empty(0, dtype=d)) for d in gpu_compile.DTYPES}  # "*bf16", ...
     assert {(k, q, i) for k, q, i in seen if k == "decode_kernel"} == {
         ("decode_kernel", q, i) for q in dtypes for i in ("*i32", "*i64")}  # host plan and CUDA-graph plan
     assert {q for k, q, _ in seen if k == "extend_kernel"} == dtypes
-    assert fused == {(k, d) for k in ("_rmsnorm_kernel", "_silu_mul_kernel", "_rotary_store_kernel") for d in dtypes}
+    assert fused == {(k, d) for k in fused_names for d in dtypes}
     labels = " | ".join(launch.label for launch in launches)
     for family in FAMILIES.values():
         assert family.name in labels

@@ -15,8 +15,8 @@ from tessera.worker.graph_safety import LaunchState
 
 # model_type -> kernels per decoder layer when recorded. SGLang's fused Qwen2/Llama layer: 9 (norm, QKV, rotary +
 # KV write, attention, O, add + norm, gate-up, SiLU-mul, down); Qwen3's q/k norms ride in the rotary kernel.
-# Gemma-3's four (1 + w) norms, its q/k norms and GELU still run as torch operators.
-RECORDED = {"qwen2": 9, "qwen3": 9, "qwen2_vl": 9, "qwen2_5_vl": 9, "gemma3_text": 85}
+# Gemma-3: its four (1 + w) norms as norm, norm-add-norm, norm-add (one kernel each), GELU-mul: 10.
+RECORDED = {"qwen2": 9, "qwen3": 9, "qwen2_vl": 9, "qwen2_5_vl": 9, "gemma3_text": 10}
 QWEN2_VL_TARGET = 10  # issue 48
 
 

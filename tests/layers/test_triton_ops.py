@@ -51,6 +51,44 @@ def test_rmsnorm_with_and_without_residual(dtype, hidden) -> None:
     assert triton_ops.rmsnorm(x, None, w.float() if dtype != torch.float32 else w.half(), 1e-6) is None
 
 
+def _gemma_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (1.0 + weight.float())).to(x.dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_norms_and_sandwich(dtype) -> None:
+    """Gemma's (1 + w) norm alone, and x + norm_post(a) with norm_next of the sum, as Gemma3DecoderLayer computes
+    them with torch's operators."""
+    from tessera.layers import triton_ops
+
+    g = torch.Generator().manual_seed(5)
+    a, x = (torch.randn(4, 48, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    w_post, w_next = (0.3 * torch.randn(48, generator=g).to(dtype).to(DEVICE) for _ in range(2))
+    tol = dict(atol=TOL[dtype] * 8 or 2e-3, rtol=0)
+    torch.testing.assert_close(triton_ops.rmsnorm(x, None, w_post, 1e-6, gemma=True), _gemma_norm(x, w_post, 1e-6),
+                               **tol)
+    want_sum = x + _gemma_norm(a, w_post, 1e-6)
+    out, summed = triton_ops.gemma_norm_add(a, x, w_post, w_next, 1e-6)
+    torch.testing.assert_close(summed, want_sum, **tol)
+    torch.testing.assert_close(out, _gemma_norm(summed, w_next, 1e-6), **tol)
+    none, summed_only = triton_ops.gemma_norm_add(a, x, w_post, None, 1e-6)
+    assert none is None and torch.equal(summed_only, summed)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_and_mul(dtype) -> None:
+    from tessera.layers import triton_ops
+
+    x = (3 * torch.randn(3, 2 * 70, generator=torch.Generator().manual_seed(6))).to(dtype).to(DEVICE)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(triton_ops.gelu_tanh_and_mul(x), F.gelu(gate, approximate="tanh") * up,
+                               atol=2e-6 if dtype == torch.float32 else 2e-3, rtol=1e-5 if dtype == torch.float32 else 1e-3)
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype) -> None:
@@ -64,7 +102,7 @@ def test_silu_and_mul(dtype) -> None:
 @needs_kernels
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("heads", "head_dim"), [((4, 2), 24), ((6, 1), 16), ((2, 2), 128)])
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qk_norm"])
+@pytest.mark.parametrize("qk_norm", [False, "rms", "gemma"], ids=["plain", "qk_norm", "gemma_qk_norm"])
 def test_rotary_store_kv_equals_rotary_then_set_kv(dtype, heads, head_dim, qk_norm) -> None:
     from tessera.cache.kv_pool import TokenToKVPool
     from tessera.layers import triton_ops
@@ -85,13 +123,17 @@ def test_rotary_store_kv_equals_rotary_then_set_kv(dtype, heads, head_dim, qk_no
         pool.v_buffers[0].copy_(-stale)
     norms = None
     qk = qkv[:, :(num_heads + num_kv_heads) * head_dim].view(t, num_heads + num_kv_heads, head_dim)
-    if qk_norm:  # Qwen3's per-head norms, as the layer runs them with torch's operators
-        q_norm, k_norm = (RMSNorm(head_dim, 1e-6).to(dtype).to(DEVICE) for _ in range(2))
+    if qk_norm:  # Qwen3's (or Gemma-3's) per-head norms, as the layer runs them with torch's operators
+        from tessera.layers.gemma_decoder import GemmaRMSNorm
+
+        cls = GemmaRMSNorm if qk_norm == "gemma" else RMSNorm
+        q_norm, k_norm = (cls(head_dim, 1e-6).to(dtype).to(DEVICE) for _ in range(2))
         with torch.no_grad():
             for n in (q_norm, k_norm):
                 n.weight.copy_(1 + 0.2 * torch.randn(head_dim, generator=g))
-        norms = (q_norm.weight, k_norm.weight, 1e-6)
-        qk = torch.cat([q_norm._norm(qk[:, :num_heads]), k_norm._norm(qk[:, num_heads:])], dim=1)
+        norms = (q_norm.weight, k_norm.weight, 1e-6, qk_norm == "gemma")
+        torch_form = (lambda n, t: _gemma_norm(t, n.weight, n.eps)) if qk_norm == "gemma" else (lambda n, t: n._norm(t))
+        qk = torch.cat([torch_form(q_norm, qk[:, :num_heads]), torch_form(k_norm, qk[:, num_heads:])], dim=1)
     q = triton_ops.rotary_store_kv(qkv, cos, sin, *fused.get_kv(0), loc, num_heads, num_kv_heads, head_dim, norms)
     qk = apply_rotary(qk, cos, sin)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(t, num_kv_heads, head_dim)
