@@ -115,47 +115,42 @@ def gemma_norm_add(a: torch.Tensor, x: torch.Tensor, w_post: torch.Tensor, w_nex
 
 
 @triton.jit
-def _silu_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr):
+def _gated_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr, GELU: tl.constexpr):
+    """act(gate) * up: SiLU (SwiGLU), or GELU's tanh form (Gemma); torch rounds the activation's output to the
+    dtype before the product, and so does this."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < d
     gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(X + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty).to(tl.float32)  # torch rounds silu's output
+    if GELU:
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi) (x + 0.044715 x^3)
+        act = 0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))  # 0.5 x (1 + tanh(inner))
+    else:
+        act = gate / (1.0 + tl.exp(-gate))
+    act = act.to(Out.dtype.element_ty).to(tl.float32)
     tl.store(Out + row * stride_o + offs, (act * up).to(Out.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _gelu_tanh_mul_kernel(X, Out, stride_x, stride_o, d, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < d
-    gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(X + row * stride_x + d + offs, mask=mask, other=0.0).to(tl.float32)
-    inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)  # sqrt(2/pi) (x + 0.044715 x^3)
-    tanh = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)
-    act = (0.5 * gate * (1.0 + tanh)).to(Out.dtype.element_ty).to(tl.float32)  # torch rounds gelu's output
-    tl.store(Out + row * stride_o + offs, (act * up).to(Out.dtype.element_ty), mask=mask)
-
-
-def _gated(kernel, x: torch.Tensor) -> torch.Tensor | None:
+def _gated(x: torch.Tensor, gelu: bool) -> torch.Tensor | None:
     if not (x.dim() == 2 and x.shape[1] % 2 == 0 and x.stride(1) == 1):
         return None
     rows, d = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, d, dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(d))
-    kernel[(rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block, num_warps=_warps(block))
+    _gated_mul_kernel[(rows, triton.cdiv(d, block))](x, out, x.stride(0), out.stride(0), d, BLOCK=block, GELU=gelu,
+                                                     num_warps=_warps(block))
     return out
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """[rows, 2d] laid out [gate | up] -> silu(gate) * up [rows, d]; None where x does not fit."""
-    return _gated(_silu_mul_kernel, x)
+    return _gated(x, gelu=False)
 
 
 def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor | None:
     """[rows, 2d] laid out [gate | up] -> gelu(gate, approximate="tanh") * up [rows, d] (Gemma's MLP)."""
-    return _gated(_gelu_tanh_mul_kernel, x)
+    return _gated(x, gelu=True)
 
 
 @triton.jit

@@ -52,8 +52,7 @@ def test_every_kernel_compiles_for_sm_80_and_sm_90(recorded) -> None:
 def test_the_launches_cover_every_family_dtype_and_plan(recorded) -> None:
     kernels, launches = recorded
     assert {key.split(":")[1] for key in kernels} >= {"decode_kernel", "extend_kernel"}
-    fused_names = ("_rmsnorm_kernel", "_norm_add_kernel", "_silu_mul_kernel", "_gelu_tanh_mul_kernel",
-                   "_rotary_store_kernel")
+    fused_names = ("_rmsnorm_kernel", "_norm_add_kernel", "_gated_mul_kernel", "_rotary_store_kernel")
     assert {key.split(":")[1] for key in kernels} >= set(fused_names)
     seen, fused = set(), set()
     for launch in launches:

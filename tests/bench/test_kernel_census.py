@@ -33,7 +33,7 @@ def test_no_family_launches_more_kernels_per_layer_than_recorded() -> None:
     assert counts["qwen2_vl"] <= QWEN2_VL_TARGET
     fused = families["qwen2_vl"]["kernels"]
     assert fused["triton:_rmsnorm_kernel"] == 2 and fused["triton:_rotary_store_kernel"] == 1
-    assert fused["triton:_silu_mul_kernel"] == 1 and fused["triton:decode_kernel"] == 1
+    assert fused["triton:_gated_mul_kernel"] == 1 and fused["triton:decode_kernel"] == 1
     assert all(fam["layers"] == 2 and fam["outside_layers"] > 0 for fam in families.values())
 
 
