@@ -28,7 +28,6 @@ import time
 
 import httpx
 import numpy as np
-import soundfile as sf
 from PIL import Image
 
 from tessera.config import ServerArgs
@@ -55,6 +54,8 @@ class WarmupError(RuntimeError):
 
 
 def _tone_wav(seconds: float = 1.0, rate: int = 16000) -> bytes:
+    import soundfile as sf  # audio models only: a server for images runs without soundfile
+
     buf = io.BytesIO()
     t = np.arange(int(seconds * rate)) / rate
     sf.write(buf, (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32), rate, format="WAV")

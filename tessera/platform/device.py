@@ -65,6 +65,10 @@ class Platform:
         """Times the device's model steps and the gaps between them (see StepClock)."""
         return StepClock()
 
+    def parallel_units(self, device: torch.device) -> int | None:
+        """How many programs the device runs at once (a GPU's streaming multiprocessors); None: not known."""
+        return None
+
 
 class StepClock:
     """How long the device computed model steps, and how long it sat idle between consecutive ones (the host
@@ -167,6 +171,9 @@ class CudaPlatform(Platform):
 
     def step_clock(self) -> StepClock:
         return CudaStepClock()
+
+    def parallel_units(self, device: torch.device) -> int | None:
+        return torch.cuda.get_device_properties(device).multi_processor_count
 
     def capture_graphs(self, fns: dict[int, Callable[[], None]], warmup: int = 2,
                        before: Callable[[int], None] | None = None) -> dict[int, object]:

@@ -426,12 +426,14 @@ def model_parameters(model: torch.nn.Module, tp_size: int) -> int:
     """The whole model's parameter count from one rank's modules: a tensor-parallel shard counts as the
     checkpoint tensor it is cut from (a vocabulary shard as the true vocabulary; a KV head replicated on every
     rank once), a replicated module (norms, the vision tower) once, a packed int weight as its float weight."""
-    total = 0
+    total, seen = 0, set()
     for m in model.modules():
-        own = sum(p.numel() for p in m.parameters(recurse=False))
+        fresh = [p for p in m.parameters(recurse=False) if id(p) not in seen]  # a tied LM head counts once
+        seen.update(id(p) for p in fresh)
+        own = sum(p.numel() for p in fresh)
         if getattr(m, "quantized", None) is not None:
             own += m.in_features * m.out_features
-        if tp_size == 1:
+        if tp_size == 1 or not (fresh or getattr(m, "quantized", None) is not None):
             pass
         elif isinstance(m, VocabParallelEmbedding):
             own = m.vocab_size * m.weight.shape[1]

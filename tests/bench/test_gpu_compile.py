@@ -57,14 +57,19 @@ def test_the_launches_cover_every_family_dtype_and_plan(recorded) -> None:
     seen, fused = set(), set()
     for launch in launches:
         sig = gpu_compile.bind(launch, 90)[0]
-        if "Q" in sig:  # attention
+        if "SeqLens" in sig:  # attention
             seen.add((launch.kernel.__name__, sig["Q"], sig["SeqLens"]))
+        elif "PartAcc" in sig:  # split-KV decode's second pass
+            seen.add((launch.kernel.__name__, sig["Out"], None))
         else:  # the layers' fused kernels: every one in every dtype
             fused.add((launch.kernel.__name__, next(sig[k] for k in ("X", "QKV", "A") if k in sig)))
     dtypes = {mangle_type(torch.empty(0, dtype=d)) for d in gpu_compile.DTYPES}  # "*bf16", ...
     assert {(k, q, i) for k, q, i in seen if k == "decode_kernel"} == {
         ("decode_kernel", q, i) for q in dtypes for i in ("*i32", "*i64")}  # host plan and CUDA-graph plan
     assert {q for k, q, _ in seen if k == "extend_kernel"} == dtypes
+    assert {(q, i) for k, q, i in seen if k == "decode_split_kernel"} == {(q, i) for q in dtypes
+                                                                         for i in ("*i32", "*i64")}
+    assert {q for k, q, _ in seen if k == "decode_reduce_kernel"} == dtypes
     assert fused == {(k, d) for k in fused_names for d in dtypes}
     labels = " | ".join(launch.label for launch in launches)
     for family in FAMILIES.values():

@@ -43,7 +43,7 @@ CASES = {
 }
 
 
-def _both_backends(heads, case, window, dtype=torch.float32, graph_plan=False):
+def _both_backends(heads, case, window, dtype=torch.float32, graph_plan=False, split_kv=True):
     """(torch_native's output in float32, triton's) on identical pools and batches. graph_plan: the batch
     as the CUDA-graph runner hands it over (decode_only, int64 lengths and rows read on the device)."""
     import tests.layers.test_attention_backend as ref_module
@@ -71,6 +71,7 @@ def _both_backends(heads, case, window, dtype=torch.float32, graph_plan=False):
                 assert fb.seq_lens.dtype == fb.req_pool_indices.dtype == torch.int64
                 fb.decode_only = True
             backend = get_attention_backend(name)
+            backend.split_kv = split_kv
             backend.init_forward_metadata(fb)
             outs.append(backend.forward(q, k, v, 0, fb, pool, 8**-0.5, window))
     finally:
@@ -82,16 +83,34 @@ def _both_backends(heads, case, window, dtype=torch.float32, graph_plan=False):
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("window", [None, 4])
-def test_triton_matches_torch_native(heads, case, window) -> None:
-    ref, out = _both_backends(heads, case, window)
+@pytest.mark.parametrize("split_kv", [True, False], ids=["split", "one-pass"])
+def test_triton_matches_torch_native(heads, case, window, split_kv) -> None:
+    """Decode steps of few requests take the split-KV kernels (on a CPU, UNKNOWN_UNITS SMs assumed), or the
+    one-kernel decode; extends are the same either way."""
+    if not split_kv and "decode" not in case:
+        pytest.skip("only decode steps split")
+    ref, out = _both_backends(heads, case, window, split_kv=split_kv)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
+
+
+def test_split_kv_choice() -> None:
+    from tessera.layers.attention.triton_backend import MAX_SPLITS, UNKNOWN_UNITS, TritonAttentionBackend
+
+    backend = TritonAttentionBackend()
+    cpu = torch.device("cpu")
+    assert backend.kv_splits(1, 4, cpu) == MAX_SPLITS  # 4 programs: as many runs as allowed
+    assert backend.kv_splits(2, 4, cpu) == 8  # 2 x 32 / 8 = 8
+    assert backend.kv_splits(UNKNOWN_UNITS, 4, cpu) == 1  # enough programs already
+    backend.split_kv = False
+    assert backend.kv_splits(1, 4, cpu) == 1
 
 
 @pytest.mark.skipif(not RUNS_KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("window", [None, 4])
-def test_decode_planned_as_the_cuda_graph_runner_plans_it(window) -> None:
+@pytest.mark.parametrize("split_kv", [True, False], ids=["split", "one-pass"])
+def test_decode_planned_as_the_cuda_graph_runner_plans_it(window, split_kv) -> None:
     """int64 lengths and rows straight from the device buffers (the sliding-window branch included)."""
-    ref, out = _both_backends((4, 2), "decode_ragged", window, graph_plan=True)
+    ref, out = _both_backends((4, 2), "decode_ragged", window, graph_plan=True, split_kv=split_kv)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=0)
 
 

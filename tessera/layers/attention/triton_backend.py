@@ -8,6 +8,12 @@ custom mask, extend otherwise (decode requests are extends of length 1 there).
 A decode-only batch (ForwardBatch.decode_only, the CUDA-graph runner's) is planned from its device tensors
 alone: the decode kernel reads each request's length and row on the device, so one captured launch serves
 any lengths (feature "cuda_graph").
+
+Split-KV decode: one program per (request, head) leaves a GPU mostly idle when requests x heads is far below
+its SM count (batch 1 of a 28-head model on a 132-SM H200: 28 programs, each walking the whole context). Then
+each request's keys are cut into NUM_SPLITS runs (a power of two, from the batch and head count alone, so a
+captured graph keeps one plan for any lengths) and a second kernel combines the runs' partial softmaxes; a
+short context leaves the later runs empty. Larger batches keep the one-kernel decode.
 """
 
 from __future__ import annotations
@@ -20,9 +26,13 @@ import triton
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.attention.base import BaseAttentionBackend
 from tessera.layers.forward_batch import ForwardBatch
+from tessera.platform.device import platform_of
 
 BLOCK_M = 32  # queries per extend program
 BLOCK_N = 32  # keys per inner step
+MAX_SPLITS = 16  # split-KV decode: at most this many runs of a request's keys
+PROGRAMS_PER_UNIT = 2  # split until requests x heads x splits reaches this many programs per SM
+UNKNOWN_UNITS = 32  # where the device does not say (Triton's interpreter): split small batches too
 
 
 @dataclass
@@ -44,9 +54,22 @@ class TritonAttentionBackend(BaseAttentionBackend):
 
     def __init__(self) -> None:
         self._meta: _Meta | None = None
+        self._units: dict[torch.device, int] = {}  # the device's SM count, asked once
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         self._meta = self._build(fb)
+
+    split_kv = True  # False: always the one-kernel decode
+
+    def kv_splits(self, batch: int, heads: int, device: torch.device) -> int:
+        """Runs per request's keys for a decode step of `batch` requests (1: no split)."""
+        if not self.split_kv:
+            return 1
+        units = self._units.get(device)
+        if units is None:
+            units = self._units[device] = platform_of(device).parallel_units(device) or UNKNOWN_UNITS
+        want = -(-PROGRAMS_PER_UNIT * units // (batch * heads))
+        return 1 if want < 2 else min(MAX_SPLITS, triton.next_power_of_2(want))
 
     @staticmethod
     def _build(fb: ForwardBatch) -> _Meta:
@@ -86,7 +109,17 @@ class TritonAttentionBackend(BaseAttentionBackend):
         block_d = triton.next_power_of_2(max(head_dim, 16))
         window = sliding_window or 0
         r2t = fb.req_to_token
-        if meta.all_decode:
+        splits = self.kv_splits(num_tokens, num_heads, q.device) if meta.all_decode else 1
+        if splits > 1:
+            part_acc = torch.empty((num_tokens, num_heads, splits, block_d), dtype=torch.float32, device=q.device)
+            part_ml = torch.empty((num_tokens, num_heads, splits, 2), dtype=torch.float32, device=q.device)
+            decode_split_kernel[(num_tokens, num_heads, splits)](
+                q, k_buf, v_buf, part_acc, part_ml, r2t, meta.rows, meta.seq_lens, scaling, window, group,
+                q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), r2t.stride(0), HEAD_DIM=head_dim,
+                BLOCK_D=block_d, BLOCK_N=BLOCK_N, NUM_SPLITS=splits)
+            decode_reduce_kernel[(num_tokens, num_heads)](part_acc, part_ml, out, out.stride(0), out.stride(1),
+                                                         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=splits)
+        elif meta.all_decode:
             decode_kernel[(num_tokens, num_heads)](
                 q, k_buf, v_buf, out, r2t, meta.rows, meta.seq_lens, scaling, window, group,
                 q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), out.stride(0), out.stride(1),
@@ -101,4 +134,9 @@ class TritonAttentionBackend(BaseAttentionBackend):
         return out.reshape(num_tokens, num_heads * head_dim)
 
 
-from tessera.layers.attention.triton_kernels import decode_kernel, extend_kernel  # noqa: E402  (after triton)
+from tessera.layers.attention.triton_kernels import (  # noqa: E402  (after triton)
+    decode_kernel,
+    decode_reduce_kernel,
+    decode_split_kernel,
+    extend_kernel,
+)

@@ -130,3 +130,69 @@ def extend_kernel(Q, K, V, Out, ReqToToken, ReqRows, SeqLens, ExtLens, ExtStarts
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit(do_not_specialize=["window", "group", "stride_rt"])
+def decode_split_kernel(Q, K, V, PartAcc, PartML, ReqToToken, ReqRows, SeqLens, sm_scale, window, group,
+                        stride_qb, stride_qh, stride_kt, stride_kh, stride_rt,
+                        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                        NUM_SPLITS: tl.constexpr):
+    """Split-KV decode, first pass: program (b, h, s) runs the online softmax over the s-th of NUM_SPLITS runs
+    of the request's keys (whole BLOCK_N blocks) and leaves its unnormalised sum and (max, sum of weights) in
+    PartAcc [B, H, S, BLOCK_D] and PartML [B, H, S, 2], float32. Short contexts leave the later splits empty."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.program_id(2)
+    kv_h = h // group
+    seq = tl.load(SeqLens + b).to(tl.int32)
+    row = tl.load(ReqRows + b).to(tl.int64)
+    start = 0
+    if window > 0:
+        start = tl.maximum(seq - window, 0)
+    per = tl.cdiv(tl.cdiv(seq - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + sp * per
+    hi = tl.minimum(seq, lo + per)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0)
+        kv_off = slots[:, None] * stride_kt + kv_h * stride_kh + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[None, :] * k, 1) * sm_scale
+        s = tl.where(n_mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        p = tl.exp(s - m_new)
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+    part = (b * tl.num_programs(1) + h) * NUM_SPLITS + sp
+    tl.store(PartAcc + part * BLOCK_D + offs_d, acc)
+    two = tl.arange(0, 2)
+    tl.store(PartML + part * 2 + two, tl.where(two == 0, tl.max(m_i, 0), tl.sum(l_i, 0)))
+
+
+@triton.jit
+def decode_reduce_kernel(PartAcc, PartML, Out, stride_ob, stride_oh, HEAD_DIM: tl.constexpr,
+                         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Split-KV decode, second pass: the splits' partial sums rescaled to their common max and normalised."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    base = (b * tl.num_programs(1) + h) * NUM_SPLITS
+    offs_s = tl.arange(0, NUM_SPLITS)
+    m = tl.load(PartML + (base + offs_s) * 2)
+    l = tl.load(PartML + (base + offs_s) * 2 + 1)
+    m_max = tl.max(m, 0)
+    scale = tl.where(l > 0, tl.exp(m - m_max), 0.0)  # an empty split (max -inf, no weight) adds nothing
+    offs_d = tl.arange(0, BLOCK_D)
+    acc = tl.load(PartAcc + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :])
+    out = tl.sum(acc * scale[:, None], 0) / tl.sum(l * scale, 0)
+    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
