@@ -253,3 +253,27 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size == 1:
             return logits
         return all_gather_last_dim(logits)[..., : self.vocab_size]
+
+
+def count_parameters(model: nn.Module, tp_size: int) -> int:
+    """The whole model's parameter count from one rank's modules: a tensor-parallel shard counts as the
+    checkpoint tensor it is cut from (a vocabulary shard as the true vocabulary; a KV head replicated on every
+    rank once), a replicated module (norms, the vision tower) once, a packed int weight as its float weight."""
+    total, seen = 0, set()
+    for m in model.modules():
+        fresh = [p for p in m.parameters(recurse=False) if id(p) not in seen]  # a tied LM head counts once
+        seen.update(id(p) for p in fresh)
+        own = sum(p.numel() for p in fresh)
+        if getattr(m, "quantized", None) is not None:
+            own += m.in_features * m.out_features
+        if tp_size == 1 or not (fresh or getattr(m, "quantized", None) is not None):
+            pass
+        elif isinstance(m, VocabParallelEmbedding):
+            own = m.vocab_size * m.weight.shape[1]
+        elif isinstance(m, RowParallelLinear):
+            own = m.out_features * m.full_in_features + (m.out_features if m.bias is not None else 0)
+        elif isinstance(m, MergedLinear) and m.sources:
+            rows = sum(m.sources[k][1] if k in m.sources else size for k, size in m.output_sizes.items())
+            own = rows * (m.in_features + (1 if m.bias is not None else 0))
+        total += own
+    return total

@@ -155,7 +155,7 @@ class WorkerInfo:
     attention_backend: str
     decode_kv_mirror: bool
     tp_size: int = 1
-    num_parameters: int = 0  # of the whole model (every rank's shard; worker.model_worker.model_parameters)
+    num_parameters: int = 0  # of the whole model (every rank's shard; layers.linear.count_parameters)
     cuda_graph_batch_sizes: tuple[int, ...] = ()  # decode batch-size buckets replayed as CUDA graphs; () = off
     # "captured", "off: <why>" or "capture failed, decode runs eagerly: <error>"
     cuda_graph_status: str = ""

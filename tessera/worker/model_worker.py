@@ -22,7 +22,7 @@ from tessera.config import ServerArgs
 from tessera.distributed.encoder_dp import dp_sharded_encode
 from tessera.distributed.parallel_state import min_over_ranks, tp_group
 from tessera.layers import half_linear
-from tessera.layers.linear import MergedLinear, RowParallelLinear, VocabParallelEmbedding
+from tessera.layers.linear import count_parameters
 from tessera.layers.attention import uses_decode_mirror
 from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError
@@ -123,7 +123,7 @@ class ModelWorker:
                                context_length=self.context_length, vocab_size=self.config.vocab_size,
                                attention_backend=backend_name, decode_kv_mirror=self.use_decode_mirror,
                                tp_size=self.tp.size,
-                               num_parameters=model_parameters(self.model, self.tp.size),
+                               num_parameters=count_parameters(self.model, self.tp.size),
                                cuda_graph_batch_sizes=tuple(self.graph_runner.sizes) if self.graph_runner else (),
                                cpu_kernels=self.cpu_kernels, cuda_graph_status=self.cuda_graph_status,
                                quantization=self.model.quantization)
@@ -420,30 +420,6 @@ class ModelWorker:
             top = [list(zip(ids_l[i][:r.params.top_logprobs_num], vals_l[i][:r.params.top_logprobs_num]))
                    for i, r in enumerate(rows)]
         return StepOutput(next_ids, logprobs, top, prompt_lp, prompt_top, prompt_ranks)
-
-
-def model_parameters(model: torch.nn.Module, tp_size: int) -> int:
-    """The whole model's parameter count from one rank's modules: a tensor-parallel shard counts as the
-    checkpoint tensor it is cut from (a vocabulary shard as the true vocabulary; a KV head replicated on every
-    rank once), a replicated module (norms, the vision tower) once, a packed int weight as its float weight."""
-    total, seen = 0, set()
-    for m in model.modules():
-        fresh = [p for p in m.parameters(recurse=False) if id(p) not in seen]  # a tied LM head counts once
-        seen.update(id(p) for p in fresh)
-        own = sum(p.numel() for p in fresh)
-        if getattr(m, "quantized", None) is not None:
-            own += m.in_features * m.out_features
-        if tp_size == 1 or not (fresh or getattr(m, "quantized", None) is not None):
-            pass
-        elif isinstance(m, VocabParallelEmbedding):
-            own = m.vocab_size * m.weight.shape[1]
-        elif isinstance(m, RowParallelLinear):
-            own = m.out_features * m.full_in_features + (m.out_features if m.bias is not None else 0)
-        elif isinstance(m, MergedLinear) and m.sources:
-            rows = sum(m.sources[k][1] if k in m.sources else size for k, size in m.output_sizes.items())
-            own = rows * (m.in_features + (1 if m.bias is not None else 0))
-        total += own
-    return total
 
 
 def _int64(part: torch.Tensor | list[int]) -> torch.Tensor:
