@@ -1,6 +1,6 @@
 """The decoder layer's fused Triton kernels (layers/triton_ops.py) against the torch operators they replace, on
-the device under test: float32 within rounding of the other summation order, float16 bit for bit where torch
-rounds the same intermediates (the norm's sum of squares aside); and a tiny Qwen2 and Qwen2-VL decoding through
+the device under test: float32 within rounding of the other summation order, float16 within one ulp (bit for bit
+for the rotary, which rounds the same intermediates with no transcendental); and a tiny Qwen2 and Qwen2-VL decoding through
 them equal HF. On a CPU the kernels run in Triton's interpreter, in a subprocess."""
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from tests.kernel_device import DEVICE, RUNS_KERNELS, run_interpreted
 pytestmark = pytest.mark.cuda
 needs_kernels = pytest.mark.skipif(not RUNS_KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")
 DTYPES = [torch.float32, torch.float16]
-TOL = {torch.float32: 1e-6, torch.float16: 0.0}
+# Within rounding of another summation order and of the GPU's approximate exp / rsqrt / division (a few float32
+# ulps; one float16 ulp where a transcendental feeds the rounding), which the interpreter's numpy does not show.
+TOL = {torch.float32: dict(atol=5e-6, rtol=5e-6), torch.float16: dict(atol=2e-3, rtol=2e-3)}
 
 
 @pytest.mark.skipif(RUNS_KERNELS, reason="the kernels run in this process")
@@ -40,14 +42,14 @@ def test_rmsnorm_with_and_without_residual(dtype, hidden) -> None:
     x, r = (torch.randn(5, hidden, generator=g).to(dtype).to(DEVICE) for _ in range(2))
     w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(DEVICE)
     torch.testing.assert_close(triton_ops.rmsnorm(x, None, w, 1e-6), _torch_rmsnorm(x, w, 1e-6),
-                               atol=TOL[dtype] * 4 or 1e-3, rtol=0)
+                               **TOL[dtype])
     out, summed = triton_ops.rmsnorm(x, r, w, 1e-6)
     assert torch.equal(summed, x + r)  # the next residual: the same single add
-    torch.testing.assert_close(out, _torch_rmsnorm(x + r, w, 1e-6), atol=TOL[dtype] * 4 or 1e-3, rtol=0)
+    torch.testing.assert_close(out, _torch_rmsnorm(x + r, w, 1e-6), **TOL[dtype])
     # A row-strided view (a column slice of a wider tensor) is read through its stride.
     wide = torch.randn(5, hidden + 8, generator=g).to(dtype).to(DEVICE)
     torch.testing.assert_close(triton_ops.rmsnorm(wide[:, :hidden], None, w, 1e-6),
-                               _torch_rmsnorm(wide[:, :hidden], w, 1e-6), atol=TOL[dtype] * 4 or 1e-3, rtol=0)
+                               _torch_rmsnorm(wide[:, :hidden], w, 1e-6), **TOL[dtype])
     assert triton_ops.rmsnorm(x, None, w.float() if dtype != torch.float32 else w.half(), 1e-6) is None
 
 
@@ -67,7 +69,7 @@ def test_gemma_norms_and_sandwich(dtype) -> None:
     g = torch.Generator().manual_seed(5)
     a, x = (torch.randn(4, 48, generator=g).to(dtype).to(DEVICE) for _ in range(2))
     w_post, w_next = (0.3 * torch.randn(48, generator=g).to(dtype).to(DEVICE) for _ in range(2))
-    tol = dict(atol=TOL[dtype] * 8 or 2e-3, rtol=0)
+    tol = TOL[dtype]
     torch.testing.assert_close(triton_ops.rmsnorm(x, None, w_post, 1e-6, gemma=True), _gemma_norm(x, w_post, 1e-6),
                                **tol)
     want_sum = x + _gemma_norm(a, w_post, 1e-6)
@@ -86,7 +88,7 @@ def test_gelu_tanh_and_mul(dtype) -> None:
     x = (3 * torch.randn(3, 2 * 70, generator=torch.Generator().manual_seed(6))).to(dtype).to(DEVICE)
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(triton_ops.gelu_tanh_and_mul(x), F.gelu(gate, approximate="tanh") * up,
-                               atol=2e-6 if dtype == torch.float32 else 2e-3, rtol=1e-5 if dtype == torch.float32 else 1e-3)
+                               **TOL[dtype])
 
 
 @needs_kernels
@@ -96,7 +98,7 @@ def test_silu_and_mul(dtype) -> None:
 
     x = torch.randn(3, 2 * 1100, generator=torch.Generator().manual_seed(1)).to(dtype).to(DEVICE)  # > one block
     gate, up = x.chunk(2, dim=-1)
-    torch.testing.assert_close(triton_ops.silu_and_mul(x), F.silu(gate) * up, atol=TOL[dtype] or 1e-3, rtol=1e-6)
+    torch.testing.assert_close(triton_ops.silu_and_mul(x), F.silu(gate) * up, **TOL[dtype])
 
 
 @needs_kernels
@@ -138,7 +140,8 @@ def test_rotary_store_kv_equals_rotary_then_set_kv(dtype, heads, head_dim, qk_no
     qk = apply_rotary(qk, cos, sin)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(t, num_kv_heads, head_dim)
     ref.set_kv(0, loc, qk[:, num_heads:], v)
-    tol = dict(atol=1e-6, rtol=0) if dtype == torch.float32 else dict(atol=0, rtol=0)
+    # No transcendental without the q/k norms: the same roundings in the same order, bit for bit in float16.
+    tol = TOL[torch.float32] if dtype == torch.float32 else dict(atol=0, rtol=0)
     if qk_norm and dtype != torch.float32:  # the norm's sum of squares in another order: a rare last-bit flip
         tol = dict(atol=2e-2, rtol=1e-2)
     torch.testing.assert_close(q, qk[:, :num_heads], **tol)
