@@ -71,8 +71,10 @@ def _decode(report: dict) -> list[tuple[str, bool, str]]:
         out.append((name, False, _why(report, "decode_7b")))
     else:
         ratio = d["tessera_b1_ms"] / d["floor_ms"]
+        unfused = (f"; {d['unfused_b1_ms']:.2f} ms with TESSERA_TRITON_OPS=0" if d.get("unfused_b1_ms") is not None
+                   else "")
         out.append((name, 0 < ratio <= FLOOR_TARGET, f"{d['tessera_b1_ms']:.2f} ms vs floor {d['floor_ms']:.2f} ms "
-                    f"({ratio:.2f}x; {d['decode_weights']['bytes'] / 1e9:.3g} GB read per step)"))
+                    f"({ratio:.2f}x; {d['decode_weights']['bytes'] / 1e9:.3g} GB read per step{unfused})"))
     big = max(map(int, d.get("hf_step_ms", {})), default=None)
     # Both sides at the same batch: the ratio of output tok/s is the inverse ratio of their step times.
     r = _speedup(d["hf_step_ms"][str(big)], d["tessera_step_ms"][str(big)]) if big else None
@@ -97,7 +99,9 @@ def _serving(report: dict) -> tuple[str, bool, str]:
         return name, False, _why(report, "serving_7b")
     return (name, s["num_failed"] == 0 and s["num_completed"] == s["prompts"],
             f"{s['num_completed']}/{s['prompts']} completed, {s['num_failed']} failed, {s['output_throughput']:.0f} "
-            f"output tok/s (SGLang's Qwen2.5-VL-7B on an H200, MMMU: ~{s['sglang_reference_output_tok_s']:,})")
+            f"output tok/s (SGLang's Qwen2.5-VL-7B on an H200, MMMU: ~{s['sglang_reference_output_tok_s']:,})"
+            + (f"; device idle between steps {100 * s['device']['device_idle_fraction']:.1f}% of its time"
+               if (s.get("device") or {}).get("device_idle_fraction") is not None else ""))
 
 
 def targets(report: dict) -> list[dict]:

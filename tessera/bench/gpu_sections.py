@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import shutil
 import struct
@@ -34,7 +35,8 @@ DRY_SIZES = {"2b": (128, 2, 2, 1, 256, 2, 64, 2), "7b": (128, 2, 4, 2, 256, 2, 6
 NEEDS_S = {"preflight": 0, "bandwidth": 0, "checkpoints": 60, "parity_fp32": 30, "parity_bf16": 30, "decode_7b": 60,
            "decode_2b": 40, "offline_a_7b": 90, "serving_7b": 90,
            "checkpoint tiny": 5, "checkpoint 7b": 60, "checkpoint 2b": 20, "parity case": 5, "Tessera decode": 5,
-           "HF batch 1": 25, "HF largest batch": 15, "offline tessera": 40, "offline hf": 60, "serving stop": 35}
+           "HF batch 1": 25, "HF largest batch": 15, "offline tessera": 40, "offline hf": 60, "serving stop": 35,
+           "unfused batch 1": 30}
 
 # SGLang's published Qwen2.5-VL-7B serving figure on one H200 (MMMU): a reference, not a target.
 SGLANG_VL7B_H200_OUTPUT_TOK_S = 8800
@@ -325,6 +327,18 @@ def decode_speed(path: Path, plan: Plan, bandwidth: float, budget: Budget) -> di
             if not budget.allows(f"Tessera batch {bs}", plan.needs("Tessera decode")):
                 break
             out["tessera_step_ms"][str(bs)] = _step_ms(run(prompts[:bs]), plan.decode_tokens, plan.device)
+    if budget.allows("unfused batch 1", plan.needs("unfused batch 1")):
+        # The same engine with the layers' fused Triton kernels off (torch's operators, as before issue 48): what
+        # the fusion buys, side by side. The scheduler process reads the switch when it starts.
+        os.environ["TESSERA_TRITON_OPS"] = "0"
+        try:
+            with Engine(str(path), device=plan.device, dtype=dtype, max_running_requests=1,
+                        show_progress=False) as engine:
+                out["unfused_b1_ms"] = _step_ms(
+                    lambda k: engine.generate(prompts[:1], {"temperature": 0, "max_new_tokens": k, "ignore_eos": True}),
+                    plan.decode_tokens, plan.device)
+        finally:
+            os.environ.pop("TESSERA_TRITON_OPS", None)
     if not budget.allows("HF batch 1", plan.needs("HF batch 1")):
         return out
     hf = Qwen2VLForConditionalGeneration.from_pretrained(path, dtype=getattr(torch, dtype)).to(plan.device).eval()
@@ -396,6 +410,9 @@ def serving(path: Path, plan: Plan, budget: Budget) -> dict:
             budget.cuts.append(f"serving load: stopped after {wait:.0f} s, before its {cfg.num_prompts} requests "
                                "finished")
             return out
+        stats = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()["stats"]
+        # How much of the device's time went idle between steps (the host's work): what overlap would win back.
+        out["device"] = {k: stats.get(k) for k in ("device_busy_s", "device_idle_s", "device_idle_fraction")}
     out.update({k: m[k] for k in ("num_completed", "num_failed", "output_throughput", "ttft_ms", "tpot_ms",
                                   "duration_s", "errors")})
     return out

@@ -74,12 +74,14 @@ def test_dry_run_runs_every_section_and_writes_after_each(tmp_path, monkeypatch)
     # Per-step times are differences of two timings, (T(n) - T(1)) / (n - 1): on a loaded CPU with tiny
     # models they can come out negative, so the dry run checks that they were measured, not their sign.
     assert math.isfinite(d["tessera_b1_ms"]) and math.isfinite(d["hf_b1_ms"])
+    assert math.isfinite(d["unfused_b1_ms"])  # the same step with TESSERA_TRITON_OPS=0, side by side
     assert set(d["tessera_step_ms"]) == set(d["hf_step_ms"]) == {"8"}
     assert d["cuda_graph"]["expected"] == [1, 2, 4, 8] and not d["cuda_graph"]["all_captured"]  # CPU: no graphs
     offline = sections["offline_a_7b"]["result"]
     assert offline["tessera"]["tok_s"] > 0 and offline["hf"]["tok_s"] > 0 and offline["ratio_vs_hf"] > 0
     serving = sections["serving_7b"]["result"]
     assert serving["num_completed"] == plan.serving_prompts and serving["num_failed"] == 0
+    assert 0 < serving["device"]["device_idle_fraction"] < 1 and serving["device"]["device_busy_s"] > 0
 
     verdicts = {t["target"].split(" ")[0] + " " + t["target"].split(" ")[1]: t["status"] for t in report["targets"]}
     assert len(report["targets"]) == 7 and set(verdicts.values()) <= {"met", "not met"}

@@ -57,3 +57,56 @@ def test_step_clock_counts_gaps_between_consecutive_steps_only() -> None:
     clock.begin()
     clock.end()
     assert clock.times()[1] == idle
+
+
+class _FakeCudaEvents:
+    """torch.cuda.Event without a GPU, refusing what CUDA refuses: elapsed_time between events that were not
+    both recorded, or that have not completed (an event completes when it, or one recorded after it on the
+    stream, is synchronised). Times come from a clock the test advances."""
+
+    def __init__(self) -> None:
+        self.now, self.recorded, self.completed = 0.0, 0, 0
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing, "elapsed_time needs enable_timing=True"
+                self.seq, self.t = None, None
+
+            def record(self) -> None:
+                fake.recorded += 1
+                self.seq, self.t = fake.recorded, fake.now
+
+            def synchronize(self) -> None:
+                assert self.seq is not None, "synchronize on an event never recorded"
+                fake.completed = max(fake.completed, self.seq)
+
+            def elapsed_time(self, end) -> float:
+                for e in (self, end):
+                    if e.seq is None or e.seq > fake.completed:
+                        raise RuntimeError("CUDA error: device not ready (event not recorded or not completed)")
+                return (end.t - self.t) * 1e3
+
+        self.Event = Event
+
+
+def test_cuda_step_clock_reads_only_completed_events(monkeypatch) -> None:
+    from tessera.platform.device import CudaStepClock
+
+    fake = _FakeCudaEvents()
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    clock = CudaStepClock()
+    for busy, gap in ((0.004, 0.002), (0.006, 0.001), (0.005, 0.0)):
+        clock.begin()
+        fake.now += busy
+        clock.end()
+        fake.completed = fake.recorded  # the step's own read-back waited for its kernels
+        fake.now += gap
+    assert clock.times() == pytest.approx((0.015, 0.003))
+    clock.idle()  # a pause of the scheduler: the next gap is not the device's
+    fake.now += 1.0
+    clock.begin()
+    fake.now += 0.002
+    clock.end()
+    fake.completed = fake.recorded
+    assert clock.times() == pytest.approx((0.017, 0.003))
