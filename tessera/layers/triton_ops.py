@@ -6,16 +6,19 @@ multiply, plus the residual add), eight on a rotary pass and two on the KV write
 kernel, so a Qwen2-style layer launches nine (SGLang's fused path: norm, QKV, rotary + KV write, attention,
 O, add + norm, gate-up, SiLU-mul, down; counted by `python -m tessera.bench.kernel_census`):
 
-- `rmsnorm(x, residual, weight, eps)`: the residual add and the norm in one pass (one program per row);
-- `silu_and_mul(x)`: SwiGLU's silu(gate) * up;
+- `rmsnorm(x, residual, weight, eps, gemma)`: the residual add and the norm in one pass (one program per row);
+  `gemma`: Gemma's (1 + w) scale;
+- `gemma_norm_add(a, x, w_post, w_next, eps)`: Gemma's x + norm(a), and the next norm of the sum;
+- `silu_and_mul(x)`, `gelu_tanh_and_mul(x)`: the gated MLP's activation (SwiGLU; Gemma's GELU);
 - `rotary_store_kv(qkv, cos, sin, k_buf, v_buf, loc, ...)`: the fused QKV projection's output in, q rotated
-  out, k rotated and v written straight into the paged pool at the step's slots (with Qwen3's per-head q/k
-  RMSNorm first, where the model has it).
+  out, k rotated and v written straight into the paged pool at the step's slots (with the per-head q/k norms
+  of Qwen3 or Gemma-3 first, where the model has them).
 
 Each reproduces the rounding of transformers' float operators step by step (a 16-bit intermediate is rounded
-where torch rounds it), so bfloat16 results equal torch's but for the order of the norm's sum of squares; in
-float32 they agree to ~1e-7. On a CPU the same kernels run only in Triton's interpreter (TRITON_INTERPRET=1),
-where `layers/fused.py` takes them too, so the tests and the kernel census run the GPU's path there.
+where torch rounds it), so 16-bit results equal torch's but for the order of the norm's sum of squares and the
+GPU's approximate exp and rsqrt (an ulp); in float32 they agree to ~1e-7. On a CPU the same kernels run only in
+Triton's interpreter (TRITON_INTERPRET=1), where `layers/fused.py` takes them too, so the tests and the kernel
+census run the GPU's path there.
 """
 
 from __future__ import annotations
