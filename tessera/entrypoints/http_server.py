@@ -28,6 +28,7 @@ from tessera.entrypoints.openai import tokenization
 from tessera.entrypoints.openai.chat import create_chat_completion
 from tessera.entrypoints.openai.completions import create_completion
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
+from tessera.entrypoints.openai.request_models import openapi_body
 from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
 from tessera.entrypoints.warmup import WarmupError, warm_up
 from tessera.entrypoints.openai.transcriptions import TranscriptionServing
@@ -265,11 +266,11 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
     async def version():
         return {"version": tessera_version}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi_body("/tokenize"))
     async def tokenize(request: Request):
         return tokenization.tokenize(serving(), await body_of(request))
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi_body("/detokenize"))
     async def detokenize(request: Request):
         return tokenization.detokenize(serving(), await body_of(request))
 
@@ -314,32 +315,33 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
         tm = serving().tm
         return {**tm.server_info(), "stats": (await tm.get_stats()).report()}
 
-    @app.api_route("/flush_cache", methods=["GET", "POST"])  # SGLang's clients use both
+    @app.get("/flush_cache", operation_id="flush_cache_get")  # SGLang's clients use both methods
+    @app.post("/flush_cache", operation_id="flush_cache_post")
     async def flush_cache():
         await serving().tm.flush_cache()
         return {"status": "ok"}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body("/v1/chat/completions"))
     async def chat(request: Request):
         return await create_chat_completion(serving(), request, await body_of(request))
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi_body("/v1/completions"))
     async def completions(request: Request):
         return await create_completion(serving(), request, await body_of(request))
 
-    @app.post("/v1/audio/transcriptions")
+    @app.post("/v1/audio/transcriptions", openapi_extra=openapi_body("/v1/audio/transcriptions"))
     async def transcriptions(request: Request):
         serving()  # 503 until the model is loaded
         assert state.transcriptions is not None  # set together with state.serving
         return await state.transcriptions.create(request)
 
-    @app.post("/v1/audio/translations")
+    @app.post("/v1/audio/translations", openapi_extra=openapi_body("/v1/audio/translations"))
     async def translations(request: Request):
         serving()
         assert state.transcriptions is not None
         return await state.transcriptions.create(request, task="translate")
 
-    @app.post("/generate")
+    @app.post("/generate", openapi_extra=openapi_body("/generate"))
     async def generate(request: Request):
         return await native_generate.generate(serving(), request, await body_of(request))
 

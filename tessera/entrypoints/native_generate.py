@@ -15,14 +15,13 @@ from fastapi.responses import JSONResponse
 
 from tessera.entrypoints.openai.errors import APIError
 from tessera.entrypoints.openai.peer_fields import GENERATE_NOOPS, refusal
+from tessera.entrypoints.openai.request_models import GENERATE_FIELDS
 from tessera.entrypoints.openai.serving import OpenAIServing, check_batch
 from tessera.entrypoints.openai.streaming import event_stream, sse
 from tessera.frontend.request import GenerateRequest
 from tessera.messages.sampling import SamplingParams
 
-ACCEPTED = {"text", "input_ids", "sampling_params", "image_data", "video_data", "audio_data", "stream", "rid",
-            "return_logprob", "top_logprobs_num", "logprob_start_len", "return_text_in_logprobs", "modalities",
-            "cache_salt"}
+ACCEPTED = GENERATE_FIELDS  # declared with their types and meanings in openai/request_models.py
 MODALITIES = {"image", "multi-images", "video", "audio"}
 
 

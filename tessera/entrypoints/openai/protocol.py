@@ -12,6 +12,7 @@ from numbers import Integral, Real
 from typing import Any
 
 from tessera.entrypoints.openai.errors import APIError, param_of
+from tessera.entrypoints.openai import request_models
 from tessera.entrypoints.openai.peer_fields import OPENAI_NOOPS, refusal
 from tessera.entrypoints.openai.response_format import constraint_from_openai
 from tessera.messages.sampling import SamplingParams
@@ -33,15 +34,8 @@ _STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "grammar"
                        "choice": "guided_choice"}
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 
-# Fields both endpoints accept. `user` is OpenAI's end-user id for abuse monitoring: it never
-# changes an answer, so accepting it without effect is what OpenAI does too.
-_COMMON = {"model", "stream", "stream_options", "user", "logit_bias", "cache_salt", "logprobs", "echo",
-           "prompt_logprobs", "response_format", "regex", "ebnf", "json_schema", "structured_outputs",
-           *(_VLLM_CONSTRAINTS), *(_OPENAI_TO_SP), *(_EXTRAS)}
-CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-                         "continue_final_message", "add_generation_prompt", "chat_template_kwargs",
-                         "media_io_kwargs"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "suffix", "best_of"}
+# What each endpoint honours: declared once, with types and meanings, in request_models.py.
+CHAT_FIELDS, COMPLETION_FIELDS = request_models.CHAT_FIELDS, request_models.COMPLETION_FIELDS
 
 # Known fields that are refused: (the value that is accepted as a no-op, why the rest is refused).
 _REFUSED: dict[str, tuple[Any, str]] = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 from tessera.entrypoints.openai.chat import chat_prompt
 from tessera.entrypoints.openai.errors import APIError
 from tessera.entrypoints.openai.protocol import parse_chat_messages
+from tessera.entrypoints.openai.request_models import DETOKENIZE_FIELDS, TOKENIZE_FIELDS
 from tessera.entrypoints.openai.serving import OpenAIServing
 
 
@@ -17,9 +18,7 @@ def _bool(body: dict, name: str, default: bool) -> bool:
 
 def tokenize(serving: OpenAIServing, body: dict) -> dict:
     serving.check_model(body)
-    known = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-             "continue_final_message", "chat_template_kwargs", "return_token_strs"}
-    unknown = sorted(set(body) - known)
+    unknown = sorted(set(body) - TOKENIZE_FIELDS)
     if unknown:
         raise APIError(f"{unknown[0]}: unknown parameter", param=unknown[0])
     if ("prompt" in body) == ("messages" in body):
@@ -46,7 +45,7 @@ def tokenize(serving: OpenAIServing, body: dict) -> dict:
 
 def detokenize(serving: OpenAIServing, body: dict) -> dict:
     serving.check_model(body)
-    unknown = sorted(set(body) - {"model", "tokens"})
+    unknown = sorted(set(body) - DETOKENIZE_FIELDS)
     if unknown:
         raise APIError(f"{unknown[0]}: unknown parameter", param=unknown[0])
     ids = body.get("tokens")

@@ -30,6 +30,7 @@ from starlette.datastructures import UploadFile
 
 from tessera.entrypoints.openai.errors import APIError
 from tessera.entrypoints.openai.serving import OpenAIServing
+from tessera.entrypoints.openai.request_models import TRANSCRIPTION_FIELDS
 from tessera.entrypoints.openai.transcript_format import (
     TranscriptionRequest,
     WindowResult,
@@ -48,8 +49,6 @@ STREAM_FORMATS = ("json", "text")
 # Output budget per window: generous for speech (~3 words/s), and it bounds a model that never stops.
 MAX_TOKENS_PER_SECOND = 10
 MIN_TOKENS_PER_WINDOW = 16
-# OpenAI form fields accepted besides the ones used; anything else is refused by name.
-_IGNORED_FIELDS = ("include[]", "chunking_strategy")
 _LANGUAGE_RE = re.compile(r"^[A-Za-z]{2,3}(-[A-Za-z0-9]{2,8})?$")
 
 
@@ -89,8 +88,7 @@ async def parse_transcription_form(request: Request, max_bytes: int) -> Transcri
         form = await request.form()
     except Exception as e:  # noqa: BLE001 - malformed multipart bodies of any kind are user errors
         raise APIError(f"body: malformed multipart form ({e})", param="file") from None
-    known = {"file", "model", "language", "prompt", "response_format", "temperature", "stream",
-             "timestamp_granularities[]", *_IGNORED_FIELDS}
+    known = TRANSCRIPTION_FIELDS  # declared in request_models.py
     unknown = sorted(set(form.keys()) - known)
     if unknown:
         raise APIError(f"{unknown[0]}: unknown field (accepted: {', '.join(sorted(known))})", param=unknown[0])

@@ -1,0 +1,200 @@
+"""Every request body the server takes, declared once: each field's type, default and meaning.
+
+These models are where the fields live: the endpoints' field checks take their accepted names from them
+(protocol.CHAT_FIELDS, COMPLETION_FIELDS, native_generate.ACCEPTED, tokenization), and /openapi.json and /docs
+show them as each POST endpoint's request body. The fields SGLang and vLLM declare that Tessera takes only at
+their no-op values (peer_fields.py) are added to each model, marked so. The bodies are still read field by
+field by the endpoints' own parsers, which give the error messages (a 400 naming the field); the models do not
+validate requests yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+
+from tessera.entrypoints.openai.peer_fields import GENERATE_NOOPS, OPENAI_NOOPS
+
+Stop = str | list[str] | None
+Media = str | list[Any] | dict[str, Any] | None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # any other field is refused (400 naming it)
+
+
+class _Sampling(_Body):
+    """The sampling fields both OpenAI endpoints take (OpenAI's, and vLLM's and SGLang's extensions)."""
+
+    model: str | None = Field(None, description="The served model's name (`--served-model-name`); optional.")
+    stream: bool | None = Field(False, description="Stream the answer as server-sent events, ending with [DONE].")
+    stream_options: dict[str, bool] | None = Field(
+        None, description="`include_usage` (a final usage chunk) and vLLM's `continuous_usage_stats`.")
+    user: str | None = Field(None, description="OpenAI's end-user id; accepted, changes nothing.")
+    max_tokens: int | None = Field(None, description="Most new tokens (default: what fits the context).")
+    max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens.")
+    n: int | None = Field(1, description="Choices to sample for the prompt.")
+    temperature: float | None = Field(None, description="Sampling temperature; 0 is greedy (default 1).")
+    top_p: float | None = Field(None, description="Nucleus sampling mass (default 1).")
+    top_k: int | None = Field(None, description="Sample among the k most likely tokens (-1 or 0: all).")
+    min_p: float | None = Field(None, description="Drop tokens below min_p times the top token's probability.")
+    stop: Stop = Field(None, description="Stop strings (up to 4 in OpenAI's API); cut from the text.")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids that end the answer.")
+    seed: int | None = Field(None, description="Per-request seed: the same seed gives the same sample.")
+    frequency_penalty: float | None = Field(None, description="Penalty per earlier occurrence of a token.")
+    presence_penalty: float | None = Field(None, description="Penalty for a token that occurred at all.")
+    repetition_penalty: float | None = Field(None, description="CTRL's multiplicative repetition penalty.")
+    logit_bias: dict[str, float] | None = Field(None, description="Token id -> bias added to its logit.")
+    min_tokens: int | None = Field(None, description="No stop before this many new tokens.")
+    ignore_eos: bool | None = Field(None, description="Keep generating past end-of-sequence tokens.")
+    skip_special_tokens: bool | None = Field(None, description="Leave special tokens out of the text.")
+    spaces_between_special_tokens: bool | None = Field(None, description="Spaces around special tokens.")
+    no_stop_trim: bool | None = Field(None, description="SGLang: keep the matched stop string in the text.")
+    include_stop_str_in_output: bool | None = Field(None, description="vLLM's name for no_stop_trim.")
+    echo: bool | None = Field(None, description="Return the prompt in front of the answer.")
+    prompt_logprobs: int | None = Field(None, description="vLLM: log-probabilities of the prompt's tokens.")
+    cache_salt: str | None = Field(None, description="Separates this request's cached prefixes from others'.")
+    response_format: dict[str, Any] | None = Field(
+        None, description="`{type: json_object}` or `{type: json_schema, json_schema: {...}}`: constrained output.")
+    regex: str | None = Field(None, description="SGLang: the output matches this regular expression.")
+    ebnf: str | None = Field(None, description="SGLang: the output follows this EBNF (or GBNF) grammar.")
+    json_schema: str | dict[str, Any] | None = Field(None, description="SGLang: the output is JSON of this schema.")
+    structured_outputs: dict[str, Any] | None = Field(
+        None, description="vLLM: one of json, regex, grammar, choice.")
+    guided_json: str | dict[str, Any] | None = Field(None, description="vLLM's older name for a JSON schema.")
+    guided_regex: str | None = Field(None, description="vLLM's older name for a regex constraint.")
+    guided_grammar: str | None = Field(None, description="vLLM's older name for a grammar constraint.")
+    guided_choice: list[str] | None = Field(None, description="vLLM: the output is one of these strings.")
+    # Refused beyond their no-op values (protocol._REFUSED).
+    guided_decoding_backend: str | None = Field(None, description="Refused: the backend is fixed (llguidance).")
+    guided_whitespace_pattern: str | None = Field(None, description="Refused: JSON output is compact.")
+    structural_tag: Any = Field(None, description="Refused: structural tags are not supported.")
+    use_beam_search: bool | None = Field(False, description="Refused: beam search is not supported.")
+
+
+class _ChatFields(_Sampling):
+    messages: list[dict[str, Any]] = Field(
+        description="OpenAI chat messages; user content may hold text, image_url, video_url, input_audio and "
+                    "audio_url parts.")
+    logprobs: bool | None = Field(None, description="Return the chosen tokens' log-probabilities.")
+    top_logprobs: int | None = Field(None, description="With logprobs: this many alternatives per token.")
+    tools: list[dict[str, Any]] | None = Field(None, description="Functions the model may call.")
+    tool_choice: str | dict[str, Any] | None = Field(None, description="none, auto, required or one function.")
+    parallel_tool_calls: bool | None = Field(None, description="Allow several tool calls in one answer.")
+    continue_final_message: bool | None = Field(None, description="Continue the last assistant message.")
+    add_generation_prompt: bool | None = Field(None, description="End the prompt with the assistant's turn.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template.")
+    media_io_kwargs: dict[str, Any] | None = Field(None, description="vLLM: video sampling (fps, num_frames).")
+    functions: Any = Field(None, description="Refused: the legacy functions API; use tools.")
+    function_call: Any = Field(None, description="Refused: the legacy functions API; use tool_choice.")
+
+
+class _CompletionFields(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        description="A prompt, a batch of prompts, or token ids (one list, or a list of lists).")
+    logprobs: int | None = Field(None, description="This many alternatives per chosen token.")
+    suffix: str | None = Field(None, description="Refused: insertion (fill-in-the-middle) is not supported.")
+    best_of: int | None = Field(None, description="Only best_of == n is supported (every sample is returned).")
+
+
+class _GenerateFields(_Body):
+    """SGLang's native /generate (its GenerateReqInput)."""
+
+    text: str | list[str] | None = Field(None, description="The prompt, or a batch of prompts.")
+    input_ids: list[int] | list[list[int]] | None = Field(None, description="Token ids instead of text.")
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = Field(
+        None, description="SGLang's sampling parameters (max_new_tokens, temperature, stop, ...); one per prompt "
+                          "or shared.")
+    image_data: Media = Field(None, description="Images: paths, URLs, base64, data URIs; per prompt in a batch.")
+    video_data: Media = Field(None, description="Videos, as image_data.")
+    audio_data: Media = Field(None, description="Audio clips, as image_data.")
+    stream: bool | None = Field(False, description="Stream server-sent events, ending with [DONE].")
+    rid: str | list[str] | None = Field(None, description="Request id(s).")
+    return_logprob: bool | list[bool] | None = Field(None, description="Return log-probabilities.")
+    top_logprobs_num: int | list[int] | None = Field(None, description="Alternatives per position.")
+    logprob_start_len: int | list[int] | None = Field(None, description="From this prompt position (-1: output).")
+    return_text_in_logprobs: bool | None = Field(False, description="Token text beside each log-probability.")
+    modalities: list[Literal["image", "multi-images", "video", "audio"]] | None = Field(
+        None, description="What the media are, per item.")
+    cache_salt: str | None = Field(None, description="Separates this request's cached prefixes from others'.")
+
+
+class TokenizeRequest(_Body):
+    """vLLM's /tokenize: a prompt, or chat messages through the chat template."""
+
+    model: str | None = Field(None, description="The served model's name; optional.")
+    prompt: str | None = Field(None, description="Text to tokenize (or messages).")
+    messages: list[dict[str, Any]] | None = Field(None, description="Chat messages, rendered by the template.")
+    add_special_tokens: bool | None = Field(None, description="Add the tokenizer's special tokens.")
+    add_generation_prompt: bool | None = Field(None, description="End with the assistant's turn.")
+    continue_final_message: bool | None = Field(None, description="Continue the last assistant message.")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra template variables.")
+    return_token_strs: bool | None = Field(None, description="Also return each token's string.")
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = Field(None, description="The served model's name; optional.")
+    tokens: list[int] = Field(description="Token ids to turn back into text.")
+
+
+class TranscriptionRequest(_Body):
+    """OpenAI's /v1/audio/transcriptions and /translations, a multipart form."""
+
+    file: bytes = Field(description="The audio file (wav, flac, ogg, mp3, m4a, ...).")
+    model: str | None = Field(None, description="The served model's name; optional.")
+    language: str | None = Field(None, description="The spoken language (ISO-639-1), where the model takes it.")
+    prompt: str | None = Field(None, description="Text that precedes the audio.")
+    response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] | None = Field(
+        "json", description="The answer's shape.")
+    temperature: float | None = Field(0.0, description="Sampling temperature (0: greedy).")
+    stream: bool | None = Field(False, description="Stream the text as server-sent events.")
+    timestamp_granularities: list[Literal["segment", "word"]] | None = Field(
+        None, alias="timestamp_granularities[]", description="verbose_json: segment (word is refused).")
+    include: list[str] | None = Field(None, alias="include[]", description="OpenAI's extra outputs; accepted, "
+                                                                             "changes nothing.")
+    chunking_strategy: str | dict[str, Any] | None = Field(
+        None, description="OpenAI's server-side chunking; accepted: long audio is cut at quiet points anyway.")
+
+
+def _with_peers(name: str, base: type[BaseModel], table: dict[str, tuple[tuple[Any, ...], str]]) -> type[BaseModel]:
+    """`base` plus the peers' fields of `table` it does not declare, each marked as a no-op field."""
+    extra = {}
+    for field, (noops, why) in table.items():
+        if field in base.model_fields:
+            continue
+        values = ", ".join(["null", *(repr(v) for v in noops)])
+        extra[field] = (Any, Field(None, description=f"SGLang/vLLM field, accepted only as {values}: {why}."))
+    return create_model(name, __base__=base, **extra)
+
+
+ChatCompletionRequest = _with_peers("ChatCompletionRequest", _ChatFields, OPENAI_NOOPS)
+CompletionRequest = _with_peers("CompletionRequest", _CompletionFields, OPENAI_NOOPS)
+GenerateRequest = _with_peers("GenerateRequest", _GenerateFields, GENERATE_NOOPS)
+
+# What each endpoint honours (the peers' no-op fields and the refused ones are checked apart).
+_REFUSED_HERE = {"guided_decoding_backend", "guided_whitespace_pattern", "structural_tag", "use_beam_search",
+                 "functions", "function_call"}
+CHAT_FIELDS = frozenset(_ChatFields.model_fields) - _REFUSED_HERE
+COMPLETION_FIELDS = frozenset(_CompletionFields.model_fields) - _REFUSED_HERE
+GENERATE_FIELDS = frozenset(_GenerateFields.model_fields)
+TOKENIZE_FIELDS = frozenset(TokenizeRequest.model_fields)
+DETOKENIZE_FIELDS = frozenset(DetokenizeRequest.model_fields)
+TRANSCRIPTION_FIELDS = frozenset(f.alias or name for name, f in TranscriptionRequest.model_fields.items())
+
+# path -> (model, content type), for /openapi.json
+REQUEST_BODIES: dict[str, tuple[type[BaseModel], str]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, "application/json"),
+    "/v1/completions": (CompletionRequest, "application/json"),
+    "/generate": (GenerateRequest, "application/json"),
+    "/tokenize": (TokenizeRequest, "application/json"),
+    "/detokenize": (DetokenizeRequest, "application/json"),
+    "/v1/audio/transcriptions": (TranscriptionRequest, "multipart/form-data"),
+    "/v1/audio/translations": (TranscriptionRequest, "multipart/form-data"),
+}
+
+
+def openapi_body(path: str) -> dict:
+    """The route's `openapi_extra`: its request body's schema from its model."""
+    model, content_type = REQUEST_BODIES[path]
+    return {"requestBody": {"required": True, "content": {content_type: {"schema": model.model_json_schema()}}}}
