@@ -23,6 +23,32 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _decode_keys(q, K, V, ReqToToken, row, kv_h, lo, hi, sm_scale, stride_kt, stride_kh, stride_rt, offs_d, d_mask,
+                 BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One query over the request's keys [lo, hi): the online softmax's (unnormalised sum, max, sum of weights)."""
+    m_i = tl.full([1], float("-inf"), tl.float32)
+    l_i = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0)
+        kv_off = slots[:, None] * stride_kt + kv_h * stride_kh + offs_d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(q[None, :] * k, 1) * sm_scale
+        s = tl.where(n_mask, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 0))
+        p = tl.exp(s - m_new)
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
 @triton.jit(do_not_specialize=["window", "group", "stride_rt"])
 def decode_kernel(Q, K, V, Out, ReqToToken, ReqRows, SeqLens, sm_scale, window, group,
                   stride_qb, stride_qh, stride_kt, stride_kh, stride_ob, stride_oh, stride_rt,
@@ -40,25 +66,8 @@ def decode_kernel(Q, K, V, Out, ReqToToken, ReqRows, SeqLens, sm_scale, window, 
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    m_i = tl.full([1], float("-inf"), tl.float32)
-    l_i = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for n0 in range(start, seq, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < seq
-        slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0)
-        kv_off = slots[:, None] * stride_kt + kv_h * stride_kh + offs_d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[None, :] * k, 1) * sm_scale
-        s = tl.where(n_mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        m_i = m_new
+    acc, m_i, l_i = _decode_keys(q, K, V, ReqToToken, row, kv_h, start, seq, sm_scale, stride_kt, stride_kh,
+                                 stride_rt, offs_d, d_mask, BLOCK_D, BLOCK_N)
     out = acc / l_i
     tl.store(Out + b * stride_ob + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_mask)
 
@@ -155,25 +164,8 @@ def decode_split_kernel(Q, K, V, PartAcc, PartML, ReqToToken, ReqRows, SeqLens, 
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-    m_i = tl.full([1], float("-inf"), tl.float32)
-    l_i = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        slots = tl.load(ReqToToken + row * stride_rt + offs_n, mask=n_mask, other=0)
-        kv_off = slots[:, None] * stride_kt + kv_h * stride_kh + offs_d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(K + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        s = tl.sum(q[None, :] * k, 1) * sm_scale
-        s = tl.where(n_mask, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 0))
-        p = tl.exp(s - m_new)
-        alpha = tl.exp(m_i - m_new)
-        v = tl.load(V + kv_off, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
-        l_i = l_i * alpha + tl.sum(p, 0)
-        m_i = m_new
+    acc, m_i, l_i = _decode_keys(q, K, V, ReqToToken, row, kv_h, lo, hi, sm_scale, stride_kt, stride_kh, stride_rt,
+                                 offs_d, d_mask, BLOCK_D, BLOCK_N)
     part = (b * tl.num_programs(1) + h) * NUM_SPLITS + sp
     tl.store(PartAcc + part * BLOCK_D + offs_d, acc)
     two = tl.arange(0, 2)
