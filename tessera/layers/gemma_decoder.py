@@ -93,24 +93,17 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
                 pool: TokenToKVPool) -> torch.Tensor:
-        if fused.active(x):  # each norm-add-norm sandwich in one kernel (layers/triton_ops.py)
-            out = self._fused(x, cos, sin, fb, pool)
-            if out is not None:
-                return out
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, fb, pool))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-
-    def _fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
-               pool: TokenToKVPool) -> torch.Tensor | None:
-        ops, eps = fused.ops(), self.input_layernorm.eps
         attn = self.self_attn(self.input_layernorm(x), cos, sin, fb, pool)
-        done = ops.gemma_norm_add(attn, x, self.post_attention_layernorm.weight, self.pre_feedforward_layernorm.weight,
-                                  eps)
-        if done is None:
-            return None
-        h, x = done
-        done = ops.gemma_norm_add(self.mlp(h), x, self.post_feedforward_layernorm.weight, None, eps)
-        return None if done is None else done[1]
+        if fused.active(x):  # each norm-add(-norm) sandwich in one kernel (layers/triton_ops.py)
+            eps = self.input_layernorm.eps
+            done = fused.ops().gemma_norm_add(attn, x, self.post_attention_layernorm.weight,
+                                              self.pre_feedforward_layernorm.weight, eps)
+            if done is not None:
+                h, x = done
+                return fused.ops().gemma_norm_add(self.mlp(h), x, self.post_feedforward_layernorm.weight, None,
+                                                  eps)[1]
+        x = x + self.post_attention_layernorm(attn)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 def _rotary(head_dim: int, params: dict[str, Any], layer_type: str) -> RotaryEmbedding:

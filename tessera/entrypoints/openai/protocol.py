@@ -34,9 +34,6 @@ _STRUCTURED_OUTPUTS = {"json": "guided_json", "regex": "guided_regex", "grammar"
                        "choice": "guided_choice"}
 _REGEX_META = set("\\.+*?()|[]{}^$#&-~")
 
-# What each endpoint honours: declared once, with types and meanings, in request_models.py.
-CHAT_FIELDS, COMPLETION_FIELDS = request_models.CHAT_FIELDS, request_models.COMPLETION_FIELDS
-
 # Known fields that are refused: (the value that is accepted as a no-op, why the rest is refused).
 _REFUSED: dict[str, tuple[Any, str]] = {
     "guided_decoding_backend": (None, "the constrained-decoding backend is fixed (llguidance)"),
@@ -46,6 +43,11 @@ _REFUSED: dict[str, tuple[Any, str]] = {
     "functions": (None, "the legacy functions API is not supported; use tools"),
     "function_call": (None, "the legacy functions API is not supported; use tool_choice"),
 }
+
+
+# What each endpoint honours: its declared fields (request_models.py: types and meanings) but the refused ones.
+CHAT_FIELDS = request_models.CHAT_DECLARED - set(_REFUSED)
+COMPLETION_FIELDS = request_models.COMPLETION_DECLARED - set(_REFUSED)
 
 
 def check_fields(body: dict, accepted: set[str]) -> None:

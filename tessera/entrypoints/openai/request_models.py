@@ -1,7 +1,7 @@
 """Every request body the server takes, declared once: each field's type, default and meaning.
 
 These models are where the fields live: the endpoints' field checks take their accepted names from them
-(protocol.CHAT_FIELDS, COMPLETION_FIELDS, native_generate.ACCEPTED, tokenization), and /openapi.json and /docs
+(protocol.CHAT_FIELDS and COMPLETION_FIELDS, native_generate.ACCEPTED, tokenization, transcriptions), and /openapi.json and /docs
 show them as each POST endpoint's request body. The fields SGLang and vLLM declare that Tessera takes only at
 their no-op values (peer_fields.py) are added to each model, marked so. The bodies are still read field by
 field by the endpoints' own parsers, which give the error messages (a 400 naming the field); the models do not
@@ -172,11 +172,8 @@ ChatCompletionRequest = _with_peers("ChatCompletionRequest", _ChatFields, OPENAI
 CompletionRequest = _with_peers("CompletionRequest", _CompletionFields, OPENAI_NOOPS)
 GenerateRequest = _with_peers("GenerateRequest", _GenerateFields, GENERATE_NOOPS)
 
-# What each endpoint honours (the peers' no-op fields and the refused ones are checked apart).
-_REFUSED_HERE = {"guided_decoding_backend", "guided_whitespace_pattern", "structural_tag", "use_beam_search",
-                 "functions", "function_call"}
-CHAT_FIELDS = frozenset(_ChatFields.model_fields) - _REFUSED_HERE
-COMPLETION_FIELDS = frozenset(_CompletionFields.model_fields) - _REFUSED_HERE
+# What each endpoint honours (chat and completions: protocol.py takes out the fields it refuses).
+CHAT_DECLARED, COMPLETION_DECLARED = frozenset(_ChatFields.model_fields), frozenset(_CompletionFields.model_fields)
 GENERATE_FIELDS = frozenset(_GenerateFields.model_fields)
 TOKENIZE_FIELDS = frozenset(TokenizeRequest.model_fields)
 DETOKENIZE_FIELDS = frozenset(DetokenizeRequest.model_fields)

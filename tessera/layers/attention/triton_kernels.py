@@ -24,6 +24,20 @@ import triton.language as tl
 
 
 @triton.jit
+def _decode_request(SeqLens, ReqRows, b, window):
+    """Request b's KV length, slot-table row and first visible key (a sliding window moves it).
+
+    Fixed index types whether the plan holds int32 (eager) or int64 (the CUDA-graph buffers): `start` is
+    assigned in a runtime branch and must keep one type."""
+    seq = tl.load(SeqLens + b).to(tl.int32)
+    row = tl.load(ReqRows + b).to(tl.int64)
+    start = 0
+    if window > 0:
+        start = tl.maximum(seq - window, 0)
+    return seq, row, start
+
+
+@triton.jit
 def _decode_keys(q, K, V, ReqToToken, row, kv_h, lo, hi, sm_scale, stride_kt, stride_kh, stride_rt, offs_d, d_mask,
                  BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     """One query over the request's keys [lo, hi): the online softmax's (unnormalised sum, max, sum of weights)."""
@@ -56,13 +70,7 @@ def decode_kernel(Q, K, V, Out, ReqToToken, ReqRows, SeqLens, sm_scale, window, 
     b = tl.program_id(0)
     h = tl.program_id(1)
     kv_h = h // group
-    # Fixed index types whether the plan holds int32 (eager) or int64 (the CUDA-graph buffers): `start` below
-    # is assigned in a runtime branch and must keep one type.
-    seq = tl.load(SeqLens + b).to(tl.int32)
-    row = tl.load(ReqRows + b).to(tl.int64)
-    start = 0
-    if window > 0:
-        start = tl.maximum(seq - window, 0)
+    seq, row, start = _decode_request(SeqLens, ReqRows, b, window)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     q = tl.load(Q + b * stride_qb + h * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
@@ -153,11 +161,7 @@ def decode_split_kernel(Q, K, V, PartAcc, PartML, ReqToToken, ReqRows, SeqLens, 
     h = tl.program_id(1)
     sp = tl.program_id(2)
     kv_h = h // group
-    seq = tl.load(SeqLens + b).to(tl.int32)
-    row = tl.load(ReqRows + b).to(tl.int64)
-    start = 0
-    if window > 0:
-        start = tl.maximum(seq - window, 0)
+    seq, row, start = _decode_request(SeqLens, ReqRows, b, window)
     per = tl.cdiv(tl.cdiv(seq - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = start + sp * per
     hi = tl.minimum(seq, lo + per)
