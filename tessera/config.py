@@ -61,6 +61,10 @@ def _check_device(device: str) -> None:
     resolve_device(device)
 
 
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "ORACLE")
+DEFAULT_SPECULATIVE_DRAFTS = 4
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str = "demo-vl"
@@ -150,6 +154,25 @@ class ServerArgs:
     disable_tqdm: bool = False
     log_level: str = "info"
     enable_metrics: bool = True
+    # Speculative decoding (SGLang's flags; scheduler/speculative.py): NGRAM (prompt lookup), STANDALONE (a small
+    # draft checkpoint with the same tokenizer), ORACLE (benchmarks only: proposes a recorded greedy answer).
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None  # draft tokens proposed per verify step (k)
+    speculative_eagle_topk: int | None = None  # 1 only: chain drafts (no token trees)
+    speculative_num_draft_tokens: int | None = None  # tokens scored per verify step: k + 1
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
+    # SGLang's n-gram tree knobs, accepted so its command lines start; Tessera's drafts are one chain.
+    speculative_ngram_min_bfs_breadth: int = 1
+    speculative_ngram_max_bfs_breadth: int = 10
+    speculative_ngram_match_type: str = "BFS"
+    speculative_ngram_branch_length: int = 18
+    speculative_ngram_capacity: int = 10_000_000
+    # No drafts once this many requests decode together (vLLM's speculative_disable_by_batch_size): a verify
+    # step's k + 1 rows per request are free while a step reads weights, not once it computes.
+    speculative_disable_by_batch_size: int = 4
+    speculative_oracle_path: str | None = None  # ORACLE's recorded answers (a JSON file of prompt/output ids)
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 — frozen dataclass normalisation
@@ -218,6 +241,43 @@ class ServerArgs:
             raise ValueError(f"log_level: unknown level {self.log_level!r}")
         if not (0 < self.port < 65536):
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
+        if self.speculative_algorithm is not None:
+            set_("speculative_algorithm", self.speculative_algorithm.upper())
+            self.speculative_num_draft  # noqa: B018 -- checks the speculative flags
+
+    @property
+    def speculative_num_draft(self) -> int:
+        """Draft tokens per verify step (k), from SGLang's --speculative-num-steps / --speculative-num-draft-tokens
+        (a chain of k drafts scores k + 1 tokens); 0 without speculation. Raises on flags that disagree."""
+        algo = self.speculative_algorithm
+        if algo is None:
+            return 0
+        if algo in ("EAGLE", "EAGLE3"):
+            raise ValueError(f"speculative_algorithm: {algo} draft heads are not supported; use NGRAM or STANDALONE")
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"speculative_algorithm: expected one of {', '.join(SPECULATIVE_ALGORITHMS)}, got {algo!r}")
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ValueError("speculative_eagle_topk: only 1 (a chain of drafts; token trees are not supported)")
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        if steps is not None and tokens is not None and tokens != steps + 1:
+            raise ValueError(f"speculative_num_draft_tokens: a chain of {steps} steps scores {steps + 1} tokens, "
+                             f"got {tokens}")
+        k = steps if steps is not None else (tokens - 1 if tokens is not None else DEFAULT_SPECULATIVE_DRAFTS)
+        if not 1 <= k <= 16:
+            raise ValueError(f"speculative_num_steps: 1..16 draft tokens per step, got {k}")
+        if algo == "STANDALONE" and not self.speculative_draft_model_path:
+            raise ValueError("speculative_draft_model_path: STANDALONE needs the draft checkpoint")
+        if algo == "STANDALONE" and self.tp_size > 1:
+            raise ValueError("speculative_algorithm: STANDALONE runs its draft on one device; with --tp-size > 1 "
+                             "use NGRAM")
+        if algo == "ORACLE" and not self.speculative_oracle_path:
+            raise ValueError("speculative_oracle_path: ORACLE (a benchmark's) needs the recorded answers")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ValueError(f"speculative_ngram_min_match_window_size: need 1 <= min <= max, got {lo} and {hi}")
+        if self.speculative_disable_by_batch_size < 1:
+            raise ValueError("speculative_disable_by_batch_size: must be >= 1")
+        return k
 
     @property
     def mm_items_per_request(self) -> dict[str, int]:

@@ -57,6 +57,22 @@ FLAGS: dict[str, tuple[str, str]] = {
     "disable_radix_cache": ("scheduling", "no prefix reuse across requests"),
     "schedule_policy": ("scheduling", "queue order: fcfs or lpm (longest cached prefix first)"),
     "stream_interval": ("scheduling", "tokens per streamed chunk"),
+    "speculative_algorithm": ("scheduling", "speculative decoding: NGRAM (prompt lookup), STANDALONE (a draft "
+                                            "model with the same tokenizer); EAGLE is not supported"),
+    "speculative_draft_model_path": ("scheduling", "STANDALONE's draft checkpoint (a bundled name or a directory)"),
+    "speculative_num_steps": ("scheduling", "draft tokens proposed per verify step (default: 4)"),
+    "speculative_eagle_topk": ("scheduling", "drafts per position: 1 only (chains, no token trees)"),
+    "speculative_num_draft_tokens": ("scheduling", "tokens scored per verify step, num_steps + 1 (default: 5)"),
+    "speculative_ngram_min_match_window_size": ("scheduling", "NGRAM: shortest suffix matched"),
+    "speculative_ngram_max_match_window_size": ("scheduling", "NGRAM: longest suffix matched (tried first)"),
+    "speculative_ngram_min_bfs_breadth": ("scheduling", "accepted for SGLang's command lines; no effect (chains)"),
+    "speculative_ngram_max_bfs_breadth": ("scheduling", "accepted for SGLang's command lines; no effect (chains)"),
+    "speculative_ngram_match_type": ("scheduling", "accepted for SGLang's command lines; no effect (chains)"),
+    "speculative_ngram_branch_length": ("scheduling", "accepted for SGLang's command lines; no effect (chains)"),
+    "speculative_ngram_capacity": ("scheduling", "accepted for SGLang's command lines; no effect (a per-request "
+                                                 "index)"),
+    "speculative_disable_by_batch_size": ("scheduling", "no drafts once this many requests decode together"),
+    "speculative_oracle_path": ("scheduling", "benchmarks only: ORACLE's recorded greedy answers (JSON)"),
     # multimodal
     "mm_cache_size_mb": ("multimodal", "encoder-output and preprocessing cache size in MiB"),
     "keep_mm_feature_on_device": ("multimodal", "keep preprocessed media features on the GPU"),

@@ -46,6 +46,17 @@ class GrammarMatcher:
         """Advances past a sampled token; False if the grammar rejects it (the mask was not applied)."""
         return bool(self._m.consume_token(token_id))
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the grammar would accept from here (nothing is consumed)."""
+        return int(self._m.validate_tokens(list(tokens))) if tokens else 0
+
+    def advanced(self, tokens: Sequence[int]) -> GrammarMatcher:
+        """A copy that has also consumed `tokens` (speculative decoding: the mask of a draft row)."""
+        copy = self._m.deep_copy()
+        for t in tokens:
+            copy.consume_token(t)
+        return GrammarMatcher(copy, self.vocab_size, self.closers)
+
     @property
     def is_terminated(self) -> bool:
         """The grammar admits no further token (its end, or EOS consumed): the request is finished."""

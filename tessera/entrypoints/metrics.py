@@ -67,6 +67,12 @@ class Metrics:
                                  labels, registry=r)
         self.device_idle_fraction = Gauge("tessera_device_idle_fraction", "Idle between steps / (idle + busy)",
                                           labels, registry=r)
+        self.spec_accept_length = Gauge("tessera_spec_accept_length", "Speculative decoding: tokens emitted per "
+                                        "verify step (accepted drafts + 1)", labels, registry=r)
+        self.spec_accept_rate = Gauge("tessera_spec_accept_rate", "Speculative decoding: accepted drafts / drafts",
+                                      labels, registry=r)
+        self.spec_verifies = Gauge("tessera_spec_verify_steps", "Speculative decoding: request-steps that verified "
+                                   "drafts", labels, registry=r)
         self.preprocess_hit_rate = Gauge("tessera_preprocess_cache_hit_rate",
                                          "Media items served from the preprocessing cache / items", labels, registry=r)
 
@@ -116,4 +122,7 @@ class Metrics:
             self.device_busy.labels(m).set(stats.device_busy_s)
             self.device_idle.labels(m).set(stats.device_idle_s)
             self.device_idle_fraction.labels(m).set(stats.device_idle_fraction)
+            self.spec_accept_length.labels(m).set(stats.spec_accept_length)
+            self.spec_accept_rate.labels(m).set(stats.spec_accept_rate)
+            self.spec_verifies.labels(m).set(stats.spec_verifies)
         return generate_latest(self.registry)

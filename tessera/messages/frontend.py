@@ -69,6 +69,20 @@ class SchedulerStats:
     # (platform/device.py StepClock): the share an overlap scheduler would win back.
     device_busy_s: float = 0.0
     device_idle_s: float = 0.0
+    # Speculative decoding: request-steps that verified drafts, the drafts they scored and those accepted.
+    spec_verifies: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_accept_length(self) -> float:
+        """Tokens emitted per verify step (accepted drafts + the step's own token); 0 before the first."""
+        return 1 + self.spec_accepted_tokens / self.spec_verifies if self.spec_verifies else 0.0
+
+    @property
+    def spec_accept_rate(self) -> float:
+        """Accepted drafts / drafts scored; 0 before the first."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
 
     @property
     def device_idle_fraction(self) -> float:
@@ -78,7 +92,9 @@ class SchedulerStats:
 
     def report(self) -> dict:
         """The counters as get_server_info's "stats" shows them, with the idle fraction."""
-        return {**dataclasses.asdict(self), "device_idle_fraction": round(self.device_idle_fraction, 4)}
+        return {**dataclasses.asdict(self), "device_idle_fraction": round(self.device_idle_fraction, 4),
+                "spec_accept_length": round(self.spec_accept_length, 4),
+                "spec_accept_rate": round(self.spec_accept_rate, 4)}
 
     @classmethod
     def sum(cls, parts: list[SchedulerStats]) -> SchedulerStats:

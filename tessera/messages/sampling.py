@@ -49,6 +49,8 @@ class SamplingParams:
         -100 effectively bans a token, +100 effectively forces it).
       no_stop_trim: keep a matched stop string at the end of the output text (SGLang's name; vLLM's
         include_stop_str_in_output).
+      speculative: False opts this request out of speculative decoding (the server's
+        --speculative-algorithm); its tokens are the same either way, only its latency changes.
       json_schema / regex / ebnf: constrain the output (at most one): a JSON Schema (text; a dict is
         serialised by normalize()), generated as compact JSON; a full-match regular expression; or a
         GBNF/Lark grammar. Only tokens that keep the output inside the language are sampled, EOS only
@@ -79,6 +81,7 @@ class SamplingParams:
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
+    speculative: bool = True
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -144,7 +147,8 @@ class SamplingParams:
             _check_int(name, getattr(self, name))
         for name in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
             _check_real(name, getattr(self, name))
-        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "logprobs", "no_stop_trim"):
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "logprobs", "no_stop_trim",
+                     "speculative"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.seed is not None:

@@ -15,11 +15,18 @@ class ScheduledReq:
     start: int  # extend fill_ids[start:end] this step; KV for [0, start) already exists
     end: int
     out_cache_loc: torch.Tensor  # [end - start] KV slots for the new tokens
+    # Speculative decoding: draft tokens verified after the last known one (end covers them); [] otherwise.
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """The chunk reaches the last known token: its logits give the next token."""
-        return self.end == self.req.seq_len
+        return self.end == self.req.seq_len + len(self.draft)
+
+    @property
+    def is_prefill(self) -> bool:
+        """A prompt chunk (or a retracted request's recompute), not a decode or verify step."""
+        return not self.draft and (self.end - self.start > 1 or not self.req.output_ids)
 
 
 @dataclass
@@ -32,7 +39,7 @@ class ScheduledBatch:
 
     @property
     def num_prefill_tokens(self) -> int:
-        return sum(r.end - r.start for r in self.reqs if r.end - r.start > 1 or not r.req.output_ids)
+        return sum(r.end - r.start for r in self.reqs if r.is_prefill)
 
     def __len__(self) -> int:
         return len(self.reqs)

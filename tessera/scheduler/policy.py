@@ -25,6 +25,7 @@ from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
 from tessera.scheduler.batch import ScheduledBatch, ScheduledReq
 from tessera.scheduler.req import Req
+from tessera.scheduler.speculative import Speculator
 from tessera.messages.worker import SlotWrite, TokenSlotWrites
 
 
@@ -136,6 +137,19 @@ class KVManager:
         self._slot_writes.append(TokenSlotWrites(rows, cols, slots))
         return slots
 
+    def truncate(self, req: Req, kv_len: int) -> None:
+        """Gives back the slots of req's tokens from kv_len on (a verify step's rejected drafts). With pages of
+        several tokens the page holding token kv_len - 1 stays the request's: its next slots continue it."""
+        row, old = req.req_pool_idx, req.kv_len
+        if row is None or kv_len >= old:
+            return
+        slots = self.req_pool.req_to_token[row, kv_len:old]
+        if self.page_size > 1 and kv_len > 0:
+            kept_page = (int(self.req_pool.req_to_token[row, kv_len - 1]) - 1) // self.page_size
+            slots = slots[(slots - 1) // self.page_size != kept_page]
+        self.allocator.free(slots)
+        req.kv_len = kv_len
+
     def release(self, req: Req, allocated_len: int | None = None) -> None:
         """Returns req's KV: whole computed pages go to the radix cache, the rest to the allocator.
 
@@ -168,8 +182,10 @@ class KVManager:
 
 
 class SchedulePolicy:
-    def __init__(self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int, policy: str = "fcfs"):
+    def __init__(self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int, policy: str = "fcfs",
+                 speculator: Speculator | None = None):
         self.kv = kv
+        self.speculator = speculator  # drafts for decoding requests (scheduler/speculative.py); None: off
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
         self.policy = policy
@@ -181,6 +197,8 @@ class SchedulePolicy:
         self.waiting.append(req)
 
     def remove(self, req: Req) -> None:
+        if self.speculator is not None:
+            self.speculator.release(req.rid)
         if req in self.running:
             self.running.remove(req)
             self.kv.release(req)
@@ -208,6 +226,8 @@ class SchedulePolicy:
         # 1. Decodes first, oldest first: a running request never starves behind new prefills. All of them in
         # one allocation when the free pages suffice; otherwise one by one, evicting and retracting.
         decoding = [r for r in sorted(self.running, key=lambda r: r.arrival_time) if r.is_prefill_done]
+        if self.speculator is not None and decoding:
+            decoding, budget = self._schedule_drafts(batch, decoding, budget, scheduled)
         slots = self.kv.alloc_decode(decoding) if decoding else None
         if slots is not None:
             for i, req in enumerate(decoding):
@@ -259,6 +279,23 @@ class SchedulePolicy:
             s.req.kv_len = s.end  # KV for these tokens is written by this step's forward
         return batch if batch.reqs else None
 
+    def _schedule_drafts(self, batch: ScheduledBatch, decoding: list[Req], budget: int,
+                         scheduled: set[int]) -> tuple[list[Req], int]:
+        """Verify steps for the decoding requests the speculator has drafts for: an extend of the last token
+        and its drafts each. Returns the requests left to decode one token, and the budget left. A request
+        whose slots do not fit decodes plainly (that path evicts and retracts)."""
+        assert self.speculator is not None
+        plain = []
+        for req, draft in zip(decoding, self.speculator.drafts(decoding)):
+            slots = self.kv.alloc(req, 1 + len(draft)) if draft and budget > len(draft) else None
+            if slots is None:
+                plain.append(req)
+                continue
+            scheduled.add(id(req))
+            batch.reqs.append(ScheduledReq(req, req.kv_len, req.kv_len + 1 + len(draft), slots, draft))
+            budget -= 1 + len(draft)
+        return plain, budget
+
     def _shares_inflight_prefix(self, req: Req, inflight: list[list[int]]) -> bool:
         if self.kv.tree.disable or not inflight:
             return False
@@ -281,5 +318,7 @@ class SchedulePolicy:
         return n
 
     def finish(self, req: Req, allocated_len: int | None = None) -> None:
+        if self.speculator is not None:
+            self.speculator.release(req.rid)
         self.running.remove(req)
         self.kv.release(req, allocated_len)

@@ -23,6 +23,7 @@ from tessera.models.config import ModelConfig
 from tessera.platform.device import platform_of
 from tessera.platform.threads import AdaptiveThreads, available_cores
 from tessera.scheduler.req import Req
+from tessera.scheduler.speculative import accepted_prefix, make_speculator
 from tessera.scheduler.step_input import build_forward_input
 from tessera.scheduler.summary import PeriodicSummary
 
@@ -60,6 +61,9 @@ class StepWorker(Protocol):
     def device_times(self) -> tuple[float, float]: ...
 
     def idle(self) -> None: ...
+
+    # STANDALONE speculative decoding's draft model (worker/draft_model.py), or None; fakes may omit it.
+    draft_proposer: object | None
 
 
 class RankGroup(Protocol):
@@ -124,7 +128,9 @@ class Scheduler:
         state = self.model_cls.request_state
         kv = KVManager(req_pool, allocator, self.tree, args.page_size,
                        state.extra_slots(self.config) if state is not None else 0)
-        self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy)
+        self.speculator = make_speculator(args, info.context_length, getattr(self.worker, "draft_proposer", None))
+        self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy,
+                                     self.speculator)
         self.reqs: dict[str, Req] = {}
         # Threads per step on a CPU (see platform/threads.py); None: the fixed count set at process start.
         self.threads: AdaptiveThreads | None = None
@@ -227,6 +233,7 @@ class Scheduler:
         total = kv.allocator.num_pages * kv.allocator.page_size
         hits, misses, used = self.worker.cache_stats()
         busy_s, idle_s = self.worker.device_times()
+        spec = self.speculator
         return messages.SchedulerStats(
             num_running=len(self.policy.running), num_waiting=len(self.policy.waiting) + len(self.held),
             kv_used_tokens=total - kv.allocator.num_free_tokens - self.tree.evictable_size(),
@@ -240,6 +247,8 @@ class Scheduler:
             mm_transport_bytes_total=sum(self.mm_transport_bytes.values()),
             mm_deferred_items=self.mm_items["deferred"], mm_eager_items=self.mm_items["eager"],
             device_busy_s=busy_s, device_idle_s=idle_s,
+            spec_verifies=spec.num_verifies if spec else 0, spec_draft_tokens=spec.num_drafted if spec else 0,
+            spec_accepted_tokens=spec.num_accepted if spec else 0,
         )
 
     # ---- stepping -------------------------------------------------------------------------
@@ -309,45 +318,70 @@ class Scheduler:
             return True
         self.num_forward_steps += 1
         for s in batch.reqs:
-            if s.end - s.start > 1 or not s.req.output_ids:  # a prefill chunk, not a decode token
+            if s.is_prefill:
                 self.num_prefill_tokens_computed += s.end - s.start
                 if not self.tree.disable:
                     self.policy.kv.cache_prefill(s.req)
         self._take_prompt_logprobs(batch, fi, result)
         outputs = []
-        sampled = [s.req for s in batch.reqs if s.samples]
-        self.num_output_tokens += len(sampled)
-        for i, (req, token) in enumerate(zip(sampled, result.next_token_ids)):
+        row = 0  # the request's first sampled row in the step's output
+        for s in batch.reqs:
+            if not s.samples:
+                continue
+            req, rows = s.req, 1 + len(s.draft)
             if req.sampling_params.max_new_tokens == 0:  # ran for its prompt logprobs only
                 req.finished_reason = {"type": "length", "length": 0}
-                self.policy.finish(req)
-                self.reqs.pop(req.rid, None)
-                outputs.append(self._output(req, req.finished_reason))
-                continue
-            req.output_ids.append(token)
-            if req.grammar is not None and not req.grammar.accept(token):
-                # Cannot happen while the sampler applies the mask; fail loudly rather than emit invalid output.
-                finished = {"type": "error", "message": f"constrained decoding: token {token} rejected by the "
-                                                        f"grammar ({req.grammar.error})"}
-                req.finished_reason = finished
-                self.policy.finish(req)
-                self.reqs.pop(req.rid, None)
-                outputs.append(self._output(req, finished))
-                continue
-            if req.return_logprob:
-                req.logprobs.append(result.logprobs[i])
-                if result.top_logprobs is not None:
-                    req.top_logprobs.append(result.top_logprobs[i])
-            finished = self._check_finished(req)
-            if finished is not None:
-                req.finished_reason = finished
-                self.policy.finish(req)
-                self.reqs.pop(req.rid, None)
-                outputs.append(self._output(req, finished))
-            elif req.stream and len(req.output_ids) - req.num_sent >= self.args.stream_interval:
-                outputs.append(self._output(req))
+                self._finish(req, req.finished_reason, outputs)
+            else:
+                tokens = result.next_token_ids[row:row + rows]
+                if s.draft:
+                    tokens = self._verified(s, tokens)
+                for i, token in enumerate(tokens):
+                    if self._append_token(req, token, result, row + i, outputs):
+                        break
+                else:
+                    if req.stream and len(req.output_ids) - req.num_sent >= self.args.stream_interval:
+                        outputs.append(self._output(req))
+            row += rows
         self._emit(outputs)
         return True
+
+    def _verified(self, s, sampled: list[int]) -> list[int]:
+        """A verify step's tokens to emit: the sampled rows up to the first that differs from its draft (see
+        scheduler/speculative.py); the rejected drafts' KV slots go back."""
+        accepted = accepted_prefix(s.draft, sampled)
+        self.speculator.record(len(s.draft), accepted)  # type: ignore[union-attr]
+        self.policy.kv.truncate(s.req, s.start + accepted + 1)
+        return sampled[:accepted + 1]
+
+    def _append_token(self, req: Req, token: int, result: StepOutput, row: int, outputs: list) -> bool:
+        """Appends one sampled token to req's output and checks its stop conditions; True when it finished."""
+        self.num_output_tokens += 1
+        req.output_ids.append(token)
+        if req.grammar is not None and not req.grammar.accept(token):
+            # Cannot happen while the sampler applies the mask; fail loudly rather than emit invalid output.
+            self._finish(req, {"type": "error", "message": f"constrained decoding: token {token} rejected by the "
+                                                           f"grammar ({req.grammar.error})"}, outputs)
+            return True
+        if req.return_logprob:
+            req.logprobs.append(result.logprobs[row])  # type: ignore[index]
+            if result.top_logprobs is not None:
+                req.top_logprobs.append(result.top_logprobs[row])
+        finished = self._check_finished(req)
+        if finished is not None:
+            self._finish(req, finished, outputs)
+            return True
+        return False
+
+    def _finish(self, req: Req, finished: dict, outputs: list) -> None:
+        """Ends req: its KV goes back (a verify step that finished before its last accepted token holds KV past
+        its last token: those slots too) and its final output joins `outputs`."""
+        req.finished_reason = finished
+        held = req.kv_len
+        req.kv_len = min(req.kv_len, req.seq_len)
+        self.policy.finish(req, allocated_len=held)
+        self.reqs.pop(req.rid, None)
+        outputs.append(self._output(req, finished))
 
     @staticmethod
     def _take_prompt_logprobs(batch, fi: ForwardInput, result: StepOutput) -> None:

@@ -42,7 +42,8 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
     flat = 0
     for i, s in enumerate(batch.reqs):
         req = s.req
-        ids.extend(req.token_slice(s.start, s.end))
+        ids.extend(req.token_slice(s.start, s.end - len(s.draft)))
+        ids.extend(s.draft)
         locs.append(s.out_cache_loc)
         prompt_len = len(req.origin_input_ids)
         if req.mm_inputs is not None and req.mm_inputs.items and s.start < prompt_len:
@@ -69,11 +70,15 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
                                                      req.prompt_logprob_ranks))
         flat += s.end - s.start
         if s.samples:
-            logits_rows.append(flat - 1)
             sp = req.sampling_params
             wants_prompt = sp.repetition_penalty != 1 or model_cls.process_logits_reads_prompt
-            sampling.append(SamplingRow(sp, req.output_ids, req.origin_input_ids if wants_prompt else []))
-            grammars.append(req.grammar)
+            prompt = req.origin_input_ids if wants_prompt else []
+            # A verify step samples every row, row i as a decode step would after the first i drafts.
+            for i in range(len(s.draft) + 1):
+                logits_rows.append(flat - 1 - len(s.draft) + i)
+                drafted = s.draft[:i]
+                sampling.append(SamplingRow(sp, req.output_ids + drafted if i else req.output_ids, prompt))
+                grammars.append(req.grammar.advanced(drafted) if req.grammar is not None and i else req.grammar)
     # A request's state comes from its one media item (the frontend admits exactly one for such families).
     state_fills = [RequestStateFill(i, s.req.mm_inputs.items[0], s.req.state_slots)  # type: ignore[union-attr]
                    for i, s in enumerate(batch.reqs) if s.req.state_slots is not None and not s.req.state_filled]

@@ -30,6 +30,7 @@ from tessera.models.registry import load_model
 from tessera.multimodal.materialize import materializer_for
 from tessera.messages.items import Modality, MultimodalDataItem
 from tessera.layers.forward_batch import ForwardBatch
+from tessera.worker.draft_model import DraftModel
 from tessera.worker.encode_ahead import EncodeAhead
 from tessera.worker.sampler import Sampler, SamplingBatchInfo
 from tessera.worker.cuda_graph import DecodeGraphRunner, DecodeInputs, capture_batch_sizes, capture_decode_graphs
@@ -113,6 +114,11 @@ class ModelWorker:
         # slots of it (device): rid -> slots, from fill to release.
         self.request_state = type(self.model).request_state
         self._state_slots: dict[str, torch.Tensor] = {}
+        # STANDALONE speculative decoding's draft model (rank 0 proposes; scheduler/speculative.py verifies).
+        self.draft_proposer: DraftModel | None = None
+        if args.speculative_algorithm == "STANDALONE" and self.tp.rank == 0:
+            self.draft_proposer = DraftModel(args, self.device, self.context_length, self.config.vocab_size,
+                                             rows=min(args.max_running_requests, 2 * args.speculative_disable_by_batch_size))
         self.cuda_graph_status = ""  # set by _capture_decode_graphs
         self.graph_runner = self._capture_decode_graphs(backend_name)
         if self.platform.runs_on_host_cores:  # after the weights loaded: their staging copies are not kept

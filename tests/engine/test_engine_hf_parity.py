@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tessera import Engine
-from tests.engine.hf_reference import chat_prompt, hf_greedy
+from tests.engine.hf_reference import chat_prompt, check_speculative_matches, hf_greedy, speculative_oracle
 
 MAX_NEW = 8
 
@@ -54,3 +54,15 @@ def test_engine_matches_hf_greedy(request, fixture, page_size, chunk, scene_imag
         for (ids, _, prompt_len), out in zip(expected[:2], again):
             assert out["output_ids"] == ids
             assert out["meta_info"]["cached_tokens"] >= prompt_len - page_size - 1 - prompt_len % page_size
+    # With speculative decoding (drafts: HF's tokens, every third wrong) the tokens and logprobs stay HF's.
+    prompt_ids = [processor(text=[c["prompt"]], images=c.get("image_data"), videos=c.get("video_data"),
+                            return_tensors="pt")["input_ids"][0].tolist() for c in cases]
+    oracle = speculative_oracle(prompt_ids, [ids for ids, _, _ in expected])
+    with Engine(str(path), page_size=page_size, chunked_prefill_size=chunk, max_running_requests=4,
+                max_total_tokens=4096, show_progress=False, speculative_algorithm="ORACLE",
+                speculative_oracle_path=oracle) as engine:
+        outs = engine.generate([c["prompt"] for c in cases], sp, image_data=[c.get("image_data") for c in cases],
+                               video_data=[c.get("video_data") for c in cases], return_logprob=True)
+        check_speculative_matches(engine, outs, [ids for ids, _, _ in expected])
+        for (_, logprobs, _), out in zip(expected, outs):
+            assert [lp for lp, _ in out["meta_info"]["output_token_logprobs"]] == pytest.approx(logprobs, abs=2e-4)

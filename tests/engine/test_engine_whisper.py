@@ -14,6 +14,7 @@ from tessera import Engine
 from tessera.models.config import ModelConfig
 from tessera.models.whisper_decoding import WhisperTokens
 from tests.audio_testing import noise, speechlike, tone
+from tests.engine.hf_reference import check_speculative_matches, speculative_oracle
 from tests.whisper_testing import RATE, build_tiny_whisper_checkpoint
 
 MAX_NEW = 20
@@ -58,4 +59,15 @@ def test_engine_matches_hf_generate(tiny_whisper):
         assert prompt + [t for t in out["output_ids"] if t != tokens.eot] == ref, f"case {i}"
     assert [o["output_ids"] for o in langs] == [[d] for d in detected]
     assert stats.kv_used_tokens == 0 and stats.cross_kv_used_tokens == 0 and stats.radix_cache_tokens == 0
+    # Speculative decoding (drafts: the references with every third token wrong) keeps the tokens, timestamp
+    # rules included (each verify row applies them after its drafts).
+    refs = [expected[i % 2][i // 2][len(p):] for i, p in enumerate(prompts)]
+    oracle = speculative_oracle(prompts, refs)
+    with Engine(str(tiny_whisper), page_size=4, max_running_requests=8, max_total_tokens=1536, show_progress=False,
+                speculative_algorithm="ORACLE", speculative_oracle_path=oracle) as engine:
+        outs = engine.generate(input_ids=prompts, sampling_params={"temperature": 0, "max_new_tokens": MAX_NEW},
+                               audio_data=[clip for clip, _, _ in cases])
+        check_speculative_matches(engine, [{"output_ids": [t for t in o["output_ids"] if t != tokens.eot]}
+                                           for o in outs], refs)
+        assert engine.get_stats().cross_kv_used_tokens == 0
     assert stats.num_retractions > 0 or stats.num_forward_steps > MAX_NEW * 3  # it could not run all 8 at once
