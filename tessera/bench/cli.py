@@ -271,8 +271,44 @@ def _cmd_overload(ns: argparse.Namespace) -> int:
     return 0 if result["ok"] else 1
 
 
+def _add_spec(sub) -> None:
+    p = sub.add_parser("spec", help="output tok/s with and without speculative decoding, side by side",
+                       description="Two engines over one checkpoint, plain and speculative, timed in alternation "
+                                   "at each concurrency; outputs compared token by token "
+                                   "(see tessera/bench/speculative.py).")
+    p.add_argument("--model-path", default="bench-medium", help="checkpoint dir, demo-vl, or bench-medium")
+    p.add_argument("--algorithm", default="ORACLE", choices=("ORACLE", "NGRAM", "STANDALONE"))
+    p.add_argument("--draft-model-path", default=None, help="STANDALONE's draft checkpoint")
+    p.add_argument("--num-steps", type=int, default=4, help="draft tokens per verify step")
+    p.add_argument("--dataset", default="random", choices=("random", "scenes", "copy"))
+    p.add_argument("--num-prompts", type=int, default=4)
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens (random)")
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--concurrency", default="1,16", help="comma list of requests in flight")
+    p.add_argument("--num-runs", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine-args", type=_json_obj, default={}, help="extra Engine/ServerArgs fields as JSON")
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=_cmd_spec)
+
+
+def _cmd_spec(ns: argparse.Namespace) -> int:
+    from tessera.bench.speculative import SpecBenchConfig, format_summary, run_spec_bench
+
+    concurrency = tuple(int(c) for c in ns.concurrency.split(",") if c.strip())
+    if not concurrency or min(concurrency) < 1 or min(ns.num_prompts, ns.num_runs, ns.output_len) < 1:
+        raise ValueError("spec: --concurrency, --num-prompts, --num-runs and --output-len must be positive")
+    cfg = SpecBenchConfig(model_path=ns.model_path, algorithm=ns.algorithm, draft_model_path=ns.draft_model_path,
+                          num_steps=ns.num_steps, dataset=ns.dataset, num_prompts=ns.num_prompts,
+                          input_len=ns.input_len, output_len=ns.output_len, concurrency=concurrency,
+                          num_runs=ns.num_runs, seed=ns.seed, engine_args=ns.engine_args)
+    result = run_spec_bench(cfg)
+    _report(format_summary(result), result, ns.output_json)
+    return 0 if all(r["identical"] for r in result["by_concurrency"].values()) else 1
+
+
 SUBCOMMANDS = {"serving": _add_serving, "offline": _add_offline, "profile": _add_profile, "soak": _add_soak,
-               "overload": _add_overload}
+               "overload": _add_overload, "spec": _add_spec}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -350,7 +350,7 @@ class Scheduler:
         """A verify step's tokens to emit: the sampled rows up to the first that differs from its draft (see
         scheduler/speculative.py); the rejected drafts' KV slots go back."""
         accepted = accepted_prefix(s.draft, sampled)
-        self.speculator.record(len(s.draft), accepted)  # type: ignore[union-attr]
+        self.speculator.record(s.req.rid, len(s.draft), accepted)  # type: ignore[union-attr]
         self.policy.kv.truncate(s.req, s.start + accepted + 1)
         return sampled[:accepted + 1]
 

@@ -77,11 +77,14 @@ class _NgramIndex:
             at = self.after.get(tuple(self.tokens[end - n:]))
             if at is None:
                 continue
-            draft = []
-            for p in range(at, min(at + k, end)):
-                if self._is_media(p):
+            draft: list[int] = []
+            for p in range(at, at + k):
+                if p >= end:  # the match runs into the suffix itself (a repeating pattern): it continues it
+                    draft.append(draft[p - end])
+                elif self._is_media(p):
                     break
-                draft.append(self.tokens[p])
+                else:
+                    draft.append(self.tokens[p])
             if draft:
                 return draft
         return []
@@ -137,6 +140,9 @@ class OracleProposer:
         pass
 
 
+MAX_BACKOFF = 16
+
+
 class Speculator:
     """Decides which decoding requests get drafts this step and how many, and counts what verify steps kept
     (acceptance length and rate for /metrics and get_server_info)."""
@@ -149,6 +155,10 @@ class Speculator:
         self.num_verifies = 0  # request-steps that verified drafts
         self.num_drafted = 0
         self.num_accepted = 0
+        # A request whose drafts keep missing pays a verify step (k + 1 rows, off the plain decode path) for one
+        # token: after m misses in a row it decodes 2^(m-1) steps (at most MAX_BACKOFF) before the next try.
+        self._misses: dict[str, int] = {}
+        self._wait: dict[str, int] = {}
 
     def drafts(self, reqs: Sequence[Req]) -> list[list[int]]:
         """Per request, the drafts to verify this step ([] for none). None at all once the decoding batch reaches
@@ -160,7 +170,10 @@ class Speculator:
             sp = req.sampling_params
             # No draft past what the request may still emit (the verify step emits accepted + 1) or its context.
             room = min(sp.max_new_tokens - len(req.output_ids), self.context_length - req.seq_len) - 1
-            limits.append(min(self.num_draft, room) if sp.speculative else 0)
+            wait = self._wait.get(req.rid, 0)
+            if wait:
+                self._wait[req.rid] = wait - 1
+            limits.append(min(self.num_draft, room) if sp.speculative and not wait else 0)
         proposals = self.proposer.propose(reqs, limits) if any(limits) else [[] for _ in reqs]
         out = []
         for req, draft, k in zip(reqs, proposals, limits):
@@ -170,13 +183,20 @@ class Speculator:
             out.append(draft)
         return out
 
-    def record(self, drafted: int, accepted: int) -> None:
+    def record(self, rid: str, drafted: int, accepted: int) -> None:
         self.num_verifies += 1
         self.num_drafted += drafted
         self.num_accepted += accepted
+        if accepted:
+            self._misses.pop(rid, None)
+        else:
+            misses = self._misses[rid] = self._misses.get(rid, 0) + 1
+            self._wait[rid] = min(2 ** (misses - 1), MAX_BACKOFF)
 
     def release(self, rid: str) -> None:
         self.proposer.release(rid)
+        self._misses.pop(rid, None)
+        self._wait.pop(rid, None)
 
 
 def make_speculator(args: ServerArgs, context_length: int, draft: Proposer | None = None) -> Speculator | None:

@@ -26,8 +26,17 @@ from tessera.messages.worker import (
 def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], config: ModelConfig,
                         kv: KVManager) -> ForwardInput:
     """The step's message. Takes the KV manager's pending slot writes and releases last, so a failure
-    while building leaves them for the next step."""
-    segments = [StepSegment(s.start, s.end, len(s.req.origin_input_ids), s.req.mm_inputs) for s in batch.reqs]
+    while building leaves them for the next step.
+
+    A verify step (speculative decoding: the last token and k drafts, scheduler/speculative.py) goes to the
+    worker as k + 1 decode rows of the same request, row i with i + 1 more tokens of KV: every backend writes a
+    step's K/V before it attends, so each row sees exactly the tokens before it, and the step stays a decode
+    step (the CPU decode stack, the CUDA graphs)."""
+    # (scheduled request, its index in the batch, start, end): a verify step's rows, one per token.
+    rows = [(s, b, start, start + 1) for b, s in enumerate(batch.reqs)
+            for start in (range(s.start, s.end) if s.draft else (s.start,))]
+    segments = [StepSegment(start, end if s.draft else s.end, len(s.req.origin_input_ids), s.req.mm_inputs)
+                for s, _, start, end in rows]
     layout = model_cls.prepare_step(config, segments)
     ids: list[int] = []
     locs: list[torch.Tensor] = []
@@ -39,24 +48,32 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
     prompt_done: list[str] = []
     grammars = []  # per SamplingRow: the request's GrammarMatcher or None
     prompt_rows: list[PromptLogprobRows] = []
+    state_fills: list[RequestStateFill] = []
     flat = 0
-    for i, s in enumerate(batch.reqs):
+    for r, (s, b, start, _) in enumerate(rows):
         req = s.req
-        ids.extend(req.token_slice(s.start, s.end - len(s.draft)))
-        ids.extend(s.draft)
+        if s.draft:  # verify row start - s.start: the last real token, then the drafts
+            i = start - s.start
+            ids.append(req.fill_ids[-1] if i == 0 else s.draft[i - 1])
+            locs.append(s.out_cache_loc[i:i + 1])
+            flat += 1
+            logits_rows.append(flat - 1)
+            _add_sampling(sampling, grammars, req, model_cls, s.draft[:i])
+            continue
+        ids.extend(req.token_slice(s.start, s.end))
         locs.append(s.out_cache_loc)
         prompt_len = len(req.origin_input_ids)
         if req.mm_inputs is not None and req.mm_inputs.items and s.start < prompt_len:
             for item in req.mm_inputs.items:
                 item_row = 0  # rows of the item's embedding before this offset range
                 for lo, hi in item.offsets:
-                    a, b = max(lo, s.start), min(hi, s.end)
-                    if a < b:
+                    a, e = max(lo, s.start), min(hi, s.end)
+                    if a < e:
                         idx = item_index.setdefault(id(item), len(items))
                         if idx == len(items):
                             items.append(item)
-                        placements.append(MMPlacement(idx, i, flat + a - s.start, item_row + a - lo,
-                                                      item_row + b - lo))
+                        placements.append(MMPlacement(idx, r, flat + a - s.start, item_row + a - lo,
+                                                      item_row + e - lo))
                     item_row += hi - lo
             if s.end >= prompt_len:
                 prompt_done.append(req.rid)
@@ -64,38 +81,43 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
             lo, hi = req.input_logprob_rows()
             lo, hi = max(lo, s.start), min(hi, s.end)
             if lo < hi:
-                prompt_rows.append(PromptLogprobRows(i, flat + lo - s.start, lo + 1,
+                prompt_rows.append(PromptLogprobRows(b, flat + lo - s.start, lo + 1,
                                                      req.origin_input_ids[lo + 1:hi + 1],
                                                      req.sampling_params.top_logprobs_num,
                                                      req.prompt_logprob_ranks))
         flat += s.end - s.start
         if s.samples:
-            sp = req.sampling_params
-            wants_prompt = sp.repetition_penalty != 1 or model_cls.process_logits_reads_prompt
-            prompt = req.origin_input_ids if wants_prompt else []
-            # A verify step samples every row, row i as a decode step would after the first i drafts.
-            for i in range(len(s.draft) + 1):
-                logits_rows.append(flat - 1 - len(s.draft) + i)
-                drafted = s.draft[:i]
-                sampling.append(SamplingRow(sp, req.output_ids + drafted if i else req.output_ids, prompt))
-                grammars.append(req.grammar.advanced(drafted) if req.grammar is not None and i else req.grammar)
-    # A request's state comes from its one media item (the frontend admits exactly one for such families).
-    state_fills = [RequestStateFill(i, s.req.mm_inputs.items[0], s.req.state_slots)  # type: ignore[union-attr]
-                   for i, s in enumerate(batch.reqs) if s.req.state_slots is not None and not s.req.state_filled]
+            logits_rows.append(flat - 1)
+            _add_sampling(sampling, grammars, req, model_cls, [])
+        # A request's state comes from its one media item (the frontend admits exactly one for such families).
+        if req.state_slots is not None and not req.state_filled:
+            state_fills.append(RequestStateFill(r, req.mm_inputs.items[0], req.state_slots))  # type: ignore[union-attr]
     writes, released = kv.take_pending()
-    for fill in state_fills:
-        batch.reqs[fill.req].req.state_filled = True
+    for s, *_ in rows:
+        if s.req.state_slots is not None:
+            s.req.state_filled = True
     return ForwardInput(
-        rids=[s.req.rid for s in batch.reqs],
+        rids=[s.req.rid for s, *_ in rows],
         input_ids=torch.tensor(ids, dtype=torch.int64),
         positions=layout.positions,
         out_cache_loc=torch.cat(locs),
-        req_pool_indices=[s.req.req_pool_idx for s in batch.reqs],  # type: ignore[misc]
-        req_generations=[kv.req_pool.generation[s.req.req_pool_idx] for s in batch.reqs],  # type: ignore[index]
-        seq_lens=[s.end for s in batch.reqs],
-        extend_lens=[s.end - s.start for s in batch.reqs],
+        req_pool_indices=[s.req.req_pool_idx for s, *_ in rows],  # type: ignore[misc]
+        req_generations=[kv.req_pool.generation[s.req.req_pool_idx] for s, *_ in rows],  # type: ignore[index]
+        seq_lens=[end if s.draft else s.end for s, _, _, end in rows],
+        extend_lens=[1 if s.draft else s.end - s.start for s, *_ in rows],
         slot_writes=writes, logits_rows=logits_rows, sampling=sampling,
         mm_items=items, mm_placements=placements, bidirectional_spans=layout.bidirectional_spans,
         prompt_done=prompt_done, released=released, state_fills=state_fills, vocab_mask=fill_bitmask(grammars),
         stop_closers=stop_closers(grammars), prompt_logprob_rows=prompt_rows,
     )
+
+
+def _add_sampling(sampling: list[SamplingRow], grammars: list, req, model_cls: type[TesseraModel],
+                  drafted: list[int]) -> None:
+    """The sampling row of a request's next token; after `drafted` (a verify row), sampled as a decode step
+    would sample it once those drafts were its output."""
+    sp = req.sampling_params
+    wants_prompt = sp.repetition_penalty != 1 or model_cls.process_logits_reads_prompt
+    sampling.append(SamplingRow(sp, req.output_ids + drafted if drafted else req.output_ids,
+                                req.origin_input_ids if wants_prompt else []))
+    grammars.append(req.grammar.advanced(drafted) if req.grammar is not None and drafted else req.grammar)

@@ -384,7 +384,9 @@ class ModelWorker:
             req_pool_indices=req_pool_indices, seq_lens=seq_lens, extend_lens=extend_lens,
             req_to_token=self.req_to_token, logits_indices=logits_rows,
             mm_embed_rows=mm_rows, mm_embeds=mm_embeds, custom_masks=masks,
-            req_generations=fi.req_generations if self.use_decode_mirror else None,
+            # A verify step's rows share their request's table row: the mirror, one row per request, sits it out.
+            req_generations=fi.req_generations if self.use_decode_mirror and
+            len(set(fi.req_pool_indices)) == len(fi.req_pool_indices) else None,
             host_seq_lens=fi.seq_lens, host_extend_lens=fi.extend_lens, host_req_pool_indices=fi.req_pool_indices,
             state_slots=state_slots,
         )

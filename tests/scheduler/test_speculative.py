@@ -46,6 +46,8 @@ def test_ngram_proposes_the_latest_longest_match():
     req.output_ids += [8, 8]  # the index follows the output incrementally
     assert ngram.propose([req], [4]) == [[7, 3, 6, 1]]
     assert ngram.propose([_req([1, 2], [9])], [4]) == [[]]  # nothing to match
+    # A repeating pattern: the match's continuation runs into the suffix and goes on repeating it.
+    assert ngram.propose([_req([3, 1, 2, 1, 2], [1, 2])], [5]) == [[1, 2, 1, 2, 1]]
 
 
 def test_ngram_never_matches_media_placeholders():
@@ -171,3 +173,23 @@ def test_scheduled_verify_rows_sample_after_their_drafts():
     req = _req([1, 2, 3], [7])
     s = ScheduledReq(req, 3, 6, torch.tensor([4, 5, 6]), draft=[8, 9])
     assert s.samples and not s.is_prefill
+
+
+def test_drafts_that_keep_missing_back_off():
+    spec = Speculator(_Fixed([4, 5]), 2, disable_batch_size=8, context_length=100)
+    req = _req([1], [2])
+    tried = []
+    for _ in range(12):
+        drafted = spec.drafts([req])[0]
+        tried.append(bool(drafted))
+        if drafted:
+            spec.record(req.rid, len(drafted), 0)  # every draft rejected
+    # Tries, then waits of 1, 2, 4 steps between them.
+    assert tried == [True, False, True, False, False, True, False, False, False, False, True, False]
+    spec.drafts([req]), spec.drafts([req])  # the wait of 8 runs out after the 8th step
+    for _ in range(6):
+        spec.drafts([req])
+    assert spec.drafts([req])[0]
+    spec.record(req.rid, 2, 1)  # an accepted draft: the next miss waits one step again, not 16
+    spec.record(req.rid, 2, 0)
+    assert spec.drafts([req]) == [[]] and spec.drafts([req])[0]
