@@ -143,7 +143,7 @@ class TranscriptionServing:
         self.tm = serving.tm
 
     def _check_audio_model(self, model: str) -> None:
-        self.serving.check_model({"model": model})
+        self.serving.check_model(model)
         info = self.tm.info
         if not info.has_audio_understanding:
             reason = (info.no_media_reason() if info.args.language_model_only else
