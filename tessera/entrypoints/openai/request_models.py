@@ -168,13 +168,13 @@ class TranscriptionRequest(_Body):
     model_config = ConfigDict(extra="forbid", strict=False)  # a form's values are text
 
     file: bytes = Field(description="The audio file (wav, flac, ogg, mp3, m4a, ...).")
-    model: str | None = Field(None, description="The served model's name; optional.")
+    model: str = Field(description="The served model's name.")
     language: str | None = Field(None, description="The spoken language (ISO-639-1), where the model takes it.")
     prompt: str | None = Field(None, description="Text that precedes the audio.")
-    response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] | None = Field(
+    response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] = Field(
         "json", description="The answer's shape.")
-    temperature: float | None = Field(0.0, description="Sampling temperature (0: greedy).")
-    stream: bool | None = Field(False, description="Stream the text as server-sent events.")
+    temperature: float = Field(0.0, ge=0, le=2, allow_inf_nan=False, description="Sampling temperature (0: greedy).")
+    stream: bool = Field(False, description="Stream the text as server-sent events (json and text only).")
     timestamp_granularities: list[Literal["segment", "word"]] | None = Field(
         None, alias="timestamp_granularities[]", description="verbose_json: segment (word is refused).")
     include: list[str] | None = Field(None, alias="include[]", description="OpenAI's extra outputs; accepted, "
@@ -223,7 +223,7 @@ def parse(model: type[Body], body: dict) -> Body:
 def field_error(errors: list[dict]) -> APIError:
     """pydantic's errors as one 400 that names the first field: "stop_token_ids[1]: Input should be ...". A
     value that fits none of a union's types reports each type's complaint."""
-    name = str(errors[0]["loc"][0]) if errors[0]["loc"] else "body"
+    name = str(errors[0]["loc"][0]).removesuffix("[]") if errors[0]["loc"] else "body"  # a form's list field
     same = [e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]]
     if len(same) > 1:
         return APIError(f"{name}: " + "; or ".join(dict.fromkeys(e["msg"] for e in same)), param=name)
