@@ -28,7 +28,7 @@ from tessera.entrypoints.openai import tokenization
 from tessera.entrypoints.openai.chat import create_chat_completion
 from tessera.entrypoints.openai.completions import create_completion
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
-from tessera.entrypoints.openai.request_models import openapi_body
+from tessera.entrypoints.openai.request_models import REQUEST_BODIES, parse, route_docs
 from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
 from tessera.entrypoints.warmup import WarmupError, warm_up
 from tessera.entrypoints.openai.transcriptions import TranscriptionServing
@@ -208,7 +208,8 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError):
         return error_response(f"invalid request: {exc.errors()}", 400)
 
-    async def body_of(request: Request) -> dict:
+    async def body_of(request: Request, path: str):
+        """The JSON body of `path`'s route, parsed once into its model (request_models.REQUEST_BODIES)."""
         ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
         if ctype in FORM_TYPES:
             raise APIError(f"Content-Type: {ctype} is not accepted here; send the JSON body as application/json",
@@ -219,7 +220,7 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
             raise APIError(f"body: not valid JSON ({e})") from None
         if not isinstance(body, dict):
             raise APIError("body: expected a JSON object")
-        return body
+        return parse(REQUEST_BODIES[path][0], body)
 
     def not_ready_reason() -> str:
         if state.load_error:
@@ -250,7 +251,7 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
         return {"id": args.model_name, "object": "model", "created": int(state.started), "owned_by": "tessera",
                 "root": args.model_name, "parent": None, "max_model_len": serving().tm.context_length}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", **route_docs("/v1/models"))
     async def models():
         return {"object": "list", "data": [model_card()]}
 
@@ -266,13 +267,13 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
     async def version():
         return {"version": tessera_version}
 
-    @app.post("/tokenize", openapi_extra=openapi_body("/tokenize"))
+    @app.post("/tokenize", **route_docs("/tokenize"))
     async def tokenize(request: Request):
-        return tokenization.tokenize(serving(), await body_of(request))
+        return tokenization.tokenize(serving(), await body_of(request, "/tokenize"))
 
-    @app.post("/detokenize", openapi_extra=openapi_body("/detokenize"))
+    @app.post("/detokenize", **route_docs("/detokenize"))
     async def detokenize(request: Request):
-        return tokenization.detokenize(serving(), await body_of(request))
+        return tokenization.detokenize(serving(), await body_of(request, "/detokenize"))
 
     @app.get("/health_generate")
     async def health_generate():
@@ -321,29 +322,29 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
         await serving().tm.flush_cache()
         return {"status": "ok"}
 
-    @app.post("/v1/chat/completions", openapi_extra=openapi_body("/v1/chat/completions"))
+    @app.post("/v1/chat/completions", **route_docs("/v1/chat/completions"))
     async def chat(request: Request):
-        return await create_chat_completion(serving(), request, await body_of(request))
+        return await create_chat_completion(serving(), request, await body_of(request, "/v1/chat/completions"))
 
-    @app.post("/v1/completions", openapi_extra=openapi_body("/v1/completions"))
+    @app.post("/v1/completions", **route_docs("/v1/completions"))
     async def completions(request: Request):
-        return await create_completion(serving(), request, await body_of(request))
+        return await create_completion(serving(), request, await body_of(request, "/v1/completions"))
 
-    @app.post("/v1/audio/transcriptions", openapi_extra=openapi_body("/v1/audio/transcriptions"))
+    @app.post("/v1/audio/transcriptions", **route_docs("/v1/audio/transcriptions"))
     async def transcriptions(request: Request):
         serving()  # 503 until the model is loaded
         assert state.transcriptions is not None  # set together with state.serving
         return await state.transcriptions.create(request)
 
-    @app.post("/v1/audio/translations", openapi_extra=openapi_body("/v1/audio/translations"))
+    @app.post("/v1/audio/translations", **route_docs("/v1/audio/translations"))
     async def translations(request: Request):
         serving()
         assert state.transcriptions is not None
         return await state.transcriptions.create(request, task="translate")
 
-    @app.post("/generate", openapi_extra=openapi_body("/generate"))
+    @app.post("/generate", **route_docs("/generate"))
     async def generate(request: Request):
-        return await native_generate.generate(serving(), request, await body_of(request))
+        return await native_generate.generate(serving(), request, await body_of(request, "/generate"))
 
     return app
 

@@ -13,35 +13,35 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
+from tessera.entrypoints.openai import request_models as rm
 from tessera.entrypoints.openai.errors import APIError
-from tessera.entrypoints.openai.peer_fields import GENERATE_NOOPS, refusal
-from tessera.entrypoints.openai.request_models import GENERATE_FIELDS
 from tessera.entrypoints.openai.serving import OpenAIServing, check_batch
 from tessera.entrypoints.openai.streaming import event_stream, sse
 from tessera.frontend.request import GenerateRequest
 from tessera.messages.sampling import SamplingParams
 
-ACCEPTED = GENERATE_FIELDS  # declared with their types and meanings in openai/request_models.py
-MODALITIES = {"image", "multi-images", "video", "audio"}
+_PER_PROMPT = ("sampling_params", "image_data", "video_data", "audio_data", "return_logprob", "top_logprobs_num",
+               "logprob_start_len")
+_SHARED_IN_A_BATCH = ("sampling_params", "return_logprob", "top_logprobs_num", "logprob_start_len")
 
 
-def _batch(body: dict) -> tuple[list[dict], bool]:
-    """The prompts (text or input_ids) of the body and whether it was a batch."""
-    text, ids = body.get("text"), body.get("input_ids")
+def _batch(req: rm.GenerateRequest) -> tuple[list[dict], bool]:
+    """The prompts (text or input_ids) of the request and whether it was a batch."""
+    text, ids = req.text, req.input_ids
     if (text is None) == (ids is None):
         raise APIError("text: give exactly one of text or input_ids", param="text")
     if isinstance(text, list):
-        if not text or not all(isinstance(t, str) for t in text):
+        if not text:
             raise APIError("text: a batch must be a non-empty list of strings", param="text")
         return [dict(text=t) for t in text], True
-    if isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
+    if ids and isinstance(ids[0], list):
         return [dict(input_ids=p) for p in ids], True
     return [dict(text=text) if text is not None else dict(input_ids=ids)], False
 
 
-def _per_prompt(body: dict, name: str, n: int, batch: bool) -> list[Any]:
+def _per_prompt(req: rm.GenerateRequest, name: str, n: int, batch: bool) -> list[Any]:
     """A per-prompt field: one value for a single prompt, a list of n values (or one shared) for a batch."""
-    value = body.get(name)
+    value = getattr(req, name)
     if not batch:
         return [value]
     if isinstance(value, list) and len(value) == n and name != "sampling_params":
@@ -50,32 +50,16 @@ def _per_prompt(body: dict, name: str, n: int, batch: bool) -> list[Any]:
         if len(value) != n:
             raise APIError(f"sampling_params: a list needs one entry per prompt ({n})", param="sampling_params")
         return value
-    if value is None or name == "sampling_params" or name in ("return_logprob", "top_logprobs_num",
-                                                              "logprob_start_len"):
+    if value is None or name in _SHARED_IN_A_BATCH:
         return [value] * n
     raise APIError(f"{name}: a batch of {n} prompts needs a list of {n} entries", param=name)
 
 
-async def generate(serving: OpenAIServing, request: Request, body: dict):
-    for name in sorted(set(body) - ACCEPTED):  # SGLang's own fields pass at their no-op values
-        if name not in GENERATE_NOOPS:
-            raise APIError(f"{name}: unknown or unsupported field (accepted: {', '.join(sorted(ACCEPTED))})",
-                           param=name)
-        why = refusal(name, body[name], GENERATE_NOOPS)
-        if why is not None:
-            raise APIError(f"{name}: {why} (accepted only at its no-op value)", param=name)
-    modalities = body.get("modalities")
-    if modalities is not None and (not isinstance(modalities, list)
-                                   or not all(isinstance(m, str) and m in MODALITIES for m in modalities)):
-        raise APIError(f"modalities: a list of {sorted(MODALITIES)}", param="modalities")
-    prompts, batch = _batch(body)
-    check_batch(len(prompts), "text" if body.get("text") is not None else "input_ids")
-    n = len(prompts)
-    columns = {name: _per_prompt(body, name, n, batch) for name in
-               ("sampling_params", "image_data", "video_data", "audio_data", "return_logprob", "top_logprobs_num",
-                "logprob_start_len")}
-    stream = bool(body.get("stream"))
-    with_text = bool(body.get("return_text_in_logprobs"))
+def _requests(serving: OpenAIServing, req: rm.GenerateRequest) -> tuple[list[GenerateRequest], bool]:
+    """The one mapping of a /generate request to the engine's requests (n of each prompt); whether a batch."""
+    prompts, batch = _batch(req)
+    check_batch(len(prompts), "text" if req.text is not None else "input_ids")
+    columns = {name: _per_prompt(req, name, len(prompts), batch) for name in _PER_PROMPT}
     reqs: list[GenerateRequest] = []
     for k, prompt in enumerate(prompts):
         try:
@@ -85,24 +69,27 @@ async def generate(serving: OpenAIServing, request: Request, body: dict):
         top = columns["top_logprobs_num"][k]
         if top is not None:
             sp.top_logprobs_num = top
-        salt = body.get("cache_salt")
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise APIError("cache_salt: must be a non-empty string", param="cache_salt")
         return_logprob = bool(columns["return_logprob"][k] or sp.top_logprobs_num)
         start = columns["logprob_start_len"][k]
-        if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < -1):
+        if start is not None and (not isinstance(start, int) or start < -1):
             raise APIError(f"logprob_start_len: must be an integer >= -1, got {start!r}", param="logprob_start_len")
         base = dict(**prompt, image_data=columns["image_data"][k], video_data=columns["video_data"][k],
-                    audio_data=columns["audio_data"][k], stream=stream, cache_salt=salt,
+                    audio_data=columns["audio_data"][k], stream=bool(req.stream), cache_salt=req.cache_salt,
                     return_logprob=return_logprob,
                     logprob_start_len=start if return_logprob and start is not None else -1)
         reqs += serving.fan_out(base, sp)
-    if body.get("rid") is not None:
-        rids = body["rid"] if isinstance(body["rid"], list) else [body["rid"]]
-        if len(rids) != len(reqs) or not all(isinstance(r, str) for r in rids):
+    if req.rid is not None:
+        rids = req.rid if isinstance(req.rid, list) else [req.rid]
+        if len(rids) != len(reqs):
             raise APIError(f"rid: one string per output ({len(reqs)})", param="rid")
         for r, rid in zip(reqs, rids):
             r.rid = rid
+    return reqs, batch
+
+
+async def generate(serving: OpenAIServing, request: Request, req: rm.GenerateRequest):
+    reqs, batch = _requests(serving, req)
+    stream, with_text = bool(req.stream), bool(req.return_text_in_logprobs)
     tokenized = await serving.prepare(reqs, {})
 
     def shaped(out: dict, index: int) -> dict:

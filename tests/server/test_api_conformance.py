@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from tessera.entrypoints.openai.errors import APIError
+from tessera.entrypoints.openai.request_models import ChatCompletionRequest, parse
 from tessera.entrypoints.openai.streaming import event_stream
 from tessera.entrypoints.openai.tool_calls import (
     ToolCallParser,
@@ -375,11 +376,14 @@ def test_tool_call_parser_whole_and_streamed():
 
 def test_templates_without_tool_support_refuse_tools():
     stock = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    def req(**body):
+        return parse(ChatCompletionRequest, {"messages": USER, **body})
+
     with pytest.raises(APIError) as e:
-        plan_tools({"tools": TOOLS}, stock)
+        plan_tools(req(tools=TOOLS), stock)
     assert e.value.param == "tools" and e.value.status == 400
-    assert plan_tools({"tools": TOOLS, "tool_choice": "none"}, stock) is None
-    assert plan_tools({"tools": TOOLS}, TOOL_TEMPLATE.read_text()).choice == "auto"
+    assert plan_tools(req(tools=TOOLS, tool_choice="none"), stock) is None
+    assert plan_tools(req(tools=TOOLS), TOOL_TEMPLATE.read_text()).choice == "auto"
 
 
 def test_sglang_and_vllm_utility_routes(base):

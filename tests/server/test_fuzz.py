@@ -93,41 +93,10 @@ GENERATE_BODY = st.fixed_dictionaries({}, optional={
 
 @pytest.fixture(scope="module")
 def client():
-    from fastapi.testclient import TestClient
+    from tests.server.stub_app import stub_client
 
-    from tessera.config import ServerArgs
-    from tessera.entrypoints.http_server import create_app
-    from tessera.entrypoints.openai.serving import OpenAIServing
-    from tessera.entrypoints.openai.transcriptions import TranscriptionServing
-    from tessera.frontend.tokenizer_manager import TokenizerManager
-
-    class NoScheduler(TokenizerManager):
-        """The real frontend (tokenizer, processors, limits) with a stand-in for the scheduler: every request
-        that passes validation finishes at once with one token."""
-
-        scheduler_alive = True
-
-        async def generate(self, req, tokenized=None):
-            if tokenized is None:
-                tokenized = await self.tokenize(req)
-            meta = {"id": req.rid, "finish_reason": {"type": "length", "length": 1},
-                    "prompt_tokens": len(tokenized.input_ids), "completion_tokens": 1, "cached_tokens": 0,
-                    "e2e_latency": 0.0, "ttft": 0.0}
-            if req.return_logprob:
-                meta["output_token_logprobs"] = [(-0.5, 11)]
-                meta["output_top_logprobs"] = [[(-0.5, 11)]]
-            yield {"text": "ok", "delta": "ok", "output_ids": [11], "meta_info": meta}
-
-    args = ServerArgs(model_path="demo-vl", max_total_tokens=65536)
-    app = create_app(args)
-    state = app.state.tessera
-    tm = NoScheduler(args)
-    tm.ready, tm.max_total_tokens = True, 65536
-    state.tm, state.serving = tm, OpenAIServing(tm, args.model_name)
-    state.transcriptions = TranscriptionServing(state.serving)
-    with TestClient(app, raise_server_exceptions=False) as c:
+    with stub_client() as c:
         yield c
-    tm.shutdown()
 
 
 def check(r) -> None:

@@ -11,19 +11,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tessera.entrypoints import native_generate
-from tessera.entrypoints.openai import protocol
+from tessera.entrypoints.openai import request_models as rm
 from tessera.entrypoints.openai.peer_fields import GENERATE_NOOPS, OPENAI_NOOPS
 
 FIXTURE = json.loads((Path(__file__).parents[1] / "fixtures" / "peer_request_fields.json").read_text())
 README = (Path(__file__).parents[2] / "README.md").read_text()
 # (peer, model) -> (our endpoint, the fields it honours, its no-op table)
 ENDPOINTS = {
-    ("sglang", "ChatCompletionRequest"): ("/v1/chat/completions", protocol.CHAT_FIELDS, OPENAI_NOOPS),
-    ("vllm", "ChatCompletionRequest"): ("/v1/chat/completions", protocol.CHAT_FIELDS, OPENAI_NOOPS),
-    ("sglang", "CompletionRequest"): ("/v1/completions", protocol.COMPLETION_FIELDS, OPENAI_NOOPS),
-    ("vllm", "CompletionRequest"): ("/v1/completions", protocol.COMPLETION_FIELDS, OPENAI_NOOPS),
-    ("sglang", "GenerateReqInput"): ("/generate", native_generate.ACCEPTED, GENERATE_NOOPS),
+    ("sglang", "ChatCompletionRequest"): ("/v1/chat/completions", rm.CHAT_FIELDS, OPENAI_NOOPS),
+    ("vllm", "ChatCompletionRequest"): ("/v1/chat/completions", rm.CHAT_FIELDS, OPENAI_NOOPS),
+    ("sglang", "CompletionRequest"): ("/v1/completions", rm.COMPLETION_FIELDS, OPENAI_NOOPS),
+    ("vllm", "CompletionRequest"): ("/v1/completions", rm.COMPLETION_FIELDS, OPENAI_NOOPS),
+    ("sglang", "GenerateReqInput"): ("/generate", rm.GENERATE_FIELDS, GENERATE_NOOPS),
 }
 # Peer defaults that mean what Tessera does not do: (peer, model, field) -> what the 400 names.
 REFUSED_AT_PEER_DEFAULT = {
@@ -43,12 +42,12 @@ def _cases():
 
 def test_every_peer_field_is_honoured_or_listed() -> None:
     unlisted = [f"{peer}.{model}.{name}" for peer, model, _, accepted, noops, name, _ in _cases()
-                if name not in accepted and name not in noops and name not in protocol._REFUSED]
+                if name not in accepted and name not in noops]
     assert not unlisted, f"neither honoured nor listed in peer_fields.py: {unlisted}"
 
 
 def test_every_refusal_is_in_the_readme() -> None:
-    for name in sorted({*OPENAI_NOOPS, *GENERATE_NOOPS, *protocol._REFUSED}):
+    for name in sorted({*OPENAI_NOOPS, *GENERATE_NOOPS}):
         assert f"`{name}`" in README, f"README: say why {name} is accepted only at its no-op value"
 
 

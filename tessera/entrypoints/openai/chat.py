@@ -20,15 +20,14 @@ from tessera.entrypoints.openai.prompt_logprobs import (
     vllm_prompt_logprobs,
 )
 from tessera.entrypoints.openai.protocol import (
-    CHAT_FIELDS,
     StreamOptions,
-    check_fields,
     parse_chat_messages,
     sampling_params_from_openai,
     stream_options,
     user_names,
 )
-from tessera.entrypoints.openai.serving import OpenAIServing, cache_salt_of, response_id
+from tessera.entrypoints.openai.request_models import ChatCompletionRequest, TokenizeRequest
+from tessera.entrypoints.openai.serving import OpenAIServing, response_id
 from tessera.entrypoints.openai.streaming import (
     ChunkWriter,
     event_stream,
@@ -46,22 +45,18 @@ from tessera.entrypoints.openai.tool_calls import (
 )
 
 
-def chat_prompt(serving: OpenAIServing, messages: list[dict], body: dict, plan: ToolPlan | None) -> str:
-    cont = body.get("continue_final_message", False)
+def chat_prompt(serving: OpenAIServing, messages: list[dict], req: ChatCompletionRequest | TokenizeRequest,
+                plan: ToolPlan | None) -> str:
+    cont = bool(req.continue_final_message)
     # SGLang's clients send only continue_final_message (a prefilled answer): no new turn then.
-    add_gen = body.get("add_generation_prompt", cont is not True)
-    for name, value in (("add_generation_prompt", add_gen), ("continue_final_message", cont)):
-        if not isinstance(value, bool):
-            raise APIError(f"{name}: must be a boolean", param=name)
+    add_gen = req.add_generation_prompt if req.add_generation_prompt is not None else not cont
     if cont and add_gen:
         raise APIError("continue_final_message: cannot be combined with add_generation_prompt true",
                        param="continue_final_message")
     if cont and messages[-1]["role"] != "assistant":
         raise APIError("continue_final_message: the last message must be the assistant's",
                        param="continue_final_message")
-    extra = body.get("chat_template_kwargs") or {}
-    if not isinstance(extra, dict):
-        raise APIError("chat_template_kwargs: must be an object", param="chat_template_kwargs")
+    extra = req.chat_template_kwargs or {}
     reserved = sorted(set(extra) & {"messages", "conversation", "tools", "add_generation_prompt",
                                     "continue_final_message", "tokenize", "chat_template"})
     if reserved:
@@ -77,24 +72,20 @@ def chat_prompt(serving: OpenAIServing, messages: list[dict], body: dict, plan: 
     return prompt + (plan.forced_prefix if plan is not None else "")
 
 
-async def create_chat_completion(serving: OpenAIServing, request: Request, body: dict):
-    check_fields(body, CHAT_FIELDS)
-    serving.check_model(body)
-    opts = stream_options(body)
-    messages, images, videos, audios = parse_chat_messages(body.get("messages"))
-    plan = plan_tools(body, serving.chat_template)
-    prompt = chat_prompt(serving, messages, body, plan)
-    echo = body.get("echo")
-    if echo is not None and not isinstance(echo, bool):
-        raise APIError("echo: must be a boolean", param="echo")
+async def create_chat_completion(serving: OpenAIServing, request: Request, req: ChatCompletionRequest):
+    serving.check_model(req.model)
+    opts = stream_options(req)
+    messages, images, videos, audios = parse_chat_messages(req.messages)
+    plan = plan_tools(req, serving.chat_template)
+    prompt = chat_prompt(serving, messages, req, plan)
     # vLLM's chat echo: the reply starts with the last message when that one is the assistant's own.
     last = messages[-1]
     echo_text = ""
-    if echo and last["role"] == "assistant":
+    if req.echo and last["role"] == "assistant":
         echo_text = last["content"] if isinstance(last["content"], str) else "".join(
             p.get("text", "") for p in last["content"])
-    sp = sampling_params_from_openai(body, default_max_tokens=1 << 20, vocab_size=serving.tm.info.vocab_size)
-    prompt_k = prompt_logprobs_of(body, opts.stream)
+    sp = sampling_params_from_openai(req, default_max_tokens=1 << 20, vocab_size=serving.tm.info.vocab_size)
+    prompt_k = prompt_logprobs_of(req.prompt_logprobs, opts.stream)
     out_top = ask_prompt_logprobs(sp, prompt_k)
     if plan is not None and plan.call_schema() is not None:
         if sp.json_schema or sp.regex or sp.ebnf:
@@ -106,13 +97,14 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, body:
         except ValueError as e:  # a tool's parameters are not a schema the grammar compiler takes
             raise APIError(f"tools: a function's parameters are not a usable JSON schema ({e})",
                            param="tools") from None
+    video = (req.media_io_kwargs or {}).get("video")  # vLLM's per-request video sampling
     base = dict(text=prompt, image_data=images or None, video_data=videos or None, audio_data=audios or None,
-                return_logprob=bool(sp.logprobs), stream=opts.stream, cache_salt=cache_salt_of(body),
+                return_logprob=bool(sp.logprobs), stream=opts.stream, cache_salt=req.cache_salt,
                 logprob_start_len=-1 if prompt_k is None else 0, prompt_logprob_ranks=prompt_k is not None,
-                auto_max_new_tokens=body.get("max_tokens") is None and body.get("max_completion_tokens") is None)
-    base.update(video_kwargs_of(body))
+                auto_max_new_tokens=req.max_tokens is None and req.max_completion_tokens is None,
+                video_kwargs=(video.model_dump(exclude_none=True) or None) if video is not None else None)
     reqs = serving.fan_out(base, sp)
-    tokenized = await serving.prepare(reqs, user_names(body, chat=True))
+    tokenized = await serving.prepare(reqs, user_names(req))
     rid, created = response_id("chatcmpl", request), int(time.time())
     if opts.stream:
         return event_stream(_chat_stream(serving, reqs, tokenized, rid, created, opts, plan, echo_text))
@@ -213,24 +205,3 @@ def _token_entry(serving: OpenAIServing, token_id: int, logprob: float) -> dict:
     text = serving.token_text(token_id)
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-
-def video_kwargs_of(body: dict) -> dict:
-    """vLLM's per-request media_io_kwargs: {"video": {"num_frames": N}} (also fps, max_frames)."""
-    kw = body.get("media_io_kwargs")
-    if kw is None:
-        return {}
-    if not isinstance(kw, dict) or set(kw) - {"video"}:
-        raise APIError("media_io_kwargs: only {\"video\": {...}} is supported", param="media_io_kwargs")
-    video = kw.get("video") or {}
-    if not isinstance(video, dict):
-        raise APIError("media_io_kwargs.video: must be an object", param="media_io_kwargs")
-    unknown = sorted(set(video) - {"num_frames", "fps", "max_frames"})
-    if unknown:
-        raise APIError(f"media_io_kwargs.video.{unknown[0]}: unknown option (num_frames, fps, max_frames)",
-                       param="media_io_kwargs")
-    for name, value in video.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise APIError(f"media_io_kwargs.video.{name}: must be a positive number", param="media_io_kwargs")
-        if name != "fps" and not isinstance(value, int):
-            raise APIError(f"media_io_kwargs.video.{name}: must be an integer", param="media_io_kwargs")
-    return {"video_kwargs": video} if video else {}

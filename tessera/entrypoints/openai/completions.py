@@ -22,14 +22,13 @@ from tessera.entrypoints.openai.prompt_logprobs import (
     vllm_prompt_logprobs,
 )
 from tessera.entrypoints.openai.protocol import (
-    COMPLETION_FIELDS,
     StreamOptions,
-    check_fields,
     sampling_params_from_openai,
     stream_options,
     user_names,
 )
-from tessera.entrypoints.openai.serving import OpenAIServing, cache_salt_of, check_batch, response_id
+from tessera.entrypoints.openai.request_models import CompletionRequest
+from tessera.entrypoints.openai.serving import OpenAIServing, check_batch, response_id
 from tessera.entrypoints.openai.streaming import (
     ChunkWriter,
     event_stream,
@@ -40,31 +39,32 @@ from tessera.entrypoints.openai.streaming import (
 from tessera.frontend.request import GenerateRequest
 
 
-async def create_completion(serving: OpenAIServing, request: Request, body: dict):
-    check_fields(body, COMPLETION_FIELDS)
-    serving.check_model(body)
-    opts = stream_options(body)
-    prompts = prompts_of(body.get("prompt"))
+async def create_completion(serving: OpenAIServing, request: Request, req: CompletionRequest):
+    if req.best_of not in (None, 1, req.n):
+        raise APIError("best_of: only best_of == n is supported (every sample is returned)", param="best_of")
+    if req.suffix:
+        raise APIError("suffix: insertion (fill-in-the-middle) is not supported", param="suffix")
+    serving.check_model(req.model)
+    opts = stream_options(req)
+    prompts = prompts_of(req.prompt)
     check_batch(len(prompts), "prompt")
-    sp = sampling_params_from_openai(body, default_max_tokens=16, vocab_size=serving.tm.info.vocab_size, chat=False)
-    echo = body.get("echo")
-    if echo is not None and not isinstance(echo, bool):
-        raise APIError("echo: must be a boolean", param="echo")
-    prompt_k = prompt_logprobs_of(body, opts.stream)
+    sp = sampling_params_from_openai(req, default_max_tokens=16, vocab_size=serving.tm.info.vocab_size)
+    echo = bool(req.echo)
+    prompt_k = prompt_logprobs_of(req.prompt_logprobs, opts.stream)
     out_top = ask_prompt_logprobs(sp, prompt_k)
     with_prompt = prompt_k is not None or bool(echo and sp.logprobs)
     reqs: list[GenerateRequest] = []
     echoes: list[str] = []
     for p in prompts:
         new = serving.fan_out(dict(**p, return_logprob=bool(sp.logprobs), stream=opts.stream,
-                                   cache_salt=cache_salt_of(body), logprob_start_len=0 if with_prompt else -1,
+                                   cache_salt=req.cache_salt, logprob_start_len=0 if with_prompt else -1,
                                    prompt_logprob_ranks=prompt_k is not None), sp)
         reqs += new
         text = p.get("text")
         if echo and text is None:
             text = serving.tm.tokenizer.decode(p["input_ids"])
         echoes += [text if echo else ""] * len(new)
-    tokenized = await serving.prepare(reqs, user_names(body, chat=False))
+    tokenized = await serving.prepare(reqs, user_names(req))
     rid, created = response_id("cmpl", request), int(time.time())
     if opts.stream:
         return event_stream(_completion_stream(serving, reqs, tokenized, rid, created, opts, echoes, len(prompts)))
@@ -155,18 +155,11 @@ async def _completion_stream(serving: OpenAIServing, reqs, tokenized, rid: str, 
         yield tail
 
 
-def prompts_of(prompt) -> list[dict]:
-    """A completions prompt: a string, a list of strings, a list of token ids or a list of such lists."""
-    def is_ids(p) -> bool:
-        return isinstance(p, list) and bool(p) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-
-    if isinstance(prompt, str) and prompt:
-        return [dict(text=prompt)]
-    if is_ids(prompt):
-        return [dict(input_ids=prompt)]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) and p for p in prompt):
-        return [dict(text=p) for p in prompt]
-    if isinstance(prompt, list) and prompt and all(is_ids(p) for p in prompt):
-        return [dict(input_ids=p) for p in prompt]
-    raise APIError("prompt: must be a non-empty string, a list of strings, a list of token ids or a list of "
-                   "token-id lists", param="prompt")
+def prompts_of(prompt: str | list[str] | list[int] | list[list[int]]) -> list[dict]:
+    """A completions prompt (a string, a list of strings, a list of token ids or a list of such lists; the types
+    checked by its model) as the requests' text or input_ids; none may be empty."""
+    batch = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) else [prompt]
+    if not all(batch):
+        raise APIError("prompt: must be a non-empty string, a list of strings, a list of token ids or a list of "
+                       "token-id lists", param="prompt")
+    return [dict(text=p) if isinstance(p, str) else dict(input_ids=p) for p in batch]

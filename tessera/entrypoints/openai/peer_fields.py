@@ -89,6 +89,13 @@ OPENAI_NOOPS: dict[str, tuple[tuple[Any, ...], str]] = {
     "stream_interval": ((), "the stream interval is the server's (--stream-interval)"),
     "prompt_embeds": ((), "prompt embeddings are not accepted"),
     "embed_dtype": (("float32",), "embeddings are float32"),
+    # Declared with their types in request_models._Sampling (vLLM's and OpenAI's legacy fields).
+    "guided_decoding_backend": ((), "the constrained-decoding backend is fixed (llguidance)"),
+    "guided_whitespace_pattern": ((), "JSON output is compact; a whitespace pattern is not supported"),
+    "structural_tag": ((), "structural tags are not supported; use response_format, regex, ebnf or json_schema"),
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "functions": ((), "the legacy functions API is not supported; use tools"),
+    "function_call": ((), "the legacy functions API is not supported; use tool_choice"),
 }
 
 # SGLang's /generate (GenerateReqInput) beyond the fields it honours.

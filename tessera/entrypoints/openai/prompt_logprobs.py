@@ -12,24 +12,22 @@ max(k, the output's count) and the output's alternatives are cut back to what th
 
 from __future__ import annotations
 
-from numbers import Integral
-
 from tessera.entrypoints.openai.errors import APIError
 from tessera.messages.sampling import MAX_TOP_LOGPROBS_NUM, SamplingParams
 
 MIN_LOGPROB = -9999.0  # vLLM's clamp: JSON has no -inf
 
 
-def prompt_logprobs_of(body: dict, stream: bool) -> int | None:
-    k = body.get("prompt_logprobs")
+def prompt_logprobs_of(k: int | None, stream: bool) -> int | None:
+    """The request's prompt_logprobs, checked."""
     if k is None:
         return None
-    if isinstance(k, bool) or not isinstance(k, Integral) or not 0 <= k <= MAX_TOP_LOGPROBS_NUM:
+    if not 0 <= k <= MAX_TOP_LOGPROBS_NUM:
         raise APIError(f"prompt_logprobs: must be an integer in [0, {MAX_TOP_LOGPROBS_NUM}], got {k!r}",
                        param="prompt_logprobs")
     if stream:
         raise APIError("prompt_logprobs: not available when stream is true", param="prompt_logprobs")
-    return int(k)
+    return k
 
 
 def ask_prompt_logprobs(sp: SamplingParams, k: int | None) -> int:

@@ -1,27 +1,51 @@
 """Every request body the server takes, declared once: each field's type, default and meaning.
 
-These models are where the fields live: the endpoints' field checks take their accepted names from them
-(protocol.CHAT_FIELDS and COMPLETION_FIELDS, native_generate.ACCEPTED, tokenization, transcriptions), and /openapi.json and /docs
-show them as each POST endpoint's request body. The fields SGLang and vLLM declare that Tessera takes only at
-their no-op values (peer_fields.py) are added to each model, marked so. The bodies are still read field by
-field by the endpoints' own parsers, which give the error messages (a 400 naming the field); the models do not
-validate requests yet.
+Each endpoint's body is parsed once, at the edge (`parse`, called by the route in http_server.py), into its model:
+an unknown field, a peer's field past its no-op value (peer_fields.py) or a value of the wrong type is a 400 in
+OpenAI's error shape that names the field; everything below reads the typed request. The models are strict (no
+coercion: "1" is not an integer, 1 is not a boolean), as the hand-written checks they replace were. The fields
+SGLang and vLLM declare that Tessera takes only at their no-op values are added to each model, marked so, and
+/openapi.json and /docs show every model as its route's request body (`route_docs`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
-from tessera.entrypoints.openai.peer_fields import GENERATE_NOOPS, OPENAI_NOOPS
+from tessera.entrypoints.openai.errors import APIError
+from tessera.entrypoints.openai.peer_fields import GENERATE_NOOPS, OPENAI_NOOPS, refusal
+from tessera.entrypoints.openai.response_models import RESPONSES, ErrorResponse
 
 Stop = str | list[str] | None
 Media = str | list[Any] | dict[str, Any] | None
+Salt = str | None
+Body = TypeVar("Body", bound="_Body")
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")  # any other field is refused (400 naming it)
+    model_config = ConfigDict(extra="forbid", strict=True)  # any other field is refused (400 naming it)
+    # Fields taken only at their no-op values: name -> (those values, why any other is refused).
+    noops: ClassVar[dict[str, tuple[tuple[Any, ...], str]]] = {}
+
+
+class _StreamOptions(_Body):
+    include_usage: bool | None = Field(None, description="A last chunk with the usage of the whole request.")
+    continuous_usage_stats: bool | None = Field(None, description="vLLM: usage in every chunk (with include_usage).")
+
+
+class _VideoIO(_Body):
+    num_frames: int | None = Field(None, gt=0, description="Frames sampled from the video.")
+    fps: float | None = Field(None, gt=0, description="Frames sampled per second.")
+    max_frames: int | None = Field(None, gt=0, description="At most this many frames.")
+
+
+class _StructuredOutputs(_Body):
+    json_: str | dict[str, Any] | None = Field(None, alias="json", description="The output is JSON of this schema.")
+    regex: str | None = Field(None, description="The output matches this regular expression.")
+    grammar: str | None = Field(None, description="The output follows this EBNF (or GBNF) grammar.")
+    choice: list[str] | None = Field(None, description="The output is one of these strings.")
 
 
 class _Sampling(_Body):
@@ -29,8 +53,7 @@ class _Sampling(_Body):
 
     model: str | None = Field(None, description="The served model's name (`--served-model-name`); optional.")
     stream: bool | None = Field(False, description="Stream the answer as server-sent events, ending with [DONE].")
-    stream_options: dict[str, bool] | None = Field(
-        None, description="`include_usage` (a final usage chunk) and vLLM's `continuous_usage_stats`.")
+    stream_options: _StreamOptions | None = Field(None, description="With stream: what the chunks report.")
     user: str | None = Field(None, description="OpenAI's end-user id; accepted, changes nothing.")
     max_tokens: int | None = Field(None, description="Most new tokens (default: what fits the context).")
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens.")
@@ -54,19 +77,19 @@ class _Sampling(_Body):
     include_stop_str_in_output: bool | None = Field(None, description="vLLM's name for no_stop_trim.")
     echo: bool | None = Field(None, description="Return the prompt in front of the answer.")
     prompt_logprobs: int | None = Field(None, description="vLLM: log-probabilities of the prompt's tokens.")
-    cache_salt: str | None = Field(None, description="Separates this request's cached prefixes from others'.")
+    cache_salt: Salt = Field(None, min_length=1, description="Separates this request's cached prefixes from others'.")
     response_format: dict[str, Any] | None = Field(
         None, description="`{type: json_object}` or `{type: json_schema, json_schema: {...}}`: constrained output.")
     regex: str | None = Field(None, description="SGLang: the output matches this regular expression.")
     ebnf: str | None = Field(None, description="SGLang: the output follows this EBNF (or GBNF) grammar.")
     json_schema: str | dict[str, Any] | None = Field(None, description="SGLang: the output is JSON of this schema.")
-    structured_outputs: dict[str, Any] | None = Field(
+    structured_outputs: _StructuredOutputs | None = Field(
         None, description="vLLM: one of json, regex, grammar, choice.")
     guided_json: str | dict[str, Any] | None = Field(None, description="vLLM's older name for a JSON schema.")
     guided_regex: str | None = Field(None, description="vLLM's older name for a regex constraint.")
     guided_grammar: str | None = Field(None, description="vLLM's older name for a grammar constraint.")
     guided_choice: list[str] | None = Field(None, description="vLLM: the output is one of these strings.")
-    # Refused beyond their no-op values (protocol._REFUSED).
+    # Refused beyond their no-op values (peer_fields.OPENAI_NOOPS).
     guided_decoding_backend: str | None = Field(None, description="Refused: the backend is fixed (llguidance).")
     guided_whitespace_pattern: str | None = Field(None, description="Refused: JSON output is compact.")
     structural_tag: Any = Field(None, description="Refused: structural tags are not supported.")
@@ -75,7 +98,7 @@ class _Sampling(_Body):
 
 class _ChatFields(_Sampling):
     messages: list[dict[str, Any]] = Field(
-        description="OpenAI chat messages; user content may hold text, image_url, video_url, input_audio and "
+        min_length=1, description="OpenAI chat messages; user content may hold text, image_url, video_url, input_audio and "
                     "audio_url parts.")
     logprobs: bool | None = Field(None, description="Return the chosen tokens' log-probabilities.")
     top_logprobs: int | None = Field(None, description="With logprobs: this many alternatives per token.")
@@ -85,7 +108,8 @@ class _ChatFields(_Sampling):
     continue_final_message: bool | None = Field(None, description="Continue the last assistant message.")
     add_generation_prompt: bool | None = Field(None, description="End the prompt with the assistant's turn.")
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="Extra variables for the chat template.")
-    media_io_kwargs: dict[str, Any] | None = Field(None, description="vLLM: video sampling (fps, num_frames).")
+    media_io_kwargs: dict[Literal["video"], _VideoIO | None] | None = Field(
+        None, description="vLLM: how videos are sampled, `{\"video\": {num_frames, fps, max_frames}}`.")
     functions: Any = Field(None, description="Refused: the legacy functions API; use tools.")
     function_call: Any = Field(None, description="Refused: the legacy functions API; use tool_choice.")
 
@@ -117,7 +141,7 @@ class _GenerateFields(_Body):
     return_text_in_logprobs: bool | None = Field(False, description="Token text beside each log-probability.")
     modalities: list[Literal["image", "multi-images", "video", "audio"]] | None = Field(
         None, description="What the media are, per item.")
-    cache_salt: str | None = Field(None, description="Separates this request's cached prefixes from others'.")
+    cache_salt: Salt = Field(None, min_length=1, description="Separates this request's cached prefixes from others'.")
 
 
 class TokenizeRequest(_Body):
@@ -125,7 +149,8 @@ class TokenizeRequest(_Body):
 
     model: str | None = Field(None, description="The served model's name; optional.")
     prompt: str | None = Field(None, description="Text to tokenize (or messages).")
-    messages: list[dict[str, Any]] | None = Field(None, description="Chat messages, rendered by the template.")
+    messages: list[dict[str, Any]] | None = Field(None, min_length=1,
+                                                  description="Chat messages, rendered by the template.")
     add_special_tokens: bool | None = Field(None, description="Add the tokenizer's special tokens.")
     add_generation_prompt: bool | None = Field(None, description="End with the assistant's turn.")
     continue_final_message: bool | None = Field(None, description="Continue the last assistant message.")
@@ -139,16 +164,18 @@ class DetokenizeRequest(_Body):
 
 
 class TranscriptionRequest(_Body):
-    """OpenAI's /v1/audio/transcriptions and /translations, a multipart form."""
+    """OpenAI's /v1/audio/transcriptions and /translations, a multipart form (read by transcriptions.py)."""
+
+    model_config = ConfigDict(extra="forbid", strict=False)  # a form's values are text
 
     file: bytes = Field(description="The audio file (wav, flac, ogg, mp3, m4a, ...).")
-    model: str | None = Field(None, description="The served model's name; optional.")
+    model: str = Field(description="The served model's name.")
     language: str | None = Field(None, description="The spoken language (ISO-639-1), where the model takes it.")
     prompt: str | None = Field(None, description="Text that precedes the audio.")
-    response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] | None = Field(
+    response_format: Literal["json", "text", "srt", "verbose_json", "vtt"] = Field(
         "json", description="The answer's shape.")
-    temperature: float | None = Field(0.0, description="Sampling temperature (0: greedy).")
-    stream: bool | None = Field(False, description="Stream the text as server-sent events.")
+    temperature: float = Field(0.0, ge=0, le=2, allow_inf_nan=False, description="Sampling temperature (0: greedy).")
+    stream: bool = Field(False, description="Stream the text as server-sent events (json and text only).")
     timestamp_granularities: list[Literal["segment", "word"]] | None = Field(
         None, alias="timestamp_granularities[]", description="verbose_json: segment (word is refused).")
     include: list[str] | None = Field(None, alias="include[]", description="OpenAI's extra outputs; accepted, "
@@ -157,7 +184,7 @@ class TranscriptionRequest(_Body):
         None, description="OpenAI's server-side chunking; accepted: long audio is cut at quiet points anyway.")
 
 
-def _with_peers(name: str, base: type[BaseModel], table: dict[str, tuple[tuple[Any, ...], str]]) -> type[BaseModel]:
+def _with_peers(name: str, base: type[BaseModel], table: dict[str, tuple[tuple[Any, ...], str]]) -> type[_Body]:
     """`base` plus the peers' fields of `table` it does not declare, each marked as a no-op field."""
     extra = {}
     for field, (noops, why) in table.items():
@@ -165,18 +192,68 @@ def _with_peers(name: str, base: type[BaseModel], table: dict[str, tuple[tuple[A
             continue
         values = ", ".join(["null", *(repr(v) for v in noops)])
         extra[field] = (Any, Field(None, description=f"SGLang/vLLM field, accepted only as {values}: {why}."))
-    return create_model(name, __base__=base, **extra)
+    model = create_model(name, __base__=base, **extra)
+    model.noops = table
+    return model
 
 
 ChatCompletionRequest = _with_peers("ChatCompletionRequest", _ChatFields, OPENAI_NOOPS)
 CompletionRequest = _with_peers("CompletionRequest", _CompletionFields, OPENAI_NOOPS)
 GenerateRequest = _with_peers("GenerateRequest", _GenerateFields, GENERATE_NOOPS)
 
-# What each endpoint honours (chat and completions: protocol.py takes out the fields it refuses).
-CHAT_DECLARED, COMPLETION_DECLARED = frozenset(_ChatFields.model_fields), frozenset(_CompletionFields.model_fields)
-GENERATE_FIELDS = frozenset(_GenerateFields.model_fields)
-TOKENIZE_FIELDS = frozenset(TokenizeRequest.model_fields)
-DETOKENIZE_FIELDS = frozenset(DetokenizeRequest.model_fields)
+
+def honoured(model: type[_Body]) -> frozenset[str]:
+    """The fields the endpoint acts on: its declared fields but those taken only at a no-op value."""
+    return frozenset(name for name in model.model_fields if name not in model.noops)
+
+
+def parse(model: type[Body], body: dict) -> Body:
+    """The body as `model`: an APIError (400) naming the first field that is unknown, refused or invalid."""
+    for name, value in body.items():  # in the body's order, before the types: as the clients wrote it
+        if name not in model.model_fields:
+            raise APIError(f"{name}: unknown parameter", param=name)
+        why = refusal(name, value, model.noops) if name in model.noops else None
+        if why is not None:
+            raise APIError(f"{name}: {why} (accepted only at its no-op value)", param=name)
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise field_error(e.errors(include_url=False)) from None
+
+
+def field_error(errors: list[dict]) -> APIError:
+    """pydantic's errors as one 400 that names the first field: "stop_token_ids[1]: Input should be ...". A
+    value that fits none of a union's types reports each type's complaint."""
+    name = str(errors[0]["loc"][0]).removesuffix("[]") if errors[0]["loc"] else "body"  # a form's list field
+    same = [e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]]
+    if len(same) > 1:
+        return APIError(f"{name}: " + "; or ".join(dict.fromkeys(e["msg"] for e in same)), param=name)
+    err = errors[0]
+    where = name + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"][1:])
+    if err["type"] == "extra_forbidden":
+        return APIError(f"{where}: unknown field", param=name)
+    got = "" if err["type"] == "missing" else f", got {repr(err['input'])[:80]}"
+    return APIError(f"{where}: {err['msg']}{got}", param=name)
+
+
+def _inlined(schema: dict) -> dict:
+    """A model's JSON schema with its $defs written in place (an operation's schema cannot point into them)."""
+    defs = schema.pop("$defs", {})
+
+    def walk(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk({**defs[ref.split("/")[-1]], **{k: v for k, v in node.items() if k != "$ref"}})
+            return {k: walk(v) for k, v in node.items()}
+        return [walk(v) for v in node] if isinstance(node, list) else node
+
+    return walk(schema)
+
+
+# What each endpoint honours (the peer-fields test compares them with SGLang's and vLLM's models).
+CHAT_FIELDS, COMPLETION_FIELDS = honoured(ChatCompletionRequest), honoured(CompletionRequest)
+GENERATE_FIELDS = honoured(GenerateRequest)
 TRANSCRIPTION_FIELDS = frozenset(f.alias or name for name, f in TranscriptionRequest.model_fields.items())
 
 # path -> (model, content type), for /openapi.json
@@ -194,4 +271,25 @@ REQUEST_BODIES: dict[str, tuple[type[BaseModel], str]] = {
 def openapi_body(path: str) -> dict:
     """The route's `openapi_extra`: its request body's schema from its model."""
     model, content_type = REQUEST_BODIES[path]
-    return {"requestBody": {"required": True, "content": {content_type: {"schema": model.model_json_schema()}}}}
+    return {"requestBody": {"required": True, "content": {content_type: {"schema": _inlined(
+        model.model_json_schema(by_alias=True))}}}}
+
+
+def route_docs(path: str) -> dict:
+    """The route's decorator arguments that document it in /openapi.json: its request body (REQUEST_BODIES), its
+    answer and its stream's event (response_models.RESPONSES), and OpenAI's error shape."""
+    error = {"model": ErrorResponse}
+    responses: dict[int | str, dict] = {400: {**error, "description": "Bad input: the message names the field."},
+                                        404: {**error, "description": "No such model."},
+                                        503: {**error, "description": "Loading, overloaded or shutting down."}}
+    answer, event = RESPONSES.get(path, (None, None))  # a route without one yet: the test of the spec says so
+    if answer is not None:
+        responses[200] = {"model": answer, "description": "The answer."}
+    if event is not None:
+        responses[200]["description"] = "The answer; with stream, server-sent events (`data: {...}`, each one " \
+                                        "event as below), the last `data: [DONE]`."
+        responses[200]["content"] = {"text/event-stream": {"schema": _inlined(event.model_json_schema())}}
+    docs: dict = {"responses": responses}
+    if path in REQUEST_BODIES:
+        docs["openapi_extra"] = openapi_body(path)
+    return docs

@@ -56,8 +56,7 @@ class OpenAIServing:
         self.prepared: dict[str, float] = {}
         self.on_overload = None  # called for each request refused by --max-queued-requests (metrics)
 
-    def check_model(self, body: dict) -> None:
-        name = body.get("model")
+    def check_model(self, name: str | None) -> None:
         if name not in (None, "", "default", self.model_name, self.tm.args.model_path):
             raise APIError(f"model: the model {name!r} does not exist; this server serves {self.model_name!r}",
                            status=404, param="model")
@@ -191,9 +190,3 @@ def response_id(prefix: str, request) -> str:
     rid = (request.scope.get("state") or {}).get("request_id")
     return f"{prefix}-{rid or uuid.uuid4().hex}"
 
-
-def cache_salt_of(body: dict) -> str | None:
-    salt = body.get("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise APIError("cache_salt: must be a non-empty string", param="cache_salt")
-    return salt

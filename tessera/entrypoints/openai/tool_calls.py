@@ -55,28 +55,25 @@ class ToolPlan:
         return json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
 
 
-def plan_tools(body: dict, template: Any) -> ToolPlan | None:
-    """The request's tools and tool_choice, validated; None when no tool may be called."""
-    tools, choice = body.get("tools"), body.get("tool_choice")
+def plan_tools(req, template: Any) -> ToolPlan | None:
+    """The chat request's tools and tool_choice, validated; None when no tool may be called."""
+    tools, choice = req.tools, req.tool_choice
     if tools is None:
         if choice not in (None, "none", "auto"):
             raise APIError("tool_choice: requires tools", param="tool_choice")
         return None
-    if not isinstance(tools, list) or not tools:
+    if not tools:
         raise APIError("tools: must be a non-empty list", param="tools")
     names = []
     for i, tool in enumerate(tools):
-        fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+        fn = tool.get("function")
+        if tool.get("type", "function") != "function" or not isinstance(fn, dict):
             raise APIError(f"tools[{i}]: must be {{\"type\": \"function\", \"function\": {{...}}}}", param="tools")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise APIError(f"tools[{i}].function.name: must be a non-empty string", param="tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
             raise APIError(f"tools[{i}].function.parameters: must be a JSON schema object", param="tools")
         names.append(fn["name"])
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise APIError("parallel_tool_calls: must be a boolean", param="parallel_tool_calls")
     if choice is None:
         choice = "auto"
     name = None
@@ -97,7 +94,7 @@ def plan_tools(body: dict, template: Any) -> ToolPlan | None:
         raise APIError("tools: this model's chat template has no tool support in the <tool_call> format "
                        "(pass --chat-template with one, or send tool_choice \"none\")", param="tools")
     return ToolPlan([t if "type" in t else {"type": "function", **t} for t in tools], choice, name,
-                    parallel is not False)
+                    req.parallel_tool_calls is not False)
 
 
 def _call(payload: str) -> dict | None:

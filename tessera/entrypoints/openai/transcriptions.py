@@ -21,16 +21,16 @@ import json
 import math
 import re
 from collections.abc import AsyncIterator
-from typing import Any
 
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.datastructures import UploadFile
 
 from tessera.entrypoints.openai.errors import APIError
 from tessera.entrypoints.openai.serving import OpenAIServing
-from tessera.entrypoints.openai.request_models import TRANSCRIPTION_FIELDS
+from tessera.entrypoints.openai import request_models as rm
 from tessera.entrypoints.openai.transcript_format import (
     TranscriptionRequest,
     WindowResult,
@@ -44,7 +44,6 @@ from tessera.multimodal.media import MediaError, load_audio
 from tessera.messages.sampling import SamplingParams
 
 TRANSCRIBE_INSTRUCTION = "Transcribe the audio."
-RESPONSE_FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 STREAM_FORMATS = ("json", "text")
 # Output budget per window: generous for speech (~3 words/s), and it bounds a model that never stops.
 MAX_TOKENS_PER_SECOND = 10
@@ -59,27 +58,9 @@ def _known_language(code: str) -> bool:
     return code.split("-")[0].lower() in LANGUAGES
 
 
-def _form_str(form: Any, name: str) -> str | None:
-    value = form.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, str):
-        raise APIError(f"{name}: must be a text field, not a file", param=name)
-    return value
-
-
-def _form_bool(value: str | None, name: str) -> bool:
-    if value is None or value == "":
-        return False
-    if value.lower() in ("true", "1"):
-        return True
-    if value.lower() in ("false", "0"):
-        return False
-    raise APIError(f"{name}: expected true or false, got {value!r}", param=name)
-
-
 async def parse_transcription_form(request: Request, max_bytes: int) -> TranscriptionRequest:
-    """Reads and validates the multipart form; APIError (400) naming the field on anything wrong."""
+    """Reads the multipart form and validates it as its model (request_models.TranscriptionRequest); APIError
+    (400) naming the field on anything wrong."""
     content_type = request.headers.get("content-type", "")
     if not content_type.startswith("multipart/form-data"):
         raise APIError(f"body: expected multipart/form-data with a 'file' part, got content-type {content_type!r}",
@@ -88,7 +69,7 @@ async def parse_transcription_form(request: Request, max_bytes: int) -> Transcri
         form = await request.form()
     except Exception as e:  # noqa: BLE001 - malformed multipart bodies of any kind are user errors
         raise APIError(f"body: malformed multipart form ({e})", param="file") from None
-    known = TRANSCRIPTION_FIELDS  # declared in request_models.py
+    known = rm.TRANSCRIPTION_FIELDS
     unknown = sorted(set(form.keys()) - known)
     if unknown:
         raise APIError(f"{unknown[0]}: unknown field (accepted: {', '.join(sorted(known))})", param=unknown[0])
@@ -100,35 +81,25 @@ async def parse_transcription_form(request: Request, max_bytes: int) -> Transcri
         raise APIError(f"file: audio is larger than the limit of {max_bytes} bytes", param="file")
     if not data:
         raise APIError("file: the audio file is empty", param="file")
-    model = _form_str(form, "model")
-    if not model:
-        raise APIError("model: required", param="model")
-    response_format = _form_str(form, "response_format") or "json"
-    if response_format not in RESPONSE_FORMATS:
-        raise APIError(f"response_format: {response_format!r} is not one of {', '.join(RESPONSE_FORMATS)}",
-                       param="response_format")
-    language = _form_str(form, "language") or None
+    # An empty text field is the field left out (as OpenAI's clients send them).
+    fields = {name: form.getlist(name) if name.endswith("[]") else form.get(name) for name in form.keys()}
+    try:
+        req = rm.TranscriptionRequest.model_validate({**{k: v for k, v in fields.items() if v != ""}, "file": data})
+    except ValidationError as e:
+        raise rm.field_error(e.errors(include_url=False)) from None
+    language = req.language or None
     if language is not None and (not _LANGUAGE_RE.match(language) or not _known_language(language)):
         raise APIError(f"language: expected an ISO-639-1 code of a language speech models know, such as 'en', "
                        f"got {language!r}", param="language")
-    granularities = tuple(form.getlist("timestamp_granularities[]"))
-    for granularity in granularities:
-        if granularity != "segment":
-            raise APIError(f"timestamp_granularities: only 'segment' is supported, got {granularity!r}",
-                           param="timestamp_granularities")
-    raw_temperature = _form_str(form, "temperature")
-    try:
-        temperature = float(raw_temperature) if raw_temperature else 0.0
-    except ValueError:
-        raise APIError(f"temperature: expected a number, got {raw_temperature!r}", param="temperature") from None
-    if not 0.0 <= temperature <= 2.0 or math.isnan(temperature):
-        raise APIError(f"temperature: must be between 0 and 2, got {temperature}", param="temperature")
-    stream = _form_bool(_form_str(form, "stream"), "stream")
-    if stream and response_format not in STREAM_FORMATS:
-        raise APIError(f"stream: streaming is supported with response_format json or text, not {response_format!r}",
-                       param="stream")
-    return TranscriptionRequest(data, model, language, _form_str(form, "prompt") or None, response_format,
-                                temperature, stream, granularities)
+    granularities = tuple(req.timestamp_granularities or ())
+    if "word" in granularities:
+        raise APIError("timestamp_granularities: only 'segment' is supported, got 'word'",
+                       param="timestamp_granularities")
+    if req.stream and req.response_format not in STREAM_FORMATS:
+        raise APIError(f"stream: streaming is supported with response_format json or text, not "
+                       f"{req.response_format!r}", param="stream")
+    return TranscriptionRequest(data, req.model, language, req.prompt or None, req.response_format,
+                                req.temperature, req.stream, granularities)
 
 
 # ---- serving ---------------------------------------------------------------------------------------
@@ -143,7 +114,7 @@ class TranscriptionServing:
         self.tm = serving.tm
 
     def _check_audio_model(self, model: str) -> None:
-        self.serving.check_model({"model": model})
+        self.serving.check_model(model)
         info = self.tm.info
         if not info.has_audio_understanding:
             reason = (info.no_media_reason() if info.args.language_model_only else

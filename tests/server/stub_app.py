@@ -1,0 +1,46 @@
+"""The real ASGI app over demo-vl's real frontend (tokenizer, processors, limits, validation) with a stand-in for
+the scheduler: every request that passes validation finishes at once with one token ("ok", id 11). For tests
+of the request paths that need no model run (tests/server/test_fuzz.py, test_request_models.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def stub_client() -> Iterator:
+    from fastapi.testclient import TestClient
+
+    from tessera.config import ServerArgs
+    from tessera.entrypoints.http_server import create_app
+    from tessera.entrypoints.openai.serving import OpenAIServing
+    from tessera.entrypoints.openai.transcriptions import TranscriptionServing
+    from tessera.frontend.tokenizer_manager import TokenizerManager
+
+    class NoScheduler(TokenizerManager):
+        scheduler_alive = True
+
+        async def generate(self, req, tokenized=None):
+            if tokenized is None:
+                tokenized = await self.tokenize(req)
+            meta = {"id": req.rid, "finish_reason": {"type": "length", "length": 1},
+                    "prompt_tokens": len(tokenized.input_ids), "completion_tokens": 1, "cached_tokens": 0,
+                    "e2e_latency": 0.0, "ttft": 0.0}
+            if req.return_logprob:
+                meta["output_token_logprobs"] = [(-0.5, 11)]
+                meta["output_top_logprobs"] = [[(-0.5, 11)]]
+            yield {"text": "ok", "delta": "ok", "output_ids": [11], "meta_info": meta}
+
+    args = ServerArgs(model_path="demo-vl", max_total_tokens=65536)
+    app = create_app(args)
+    state = app.state.tessera
+    tm = NoScheduler(args)
+    tm.ready, tm.max_total_tokens = True, 65536
+    state.tm, state.serving = tm, OpenAIServing(tm, args.model_name)
+    state.transcriptions = TranscriptionServing(state.serving)
+    try:
+        with TestClient(app, raise_server_exceptions=False) as c:
+            yield c
+    finally:
+        tm.shutdown()
