@@ -53,7 +53,7 @@ OPENAI_NOOPS: dict[str, tuple[tuple[Any, ...], str]] = {
     "input_ids": ((), "send a prompt of token ids to /v1/completions or /generate"),
     "rid": ((), "the request id is the x-request-id header"),
     "extra_key": ((), "use cache_salt to separate cached prefixes"),
-    "ngram_corpus_id": ((), "speculative decoding is not supported yet"),
+    "ngram_corpus_id": ((), "NGRAM drafts come from each request's own tokens (no shared corpus)"),
     "priority": ((0,), _NO_PRIORITY),
     "bootstrap_host": ((), _NO_DISAGG),
     "bootstrap_port": ((), _NO_DISAGG),

@@ -25,7 +25,7 @@ _TO_SP = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_toke
           "min_p": "min_p", "repetition_penalty": "repetition_penalty", "ignore_eos": "ignore_eos",
           "skip_special_tokens": "skip_special_tokens", "spaces_between_special_tokens": "spaces_between_special_tokens",
           "stop_token_ids": "stop_token_ids", "min_tokens": "min_new_tokens", "no_stop_trim": "no_stop_trim",
-          "include_stop_str_in_output": "no_stop_trim"}
+          "include_stop_str_in_output": "no_stop_trim", "speculative": "speculative"}
 INT64 = (-(1 << 63), (1 << 63) - 1)
 # vLLM's constraint fields (guided_* and the newer structured_outputs keys) -> SGLang's, which we implement.
 _VLLM_CONSTRAINTS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "ebnf",

@@ -76,6 +76,8 @@ class _Sampling(_Body):
     no_stop_trim: bool | None = Field(None, description="SGLang: keep the matched stop string in the text.")
     include_stop_str_in_output: bool | None = Field(None, description="vLLM's name for no_stop_trim.")
     echo: bool | None = Field(None, description="Return the prompt in front of the answer.")
+    speculative: bool | None = Field(None, description="Tessera: false opts out of the server's speculative "
+                                                       "decoding (same tokens, plain decode steps).")
     prompt_logprobs: int | None = Field(None, description="vLLM: log-probabilities of the prompt's tokens.")
     cache_salt: Salt = Field(None, min_length=1, description="Separates this request's cached prefixes from others'.")
     response_format: dict[str, Any] | None = Field(
