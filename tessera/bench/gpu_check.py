@@ -152,6 +152,7 @@ def run(out_dir: Path, plan: sec.Plan, work_dir: Path, log: Callable[[str], Any]
         section("decode_7b", speed("7b"), ("7b",), needs_bandwidth=True)
         section("offline_a_7b", lambda: sec.offline_a(models["7b"], plan, budget), ("7b",))
         section("serving_7b", lambda: sec.serving(models["7b"], plan, budget), ("7b",))
+        section("spec_oracle_7b", lambda: sec.speculative_oracle(models["7b"], plan), ("7b",))
     for name in plan.speed_models:
         if name != "7b":
             section(f"decode_{name}", speed(name), (name,), needs_bandwidth=True)

@@ -36,7 +36,7 @@ NEEDS_S = {"preflight": 0, "bandwidth": 0, "checkpoints": 60, "parity_fp32": 30,
            "decode_2b": 40, "offline_a_7b": 90, "serving_7b": 90,
            "checkpoint tiny": 5, "checkpoint 7b": 60, "checkpoint 2b": 20, "parity case": 5, "Tessera decode": 5,
            "HF batch 1": 25, "HF largest batch": 15, "offline tessera": 40, "offline hf": 60, "serving stop": 35,
-           "unfused batch 1": 30}
+           "unfused batch 1": 30, "spec_oracle_7b": 90}
 
 # SGLang's published Qwen2.5-VL-7B serving figure on one H200 (MMMU): a reference, not a target.
 SGLANG_VL7B_H200_OUTPUT_TOK_S = 8800
@@ -416,3 +416,15 @@ def serving(path: Path, plan: Plan, budget: Budget) -> dict:
     out.update({k: m[k] for k in ("num_completed", "num_failed", "output_throughput", "ttft_ms", "tpot_ms",
                                   "duration_s", "errors")})
     return out
+
+
+def speculative_oracle(path: Path, plan: Plan) -> dict:
+    """Batch-1 output tok/s with ORACLE drafts (k = 4: the plain engine's recorded greedy answer) beside plain
+    decode, two engines timed in alternation (bench/speculative.py): the verify step's ceiling on this shape."""
+    from tessera.bench.speculative import SpecBenchConfig, run_spec_bench
+
+    cfg = SpecBenchConfig(model_path=str(path), algorithm="ORACLE", num_steps=4, num_prompts=2,
+                          output_len=plan.decode_tokens, concurrency=(1,), num_runs=1 if plan.tiny else 3,
+                          engine_args={"device": plan.device, "dtype": plan.speed_dtype,
+                                       **({} if plan.device == "cpu" else {"mem_fraction_static": 0.4})})
+    return run_spec_bench(cfg)["by_concurrency"]["1"]
