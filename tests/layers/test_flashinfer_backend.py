@@ -187,7 +187,7 @@ def test_padded_runner_forward_plans_each_step(fake, monkeypatch) -> None:
     real = fib.FlashInferAttentionBackend.plan_graph_decode
     monkeypatch.setattr(fib.FlashInferAttentionBackend, "plan_graph_decode",
                         lambda self, fb, max_bs, host=None: (calls.append(host), real(self, fb, max_bs, host))[1])
-    sizes = run_padded_against_eager("flashinfer", with_image=False)
+    sizes, _ = run_padded_against_eager("flashinfer", with_image=False)
     assert len(calls) == len(sizes) and 3 in sizes
     assert all(h is not None and len(h) in (1, 2, 4) for h in calls)
 

@@ -23,6 +23,7 @@ from tessera.config import ServerArgs
 from tessera.messages.sampling import SamplingParams
 from tessera.scheduler.policy import KVManager, SchedulePolicy
 from tessera.scheduler.req import Req
+from tessera.scheduler.speculative import Speculator, accepted_prefix
 from tessera.platform.device import platform_of
 from tessera.scheduler.step_input import build_forward_input
 from tessera.cache.kv_pool import TokenToKVPool
@@ -201,21 +202,46 @@ def _requests(info, with_image: bool = True) -> list[Req]:
 
 def _apply_greedy_step(policy, batch, logits: torch.Tensor) -> None:
     """What the scheduler does after a step: cache the prefilled prompt, append each sampling row's greedy
-    token, finish requests at their max_new_tokens."""
+    token (a verify step's up to its first rejected draft, freeing the rest), finish requests at their
+    max_new_tokens."""
     for s in batch.reqs:
-        if s.end - s.start > 1 or not s.req.output_ids:
+        if s.is_prefill:
             policy.kv.cache_prefill(s.req)
-    for s, tok in zip([s for s in batch.reqs if s.samples], logits.argmax(-1).tolist()):
-        s.req.output_ids.append(tok)
-        if len(s.req.output_ids) >= s.req.sampling_params.max_new_tokens:
-            policy.finish(s.req)
+    tokens = logits.argmax(-1).tolist()
+    for s in [s for s in batch.reqs if s.samples]:
+        mine, tokens = tokens[:1 + len(s.draft)], tokens[1 + len(s.draft):]
+        if s.draft:
+            mine = mine[:accepted_prefix(s.draft, mine) + 1]
+            policy.kv.truncate(s.req, s.start + len(mine))
+        for tok in mine:
+            s.req.output_ids.append(tok)
+            if len(s.req.output_ids) >= s.req.sampling_params.max_new_tokens:
+                held = s.req.kv_len
+                s.req.kv_len = min(held, s.req.seq_len)
+                policy.finish(s.req, allocated_len=held)
+                break
+
+
+class _RecordedDrafts:
+    """Drafts from a recorded run's outputs, every third token wrong: verify steps accept and reject."""
+
+    def __init__(self, outputs: dict[str, list[int]]):
+        self.outputs = {rid: [t + 1 if i % 3 == 1 else t for i, t in enumerate(out)] for rid, out in outputs.items()}
+
+    def propose(self, reqs, limits):
+        return [self.outputs[r.rid][len(r.output_ids):len(r.output_ids) + k] for r, k in zip(reqs, limits)]
+
+    def release(self, rid):
+        pass
 
 
 def run_padded_against_eager(attention_backend: str, with_image: bool = True,
-                             device: torch.device = torch.device("cpu")) -> list[int]:
+                             device: torch.device = torch.device("cpu"),
+                             drafts: dict[str, list[int]] | None = None) -> tuple[list[int], dict[str, list[int]]]:
     """Drives two workers through the same scheduler steps: one eager, one whose decode steps run the padded
     forward a graph captures (uncaptured: run eagerly). Asserts equal logits every step; returns the padded
-    steps' batch sizes."""
+    steps' batch sizes and the outputs. drafts: speculative decoding with these outputs (a run's, recorded) as
+    drafts, every third token wrong; verify steps are decode rows, so they take the padded forward too."""
     from tessera.frontend.model_info import ModelInfo
     from tessera.models.config import eos_token_ids
     from tessera.worker.model_worker import ModelWorker
@@ -226,7 +252,8 @@ def run_padded_against_eager(attention_backend: str, with_image: bool = True,
     eos = eos_token_ids(info.config)
     eager, padded = ModelWorker(args, eos, info.config), ModelWorker(args, eos, info.config)
     padded.use_decode_mirror = False  # as on CUDA, where graphs run
-    padded.graph_runner = padded.decode_graph_runner(max_bs=4)  # buckets 1, 2, 4: a batch of 3 gets a pad row
+    # Buckets 1, 2, 4: a batch of 3 gets a pad row (up to 16 with drafts: 4 requests x 4 verify rows).
+    padded.graph_runner = padded.decode_graph_runner(max_bs=4 if drafts is None else 16)
     padded_sizes: list[int] = []
     runner_forward = padded.graph_runner.forward
 
@@ -236,6 +263,8 @@ def run_padded_against_eager(attention_backend: str, with_image: bool = True,
 
     padded.graph_runner.forward = spy  # type: ignore[method-assign]
     policy = _policy(max_running=4)
+    if drafts is not None:
+        policy.speculator = Speculator(_RecordedDrafts(drafts), 3, disable_batch_size=8, context_length=512)
     reqs = _requests(info, with_image)
     for r in reqs:
         policy.add(r)
@@ -247,13 +276,16 @@ def run_padded_against_eager(attention_backend: str, with_image: bool = True,
         _apply_greedy_step(policy, batch, want)
     assert all(len(r.output_ids) == r.sampling_params.max_new_tokens for r in reqs)
     assert padded.req_to_token[padded.pad_row].eq(0).all()  # the scheduler never wrote the pad row
-    return padded_sizes
+    return padded_sizes, {r.rid: r.output_ids for r in reqs}
 
 
 @pytest.mark.skipif(IN_INTERPRETER, reason="the torch_native run belongs to the parent process")
 def test_padded_decode_equals_eager_decode_torch_native() -> None:
-    sizes = run_padded_against_eager("torch_native")
+    sizes, outputs = run_padded_against_eager("torch_native")
     assert 3 in sizes and 1 in sizes, sizes  # a padded bucket (3 -> 4) and an exact one ran
+    # Speculative verify steps (up to 4 requests x 4 rows, sharing their table rows) take the graphs' path too.
+    sizes, with_drafts = run_padded_against_eager("torch_native", drafts=outputs)
+    assert with_drafts == outputs and max(sizes) > 4, sizes
 
 
 @pytest.mark.slow  # a second interpreter process: ~12 s of CPU
@@ -267,8 +299,10 @@ def test_padded_decode_equals_eager_decode_triton_interpreted() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not RUNS_KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")
 def test_padded_decode_with_triton_kernels() -> None:
-    sizes = run_padded_against_eager("triton", with_image=HAS_CUDA, device=DEVICE)  # interpreted: text only
+    sizes, outputs = run_padded_against_eager("triton", with_image=HAS_CUDA, device=DEVICE)  # interpreted: text only
     assert 3 in sizes and 1 in sizes, sizes
+    sizes, with_drafts = run_padded_against_eager("triton", with_image=HAS_CUDA, device=DEVICE, drafts=outputs)
+    assert with_drafts == outputs and max(sizes) > 4, sizes
 
 
 @pytest.mark.cuda
