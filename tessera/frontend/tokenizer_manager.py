@@ -433,6 +433,9 @@ class TokenizerManager:
             meta["output_token_logprobs"] = list(zip(state.logprobs, state.output_ids))
             if state.top_logprobs:
                 meta["output_top_logprobs"] = state.top_logprobs
+        if out.spec_verify_ct:  # SGLang's names: tokens per verify step, over this request's verify steps
+            meta["spec_verify_ct"] = out.spec_verify_ct
+            meta["spec_accept_length"] = 1 + out.spec_accepted_tokens / out.spec_verify_ct
         meta.update(state.input_logprobs)
         return {"text": state.detok.output_text, "delta": delta, "output_ids": list(state.output_ids),
                 "meta_info": meta}

@@ -132,6 +132,10 @@ class ReqOutput:
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     input_token_ranks: list[int | None] | None = None  # each prompt token's rank, when asked
+    # Speculative decoding, so far: the request's verify steps and the drafts they accepted (SGLang's meta_info
+    # spec_verify_ct and spec_accept_length come from them).
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass

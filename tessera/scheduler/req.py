@@ -65,6 +65,9 @@ class Req:
     # The output constraint's matcher (tessera/constrained), advanced with every output token; it has
     # consumed exactly output_ids, so it stays valid across retraction. None when decoding is free.
     grammar: GrammarMatcher | None = None
+    # Speculative decoding: verify steps this request ran and the drafts they accepted.
+    spec_verify_ct: int = 0
+    spec_accepted: int = 0
 
     @property
     def fill_ids(self) -> list[int]:

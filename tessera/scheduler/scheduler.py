@@ -257,7 +257,8 @@ class Scheduler:
         out = messages.ReqOutput(
             rid=req.rid, new_token_ids=new, finished_reason=finished,
             prompt_tokens=len(req.origin_input_ids), cached_tokens=req.cached_len,
-            completion_tokens=len(req.output_ids),
+            completion_tokens=len(req.output_ids), spec_verify_ct=req.spec_verify_ct,
+            spec_accepted_tokens=req.spec_accepted,
         )
         if req.return_logprob:
             out.new_logprobs = req.logprobs[req.num_sent :]
@@ -351,6 +352,8 @@ class Scheduler:
         scheduler/speculative.py); the rejected drafts' KV slots go back."""
         accepted = accepted_prefix(s.draft, sampled)
         self.speculator.record(s.req.rid, len(s.draft), accepted)  # type: ignore[union-attr]
+        s.req.spec_verify_ct += 1
+        s.req.spec_accepted += accepted
         self.policy.kv.truncate(s.req, s.start + accepted + 1)
         return sampled[:accepted + 1]
 

@@ -62,6 +62,10 @@ def test_greedy_text_and_images_are_token_identical_and_drafts_are_accepted(engi
     drafted = stats["spec_draft_tokens"] - before["spec_draft_tokens"]
     assert verifies > 0 and 0 < accepted < drafted  # some drafts kept, some rejected (their slots freed)
     assert stats["spec_accept_length"] > 1
+    meta = [o["meta_info"] for o in b]  # per request, under SGLang's names
+    assert sum(m.get("spec_verify_ct", 0) for m in meta) == verifies
+    assert all(m["spec_accept_length"] >= 1 for m in meta if "spec_verify_ct" in m)
+    assert not any("spec_verify_ct" in o["meta_info"] for o in a)
     assert stats["kv_used_tokens"] == 0  # every slot of every rejected draft came back
 
 
