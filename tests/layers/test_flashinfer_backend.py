@@ -187,9 +187,13 @@ def test_padded_runner_forward_plans_each_step(fake, monkeypatch) -> None:
     real = fib.FlashInferAttentionBackend.plan_graph_decode
     monkeypatch.setattr(fib.FlashInferAttentionBackend, "plan_graph_decode",
                         lambda self, fb, max_bs, host=None: (calls.append(host), real(self, fb, max_bs, host))[1])
-    sizes, _ = run_padded_against_eager("flashinfer", with_image=False)
+    sizes, outputs = run_padded_against_eager("flashinfer", with_image=False)
     assert len(calls) == len(sizes) and 3 in sizes
     assert all(h is not None and len(h) in (1, 2, 4) for h in calls)
+    # Speculative verify steps: decode rows sharing their request's table row, planned the same way.
+    calls.clear()
+    sizes, with_drafts = run_padded_against_eager("flashinfer", with_image=False, drafts=outputs)
+    assert with_drafts == outputs and len(calls) == len(sizes) and max(sizes) > 4
 
 
 def test_auto_keeps_triton_on_cuda_even_when_flashinfer_is_importable(monkeypatch) -> None:
