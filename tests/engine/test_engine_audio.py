@@ -11,6 +11,7 @@ import torch
 
 from tessera import Engine
 from tests.audio_testing import INSTRUCTION, RATE, build_tiny_audio_checkpoint, noise, speechlike, tone
+from tests.engine.hf_reference import check_speculative_matches, speculative_oracle
 
 MAX_NEW = 8
 
@@ -62,3 +63,13 @@ def test_engine_matches_hf_greedy_on_audio(tiny_audio):
         again = engine.generate(cases[0][0], sp, audio_data=short)
         assert again["output_ids"] == expected[0][0]
         assert again["meta_info"]["cached_tokens"] >= expected[0][2] - 8
+    # Speculative decoding (drafts: HF's tokens, every third wrong): HF's tokens still, audio in the prompt.
+    audio_cases = [(p, c) for p, c in cases if c]
+    prompt_ids = [processor(text=[p], audio=c, sampling_rate=RATE, return_tensors="pt")["input_ids"][0].tolist()
+                  for p, c in audio_cases]
+    refs = [ref[0] for ref in expected if ref is not None]
+    with Engine(str(tiny_audio), page_size=4, chunked_prefill_size=48, max_running_requests=4, max_total_tokens=8192,
+                show_progress=False, speculative_algorithm="ORACLE",
+                speculative_oracle_path=speculative_oracle(prompt_ids, refs)) as engine:
+        check_speculative_matches(engine, engine.generate([p for p, _ in audio_cases], sp,
+                                                           audio_data=[c for _, c in audio_cases]), refs)
