@@ -150,6 +150,12 @@ class ServerArgs:
     disable_tqdm: bool = False
     log_level: str = "info"
     enable_metrics: bool = True
+    # LoRA adapters (SGLang's flags): `name=path` or a path (named after its directory); layers/lora/.
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] | None = None
+    max_loras_per_batch: int = 8  # adapter slots on the device: distinct adapters one batch can mix
+    max_lora_rank: int | None = None  # refuse adapters of a higher rank (default: any)
+    lora_backend: str = "auto"  # auto | torch | triton | csgmv (csgmv: SGLang's name; our Triton kernel)
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 — frozen dataclass normalisation
@@ -218,6 +224,37 @@ class ServerArgs:
             raise ValueError(f"log_level: unknown level {self.log_level!r}")
         if not (0 < self.port < 65536):
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
+        self._check_lora(set_)
+
+    def _check_lora(self, set_) -> None:
+        paths = self.lora_paths
+        if isinstance(paths, dict):  # Engine(lora_paths={"name": "path"})
+            paths = [f"{k}={v}" for k, v in paths.items()]
+        elif isinstance(paths, str):
+            paths = [paths]
+        if paths is not None:
+            set_("lora_paths", tuple(str(p) for p in paths))
+            set_("enable_lora", True)  # naming adapters turns LoRA on, as in SGLang
+        names = [name for name, _ in self.lora_adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_paths: adapter names must be unique, got {names}")
+        if not isinstance(self.max_loras_per_batch, int) or self.max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch: must be a positive integer, got {self.max_loras_per_batch!r}")
+        if self.max_lora_rank is not None and (not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1):
+            raise ValueError(f"max_lora_rank: must be a positive integer, got {self.max_lora_rank!r}")
+        if self.lora_backend not in ("auto", "torch", "triton", "csgmv"):
+            raise ValueError(f"lora_backend: expected auto, torch, triton or csgmv, got {self.lora_backend!r}")
+
+    @property
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of each --lora-paths entry: `name=path`, or a path named after its last directory."""
+        out = []
+        for entry in self.lora_paths or ():
+            name, sep, path = entry.partition("=")
+            if not sep:
+                name, path = Path(entry.rstrip("/")).name, entry
+            out.append((name, path))
+        return out
 
     @property
     def mm_items_per_request(self) -> dict[str, int]:

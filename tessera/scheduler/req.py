@@ -65,6 +65,7 @@ class Req:
     # The output constraint's matcher (tessera/constrained), advanced with every output token; it has
     # consumed exactly output_ids, so it stays valid across retraction. None when decoding is free.
     grammar: GrammarMatcher | None = None
+    lora_name: str | None = None  # its LoRA adapter (None: the base model); part of the cache key
 
     @property
     def fill_ids(self) -> list[int]:
@@ -109,6 +110,8 @@ class Req:
         if self._padded_prompt is None:
             ids = self.origin_input_ids
             self._padded_prompt = self.mm_inputs.pad_input_ids(ids) if self.mm_inputs else list(ids)
-            if self.cache_salt is not None and self._padded_prompt:
-                self._padded_prompt[0] = salted_key(self.cache_salt, self._padded_prompt[0])
+            # An adapter's K/V differ from the base model's and every other adapter's: its own radix path.
+            salt = self.cache_salt if self.lora_name is None else f"{self.cache_salt or ''}\0lora:{self.lora_name}"
+            if salt is not None and self._padded_prompt:
+                self._padded_prompt[0] = salted_key(salt, self._padded_prompt[0])
         return self._padded_prompt + self.output_ids

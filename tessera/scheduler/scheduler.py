@@ -22,6 +22,7 @@ from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.models.config import ModelConfig
 from tessera.platform.device import platform_of
 from tessera.platform.threads import AdaptiveThreads, available_cores
+from tessera.scheduler.lora_slots import LoraSlotTable, handle_lora_adapter
 from tessera.scheduler.req import Req
 from tessera.scheduler.step_input import build_forward_input
 from tessera.scheduler.summary import PeriodicSummary
@@ -125,6 +126,8 @@ class Scheduler:
         kv = KVManager(req_pool, allocator, self.tree, args.page_size,
                        state.extra_slots(self.config) if state is not None else 0)
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy)
+        # Which adapter is in which of the worker's LoRA slots (None without --enable-lora).
+        self.lora_slots = self.policy.lora_slots = LoraSlotTable(args.max_loras_per_batch) if args.enable_lora else None
         self.reqs: dict[str, Req] = {}
         # Threads per step on a CPU (see platform/threads.py); None: the fixed count set at process start.
         self.threads: AdaptiveThreads | None = None
@@ -151,7 +154,7 @@ class Scheduler:
             sp = msg.sampling_params
             req = Req(msg.rid, msg.input_ids, sp, msg.mm_inputs, msg.stream, msg.return_logprob,
                       cache_salt=msg.cache_salt, logprob_start_len=msg.logprob_start_len,
-                      prompt_logprob_ranks=msg.prompt_logprob_ranks)
+                      prompt_logprob_ranks=msg.prompt_logprob_ranks, lora_name=msg.lora_name)
             if req.wants_input_logprobs:
                 n = len(req.origin_input_ids) - req.logprob_start_len
                 req.input_logprobs, req.input_top_logprobs, req.input_ranks = [None] * n, [None] * n, [None] * n
@@ -194,6 +197,8 @@ class Scheduler:
                 self.worker.flush_cache()
         elif isinstance(msg, messages.GetStatsReq):
             messages.send(self.send_sock, self.stats())
+        elif isinstance(msg, messages.LoraAdapterReq):
+            messages.send(self.send_sock, handle_lora_adapter(self, msg))
         else:
             raise TypeError(f"unexpected message {type(msg).__name__}")
 
@@ -293,6 +298,8 @@ class Scheduler:
             return False
         try:
             fi = build_forward_input(batch, self.model_cls, self.config, self.policy.kv)
+            if self.lora_slots is not None:
+                self.lora_slots.fill(fi, batch)
             if self.tp is not None:  # every rank runs the same step; rank 0 (here) samples
                 self.tp.broadcast(("step", fi))
             if self.threads is not None and self.threads.before_step() == self.threads.cores:
