@@ -49,11 +49,15 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, mapping, max_ran
     have or do not adapt (embeddings, the LM head, the vision tower), a wrong shape, a rank above `max_rank`."""
     config = read_adapter_config(path, name)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    others: list[str] = []  # refused after the LoRA pairs' modules, whose refusal says more
     try:
         with safe_open(str(Path(path) / ADAPTER_WEIGHTS), framework="pt", device="cpu") as f:
-            for key in f.keys():
-                module, kind = _split_key(name, key)
-                pairs.setdefault(module, {})[kind] = f.get_tensor(key)
+            for key in sorted(f.keys(), key=lambda k: "lora_embedding_" not in k):  # the clearest refusal first
+                split = _split_key(name, key)
+                if split is None:
+                    others.append(key)
+                else:
+                    pairs.setdefault(split[0], {})[split[1]] = f.get_tensor(key)
     except (OSError, RuntimeError, ValueError) as e:
         if isinstance(e, AdapterError):
             raise
@@ -80,11 +84,17 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, mapping, max_ran
         shards = modules.setdefault(target, [None] * len(_shard_ids(linear)))
         shards[_shard_ids(linear).index(shard)] = (a.contiguous(), (b * config.scaling(module_path, rank)).contiguous())
         top = max(top, rank)
+    if others:
+        key = others[0]
+        why = ("base-model weights saved with the adapter (a resized vocabulary?) are not supported"
+               if key.endswith(".base_layer.weight") else f"unexpected (want {PEFT_PREFIX}<module>.lora_A/B.weight)")
+        raise AdapterError(f"adapter {name!r}: {key}: {why}")
     return LoraAdapter(name, str(path), config, modules, top)
 
 
-def _split_key(name: str, key: str) -> tuple[str, str]:
-    """`base_model.model.<module>.lora_A.weight` -> (<module>, "lora_A"); AdapterError for anything else."""
+def _split_key(name: str, key: str) -> tuple[str, str] | None:
+    """`base_model.model.<module>.lora_A.weight` -> (<module>, "lora_A"); None for a tensor of no LoRA pair;
+    AdapterError for the kinds of LoRA refused."""
     if "lora_embedding_" in key:
         raise AdapterError(f"adapter {name!r}: {key}: LoRA on embeddings is not supported")
     if "lora_magnitude_vector" in key:
@@ -93,7 +103,7 @@ def _split_key(name: str, key: str) -> tuple[str, str]:
         tail = f".{kind}.weight"
         if key.endswith(tail) and key.startswith(PEFT_PREFIX):
             return key[len(PEFT_PREFIX):-len(tail)], kind
-    raise AdapterError(f"adapter {name!r}: unexpected tensor {key} (want {PEFT_PREFIX}<module>.lora_A/B.weight)")
+    return None
 
 
 def _our_module(name: str, module_path: str, model: nn.Module, mapping) -> tuple[str, str | None, Linear]:
