@@ -73,7 +73,7 @@ async def generate(serving: OpenAIServing, request: Request, body: dict):
     n = len(prompts)
     columns = {name: _per_prompt(body, name, n, batch) for name in
                ("sampling_params", "image_data", "video_data", "audio_data", "return_logprob", "top_logprobs_num",
-                "logprob_start_len")}
+                "logprob_start_len", "lora_path")}
     stream = bool(body.get("stream"))
     with_text = bool(body.get("return_text_in_logprobs"))
     reqs: list[GenerateRequest] = []
@@ -94,6 +94,7 @@ async def generate(serving: OpenAIServing, request: Request, body: dict):
             raise APIError(f"logprob_start_len: must be an integer >= -1, got {start!r}", param="logprob_start_len")
         base = dict(**prompt, image_data=columns["image_data"][k], video_data=columns["video_data"][k],
                     audio_data=columns["audio_data"][k], stream=stream, cache_salt=salt,
+                    lora_path=serving.tm.lora.resolve(columns["lora_path"][k]),
                     return_logprob=return_logprob,
                     logprob_start_len=start if return_logprob and start is not None else -1)
         reqs += serving.fan_out(base, sp)

@@ -79,7 +79,7 @@ def chat_prompt(serving: OpenAIServing, messages: list[dict], body: dict, plan: 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request, body: dict):
     check_fields(body, CHAT_FIELDS)
-    serving.check_model(body)
+    lora = serving.check_model(body)
     opts = stream_options(body)
     messages, images, videos, audios = parse_chat_messages(body.get("messages"))
     plan = plan_tools(body, serving.chat_template)
@@ -109,7 +109,8 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, body:
     base = dict(text=prompt, image_data=images or None, video_data=videos or None, audio_data=audios or None,
                 return_logprob=bool(sp.logprobs), stream=opts.stream, cache_salt=cache_salt_of(body),
                 logprob_start_len=-1 if prompt_k is None else 0, prompt_logprob_ranks=prompt_k is not None,
-                auto_max_new_tokens=body.get("max_tokens") is None and body.get("max_completion_tokens") is None)
+                auto_max_new_tokens=body.get("max_tokens") is None and body.get("max_completion_tokens") is None,
+                lora_path=lora)
     base.update(video_kwargs_of(body))
     reqs = serving.fan_out(base, sp)
     tokenized = await serving.prepare(reqs, user_names(body, chat=True))

@@ -42,7 +42,7 @@ from tessera.frontend.request import GenerateRequest
 
 async def create_completion(serving: OpenAIServing, request: Request, body: dict):
     check_fields(body, COMPLETION_FIELDS)
-    serving.check_model(body)
+    lora = serving.check_model(body)
     opts = stream_options(body)
     prompts = prompts_of(body.get("prompt"))
     check_batch(len(prompts), "prompt")
@@ -58,7 +58,7 @@ async def create_completion(serving: OpenAIServing, request: Request, body: dict
     for p in prompts:
         new = serving.fan_out(dict(**p, return_logprob=bool(sp.logprobs), stream=opts.stream,
                                    cache_salt=cache_salt_of(body), logprob_start_len=0 if with_prompt else -1,
-                                   prompt_logprob_ranks=prompt_k is not None), sp)
+                                   prompt_logprob_ranks=prompt_k is not None, lora_path=lora), sp)
         reqs += new
         text = p.get("text")
         if echo and text is None:

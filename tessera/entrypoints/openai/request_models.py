@@ -55,6 +55,7 @@ class _Sampling(_Body):
     echo: bool | None = Field(None, description="Return the prompt in front of the answer.")
     prompt_logprobs: int | None = Field(None, description="vLLM: log-probabilities of the prompt's tokens.")
     cache_salt: str | None = Field(None, description="Separates this request's cached prefixes from others'.")
+    lora_path: str | None = Field(None, description="SGLang: a loaded LoRA adapter's name (or model 'base:adapter').")
     response_format: dict[str, Any] | None = Field(
         None, description="`{type: json_object}` or `{type: json_schema, json_schema: {...}}`: constrained output.")
     regex: str | None = Field(None, description="SGLang: the output matches this regular expression.")
@@ -118,6 +119,22 @@ class _GenerateFields(_Body):
     modalities: list[Literal["image", "multi-images", "video", "audio"]] | None = Field(
         None, description="What the media are, per item.")
     cache_salt: str | None = Field(None, description="Separates this request's cached prefixes from others'.")
+    lora_path: str | list[str | None] | None = Field(
+        None, description="A loaded LoRA adapter's name, or one per prompt (None: the base model).")
+
+
+class LoadLoraAdapterRequest(_Body):
+    """SGLang's /load_lora_adapter."""
+
+    lora_name: str = Field(description="The adapter's name: requests name it as lora_path or model 'base:name'.")
+    lora_path: str = Field(description="Its directory (PEFT's adapter_config.json + adapter_model.safetensors).")
+    pinned: bool | None = Field(None, description="SGLang's; accepted, changes nothing (eviction is LRU).")
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """SGLang's /unload_lora_adapter."""
+
+    lora_name: str = Field(description="A loaded adapter's name.")
 
 
 class TokenizeRequest(_Body):
@@ -188,6 +205,8 @@ REQUEST_BODIES: dict[str, tuple[type[BaseModel], str]] = {
     "/detokenize": (DetokenizeRequest, "application/json"),
     "/v1/audio/transcriptions": (TranscriptionRequest, "multipart/form-data"),
     "/v1/audio/translations": (TranscriptionRequest, "multipart/form-data"),
+    "/load_lora_adapter": (LoadLoraAdapterRequest, "application/json"),
+    "/unload_lora_adapter": (UnloadLoraAdapterRequest, "application/json"),
 }
 
 
