@@ -29,7 +29,7 @@ class LoraManager:
         self.dtype, self.device = dtype, device
         self.adapters: dict[str, LoraAdapter] = {}
         self.slot_names: list[str | None] = [None] * num_slots
-        self.step = LoraStep()
+        self.step = LoraStep(dtype=dtype)
 
     # ---- adapters ----------------------------------------------------------------------------------------
     def add(self, name: str, path: str | Path) -> LoraAdapter:
