@@ -28,7 +28,8 @@ def build_lora(args: ServerArgs, model: nn.Module, config: ModelConfig, dtype: t
     if not args.enable_lora:
         return None
     mapping = type(model).weight_mapping(config, args.language_model_only)
-    manager = LoraManager(model, mapping, args.max_loras_per_batch, args.max_lora_rank, dtype, device)
+    manager = LoraManager(model, mapping, args.max_loras_per_batch, args.max_lora_rank, dtype, device,
+                          args.lora_backend)
     for name, path in args.lora_adapters:
         adapter = manager.add(name, path)
         logger.info("LoRA adapter %r loaded from %s: rank %d, %d modules", name, path, adapter.rank,
@@ -37,7 +38,7 @@ def build_lora(args: ServerArgs, model: nn.Module, config: ModelConfig, dtype: t
 
 
 def lora_backend(lora: LoraManager | None) -> str:
-    return "" if lora is None else "grouped torch products per adapter slot"
+    return "" if lora is None else lora.backend
 
 
 def lora_active(lora: LoraManager | None) -> bool:

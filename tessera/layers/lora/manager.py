@@ -8,6 +8,7 @@ gets its stacks the first time an adapter targets it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,17 +20,30 @@ from tessera.layers.linear import Linear, MergedLinear
 from tessera.layers.lora.adapter import LoraAdapter, load_adapter
 from tessera.layers.lora.config import AdapterError
 from tessera.layers.lora.slots import LoraSlots, LoraStep
+from tessera.platform.device import platform_of
+
+
+def kernels_for(backend: str, device: torch.device) -> bool:
+    """Whether `--lora-backend` means the Triton kernels on `device`."""
+    if backend == "torch":
+        return False
+    runs = platform_of(device).runs_triton
+    if backend in ("triton", "csgmv") and not runs and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"lora_backend: {backend} needs a device that runs Triton (CUDA), not {device}")
+    return runs or backend in ("triton", "csgmv")
 
 
 class LoraManager:
     def __init__(self, model: nn.Module, mapping, num_slots: int, max_rank: int | None, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, backend: str = "auto"):
         self.model, self.mapping = model, mapping
         self.num_slots, self.max_rank = num_slots, max_rank
         self.dtype, self.device = dtype, device
         self.adapters: dict[str, LoraAdapter] = {}
         self.slot_names: list[str | None] = [None] * num_slots
-        self.step = LoraStep(dtype=dtype)
+        # The Triton kernels (layers/lora/triton_lora.py) where the platform runs Triton (`auto`, `triton` and
+        # SGLang's `csgmv`), or under the interpreter when asked by name; grouped / stacked torch products else.
+        self.step = LoraStep(dtype=dtype, kernels=kernels_for(backend, device))
 
     # ---- adapters ----------------------------------------------------------------------------------------
     def add(self, name: str, path: str | Path) -> LoraAdapter:
@@ -51,6 +65,11 @@ class LoraManager:
         for slot, held in enumerate(self.slot_names):
             if held == name:
                 self.place(slot, None)
+
+    @property
+    def backend(self) -> str:
+        return ("Triton BGMV kernels (layers/lora/triton_lora.py)" if self.step.kernels else
+                "torch products: grouped by adapter, or stacked for a few rows over several adapters")
 
     def loaded(self) -> list[dict]:
         return [{"name": a.name, "path": a.path, "rank": a.rank, "bytes": a.nbytes,

@@ -40,6 +40,7 @@ class LoraStep:
     row_slots: torch.Tensor | None = None
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, first row, end row), in order
     num_used: int = 0  # slots 0..num_used-1 cover every slot the step uses
+    kernels: bool = False  # the products run as the Triton kernels (triton_lora.py; the manager decides)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)  # stacked-way row masks by rank width
 
     def stacked(self) -> bool:
@@ -140,6 +141,11 @@ class LoraSlots:
             return y
         assert x.dim() == 2, "LoRA rows are the step's flattened tokens"
         step = self.step
+        if step.kernels and step.row_slots is not None:
+            from tessera.layers.lora import triton_lora
+
+            return triton_lora.lora_expand(y, triton_lora.lora_shrink(x, self.A, step.row_slots), self.Bt,
+                                           step.row_slots)
         if step.stacked():
             used, width = step.num_used, self.A.shape[1]
             xa = x @ self.A[:used].reshape(used * width, -1).T  # [rows, used * width]: every used slot's shrink
