@@ -21,6 +21,8 @@ BUNDLED_MODELS = ("demo-vl", "demo-asr")
 DEFAULT_MM_ITEMS_PER_REQUEST = {"image": 16, "video": 4, "audio": 8}
 # --torchao-config (SGLang's names): weight-only int8 per channel, or int4 in groups of 32..256 columns.
 TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
+# LoRA adapters shipped with the package (tessera/assets/lora/<name>): `--lora-paths demo-vl-sentences` names one.
+BUNDLED_LORA_DIR = ASSETS_DIR / "lora"
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -247,12 +249,15 @@ class ServerArgs:
 
     @property
     def lora_adapters(self) -> list[tuple[str, str]]:
-        """(name, path) of each --lora-paths entry: `name=path`, or a path named after its last directory."""
+        """(name, path) of each --lora-paths entry: `name=path`, or a path named after its last directory; a path
+        that is no directory but a bundled adapter's name (tessera/assets/lora/) is that adapter."""
         out = []
         for entry in self.lora_paths or ():
             name, sep, path = entry.partition("=")
             if not sep:
                 name, path = Path(entry.rstrip("/")).name, entry
+            if not Path(path).is_dir() and (BUNDLED_LORA_DIR / path).is_dir():
+                path = str(BUNDLED_LORA_DIR / path)
             out.append((name, path))
         return out
 
