@@ -20,7 +20,8 @@ from tessera.scheduler.req import Req
 
 
 class LoraSlotTable:
-    def __init__(self, num_slots: int):
+    def __init__(self, num_slots: int, loaded: Iterable[str] = ()):
+        self.loaded = set(loaded)  # the adapters the worker holds (a request naming another one is failed)
         self.names: list[str | None] = [None] * num_slots
         self.last_used = [0] * num_slots
         self._clock = itertools.count(1)
@@ -57,6 +58,7 @@ class LoraSlotTable:
 
     def forget(self, name: str) -> None:
         """An adapter unloaded: its slot is empty (the worker cleared it)."""
+        self.loaded.discard(name)
         for i, held in enumerate(self.names):
             if held == name:
                 self.names[i], self.last_used[i] = None, 0
@@ -79,6 +81,9 @@ def handle_lora_adapter(scheduler, msg: messages.LoraAdapterReq) -> messages.Lor
         result.error = str(e)
         result.status = 404 if "is not loaded" in result.error else 400
         return result
-    if msg.lora_path is None and scheduler.lora_slots is not None:
-        scheduler.lora_slots.forget(msg.lora_name)
+    if scheduler.lora_slots is not None:
+        if msg.lora_path is None:
+            scheduler.lora_slots.forget(msg.lora_name)
+        else:
+            scheduler.lora_slots.loaded.add(msg.lora_name)
     return result

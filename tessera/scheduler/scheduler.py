@@ -45,6 +45,8 @@ class StepWorker(Protocol):
 
     def flush_cache(self) -> None: ...
 
+    def lora_adapter(self, name: str, path: str | None) -> None: ...  # load (path) or unload (None) an adapter
+
     def cache_stats(self) -> tuple[int, int, int]: ...
 
     # Encoding a request's media before its prefill, on a core of its own (worker/encode_ahead.py).
@@ -127,7 +129,8 @@ class Scheduler:
                        state.extra_slots(self.config) if state is not None else 0)
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy)
         # Which adapter is in which of the worker's LoRA slots (None without --enable-lora).
-        self.lora_slots = self.policy.lora_slots = LoraSlotTable(args.max_loras_per_batch) if args.enable_lora else None
+        self.lora_slots = self.policy.lora_slots = (LoraSlotTable(args.max_loras_per_batch, dict(args.lora_adapters))
+                                                    if args.enable_lora else None)
         self.reqs: dict[str, Req] = {}
         # Threads per step on a CPU (see platform/threads.py); None: the fixed count set at process start.
         self.threads: AdaptiveThreads | None = None
@@ -166,6 +169,11 @@ class Scheduler:
             req.stop_token_ids = set(sp.stop_token_ids or [])
             if not sp.ignore_eos:
                 req.stop_token_ids |= self.eos_ids
+            if req.lora_name is not None and (self.lora_slots is None or req.lora_name not in self.lora_slots.loaded):
+                # Unloaded between the frontend's check and now: this request fails, not the batch it would join.
+                self._emit([self._output(req, finished={"type": "error", "message": f"lora_path: adapter "
+                                                        f"{req.lora_name!r} is not loaded"})])
+                return
             if sp.max_new_tokens == 0 and not req.wants_input_logprobs:  # with them: a prefill, no token
                 self._emit([self._output(req, finished={"type": "length", "length": 0})])
                 return
