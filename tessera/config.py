@@ -21,6 +21,8 @@ BUNDLED_MODELS = ("demo-vl", "demo-asr")
 DEFAULT_MM_ITEMS_PER_REQUEST = {"image": 16, "video": 4, "audio": 8}
 # --torchao-config (SGLang's names): weight-only int8 per channel, or int4 in groups of 32..256 columns.
 TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
+# LoRA adapters shipped with the package (tessera/assets/lora/<name>): `--lora-paths demo-vl-sentences` names one.
+BUNDLED_LORA_DIR = ASSETS_DIR / "lora"
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -173,6 +175,12 @@ class ServerArgs:
     # step's k + 1 rows per request are free while a step reads weights, not once it computes.
     speculative_disable_by_batch_size: int = 4
     speculative_oracle_path: str | None = None  # ORACLE's recorded answers (a JSON file of prompt/output ids)
+    # LoRA adapters (SGLang's flags): `name=path` or a path (named after its directory); layers/lora/.
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] | None = None
+    max_loras_per_batch: int = 8  # adapter slots on the device: distinct adapters one batch can mix
+    max_lora_rank: int | None = None  # refuse adapters of a higher rank (default: any)
+    lora_backend: str = "auto"  # auto | torch | triton | csgmv (csgmv: SGLang's name; our Triton kernel)
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 — frozen dataclass normalisation
@@ -244,6 +252,7 @@ class ServerArgs:
         if self.speculative_algorithm is not None:
             set_("speculative_algorithm", self.speculative_algorithm.upper())
             self.speculative_num_draft  # noqa: B018 -- checks the speculative flags
+        self._check_lora(set_)
 
     @property
     def speculative_num_draft(self) -> int:
@@ -278,6 +287,39 @@ class ServerArgs:
         if self.speculative_disable_by_batch_size < 1:
             raise ValueError("speculative_disable_by_batch_size: must be >= 1")
         return k
+
+    def _check_lora(self, set_) -> None:
+        paths = self.lora_paths
+        if isinstance(paths, dict):  # Engine(lora_paths={"name": "path"})
+            paths = [f"{k}={v}" for k, v in paths.items()]
+        elif isinstance(paths, str):
+            paths = [paths]
+        if paths is not None:
+            set_("lora_paths", tuple(str(p) for p in paths))
+            set_("enable_lora", True)  # naming adapters turns LoRA on, as in SGLang
+        names = [name for name, _ in self.lora_adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"lora_paths: adapter names must be unique, got {names}")
+        if not isinstance(self.max_loras_per_batch, int) or self.max_loras_per_batch < 1:
+            raise ValueError(f"max_loras_per_batch: must be a positive integer, got {self.max_loras_per_batch!r}")
+        if self.max_lora_rank is not None and (not isinstance(self.max_lora_rank, int) or self.max_lora_rank < 1):
+            raise ValueError(f"max_lora_rank: must be a positive integer, got {self.max_lora_rank!r}")
+        if self.lora_backend not in ("auto", "torch", "triton", "csgmv"):
+            raise ValueError(f"lora_backend: expected auto, torch, triton or csgmv, got {self.lora_backend!r}")
+
+    @property
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """(name, path) of each --lora-paths entry: `name=path`, or a path named after its last directory; a path
+        that is no directory but a bundled adapter's name (tessera/assets/lora/) is that adapter."""
+        out = []
+        for entry in self.lora_paths or ():
+            name, sep, path = entry.partition("=")
+            if not sep:
+                name, path = Path(entry.rstrip("/")).name, entry
+            if not Path(path).is_dir() and (BUNDLED_LORA_DIR / path).is_dir():
+                path = str(BUNDLED_LORA_DIR / path)
+            out.append((name, path))
+        return out
 
     @property
     def mm_items_per_request(self) -> dict[str, int]:

@@ -45,6 +45,14 @@ FLAGS: dict[str, tuple[str, str]] = {
     "random_seed": ("runtime", "seed of the sampler and model init"),
     "cpu_threads": ("runtime", "intra-op threads of the model on CPU (default: adaptive)"),
     "disable_decode_kv_mirror": ("runtime", "decode reads K/V from the paged pool instead of a contiguous copy"),
+    "enable_lora": ("model", "serve LoRA adapters (PEFT format) over the base model, mixed in one batch"),
+    "lora_paths": ("model", "adapters loaded at start: name=path or a path (named after its directory); "
+                            "implies --enable-lora"),
+    "max_loras_per_batch": ("model", "adapter slots on the device: distinct adapters one batch mixes; more wait, "
+                                     "the least recently used is evicted to the host"),
+    "max_lora_rank": ("model", "refuse adapters of a higher rank (default: any rank)"),
+    "lora_backend": ("model", "LoRA products: auto (Triton on CUDA, grouped torch products elsewhere), torch, "
+                              "triton or csgmv (SGLang's name; runs the Triton kernel)"),
     # scheduling
     "max_running_requests": ("scheduling", "requests decoded together at most"),
     "chunked_prefill_size": ("scheduling", "prompt tokens prefilled per step at most (long prompts in chunks)"),

@@ -282,8 +282,25 @@ def drive_triton_ops(shape: Shape, dtype: torch.dtype, note: Callable[[str], Non
                                        shape.num_kv_heads, shape.head_dim, qk_norm)
 
 
+def drive_lora(shape: Shape, dtype: torch.dtype, note: Callable[[str], None]) -> None:
+    """The LoRA kernels (layers/lora/triton_lora.py) at the shape's QKV and O sizes, rank 8 and 64, a decode
+    batch and a prefill's rows over 8 slots."""
+    from tessera.layers.lora import triton_lora
+
+    hidden = shape.num_heads * shape.head_dim
+    qkv = (shape.num_heads + 2 * shape.num_kv_heads) * shape.head_dim
+    for rank in (8, 64):
+        for rows in (1, 40):
+            note(f"{shape.source} {str(dtype).removeprefix('torch.')} LoRA rank {rank}, {rows} rows")
+            x, slots = torch.randn(rows, hidden).to(dtype), torch.zeros(rows, dtype=torch.int64)
+            for sr, out in ((3 * rank, qkv), (rank, hidden)):  # merged QKV's stacked shards; O
+                xa = triton_lora.lora_shrink(x, torch.zeros(8, sr, hidden, dtype=dtype), slots)
+                triton_lora.lora_expand(torch.zeros(rows, out, dtype=dtype), xa, torch.zeros(8, sr, out, dtype=dtype),
+                                        slots)
+
+
 DRIVERS: tuple[Callable[[Shape, torch.dtype, Callable[[str], None]], None], ...] = (drive_triton_attention,
-                                                                                   drive_triton_ops)
+                                                                                   drive_triton_ops, drive_lora)
 
 
 def record_launches(kernels: dict[str, Any]) -> list[Launch]:

@@ -62,13 +62,14 @@ class Engine:
     @staticmethod
     def _build_requests(prompt, sampling_params, input_ids, image_data, video_data, audio_data,
                         return_logprob, stream, video_kwargs=None,
-                        logprob_start_len: int = -1) -> tuple[list[GenerateRequest], bool]:
+                        logprob_start_len: int = -1, lora_path=None) -> tuple[list[GenerateRequest], bool]:
         is_batch = isinstance(prompt, list) or (
             isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
         if not is_batch:
             prompts, ids_list = [prompt], [input_ids]
             images, videos, audios = [image_data], [video_data], [audio_data]
             params_list = [sampling_params]
+            loras = [lora_path]
         else:
             n = len(prompt) if isinstance(prompt, list) else len(input_ids)
             prompts = prompt if isinstance(prompt, list) else [None] * n
@@ -77,17 +78,18 @@ class Engine:
             videos = video_data if video_data is not None else [None] * n
             audios = audio_data if audio_data is not None else [None] * n
             params_list = _as_list(sampling_params, n)
+            loras = lora_path if isinstance(lora_path, list) else [lora_path] * n  # SGLang: a name, or one per prompt
             for name, lst in (("image_data", images), ("video_data", videos), ("audio_data", audios),
-                              ("sampling_params", params_list)):
+                              ("sampling_params", params_list), ("lora_path", loras)):
                 if len(lst) != n:
                     raise ValueError(f"{name}: batch of {len(lst)} entries for {n} prompts")
         reqs = []
-        for text, ids, img, vid, aud, sp in zip(prompts, ids_list, images, videos, audios, params_list):
+        for text, ids, img, vid, aud, sp, lora in zip(prompts, ids_list, images, videos, audios, params_list, loras):
             params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp or {})
             params.normalize()
             base = dict(text=text, input_ids=ids, image_data=img, video_data=vid, audio_data=aud,
                         return_logprob=return_logprob, stream=stream, video_kwargs=video_kwargs,
-                        logprob_start_len=logprob_start_len)
+                        logprob_start_len=logprob_start_len, lora_path=lora)
             if params.n == 1:
                 reqs.append(GenerateRequest(sampling_params=params, **base))
             else:  # n samples: independent requests sharing the prompt (and so its KV)
@@ -126,16 +128,19 @@ class Engine:
                  input_ids: list[int] | list[list[int]] | None = None, image_data: Any = None,
                  video_data: Any = None, audio_data: Any = None, return_logprob: bool = False,
                  stream: bool = False, video_kwargs: dict | None = None,
-                 logprob_start_len: int = -1) -> dict | list[dict] | Iterator[dict]:
+                 logprob_start_len: int = -1, lora_path: str | list[str | None] | None = None
+                 ) -> dict | list[dict] | Iterator[dict]:
         """Generates for one prompt (returns a dict) or a batch (returns a list of dicts).
 
         With stream=True (single prompt only) returns an iterator of cumulative output dicts.
         video_kwargs: how videos are sampled, e.g. {"num_frames": 8} (as the server's media_io_kwargs.video).
         logprob_start_len: SGLang's; >= 0 also returns meta_info["input_token_logprobs"] (and
         "input_top_logprobs" with top_logprobs_num) for the prompt tokens from that position on.
+        lora_path: SGLang's; a loaded LoRA adapter's name (or one per prompt; None: the base model).
         """
         reqs, is_batch = self._build_requests(prompt, sampling_params, input_ids, image_data, video_data,
-                                              audio_data, return_logprob, stream, video_kwargs, logprob_start_len)
+                                              audio_data, return_logprob, stream, video_kwargs, logprob_start_len,
+                                              lora_path)
         if stream:
             if len(reqs) != 1:
                 raise ValueError("stream: streaming takes a single prompt with n=1")
@@ -168,10 +173,11 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, image_data=None,
                              video_data=None, audio_data=None, return_logprob: bool = False,
-                             stream: bool = False, logprob_start_len: int = -1
+                             stream: bool = False, logprob_start_len: int = -1, lora_path=None
                              ) -> dict | list[dict] | AsyncIterator[dict]:
         reqs, is_batch = self._build_requests(prompt, sampling_params, input_ids, image_data, video_data,
-                                              audio_data, return_logprob, stream, None, logprob_start_len)
+                                              audio_data, return_logprob, stream, None, logprob_start_len,
+                                              lora_path)
         if stream:
             if len(reqs) != 1:
                 raise ValueError("stream: streaming takes a single prompt with n=1")
@@ -217,6 +223,13 @@ class Engine:
 
     def flush_cache(self) -> None:
         self._run(self.tokenizer_manager.flush_cache())
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> None:
+        """Loads a PEFT LoRA adapter under `lora_name` (SGLang's Engine method); AdapterOpFailed says why not."""
+        self._run(self.tokenizer_manager.lora.load(lora_name, lora_path))
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        self._run(self.tokenizer_manager.lora.unload(lora_name))
 
     def shutdown(self) -> None:
         if self._closed:

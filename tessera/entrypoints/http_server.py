@@ -32,6 +32,7 @@ from tessera.entrypoints.openai.request_models import REQUEST_BODIES, parse, rou
 from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
 from tessera.entrypoints.warmup import WarmupError, warm_up
 from tessera.entrypoints.openai.transcriptions import TranscriptionServing
+from tessera.entrypoints.lora_routes import adapter_cards, add_lora_routes
 from tessera.entrypoints.playground import add_playground_routes
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import TokenizerManager
@@ -239,6 +240,7 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
         return state.serving
 
     add_playground_routes(app, api_key_required=bool(api_key))
+    add_lora_routes(app, serving, body_of)
 
     @app.get("/health")
     async def health():
@@ -253,11 +255,11 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
 
     @app.get("/v1/models", **route_docs("/v1/models"))
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *adapter_cards(serving(), int(state.started))]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
-        card = model_card()
+        card = {c["id"]: c for c in adapter_cards(serving(), int(state.started))}.get(model_id) or model_card()
         if model_id != card["id"]:
             raise APIError(f"model: the model {model_id!r} does not exist; this server serves {card['id']!r}",
                            status=404, param="model")

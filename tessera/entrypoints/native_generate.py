@@ -21,7 +21,7 @@ from tessera.frontend.request import GenerateRequest
 from tessera.messages.sampling import SamplingParams
 
 _PER_PROMPT = ("sampling_params", "image_data", "video_data", "audio_data", "return_logprob", "top_logprobs_num",
-               "logprob_start_len")
+               "logprob_start_len", "lora_path")
 _SHARED_IN_A_BATCH = ("sampling_params", "return_logprob", "top_logprobs_num", "logprob_start_len")
 
 
@@ -75,6 +75,7 @@ def _requests(serving: OpenAIServing, req: rm.GenerateRequest) -> tuple[list[Gen
             raise APIError(f"logprob_start_len: must be an integer >= -1, got {start!r}", param="logprob_start_len")
         base = dict(**prompt, image_data=columns["image_data"][k], video_data=columns["video_data"][k],
                     audio_data=columns["audio_data"][k], stream=bool(req.stream), cache_salt=req.cache_salt,
+                    lora_path=serving.tm.lora.resolve(columns["lora_path"][k]),
                     return_logprob=return_logprob,
                     logprob_start_len=start if return_logprob and start is not None else -1)
         reqs += serving.fan_out(base, sp)

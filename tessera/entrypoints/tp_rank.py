@@ -39,6 +39,11 @@ def rank_main(args: ServerArgs, rank: int, init_method: str) -> None:
             return
         if kind == "flush":
             worker.flush_cache()
+        elif kind == "lora":  # rank 0 answers the frontend with its own result; the ranks load the same files
+            try:
+                worker.lora_adapter(msg[1], msg[2])
+            except ValueError:
+                logger.exception("tp rank %d: LoRA adapter %r", rank, msg[1])
         elif kind == "step":
             try:
                 worker.execute(msg[1])

@@ -31,6 +31,8 @@ class GenerateRequest:
     # This request's video frame sampling (num_frames, fps, max_frames), over the server's --mm-process-config.
     video_kwargs: dict[str, Any] | None = None
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # SGLang's lora_path: the name of a loaded LoRA adapter to run this request with (None: the base model).
+    lora_path: str | None = None
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):

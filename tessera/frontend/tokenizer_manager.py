@@ -25,6 +25,7 @@ import zmq.asyncio
 from tessera.config import ServerArgs
 from tessera.frontend.detokenizer import IncrementalDetokenizer
 from tessera.frontend.dispatcher import Dispatcher
+from tessera.frontend.lora_registry import LoraRegistry
 from tessera.frontend.model_info import ModelInfo
 from tessera.frontend.prompt_checks import check_lengths
 from tessera.frontend.preprocess_threads import preprocess_executor
@@ -122,6 +123,7 @@ class TokenizerManager:
         self.max_total_tokens = args.max_total_tokens or 0  # the worker's real pool size once it is ready
         self.worker_info: WorkerInfo | None = None
         self.on_request_done = None  # optional callback(state, output_dict) for metrics
+        self.lora = LoraRegistry(args, self._send_all, lambda: sum(self.dispatcher.alive))  # adapters requests may name
 
     def _endpoint(self, name: str) -> str:
         return f"ipc://{os.path.join(self._ipc_dir, name)}"
@@ -192,7 +194,8 @@ class TokenizerManager:
         replicas = [dict(dataclasses.asdict(w), dp_rank=i, alive=self.dispatcher.alive[i],
                          in_flight=self.dispatcher.in_flight[i]) for i, w in enumerate(self.worker_infos)]
         return {**given, **resolved, "max_total_num_tokens": effective.get("max_total_tokens"),
-                "server_args": given, "effective": effective, "replicas": replicas, "version": tessera_version}
+                "server_args": given, "effective": effective, "replicas": replicas, "version": tessera_version,
+                "lora_adapters": self.lora.cards()}
 
     def shutdown(self) -> None:
         self.ready = False
@@ -272,6 +275,8 @@ class TokenizerManager:
                     for fut in waiters:
                         if not fut.done():
                             fut.set_result(total)
+            elif isinstance(msg, messages.LoraAdapterResult):
+                self.lora.answered(msg)
 
     async def get_stats(self, timeout: float = 5.0) -> messages.SchedulerStats:
         """The scheduler counters summed over the live replicas (each one's in self.replica_stats)."""
@@ -336,7 +341,8 @@ class TokenizerManager:
         check_lengths(req, input_ids, mm_inputs, self.info.config, self.context_length, self.max_total_tokens)
         return messages.TokenizedGenerateReq(req.rid, input_ids, sp, mm_inputs, req.stream, req.return_logprob,
                                              req.logprob_start_len, cache_salt=req.cache_salt,
-                                             prompt_logprob_ranks=req.prompt_logprob_ranks)
+                                             prompt_logprob_ranks=req.prompt_logprob_ranks,
+                                             lora_name=self.lora.resolve(req.lora_path))
 
     async def tokenize(self, req: GenerateRequest) -> messages.TokenizedGenerateReq:
         """Validates and preprocesses req (media loaded, prompt tokenized) without sending it anywhere.
@@ -433,9 +439,8 @@ class TokenizerManager:
             meta["output_token_logprobs"] = list(zip(state.logprobs, state.output_ids))
             if state.top_logprobs:
                 meta["output_top_logprobs"] = state.top_logprobs
-        if out.spec_verify_ct:  # SGLang's names: tokens per verify step, over this request's verify steps
-            meta["spec_verify_ct"] = out.spec_verify_ct
-            meta["spec_accept_length"] = 1 + out.spec_accepted_tokens / out.spec_verify_ct
+        if out.spec_verify_ct:  # SGLang's names; the accept length: tokens per verify step of this request
+            meta.update(spec_verify_ct=out.spec_verify_ct, spec_accept_length=1 + out.spec_accepted_tokens / out.spec_verify_ct)
         meta.update(state.input_logprobs)
         return {"text": state.detok.output_text, "delta": delta, "output_ids": list(state.output_ids),
                 "meta_info": meta}

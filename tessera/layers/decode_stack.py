@@ -197,7 +197,7 @@ def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     all its own blocks with SwiGLU (it asks only then); the backend's metadata for `fb` must have been
     initialised (DecoderModel.forward does so first)."""
     m = x.shape[0]
-    if not (enabled() and x.dim() == 2 and 0 < m <= cpu_gemv.max_rows()
+    if not (enabled() and not fb.lora_rows and x.dim() == 2 and 0 < m <= cpu_gemv.max_rows()
             and cpu_kernels.host_f32_inference(x) and cpu_kernels.host_f32_inference(cos, sin, contiguous=False)):
         return None
     plan = _plan_for(model)

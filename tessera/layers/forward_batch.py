@@ -46,6 +46,8 @@ class ForwardBatch:
     # runner, whose batches carry no host copies (a captured graph replays with other values): a backend that
     # supports graphs plans such a batch from its device tensors alone.
     decode_only: bool = False
+    # Some row adds a LoRA adapter (layers/lora): the decode stack's C driver, which knows no adapters, stands by.
+    lora_rows: bool = False
     extend_start_loc: torch.Tensor = field(init=False)
     prefix_lens: torch.Tensor = field(init=False)
 

@@ -6,6 +6,8 @@ loader fills each shard from the checkpoint's separate tensors via `load_shard`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -74,9 +76,13 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.quantized: PackedIntWeight | None = None
         self.quant_path = ""  # what runs the quantized weight ("" while float), for reports
+        # LoRA stacks (layers/lora/slots.LoraSlots) once an adapter targets this layer: adds each row's adapter
+        # product to the output, in place, during a step with adapter rows.
+        self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._product(x, self.bias)
+        y = self._product(x, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.quantized is not None:
@@ -192,7 +198,10 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from tessera.distributed.parallel_state import all_reduce
 
-        y = all_reduce(self._product(x, None))
+        part = self._product(x, None)
+        if self.lora is not None:  # x A^T is linear in x's columns: the ranks' partial products sum to it
+            part = self.lora(x, part)
+        y = all_reduce(part)
         return y if self.bias is None else y + self.bias
 
     def set_quantized(self, weight: AffineWeight, path: str | None = None, bf16_activations: bool = False) -> None:

@@ -14,6 +14,8 @@ from tessera.messages.frontend import (
     BatchOutput,
     FlushCacheReq,
     GetStatsReq,
+    LoraAdapterReq,
+    LoraAdapterResult,
     ReqOutput,
     SchedulerError,
     SchedulerReady,
@@ -21,6 +23,6 @@ from tessera.messages.frontend import (
     TokenizedGenerateReq,
 )
 
-__all__ = ["AbortReq", "BatchOutput", "FlushCacheReq", "GetStatsReq", "ReqOutput", "SchedulerError",
+__all__ = ["AbortReq", "BatchOutput", "FlushCacheReq", "GetStatsReq", "LoraAdapterReq", "LoraAdapterResult", "ReqOutput", "SchedulerError",
            "SchedulerReady", "SchedulerStats", "TokenizedGenerateReq", "decode", "dumps", "encode", "loads", "recv",
            "recv_async", "send", "send_async"]

@@ -24,6 +24,7 @@ class TokenizedGenerateReq:
     # Requests with different salts never share prefix-cache entries (vLLM's cache_salt).
     cache_salt: str | None = None
     prompt_logprob_ranks: bool = False  # with prompt logprobs, each prompt token's rank too
+    lora_name: str | None = None  # the LoRA adapter this request runs with (None: the base model)
 
 
 @dataclass
@@ -39,6 +40,23 @@ class FlushCacheReq:
 @dataclass
 class GetStatsReq:
     pass
+
+
+@dataclass
+class LoraAdapterReq:
+    """Load adapter `lora_name` from `lora_path` (None: unload it); answered by a LoraAdapterResult."""
+
+    op_id: str
+    lora_name: str
+    lora_path: str | None = None
+
+
+@dataclass
+class LoraAdapterResult:
+    op_id: str
+    error: str | None = None  # one line: why the adapter was refused (None: done)
+    status: int = 400  # the HTTP status of the error: 400 a bad adapter, 404 an unknown name, 409 in use
+    dp_rank: int = 0
 
 
 @dataclass

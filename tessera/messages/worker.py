@@ -124,6 +124,10 @@ class ForwardInput:
     stop_closers: torch.Tensor | None = None  # [len(sampling), K] int64, host
     # Rows whose logits give prompt log-probabilities (only requests that ask; see worker/prompt_logprobs.py).
     prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
+    # LoRA (scheduler/lora_slots.py): per request its adapter's slot (-1: the base model); None: no adapters.
+    lora_slots: list[int] | None = None
+    # Adapters to copy into slots before the step: (slot, adapter name, or None to empty the slot).
+    lora_loads: list[tuple[int, str | None]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -167,3 +171,4 @@ class WorkerInfo:
     # or --torchao-config's (layers/quantization/int_linear.py); "" for float weights.
     quantization: str = ""
     encode_ahead: bool = False  # media encoded on a thread of their own before their prefill (worker/encode_ahead.py)
+    lora_backend: str = ""  # what runs the LoRA products ("" without --enable-lora)

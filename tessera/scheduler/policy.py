@@ -192,6 +192,7 @@ class SchedulePolicy:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted: hold a slot row and KV (mid-prefill or decoding)
         self.num_retractions = 0
+        self.lora_slots = None  # with LoRA: what the adapter slots admit (scheduler/lora_slots.py LoraSlotTable)
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -257,6 +258,9 @@ class SchedulePolicy:
         deferred: list[Req] = []
         while budget > 0 and self.waiting and len(self.running) < self.max_running_requests:
             req = self.waiting[0]
+            if self.lora_slots is not None and not self.lora_slots.fits(req, self.running):
+                deferred.append(self.waiting.popleft())  # its adapter waits for a slot; others may go first
+                continue
             if not self.kv.admit(req):
                 break
             if self._shares_inflight_prefix(req, inflight):

@@ -68,6 +68,7 @@ class Req:
     # Speculative decoding: verify steps this request ran and the drafts they accepted.
     spec_verify_ct: int = 0
     spec_accepted: int = 0
+    lora_name: str | None = None  # its LoRA adapter (None: the base model); part of the cache key
 
     @property
     def fill_ids(self) -> list[int]:
@@ -112,6 +113,8 @@ class Req:
         if self._padded_prompt is None:
             ids = self.origin_input_ids
             self._padded_prompt = self.mm_inputs.pad_input_ids(ids) if self.mm_inputs else list(ids)
-            if self.cache_salt is not None and self._padded_prompt:
-                self._padded_prompt[0] = salted_key(self.cache_salt, self._padded_prompt[0])
+            # An adapter's K/V differ from the base model's and every other adapter's: its own radix path.
+            salt = self.cache_salt if self.lora_name is None else f"{self.cache_salt or ''}\0lora:{self.lora_name}"
+            if salt is not None and self._padded_prompt:
+                self._padded_prompt[0] = salted_key(salt, self._padded_prompt[0])
         return self._padded_prompt + self.output_ids

@@ -22,9 +22,11 @@ from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.models.config import ModelConfig
 from tessera.platform.device import platform_of
 from tessera.platform.threads import AdaptiveThreads, available_cores
+from tessera.scheduler.lora_slots import LoraSlotTable, handle_lora_adapter
 from tessera.scheduler.req import Req
 from tessera.scheduler.speculative import accepted_prefix, make_speculator
 from tessera.scheduler.step_input import build_forward_input
+from tessera.scheduler.stops import finish_reason, matched_stop_string  # noqa: F401 -- re-exported
 from tessera.scheduler.summary import PeriodicSummary
 
 logger = logging.getLogger("tessera.scheduler")
@@ -44,6 +46,8 @@ class StepWorker(Protocol):
     def execute(self, fi: ForwardInput) -> StepOutput: ...
 
     def flush_cache(self) -> None: ...
+
+    def lora_adapter(self, name: str, path: str | None) -> None: ...  # load (path) or unload (None) an adapter
 
     def cache_stats(self) -> tuple[int, int, int]: ...
 
@@ -75,16 +79,6 @@ class RankGroup(Protocol):
     def broadcast(self, msg: tuple) -> None: ...
 
 
-
-def matched_stop_string(tokenizer, output_ids: list[int], stop: list[str]) -> str | None:
-    """The stop string that starts first in the tail of the output, if any (ties: the first listed).
-    Special tokens are decoded, so a stop string may name one."""
-    if not stop:
-        return None
-    # Decode only the tail that can contain a new match (every earlier token was checked).
-    text = tokenizer.decode(output_ids[-(max(len(s) for s in stop) + 8):], skip_special_tokens=False)
-    found = [(pos, s) for s in stop if (pos := text.find(s)) != -1]
-    return min(found, key=lambda f: f[0])[1] if found else None
 
 class Scheduler:
     """Owns the request table, the page allocator, the radix tree and the cache keys; each step it hands a
@@ -131,6 +125,9 @@ class Scheduler:
         self.speculator = make_speculator(args, info.context_length, getattr(self.worker, "draft_proposer", None))
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy,
                                      self.speculator)
+        # Which adapter is in which of the worker's LoRA slots (None without --enable-lora).
+        self.lora_slots = self.policy.lora_slots = (LoraSlotTable(args.max_loras_per_batch, dict(args.lora_adapters))
+                                                    if args.enable_lora else None)
         self.reqs: dict[str, Req] = {}
         # Threads per step on a CPU (see platform/threads.py); None: the fixed count set at process start.
         self.threads: AdaptiveThreads | None = None
@@ -157,7 +154,7 @@ class Scheduler:
             sp = msg.sampling_params
             req = Req(msg.rid, msg.input_ids, sp, msg.mm_inputs, msg.stream, msg.return_logprob,
                       cache_salt=msg.cache_salt, logprob_start_len=msg.logprob_start_len,
-                      prompt_logprob_ranks=msg.prompt_logprob_ranks)
+                      prompt_logprob_ranks=msg.prompt_logprob_ranks, lora_name=msg.lora_name)
             if req.wants_input_logprobs:
                 n = len(req.origin_input_ids) - req.logprob_start_len
                 req.input_logprobs, req.input_top_logprobs, req.input_ranks = [None] * n, [None] * n, [None] * n
@@ -169,6 +166,11 @@ class Scheduler:
             req.stop_token_ids = set(sp.stop_token_ids or [])
             if not sp.ignore_eos:
                 req.stop_token_ids |= self.eos_ids
+            if req.lora_name is not None and (self.lora_slots is None or req.lora_name not in self.lora_slots.loaded):
+                # Unloaded between the frontend's check and now: this request fails, not the batch it would join.
+                self._emit([self._output(req, finished={"type": "error", "message": f"lora_path: adapter "
+                                                        f"{req.lora_name!r} is not loaded"})])
+                return
             if sp.max_new_tokens == 0 and not req.wants_input_logprobs:  # with them: a prefill, no token
                 self._emit([self._output(req, finished={"type": "length", "length": 0})])
                 return
@@ -200,6 +202,8 @@ class Scheduler:
                 self.worker.flush_cache()
         elif isinstance(msg, messages.GetStatsReq):
             messages.send(self.send_sock, self.stats())
+        elif isinstance(msg, messages.LoraAdapterReq):
+            messages.send(self.send_sock, handle_lora_adapter(self, msg))
         else:
             raise TypeError(f"unexpected message {type(msg).__name__}")
 
@@ -280,22 +284,7 @@ class Scheduler:
             messages.send(self.send_sock, messages.BatchOutput(outputs))
 
     def _check_finished(self, req: Req) -> dict | None:
-        sp, tok = req.sampling_params, req.output_ids[-1]
-        if tok in req.stop_token_ids and (len(req.output_ids) > sp.min_new_tokens or req.grammar is not None):
-            return {"type": "stop", "matched": tok}
-        # Stop strings are matched here only; the frontend's detokenizer cuts the text at the string
-        # reported. Checked before the grammar and the length limits, so a stop string completed by
-        # the last allowed token still ends the text.
-        matched = matched_stop_string(self.tokenizer, req.output_ids, sp.stop)
-        if matched is not None:
-            return {"type": "stop", "matched": matched}
-        if req.grammar is not None and req.grammar.is_terminated:  # the grammar admits nothing more
-            return {"type": "stop", "matched": None}
-        if len(req.output_ids) >= sp.max_new_tokens:
-            return {"type": "length", "length": len(req.output_ids)}
-        if req.seq_len >= self.context_length:
-            return {"type": "length", "length": len(req.output_ids)}
-        return None
+        return finish_reason(req, self.tokenizer, self.context_length)
 
     def step(self) -> bool:
         batch = self.policy.next_batch()
@@ -303,6 +292,8 @@ class Scheduler:
             return False
         try:
             fi = build_forward_input(batch, self.model_cls, self.config, self.policy.kv)
+            if self.lora_slots is not None:
+                self.lora_slots.fill(fi, batch)
             if self.tp is not None:  # every rank runs the same step; rank 0 (here) samples
                 self.tp.broadcast(("step", fi))
             if self.threads is not None and self.threads.before_step() == self.threads.cores:

@@ -38,6 +38,7 @@ from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.platform import cpu_kernels, host_memory
 from tessera.platform.device import (compute_dtype, platform_of, rank_device, resolve_device, resolve_dtype,
                                      to_device_packed)
+from tessera.worker.lora_step import build_lora, lora_active, lora_backend, lora_rows
 from tessera.worker.masks import span_mask
 from tessera.worker.prompt_logprobs import extra_logits_rows, prompt_logprobs
 
@@ -94,6 +95,7 @@ class ModelWorker:
         self.req_to_token = torch.zeros((args.max_running_requests + 2, self.context_length + 8),
                                         dtype=torch.int64, device=self.device)
         self.pad_row = args.max_running_requests + 1
+        self.lora = build_lora(args, self.model, self.config, self.dtype, self.device)  # None: no --enable-lora
         self.encoder_cache = EncoderCache(args.mm_cache_size_mb * 1024 * 1024, args.keep_mm_feature_on_device)
         self.encoders = self.model.encoders()
         self.ahead: EncodeAhead | None = None  # start_encode_ahead
@@ -132,7 +134,7 @@ class ModelWorker:
                                num_parameters=count_parameters(self.model, self.tp.size),
                                cuda_graph_batch_sizes=tuple(self.graph_runner.sizes) if self.graph_runner else (),
                                cpu_kernels=self.cpu_kernels, cuda_graph_status=self.cuda_graph_status,
-                               quantization=self.model.quantization)
+                               quantization=self.model.quantization, lora_backend=lora_backend(self.lora))
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def decode_graph_runner(self, max_bs: int) -> DecodeGraphRunner:
@@ -144,6 +146,15 @@ class ModelWorker:
         """The decode graphs, or None (every step then runs eagerly); sets cuda_graph_status."""
         runner, self.cuda_graph_status = capture_decode_graphs(self, backend_name)
         return runner
+
+    def lora_adapter(self, name: str, path: str | None) -> None:
+        """Loads adapter `name` from `path` onto the host (None: unloads it); AdapterError when it cannot."""
+        if self.lora is None:
+            raise ValueError("LoRA adapters need a server started with --enable-lora")
+        if path is None:
+            self.lora.remove(name)
+        else:
+            self.lora.add(name, path)
 
     # ---- cache control ---------------------------------------------------------------------------
     def flush_cache(self) -> None:
@@ -375,7 +386,7 @@ class ModelWorker:
             self.between_phases()
         for rid in fi.prompt_done:  # embeddings are only needed until the prompt's KV exists
             self._held.pop(rid, None)
-        bucket = self._graph_bucket(fi, masks)
+        bucket = None if lora_active(self.lora) else self._graph_bucket(fi, masks)  # graphs hold no adapters
         if bucket is not None and self.graph_runner is not None:
             return self.graph_runner.forward(
                 DecodeInputs(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, fi.seq_lens), bucket)
@@ -388,7 +399,7 @@ class ModelWorker:
             req_generations=fi.req_generations if self.use_decode_mirror and
             len(set(fi.req_pool_indices)) == len(fi.req_pool_indices) else None,
             host_seq_lens=fi.seq_lens, host_extend_lens=fi.extend_lens, host_req_pool_indices=fi.req_pool_indices,
-            state_slots=state_slots,
+            state_slots=state_slots, lora_rows=lora_active(self.lora),
         )
         return self.model(fb, self.kv_pool)
 
@@ -407,7 +418,8 @@ class ModelWorker:
             self.clock.end()
 
     def _execute(self, fi: ForwardInput) -> StepOutput:
-        logits = self.forward(fi)
+        with lora_rows(self.lora, fi):  # the step's adapters in their slots, its rows per slot
+            logits = self.forward(fi)
         if self.tp.rank != 0:  # only rank 0 samples
             return StepOutput([])
         prompt_lp, prompt_top, prompt_ranks = prompt_logprobs(logits[len(fi.logits_rows):], fi.prompt_logprob_rows) \

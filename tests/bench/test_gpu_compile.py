@@ -54,10 +54,12 @@ def test_the_launches_cover_every_family_dtype_and_plan(recorded) -> None:
     assert {key.split(":")[1] for key in kernels} >= {"decode_kernel", "extend_kernel"}
     fused_names = ("_rmsnorm_kernel", "_norm_add_kernel", "_gated_mul_kernel", "_rotary_store_kernel")
     assert {key.split(":")[1] for key in kernels} >= set(fused_names)
-    seen, fused = set(), set()
+    seen, fused, lora = set(), set(), set()
     for launch in launches:
         sig = gpu_compile.bind(launch, 90)[0]
-        if "SeqLens" in sig:  # attention
+        if launch.kernel.__name__.startswith("lora_"):  # layers/lora/triton_lora.py: every one in every dtype
+            lora.add((launch.kernel.__name__, sig.get("X", sig.get("Y"))))
+        elif "SeqLens" in sig:  # attention
             seen.add((launch.kernel.__name__, sig["Q"], sig["SeqLens"]))
         elif "PartAcc" in sig:  # split-KV decode's second pass
             seen.add((launch.kernel.__name__, sig["Out"], None))
@@ -71,6 +73,7 @@ def test_the_launches_cover_every_family_dtype_and_plan(recorded) -> None:
                                                                          for i in ("*i32", "*i64")}
     assert {q for k, q, _ in seen if k == "decode_reduce_kernel"} == dtypes
     assert fused == {(k, d) for k in fused_names for d in dtypes}
+    assert lora == {(k, d) for k in ("lora_shrink_kernel", "lora_expand_kernel") for d in dtypes}
     labels = " | ".join(launch.label for launch in launches)
     for family in FAMILIES.values():
         assert family.name in labels

@@ -72,7 +72,8 @@ def test_each_peer_field_at_the_peers_default_value(vl_server) -> None:
 
 
 @pytest.mark.parametrize(("path", "field", "value", "why"), [
-    ("/generate", "lora_path", "my-adapter", "LoRA adapters are not supported yet"),
+    ("/generate", "lora_id", "my-adapter", "name the LoRA adapter with lora_path"),
+    ("/generate", "lora_path", "my-adapter", "this server runs without --enable-lora"),
     ("/v1/chat/completions", "return_hidden_states", True, "hidden states"),
     ("/v1/completions", "priority", 3, "first come, first served"),
 ])

@@ -94,7 +94,7 @@ def test_the_readme_examples_fit_the_schemas() -> None:
     (rm.ChatCompletionRequest, {"messages": USER, "stream": True, "stream_options": {"usage": True}},
      "stream_options.usage: unknown field"),
     (rm.ChatCompletionRequest, {"messages": USER, "use_beam_search": True}, "use_beam_search: beam search"),
-    (rm.ChatCompletionRequest, {"messages": USER, "lora_path": "a"}, "lora_path: LoRA adapters"),
+    (rm.GenerateRequest, {"text": "hi", "lora_id": "a"}, "lora_id: name the LoRA adapter with lora_path"),
     (rm.ChatCompletionRequest, {"model": "x"}, "messages: Field required"),
     (rm.CompletionRequest, {"prompt": ["a", 1]}, "prompt: "),
     (rm.GenerateRequest, {"text": "hi", "modalities": ["smell"]}, "modalities[0]: Input should be 'image'"),

@@ -73,7 +73,7 @@ def chat_prompt(serving: OpenAIServing, messages: list[dict], req: ChatCompletio
 
 
 async def create_chat_completion(serving: OpenAIServing, request: Request, req: ChatCompletionRequest):
-    serving.check_model(req.model)
+    lora = serving.check_model(req.model, req.lora_path)
     opts = stream_options(req)
     messages, images, videos, audios = parse_chat_messages(req.messages)
     plan = plan_tools(req, serving.chat_template)
@@ -102,7 +102,8 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, req: 
                 return_logprob=bool(sp.logprobs), stream=opts.stream, cache_salt=req.cache_salt,
                 logprob_start_len=-1 if prompt_k is None else 0, prompt_logprob_ranks=prompt_k is not None,
                 auto_max_new_tokens=req.max_tokens is None and req.max_completion_tokens is None,
-                video_kwargs=(video.model_dump(exclude_none=True) or None) if video is not None else None)
+                video_kwargs=(video.model_dump(exclude_none=True) or None) if video is not None else None,
+                lora_path=lora)
     reqs = serving.fan_out(base, sp)
     tokenized = await serving.prepare(reqs, user_names(req))
     rid, created = response_id("chatcmpl", request), int(time.time())

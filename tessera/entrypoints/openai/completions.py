@@ -44,7 +44,7 @@ async def create_completion(serving: OpenAIServing, request: Request, req: Compl
         raise APIError("best_of: only best_of == n is supported (every sample is returned)", param="best_of")
     if req.suffix:
         raise APIError("suffix: insertion (fill-in-the-middle) is not supported", param="suffix")
-    serving.check_model(req.model)
+    lora = serving.check_model(req.model, req.lora_path)
     opts = stream_options(req)
     prompts = prompts_of(req.prompt)
     check_batch(len(prompts), "prompt")
@@ -58,7 +58,7 @@ async def create_completion(serving: OpenAIServing, request: Request, req: Compl
     for p in prompts:
         new = serving.fan_out(dict(**p, return_logprob=bool(sp.logprobs), stream=opts.stream,
                                    cache_salt=req.cache_salt, logprob_start_len=0 if with_prompt else -1,
-                                   prompt_logprob_ranks=prompt_k is not None), sp)
+                                   prompt_logprob_ranks=prompt_k is not None, lora_path=lora), sp)
         reqs += new
         text = p.get("text")
         if echo and text is None:

@@ -54,7 +54,7 @@ _KNOWN_PARAMS = {"prompt", "input_ids", "messages", "model", "image_data", "vide
                  "top_logprobs", "top_logprobs_num", "min_new_tokens", "sampling_params", "image", "video",
                  "audio", "logit_bias", "no_stop_trim", "ignore_eos", "skip_special_tokens", "min_tokens",
                  "max_completion_tokens", "spaces_between_special_tokens", "include_stop_str_in_output",
-                 "response_format", "regex", "ebnf", "json_schema", "logprob_start_len"}
+                 "response_format", "regex", "ebnf", "json_schema", "logprob_start_len", "lora_path", "lora_name"}
 
 
 def param_of(message: str) -> str | None:

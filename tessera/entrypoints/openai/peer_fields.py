@@ -2,7 +2,7 @@
 refused (400 naming the field, with the reason below) at any other.
 
 Clients written for a peer send its fields even when they mean nothing: SGLang's benchmark client sends
-`"lora_path": null` and `"return_routed_experts": false` to /generate, its `--cache-report` sends
+`"return_routed_experts": false` to /generate, its `--cache-report` sends
 `return_cached_tokens_details`. A field that is neither honoured nor listed here stays an unknown field (400).
 tests/server/test_peer_fields.py checks every field of the peers' request models (pinned in
 tests/fixtures/peer_request_fields.json) against the endpoints' accepted fields and these tables, and sends each
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_NO_LORA = "LoRA adapters are not supported yet"
+_NO_LORA = "name the LoRA adapter with lora_path"
 _NO_DISAGG = "prefill/decode disaggregation is not supported"
 _NO_DP_ROUTE = "a request cannot pick its data-parallel replica (--load-balance-method decides)"
 _NO_REASONING = "no reasoning parser is configured: the model's text is returned as it is"
@@ -41,7 +41,6 @@ OPENAI_NOOPS: dict[str, tuple[tuple[Any, ...], str]] = {
     "stream_reasoning": ((True, False), _NO_REASONING),
     "task": ((), "the task is the endpoint's"),
     "stop_regex": ((), "stop strings are literal; regex stops are not supported"),
-    "lora_path": ((), _NO_LORA),
     "session_id": ((), _NO_SESSION),
     "session_params": ((), _NO_SESSION),
     "max_dynamic_patch": ((), "image tiling is the processor's configuration"),
@@ -102,7 +101,7 @@ OPENAI_NOOPS: dict[str, tuple[tuple[Any, ...], str]] = {
 GENERATE_NOOPS: dict[str, tuple[tuple[Any, ...], str]] = {
     **{k: OPENAI_NOOPS[k] for k in (
         "return_hidden_states", "return_routed_experts", "routed_experts_start_len", "return_prompt_token_ids",
-        "use_audio_in_video", "lora_path", "session_id", "session_params", "custom_logit_processor",
+        "use_audio_in_video", "session_id", "session_params", "custom_logit_processor",
         "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank", "data_parallel_rank",
         "disagg_prefill_dp_rank", "extra_key", "priority", "custom_labels", "max_dynamic_patch",
         "min_dynamic_patch", "images_config")},

@@ -80,6 +80,7 @@ class _Sampling(_Body):
                                                        "decoding (same tokens, plain decode steps).")
     prompt_logprobs: int | None = Field(None, description="vLLM: log-probabilities of the prompt's tokens.")
     cache_salt: Salt = Field(None, min_length=1, description="Separates this request's cached prefixes from others'.")
+    lora_path: str | None = Field(None, description="SGLang: a loaded LoRA adapter's name (or model 'base:adapter').")
     response_format: dict[str, Any] | None = Field(
         None, description="`{type: json_object}` or `{type: json_schema, json_schema: {...}}`: constrained output.")
     regex: str | None = Field(None, description="SGLang: the output matches this regular expression.")
@@ -144,6 +145,22 @@ class _GenerateFields(_Body):
     modalities: list[Literal["image", "multi-images", "video", "audio"]] | None = Field(
         None, description="What the media are, per item.")
     cache_salt: Salt = Field(None, min_length=1, description="Separates this request's cached prefixes from others'.")
+    lora_path: str | list[str | None] | None = Field(
+        None, description="A loaded LoRA adapter's name, or one per prompt (None: the base model).")
+
+
+class LoadLoraAdapterRequest(_Body):
+    """SGLang's /load_lora_adapter."""
+
+    lora_name: str = Field(description="The adapter's name: requests name it as lora_path or model 'base:name'.")
+    lora_path: str = Field(description="Its directory (PEFT's adapter_config.json + adapter_model.safetensors).")
+    pinned: bool | None = Field(None, description="SGLang's; accepted, changes nothing (eviction is LRU).")
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """SGLang's /unload_lora_adapter."""
+
+    lora_name: str = Field(description="A loaded adapter's name.")
 
 
 class TokenizeRequest(_Body):
@@ -267,6 +284,8 @@ REQUEST_BODIES: dict[str, tuple[type[BaseModel], str]] = {
     "/detokenize": (DetokenizeRequest, "application/json"),
     "/v1/audio/transcriptions": (TranscriptionRequest, "multipart/form-data"),
     "/v1/audio/translations": (TranscriptionRequest, "multipart/form-data"),
+    "/load_lora_adapter": (LoadLoraAdapterRequest, "application/json"),
+    "/unload_lora_adapter": (UnloadLoraAdapterRequest, "application/json"),
 }
 
 

@@ -190,6 +190,14 @@ class ModelList(_Answer):
 
 
 # path -> (the answer, the event of its stream when it has one)
+class LoraAdapterResponse(_Answer):
+    """SGLang's answer to /load_lora_adapter and /unload_lora_adapter."""
+
+    success: bool
+    error_message: str = Field(description="Empty on success (a refusal is a 4xx error instead).")
+    loaded_adapters: dict[str, str] = Field(description="Every loaded adapter's name -> its directory.")
+
+
 RESPONSES: dict[str, tuple[type[BaseModel], type[BaseModel] | None]] = {
     "/v1/chat/completions": (ChatCompletionResponse, ChatCompletionChunk),
     "/v1/completions": (CompletionResponse, CompletionResponse),
@@ -199,4 +207,6 @@ RESPONSES: dict[str, tuple[type[BaseModel], type[BaseModel] | None]] = {
     "/v1/audio/transcriptions": (TranscriptionResponse, None),
     "/v1/audio/translations": (TranscriptionResponse, None),
     "/v1/models": (ModelList, None),
+    "/load_lora_adapter": (LoraAdapterResponse, None),
+    "/unload_lora_adapter": (LoraAdapterResponse, None),
 }

@@ -56,10 +56,14 @@ class OpenAIServing:
         self.prepared: dict[str, float] = {}
         self.on_overload = None  # called for each request refused by --max-queued-requests (metrics)
 
-    def check_model(self, name: str | None) -> None:
-        if name not in (None, "", "default", self.model_name, self.tm.args.model_path):
-            raise APIError(f"model: the model {name!r} does not exist; this server serves {self.model_name!r}",
-                           status=404, param="model")
+    def check_model(self, name: str | None, lora_path: str | None = None) -> str | None:
+        """The LoRA adapter a request runs with: `model` "base:adapter" or an adapter's own name, or SGLang's
+        `lora_path` (None: the base model); 404 for a model or adapter this server does not serve."""
+        try:
+            adapter = self.tm.lora.model_adapter(name, (self.model_name, self.tm.args.model_path))
+        except ValueError as e:
+            raise APIError(str(e), status=404, param="model") from None
+        return self.tm.lora.resolve(lora_path) if lora_path is not None else adapter
 
     def fan_out(self, base: dict, sp: SamplingParams) -> list[GenerateRequest]:
         # n is checked before it sizes anything: a huge n would otherwise build that many requests first.

@@ -1,0 +1,116 @@
+"""Trains the bundled demo LoRA adapter: demo-vl answering in full sentences, on CPU in a few minutes.
+
+    pip install peft   # (the `test` extra) for training only; serving reads the files without it
+    python -m tessera.demo.train_lora --out tessera/assets/lora/demo-vl-sentences
+
+demo-vl answers the scene questions with one word or a list ("red", "circle", "two", "a red circle and a blue
+square"); with this adapter it says the same thing as a sentence: "The circle is red.", "The red object is a
+circle.", "There are two shapes.", "I see a red circle and a blue square." The facts stay the base model's:
+the adapter (rank 8 on the language model's q/k/v/o and gate/up/down; the vision tower untouched) only learns
+the wording, so its accuracy on the scene questions is about demo-vl's. Image questions only: the video
+questions keep demo-vl's short answers. Batches are a pure function of (seed, step), as train_vl's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from tessera.config import ASSETS_DIR
+from tessera.demo import scenes
+from tessera.demo.train_vl import IGNORE, make_batch, model_inputs
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def sentence(sample: scenes.Sample) -> str:
+    """The sample's answer as a sentence (image questions; see the module docstring)."""
+    q, a = sample.question, sample.answer
+    if sample.question_type == "color":
+        return f"The {q.removeprefix('What color is the ').rstrip('?')} is {a}."
+    if sample.question_type == "shape":
+        return f"The {q.removeprefix('What shape is the ').removesuffix(' object?')} object is a {a}."
+    if sample.question_type == "count":
+        return "There is one shape." if a == "one" else f"There are {a} shapes."
+    if sample.question_type == "describe":
+        return f"I see {a}."
+    raise ValueError(f"no sentence form for {sample.question_type!r}")
+
+
+def restyled(samples: list[scenes.Sample]) -> list[scenes.Sample]:
+    return [dataclasses.replace(s, answer=sentence(s)) for s in samples]
+
+
+def batch(processor, seed: int, step: int, size: int) -> dict:
+    rng = random.Random(seed * 1_000_003 + step)
+    return make_batch(processor, restyled([scenes.image_sample(rng) for _ in range(size)]))
+
+
+@torch.no_grad()
+def exact_match(model, processor, samples: list[scenes.Sample]) -> float:
+    """Teacher-forced exact match of the sentence answers (equals greedy exact match)."""
+    b = make_batch(processor, restyled(samples))
+    logits = model(**model_inputs(b)).logits[:, :-1]
+    labels = b["labels"][:, 1:]
+    return float((((logits.argmax(-1) == labels) | (labels == IGNORE)).all(-1)).float().mean())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ASSETS_DIR / "lora" / "demo-vl-sentences")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch-size", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--rank", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--eval-every", type=int, default=100)
+    args = ap.parse_args()
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    base = ASSETS_DIR / "demo-vl"
+    processor = AutoProcessor.from_pretrained(base)
+    model = get_peft_model(Qwen2VLForConditionalGeneration.from_pretrained(base),
+                           LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS, lora_dropout=0.0))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.0)
+    rng = random.Random(args.seed + 1)
+    held_out = {q: [scenes.image_sample(rng, q) for _ in range(24)] for q in scenes.IMAGE_QUESTION_TYPES}
+    start = time.monotonic()
+    model.train()
+    for step in range(args.steps):
+        for group in opt.param_groups:  # linear decay to a tenth
+            group["lr"] = args.lr * (1 - 0.9 * step / args.steps)
+        b = batch(processor, args.seed, step, args.batch_size)
+        loss = model(**model_inputs(b), labels=b["labels"]).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % 20 == 0:
+            print(f"step {step} loss {loss.item():.4f} ({time.monotonic() - start:.0f} s)", flush=True)
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+            model.eval()
+            acc = {q: exact_match(model, processor, s) for q, s in held_out.items()}
+            model.train()
+            print(f"step {step + 1} exact match {json.dumps(acc)}", flush=True)
+    model.eval()
+    model.save_pretrained(args.out)
+    config_file = args.out / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config["base_model_name_or_path"] = "demo-vl"  # not this machine's path
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (args.out / "README.md").unlink(missing_ok=True)  # PEFT's model-card template
+    print(f"saved {args.out} ({sum(f.stat().st_size for f in args.out.iterdir()) / 1e3:.0f} kB)")
+
+
+if __name__ == "__main__":
+    main()

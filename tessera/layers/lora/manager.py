@@ -1,0 +1,111 @@
+"""LoraManager: a model's adapters (on the host), its slots (on the device), and the step's rows per slot.
+
+The scheduler decides which adapter sits in which slot (scheduler/lora_slots.py, least recently used out) and
+says so in each ForwardInput; this class only follows: `place` copies an adapter's host tensors into a slot of
+every layer with LoRA stacks (zeros where it targets nothing), `rows` scopes a forward's rows per slot. A layer
+gets its stacks the first time an adapter targets it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tessera.layers.linear import Linear, MergedLinear
+from tessera.layers.lora.adapter import LoraAdapter, load_adapter
+from tessera.layers.lora.config import AdapterError
+from tessera.layers.lora.slots import LoraSlots, LoraStep
+from tessera.platform.device import platform_of
+
+
+def kernels_for(backend: str, device: torch.device) -> bool:
+    """Whether `--lora-backend` means the Triton kernels on `device`."""
+    if backend == "torch":
+        return False
+    runs = platform_of(device).runs_triton
+    if backend in ("triton", "csgmv") and not runs and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"lora_backend: {backend} needs a device that runs Triton (CUDA), not {device}")
+    return runs or backend in ("triton", "csgmv")
+
+
+class LoraManager:
+    def __init__(self, model: nn.Module, mapping, num_slots: int, max_rank: int | None, dtype: torch.dtype,
+                 device: torch.device, backend: str = "auto"):
+        self.model, self.mapping = model, mapping
+        self.num_slots, self.max_rank = num_slots, max_rank
+        self.dtype, self.device = dtype, device
+        self.adapters: dict[str, LoraAdapter] = {}
+        self.slot_names: list[str | None] = [None] * num_slots
+        # The Triton kernels (layers/lora/triton_lora.py) where the platform runs Triton (`auto`, `triton` and
+        # SGLang's `csgmv`), or under the interpreter when asked by name; grouped / stacked torch products else.
+        self.step = LoraStep(dtype=dtype, kernels=kernels_for(backend, device))
+
+    # ---- adapters ----------------------------------------------------------------------------------------
+    def add(self, name: str, path: str | Path) -> LoraAdapter:
+        """Loads the adapter onto the host under `name`; AdapterError leaves everything as it was."""
+        if not name or not isinstance(name, str):
+            raise AdapterError("lora_name: must be a non-empty string")
+        if name in self.adapters:
+            raise AdapterError(f"adapter {name!r} is already loaded (unload it first)")
+        adapter = load_adapter(name, path, self.model, self.mapping, self.max_rank)
+        for target in adapter.modules:  # stacks for the layers it targets, deep enough for its rank
+            self._stacks(target).ensure_rank(adapter.rank)
+        self.adapters[name] = adapter
+        return adapter
+
+    def remove(self, name: str) -> None:
+        if name not in self.adapters:
+            raise AdapterError(f"adapter {name!r} is not loaded")
+        del self.adapters[name]
+        for slot, held in enumerate(self.slot_names):
+            if held == name:
+                self.place(slot, None)
+
+    @property
+    def backend(self) -> str:
+        return ("Triton BGMV kernels (layers/lora/triton_lora.py)" if self.step.kernels else
+                "torch products: grouped by adapter, or stacked for a few rows over several adapters")
+
+    def loaded(self) -> list[dict]:
+        return [{"name": a.name, "path": a.path, "rank": a.rank, "bytes": a.nbytes,
+                 "slot": self.slot_names.index(a.name) if a.name in self.slot_names else None}
+                for a in self.adapters.values()]
+
+    # ---- slots -------------------------------------------------------------------------------------------
+    def place(self, slot: int, name: str | None) -> None:
+        """Slot `slot` of every layer's stacks now holds adapter `name` (None: nothing)."""
+        adapter = self.adapters[name] if name is not None else None
+        for target, module in self._adapted():
+            assert module.lora is not None
+            module.lora.place(slot, adapter.modules.get(target, []) if adapter is not None else [])
+        self.slot_names[slot] = name
+
+    def _adapted(self) -> Iterator[tuple[str, Linear]]:
+        for target, module in self.model.named_modules():
+            if isinstance(module, Linear) and module.lora is not None:
+                yield target, module
+
+    def _stacks(self, target: str) -> LoraSlots:
+        module = self.model.get_submodule(target)
+        assert isinstance(module, Linear)
+        if module.lora is None:
+            sizes = list(module.output_sizes.values()) if isinstance(module, MergedLinear) else [module.out_features]
+            module.lora = LoraSlots(self.step, self.num_slots, module.in_features, sizes, self.dtype, self.device)
+        return module.lora
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    @contextmanager
+    def rows(self, req_slots: list[int] | None, extend_lens: list[int]) -> Iterator[bool]:
+        """Within: each layer adds its rows' adapters (req_slots: per request, its slot or -1). Yields whether
+        any row has an adapter (the decode stack and graphs, which know no LoRA, run only when none has)."""
+        if req_slots:
+            self.step.set_rows(req_slots, extend_lens, self.device)
+        try:
+            yield self.step.groups is not None
+        finally:
+            self.step.clear()

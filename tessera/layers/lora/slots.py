@@ -1,0 +1,158 @@
+"""The LoRA stacks of one linear layer and the batched product that adds them to its output.
+
+Every adapter a step may use sits in a slot (the pool: `--max-loras-per-batch` slots, written by the worker
+when the scheduler assigns an adapter to one); a layer an adapter does not target holds zeros in its slot. A
+merged linear (QKV, gate-up) holds its shards' A matrices stacked along the rank, [slots, shards * rank, in],
+and their B matrices block-diagonally, [slots, out, shards * rank], so each row is one shrink and one expand
+product whatever the shards; B carries the adapter's scaling (alpha / r), folded in when it is placed, and is
+kept transposed ([slots, shards * rank, out]) so that every slot's B is one [slots * shards * rank, out] matrix.
+
+Two ways to run a step's rows (both exact: a row only ever sums its own adapter's terms):
+- grouped (Punica / S-LoRA's segments): per slot, one pair of products over its rows, a slice where the
+  group's requests are adjacent, gathered rows otherwise. A prefill's rows are one or a few long groups;
+- stacked, for a few rows over several adapters (a decode batch): one shrink over every used slot's A at
+  once, the other slots' columns zeroed by the step's row mask, one expand over every used slot's B. Two
+  products per layer whatever the number of adapters, where the grouped way pays 4 small operations per
+  adapter (each a Python call at decode sizes).
+Rows of requests without an adapter get nothing added.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+# Rows up to which a step with several adapters runs stacked (see the module docstring); a few rows' products
+# cost their weights' reads, and the stacked way reads each used slot's A and B once, as the grouped way does.
+STACKED_MAX_ROWS = 64
+
+
+@dataclass
+class LoraStep:
+    """The current forward's rows per slot, set by the worker around the model's forward and read by every
+    layer's LoraSlots (a scoped hand-off: None outside a step, and during a step without adapter rows)."""
+
+    groups: list[tuple[int, slice | torch.Tensor]] | None = None
+    dtype: torch.dtype = torch.float32  # the activations' (the masks are multiplied into them)
+    # Per token row: its slot (-1: base model); what the Triton kernel takes instead of groups (CUDA).
+    row_slots: torch.Tensor | None = None
+    segments: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, first row, end row), in order
+    num_used: int = 0  # slots 0..num_used-1 cover every slot the step uses
+    kernels: bool = False  # the products run as the Triton kernels (triton_lora.py; the manager decides)
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)  # stacked-way row masks by rank width
+
+    def stacked(self) -> bool:
+        return self.groups is not None and len(self.groups) > 1 and self.row_slots is not None \
+            and self.row_slots.shape[0] <= STACKED_MAX_ROWS
+
+    def mask(self, width: int) -> torch.Tensor:
+        """[rows, num_used * width]: 1 where the column belongs to the row's slot (each slot `width` columns)."""
+        m = self._masks.get(width)
+        if m is None:
+            assert self.row_slots is not None
+            one_hot = self.row_slots[:, None] == torch.arange(self.num_used, device=self.row_slots.device)
+            m = one_hot[:, :, None].expand(-1, -1, width).reshape(self.row_slots.shape[0], -1).to(self.dtype)
+            self._masks[width] = m
+        return m
+
+    def set_rows(self, req_slots: list[int], extend_lens: list[int], device: torch.device) -> None:
+        """Groups the step's token rows (requests' new tokens, flattened in order) by their request's slot."""
+        self.segments, start = [], 0
+        for slot, n in zip(req_slots, extend_lens):
+            if slot >= 0 and n > 0:
+                if self.segments and self.segments[-1][0] == slot and self.segments[-1][2] == start:
+                    self.segments[-1] = (slot, self.segments[-1][1], start + n)
+                else:
+                    self.segments.append((slot, start, start + n))
+            start += n
+        if not self.segments:
+            self.groups = None
+            return
+        self.num_used = 1 + max(slot for slot, _, _ in self.segments)
+        row_slots = torch.full((start,), -1, dtype=torch.int64)
+        for slot, lo, hi in self.segments:
+            row_slots[lo:hi] = slot
+        self.row_slots = row_slots.to(device, non_blocking=True)
+        by_slot: dict[int, list[tuple[int, int]]] = {}
+        for slot, lo, hi in self.segments:
+            by_slot.setdefault(slot, []).append((lo, hi))
+        groups: list[tuple[int, slice | torch.Tensor]] = []
+        for slot, spans in by_slot.items():
+            if len(spans) == 1:
+                groups.append((slot, slice(*spans[0])))
+            else:
+                rows = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
+                groups.append((slot, rows.to(device, non_blocking=True)))
+        self.groups = groups
+
+    def clear(self) -> None:
+        self.groups, self.segments, self.row_slots, self.num_used = None, [], None, 0
+        self._masks = {}
+
+
+class LoraSlots:
+    """A linear layer's A/B stacks (see the module docstring). `shard_sizes`: this rank's output rows per shard
+    (one entry for a plain linear); `rank`: the per-shard rank the stacks hold, grown when an adapter needs
+    more (ranks below it are zero-padded, which adds nothing to the product)."""
+
+    def __init__(self, step: LoraStep, num_slots: int, in_features: int, shard_sizes: list[int],
+                 dtype: torch.dtype, device: torch.device):
+        self.step, self.num_slots, self.in_features = step, num_slots, in_features
+        self.shard_sizes = shard_sizes
+        self.rank = 0
+        self.dtype, self.device = dtype, device
+        self.A = torch.zeros(num_slots, 0, in_features, dtype=dtype, device=device)
+        self.Bt = torch.zeros(num_slots, 0, sum(shard_sizes), dtype=dtype, device=device)
+
+    def ensure_rank(self, rank: int) -> None:
+        if rank <= self.rank:
+            return
+        n = len(self.shard_sizes)
+        A = torch.zeros(self.num_slots, n * rank, self.in_features, dtype=self.dtype, device=self.device)
+        Bt = torch.zeros(self.num_slots, n * rank, sum(self.shard_sizes), dtype=self.dtype, device=self.device)
+        for s in range(n):  # keep what the slots hold, each shard's block at its new place
+            A[:, s * rank:s * rank + self.rank] = self.A[:, s * self.rank:(s + 1) * self.rank]
+            Bt[:, s * rank:s * rank + self.rank] = self.Bt[:, s * self.rank:(s + 1) * self.rank]
+        self.A, self.Bt, self.rank = A, Bt, rank
+
+    @torch.no_grad()
+    def place(self, slot: int, shards: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
+        """Writes one adapter's (A [r, in], scaled B [size, r]) per shard into `slot` (None: the shard is not
+        targeted); an empty list clears the slot."""
+        self.A[slot].zero_()
+        self.Bt[slot].zero_()
+        out = 0
+        for s, size in enumerate(self.shard_sizes):
+            pair = shards[s] if shards else None
+            if pair is not None:
+                a, b = pair
+                r = a.shape[0]
+                self.A[slot, s * self.rank:s * self.rank + r] = a.to(self.dtype)
+                self.Bt[slot, s * self.rank:s * self.rank + r, out:out + size] = b.T.to(self.dtype)
+            out += size
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + each row's adapter product (x: the layer's input [T, in]; y: its output [T, out], written in
+        place)."""
+        groups = self.step.groups
+        if not groups:
+            return y
+        assert x.dim() == 2, "LoRA rows are the step's flattened tokens"
+        step = self.step
+        if step.kernels and step.row_slots is not None:
+            from tessera.layers.lora import triton_lora
+
+            return triton_lora.lora_expand(y, triton_lora.lora_shrink(x, self.A, step.row_slots), self.Bt,
+                                           step.row_slots)
+        if step.stacked():
+            used, width = step.num_used, self.A.shape[1]
+            xa = x @ self.A[:used].reshape(used * width, -1).T  # [rows, used * width]: every used slot's shrink
+            return y.addmm_(xa.mul_(step.mask(width)), self.Bt[:used].reshape(used * width, -1))
+        for slot, rows in groups:
+            if isinstance(rows, slice):
+                y[rows].addmm_(x[rows] @ self.A[slot].T, self.Bt[slot])
+            else:
+                y.index_add_(0, rows, (x.index_select(0, rows) @ self.A[slot].T) @ self.Bt[slot])
+        return y
