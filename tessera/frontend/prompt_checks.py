@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from tessera.frontend.request import GenerateRequest
 from tessera.messages.items import MultimodalInputs
+from tessera.messages.pooling import PoolingParams
 from tessera.models.config import ModelConfig
 
 
@@ -39,3 +40,11 @@ def check_lengths(req: GenerateRequest, input_ids: list[int], mm_inputs: Multimo
         raise ValueError(
             f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({sp.max_new_tokens}){held} exceeds "
             f"the KV pool ({max_total_tokens} tokens; the server's --max-total-tokens)")
+
+
+def check_pooling(pooling: PoolingParams, config: ModelConfig) -> None:
+    """An embedding request's settings fit the model: its family pools decoder hidden states, `dimensions`
+    is within the embedding's size."""
+    if config.family.encoder_decoder:
+        raise ValueError(f"input: {config.architecture} is an encoder-decoder model and gives no embeddings")
+    pooling.verify(config.hidden_size)

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.messages.pooling import PoolingParams
 from tessera.messages.sampling import SamplingParams
 
 
@@ -31,6 +32,9 @@ class GenerateRequest:
     # This request's video frame sampling (num_frames, fps, max_frames), over the server's --mm-process-config.
     video_kwargs: dict[str, Any] | None = None
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # An embedding request (frontend/embedding.py): prefill only, answered with its pooled vector.
+    pooling: PoolingParams | None = None
+    add_special_tokens: bool = False  # tokenize `text` with the tokenizer's special tokens (embeddings do)
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):

@@ -26,7 +26,7 @@ from tessera.config import ServerArgs
 from tessera.frontend.detokenizer import IncrementalDetokenizer
 from tessera.frontend.dispatcher import Dispatcher
 from tessera.frontend.model_info import ModelInfo
-from tessera.frontend.prompt_checks import check_lengths
+from tessera.frontend.prompt_checks import check_lengths, check_pooling
 from tessera.frontend.preprocess_threads import preprocess_executor
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.scheduler_procs import launch_schedulers
@@ -327,16 +327,18 @@ class TokenizerManager:
             )
             input_ids, mm_inputs = out.input_ids, out.mm_inputs
         elif req.text is not None:
-            input_ids = self.tokenizer.encode(req.text, add_special_tokens=False)
+            input_ids = self.tokenizer.encode(req.text, add_special_tokens=req.add_special_tokens)
         else:
             input_ids = list(req.input_ids)
             bad = [i for i in input_ids if not 0 <= i < self.info.vocab_size]
             if bad:
                 raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
         check_lengths(req, input_ids, mm_inputs, self.info.config, self.context_length, self.max_total_tokens)
+        if req.pooling is not None:
+            check_pooling(req.pooling, self.info.config)
         return messages.TokenizedGenerateReq(req.rid, input_ids, sp, mm_inputs, req.stream, req.return_logprob,
                                              req.logprob_start_len, cache_salt=req.cache_salt,
-                                             prompt_logprob_ranks=req.prompt_logprob_ranks)
+                                             prompt_logprob_ranks=req.prompt_logprob_ranks, pooling=req.pooling)
 
     async def tokenize(self, req: GenerateRequest) -> messages.TokenizedGenerateReq:
         """Validates and preprocesses req (media loaded, prompt tokenized) without sending it anywhere.
@@ -434,8 +436,11 @@ class TokenizerManager:
             if state.top_logprobs:
                 meta["output_top_logprobs"] = state.top_logprobs
         meta.update(state.input_logprobs)
-        return {"text": state.detok.output_text, "delta": delta, "output_ids": list(state.output_ids),
-                "meta_info": meta}
+        result = {"text": state.detok.output_text, "delta": delta, "output_ids": list(state.output_ids),
+                  "meta_info": meta}
+        if out.embedding is not None:
+            result["embedding"] = out.embedding
+        return result
 
 
 def new_rid() -> str:

@@ -46,6 +46,10 @@ class ForwardBatch:
     # runner, whose batches carry no host copies (a captured graph replays with other values): a backend that
     # supports graphs plans such a batch from its device tensors alone.
     decode_only: bool = False
+    # Embedding requests (worker/pooling.py): flat rows whose final hidden states the model also hands back, in
+    # `hidden_states` (set by the model's forward; None when nobody asked).
+    hidden_indices: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
     extend_start_loc: torch.Tensor = field(init=False)
     prefix_lens: torch.Tensor = field(init=False)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.messages.items import MultimodalInputs
+from tessera.messages.pooling import PoolingParams
 from tessera.messages.sampling import SamplingParams
 from tessera.messages.worker import WorkerInfo
 
@@ -24,6 +25,7 @@ class TokenizedGenerateReq:
     # Requests with different salts never share prefix-cache entries (vLLM's cache_salt).
     cache_salt: str | None = None
     prompt_logprob_ranks: bool = False  # with prompt logprobs, each prompt token's rank too
+    pooling: PoolingParams | None = None  # an embedding request: prefill only, answered with a pooled vector
 
 
 @dataclass
@@ -69,6 +71,7 @@ class SchedulerStats:
     # (platform/device.py StepClock): the share an overlap scheduler would win back.
     device_busy_s: float = 0.0
     device_idle_s: float = 0.0
+    num_embedding_requests: int = 0  # embedding requests answered (prefill only, pooled)
 
     @property
     def device_idle_fraction(self) -> float:
@@ -116,6 +119,7 @@ class ReqOutput:
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
     input_token_ranks: list[int | None] | None = None  # each prompt token's rank, when asked
+    embedding: Any = None  # an embedding request's pooled vector (float32 torch tensor [dims]), once, at the end
 
 
 @dataclass

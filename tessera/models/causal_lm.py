@@ -31,6 +31,7 @@ class CausalLM(TesseraModel):
     # pool) -> final hidden states. A family with its own block layout (Gemma-3) names its own.
     decoder_model_class: ClassVar[type[torch.nn.Module]] = DecoderModel
     cuda_graph_decode: ClassVar[bool] = True  # the shared decoder blocks (and Gemma-3's) hold to it
+    applies_final_logit_softcap: ClassVar[bool] = True  # config.final_logit_softcap, where the config sets one
 
     def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
                  language_model_only: bool = False):
@@ -74,13 +75,16 @@ class CausalLM(TesseraModel):
 
     def compute_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Logits for the rows fb.logits_indices of `hidden`; when it is None, for the last new token of
-        each request (extend_start_loc + extend_lens - 1), in request order."""
+        each request (extend_start_loc + extend_lens - 1), in request order. The rows fb.hidden_indices of
+        `hidden` (the final norm's output) are kept in fb.hidden_states for embedding requests."""
+        if fb.hidden_indices is not None:
+            fb.hidden_states = hidden[fb.hidden_indices]
         rows = fb.logits_indices
         if rows is None:
             rows = fb.extend_start_loc + fb.extend_lens - 1
         logits = self.lm_head(hidden[rows])
         cap = self.config.final_logit_softcap
-        if cap:
+        if cap and self.applies_final_logit_softcap:
             logits = torch.tanh(logits / cap) * cap
         return logits
 

@@ -10,6 +10,7 @@ import torch
 
 from tessera.constrained.matcher import GrammarMatcher
 from tessera.messages.items import MultimodalInputs
+from tessera.messages.pooling import PoolingParams
 from tessera.messages.sampling import SamplingParams
 
 
@@ -65,6 +66,8 @@ class Req:
     # The output constraint's matcher (tessera/constrained), advanced with every output token; it has
     # consumed exactly output_ids, so it stays valid across retraction. None when decoding is free.
     grammar: GrammarMatcher | None = None
+    # An embedding request (messages/pooling.py): prefill only, it finishes with its pooled vector.
+    pooling: PoolingParams | None = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -141,6 +141,7 @@ class Scheduler:
         self.num_steps_all_cores = 0
         self.num_prefill_tokens_computed = 0
         self.num_output_tokens = 0
+        self.num_embedding_requests = 0
         self.summary = PeriodicSummary(dp_rank=dp_rank)
         self.mm_transport_bytes = {m.value: 0 for m in Modality}
         self.mm_items = {"deferred": 0, "eager": 0}
@@ -152,6 +153,7 @@ class Scheduler:
             req = Req(msg.rid, msg.input_ids, sp, msg.mm_inputs, msg.stream, msg.return_logprob,
                       cache_salt=msg.cache_salt, logprob_start_len=msg.logprob_start_len,
                       prompt_logprob_ranks=msg.prompt_logprob_ranks)
+            req.pooling = msg.pooling
             if req.wants_input_logprobs:
                 n = len(req.origin_input_ids) - req.logprob_start_len
                 req.input_logprobs, req.input_top_logprobs, req.input_ranks = [None] * n, [None] * n, [None] * n
@@ -163,7 +165,7 @@ class Scheduler:
             req.stop_token_ids = set(sp.stop_token_ids or [])
             if not sp.ignore_eos:
                 req.stop_token_ids |= self.eos_ids
-            if sp.max_new_tokens == 0 and not req.wants_input_logprobs:  # with them: a prefill, no token
+            if sp.max_new_tokens == 0 and not req.wants_input_logprobs and req.pooling is None:  # a prefill, no token
                 self._emit([self._output(req, finished={"type": "length", "length": 0})])
                 return
             self.reqs[req.rid] = req
@@ -239,7 +241,7 @@ class Scheduler:
             dp_rank=self.dp_rank, mm_transport_bytes=dict(self.mm_transport_bytes),
             mm_transport_bytes_total=sum(self.mm_transport_bytes.values()),
             mm_deferred_items=self.mm_items["deferred"], mm_eager_items=self.mm_items["eager"],
-            device_busy_s=busy_s, device_idle_s=idle_s,
+            device_busy_s=busy_s, device_idle_s=idle_s, num_embedding_requests=self.num_embedding_requests,
         )
 
     # ---- stepping -------------------------------------------------------------------------
@@ -314,7 +316,7 @@ class Scheduler:
                 if not self.tree.disable:
                     self.policy.kv.cache_prefill(s.req)
         self._take_prompt_logprobs(batch, fi, result)
-        outputs = []
+        outputs = self._finish_pooled(batch, fi, result)
         sampled = [s.req for s in batch.reqs if s.samples]
         self.num_output_tokens += len(sampled)
         for i, (req, token) in enumerate(zip(sampled, result.next_token_ids)):
@@ -348,6 +350,20 @@ class Scheduler:
                 outputs.append(self._output(req))
         self._emit(outputs)
         return True
+
+    def _finish_pooled(self, batch, fi: ForwardInput, result: StepOutput) -> list[messages.ReqOutput]:
+        """Embedding requests whose prompt ended in the step finish with their pooled vector (their KV goes
+        to the radix cache, as a finished request's)."""
+        outputs = []
+        for entry, vector in zip([e for e in fi.pooling_rows if e.final], result.embeddings):
+            req = batch.reqs[entry.req].req
+            req.finished_reason = {"type": "stop", "matched": None}
+            self.policy.finish(req)
+            self.reqs.pop(req.rid, None)
+            outputs.append(self._output(req, req.finished_reason))
+            outputs[-1].embedding = vector
+            self.num_embedding_requests += 1
+        return outputs
 
     @staticmethod
     def _take_prompt_logprobs(batch, fi: ForwardInput, result: StepOutput) -> None:

@@ -17,6 +17,7 @@ from tessera.scheduler.policy import KVManager
 from tessera.messages.worker import (
     ForwardInput,
     MMPlacement,
+    PoolingRows,
     PromptLogprobRows,
     RequestStateFill,
     SamplingRow,
@@ -39,6 +40,7 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
     prompt_done: list[str] = []
     grammars = []  # per SamplingRow: the request's GrammarMatcher or None
     prompt_rows: list[PromptLogprobRows] = []
+    pooling_rows: list[PoolingRows] = []
     flat = 0
     for i, s in enumerate(batch.reqs):
         req = s.req
@@ -67,6 +69,8 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
                                                      req.origin_input_ids[lo + 1:hi + 1],
                                                      req.sampling_params.top_logprobs_num,
                                                      req.prompt_logprob_ranks))
+        if req.pooling is not None:
+            pooling_rows.append(PoolingRows(i, flat, s.start, s.end - s.start, s.end >= prompt_len, req.pooling))
         flat += s.end - s.start
         if s.samples:
             logits_rows.append(flat - 1)
@@ -92,5 +96,5 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         slot_writes=writes, logits_rows=logits_rows, sampling=sampling,
         mm_items=items, mm_placements=placements, bidirectional_spans=layout.bidirectional_spans,
         prompt_done=prompt_done, released=released, state_fills=state_fills, vocab_mask=fill_bitmask(grammars),
-        stop_closers=stop_closers(grammars), prompt_logprob_rows=prompt_rows,
+        stop_closers=stop_closers(grammars), prompt_logprob_rows=prompt_rows, pooling_rows=pooling_rows,
     )

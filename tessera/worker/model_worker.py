@@ -38,6 +38,7 @@ from tessera.platform import cpu_kernels, host_memory
 from tessera.platform.device import (compute_dtype, platform_of, rank_device, resolve_device, resolve_dtype,
                                      to_device_packed)
 from tessera.worker.masks import span_mask
+from tessera.worker.pooling import Pooler, hidden_rows
 from tessera.worker.prompt_logprobs import extra_logits_rows, prompt_logprobs
 
 logger = logging.getLogger("tessera.worker")
@@ -105,6 +106,8 @@ class ModelWorker:
         self.eos_token_ids = eos_token_ids
         self.use_decode_mirror = not args.disable_decode_kv_mirror and uses_decode_mirror(self.device)
         self._held: dict[str, dict[int, torch.Tensor]] = {}  # rid -> item hash -> embedding
+        self.pooler = Pooler()  # embedding requests' partial pools across prefill chunks
+        self._pooled_hidden: torch.Tensor | None = None  # the last step's hidden rows for the pooler
         # Called between the parts of a long step (encoder chunks, then the language model): the scheduler's
         # CPU thread policy (platform/threads.py) re-decides there, so a step that began while the frontend was busy
         # does not keep one core when that core frees up. None: nothing to call.
@@ -342,7 +345,7 @@ class ModelWorker:
         """The CUDA-graph bucket of a pure decode step (one token per request, each sampled, no media, no
         custom mask); None when the step runs eagerly."""
         if self.graph_runner is None or fi.mm_placements or masks is not None or fi.state_fills or \
-                fi.prompt_logprob_rows:
+                fi.prompt_logprob_rows or fi.pooling_rows:
             return None
         if fi.num_tokens != len(fi.seq_lens) or fi.logits_rows != list(range(fi.num_tokens)):
             return None
@@ -355,6 +358,7 @@ class ModelWorker:
         for rid in fi.released:
             self._held.pop(rid, None)
             self._state_slots.pop(rid, None)
+            self.pooler.release(rid)
         writes = self._slot_write_parts(fi)
         (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, extend_lens, logits_rows,
          *staged_writes) = to_device_packed(
@@ -381,8 +385,11 @@ class ModelWorker:
             req_generations=fi.req_generations if self.use_decode_mirror else None,
             host_seq_lens=fi.seq_lens, host_extend_lens=fi.extend_lens, host_req_pool_indices=fi.req_pool_indices,
             state_slots=state_slots,
+            hidden_indices=_int64(hidden_rows(fi.pooling_rows)).to(self.device) if fi.pooling_rows else None,
         )
-        return self.model(fb, self.kv_pool)
+        logits = self.model(fb, self.kv_pool)
+        self._pooled_hidden = fb.hidden_states
+        return logits
 
     @torch.inference_mode()
     def device_times(self) -> tuple[float, float]:
@@ -404,8 +411,14 @@ class ModelWorker:
             return StepOutput([])
         prompt_lp, prompt_top, prompt_ranks = prompt_logprobs(logits[len(fi.logits_rows):], fi.prompt_logprob_rows) \
             if fi.prompt_logprob_rows else ([], [], [])
+        embeddings = []
+        if fi.pooling_rows:
+            assert self._pooled_hidden is not None, "the model handed back no hidden states for pooling"
+            embeddings = self.pooler.pool(self._pooled_hidden, fi.pooling_rows, fi.rids)
+            self._pooled_hidden = None
         if not fi.sampling:
-            return StepOutput([], prompt_logprobs=prompt_lp, prompt_top_logprobs=prompt_top, prompt_ranks=prompt_ranks)
+            return StepOutput([], prompt_logprobs=prompt_lp, prompt_top_logprobs=prompt_top, prompt_ranks=prompt_ranks,
+                              embeddings=embeddings)
         logits = logits[:len(fi.logits_rows)]
         rows = fi.sampling
         info = SamplingBatchInfo.build([r.params for r in rows], logits.shape[-1], [r.output_ids for r in rows],
@@ -419,7 +432,7 @@ class ModelWorker:
             ids_l, vals_l = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
             top = [list(zip(ids_l[i][:r.params.top_logprobs_num], vals_l[i][:r.params.top_logprobs_num]))
                    for i, r in enumerate(rows)]
-        return StepOutput(next_ids, logprobs, top, prompt_lp, prompt_top, prompt_ranks)
+        return StepOutput(next_ids, logprobs, top, prompt_lp, prompt_top, prompt_ranks, embeddings)
 
 
 def _int64(part: torch.Tensor | list[int]) -> torch.Tensor:
