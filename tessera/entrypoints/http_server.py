@@ -27,6 +27,7 @@ from tessera.entrypoints.middleware import ServerMiddleware, api_key_of, observe
 from tessera.entrypoints.openai import tokenization
 from tessera.entrypoints.openai.chat import create_chat_completion
 from tessera.entrypoints.openai.completions import create_completion
+from tessera.entrypoints.openai.embeddings import create_embedding
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
 from tessera.entrypoints.openai.request_models import openapi_body
 from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
@@ -328,6 +329,10 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
     @app.post("/v1/completions", openapi_extra=openapi_body("/v1/completions"))
     async def completions(request: Request):
         return await create_completion(serving(), request, await body_of(request))
+
+    @app.post("/v1/embeddings", openapi_extra=openapi_body("/v1/embeddings"))
+    async def embeddings(request: Request):
+        return await create_embedding(serving(), request, await body_of(request))
 
     @app.post("/v1/audio/transcriptions", openapi_extra=openapi_body("/v1/audio/transcriptions"))
     async def transcriptions(request: Request):

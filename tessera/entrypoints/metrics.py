@@ -67,6 +67,8 @@ class Metrics:
                                  labels, registry=r)
         self.device_idle_fraction = Gauge("tessera_device_idle_fraction", "Idle between steps / (idle + busy)",
                                           labels, registry=r)
+        self.embedding_requests = Gauge("tessera_embedding_requests", "Embedding requests answered (prefill only, "
+                                        "pooled)", labels, registry=r)
         self.preprocess_hit_rate = Gauge("tessera_preprocess_cache_hit_rate",
                                          "Media items served from the preprocessing cache / items", labels, registry=r)
 
@@ -116,4 +118,5 @@ class Metrics:
             self.device_busy.labels(m).set(stats.device_busy_s)
             self.device_idle.labels(m).set(stats.device_idle_s)
             self.device_idle_fraction.labels(m).set(stats.device_idle_fraction)
+            self.embedding_requests.labels(m).set(stats.num_embedding_requests)
         return generate_latest(self.registry)

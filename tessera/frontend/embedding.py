@@ -29,9 +29,9 @@ def embedding_request(pooling: PoolingParams, text: str | None = None, input_ids
 def media_prompt(info, mm_processor, text: str | None, num_images: int) -> str | None:
     """`text` as a prompt for `num_images` images: unchanged when it holds the model's placeholders (or there
     are no images), else one chat-templated user turn with the images before the text."""
-    if not num_images or text is None and mm_processor is None:
+    if not num_images or mm_processor is None:  # a text-only model refuses the images when it tokenizes
         return text
-    if text is not None and mm_processor is not None and mm_processor.has_placeholders(text):
+    if text is not None and mm_processor.has_placeholders(text):
         return text
     content = [{"type": "image"}] * num_images + ([{"type": "text", "text": text}] if text else [])
     return info.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=False)

@@ -139,3 +139,44 @@ def test_prefix_cache_and_generation_beside_embeddings(engine, hf):
 def test_bad_input_names_the_field(engine, kwargs, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         engine.encode(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    """A text-only Qwen3 (q/k norms) with demo-vl's tokenizer."""
+    import shutil
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from tessera.config import ASSETS_DIR
+
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ASSETS_DIR / "demo-vl" / name, path / name)
+    cfg = Qwen3Config(vocab_size=576, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                      bos_token_id=0, eos_token_id=2)
+    torch.manual_seed(3)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+def test_text_family_matches_hf_and_refuses_images(tiny_qwen3, scene_images):
+    from transformers import AutoModel, AutoTokenizer
+
+    tok, base = AutoTokenizer.from_pretrained(tiny_qwen3), AutoModel.from_pretrained(tiny_qwen3).eval()
+    with torch.no_grad():
+        refs = [base(**tok([t], return_tensors="pt")).last_hidden_state[0] for t in TEXTS]
+    with Engine(str(tiny_qwen3), pooling="mean", page_size=2, chunked_prefill_size=8, max_total_tokens=1024,
+                show_progress=False) as engine:
+        for out, ref in zip(engine.encode(TEXTS), refs):  # the server's --pooling: mean
+            assert_same(out, pooled(ref, "mean"))
+        for out, ref in zip(engine.encode(TEXTS, pooling="last"), refs):
+            assert_same(out, pooled(ref, "last"))
+        with pytest.raises(ValueError, match="^media: .* takes text only"):
+            engine.encode("a picture", image_data=scene_images[0])
