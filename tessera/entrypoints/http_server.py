@@ -290,7 +290,7 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
         info = serving().tm.info
         return {"model_path": args.model_path, "served_model_name": args.model_name,
                 "architectures": [info.architecture], "context_length": info.context_length,
-                "is_generation": True,
+                "is_generation": not info.is_embedding,
                 "has_image_understanding": info.has_image_understanding,
                 "has_video_understanding": info.has_video_understanding,
                 "has_audio_understanding": info.has_audio_understanding}

@@ -19,8 +19,11 @@ from tessera.messages.sampling import SamplingParams
 def embedding_request(pooling: PoolingParams, text: str | None = None, input_ids: list[int] | None = None,
                       image_data: list[Any] | None = None, add_special_tokens: bool = True,
                       rid: str | None = None) -> GenerateRequest:
-    """One embedding request (no tokens generated: max_new_tokens 0)."""
+    """One embedding request (no tokens generated: max_new_tokens 0); an empty prompt fails when it is
+    tokenized, unless images come with it."""
     extra = {"rid": rid} if rid is not None else {}
+    if text is None and input_ids is None:
+        text = ""  # an image alone (a dual encoder's image input)
     return GenerateRequest(text=text, input_ids=input_ids, sampling_params=SamplingParams(max_new_tokens=0),
                            image_data=image_data or None, pooling=pooling, add_special_tokens=add_special_tokens,
                            **extra)
@@ -29,8 +32,8 @@ def embedding_request(pooling: PoolingParams, text: str | None = None, input_ids
 def media_prompt(info, mm_processor, text: str | None, num_images: int) -> str | None:
     """`text` as a prompt for `num_images` images: unchanged when it holds the model's placeholders (or there
     are no images), else one chat-templated user turn with the images before the text."""
-    if not num_images or mm_processor is None:  # a text-only model refuses the images when it tokenizes
-        return text
+    if not num_images or mm_processor is None or info.config.family.embedding_only:
+        return text  # a text-only model refuses the images when it tokenizes; a dual encoder takes them bare
     if text is not None and mm_processor.has_placeholders(text):
         return text
     content = [{"type": "image"}] * num_images + ([{"type": "text", "text": text}] if text else [])

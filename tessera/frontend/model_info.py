@@ -68,6 +68,11 @@ class ModelInfo:
     def has_audio_understanding(self) -> bool:
         return Modality.AUDIO in self.modalities
 
+    @property
+    def is_embedding(self) -> bool:
+        """Served for embeddings only: --is-embedding, or an embedding-only architecture (CLIP)."""
+        return self.args.is_embedding or self.config.family.embedding_only
+
     def no_media_reason(self) -> str:
         if self.args.language_model_only:
             return "media: the server runs with --language-model-only and accepts text only"

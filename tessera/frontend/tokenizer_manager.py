@@ -334,8 +334,7 @@ class TokenizerManager:
             if bad:
                 raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
         check_lengths(req, input_ids, mm_inputs, self.info.config, self.context_length, self.max_total_tokens)
-        if req.pooling is not None:
-            check_pooling(req.pooling, self.info.config)
+        req.pooling = check_pooling(req.pooling, self.info.config, self.info.is_embedding)
         return messages.TokenizedGenerateReq(req.rid, input_ids, sp, mm_inputs, req.stream, req.return_logprob,
                                              req.logprob_start_len, cache_salt=req.cache_salt,
                                              prompt_logprob_ranks=req.prompt_logprob_ranks, pooling=req.pooling)

@@ -72,6 +72,11 @@ class ModelConfig(DecoderDims):
     def kv_layout(self) -> KVLayout:
         return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim)
 
+    @property
+    def embedding_size(self) -> int:
+        """Values in an embedding request's vector: a dual encoder's projection_dim, else the hidden size."""
+        return int(self.hf_config.projection_dim) if self.family.embedding_only else self.hidden_size
+
     @classmethod
     def load(cls, model_path: str | Path) -> ModelConfig:
         """The checkpoint's config.json and generation_config.json, each read once: a process loads its

@@ -44,6 +44,9 @@ class Family:
     # Pre-quantized checkpoints (models/quant_config.py) the README's table lists: the loader is the same for
     # every family; "tested" where a parity test against HF on the dequantized checkpoint runs.
     quantization: str = "AWQ, GPTQ, CT, FP8 (untested)"
+    # A dual encoder served for embeddings only (CLIP): no generation, each request computed whole in one step
+    # (the scheduler keeps its tokens together), no prefix cache (its towers do not use the paged KV).
+    embedding_only: bool = False
 
     @property
     def name(self) -> str:
@@ -52,7 +55,7 @@ class Family:
     @property
     def prefix_cache(self) -> bool:
         """Whether requests with the same leading tokens may share their K/V (the radix cache)."""
-        return not self.encoder_decoder
+        return not self.encoder_decoder and not self.embedding_only
 
     def model_class(self) -> type:
         return _import(self.model)
@@ -141,6 +144,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("Llama4ForCausalLM", "tessera.models.llama4:Llama4ForCausalLM", None, frozenset(), "rope",
            model_types=("llama4_text",), backend_needs=frozenset({"custom_mask"}),
            notes="tensor parallelism (MoE layers); rope_type dynamic", quantization=_QUANT_MOE),
+    Family("CLIPModel", "tessera.models.clip:CLIPModel", "tessera.multimodal.processors.clip:CLIPProcessor",
+           frozenset({IMAGE}), "learned", model_types=("clip",), embedding_only=True,
+           notes="generation (embeddings only: a text or one image per input); tensor parallelism",
+           quantization="none"),
 )}
 
 

@@ -162,6 +162,8 @@ class Scheduler:
                 self.mm_items["deferred" if item.deferred is not None else "eager"] += 1
             if self.config.family.bidirectional_mm_spans and msg.mm_inputs is not None:
                 req.atomic_spans = msg.mm_inputs.spans()
+            if self.config.family.embedding_only:  # a dual encoder computes a request in one step
+                req.atomic_spans = [(0, len(req.origin_input_ids))]
             req.stop_token_ids = set(sp.stop_token_ids or [])
             if not sp.ignore_eos:
                 req.stop_token_ids |= self.eos_ids

@@ -84,6 +84,10 @@ def _inputs(body: dict) -> tuple[list[tuple[str | None, list[int] | None, list[A
     return out, "input"
 
 
+def _parts(content: Any) -> list[dict]:
+    return content if isinstance(content, list) else [{"type": "text", "text": content}]
+
+
 def _is_id(t: Any) -> bool:
     return isinstance(t, int) and not isinstance(t, bool)
 
@@ -112,7 +116,7 @@ async def create_embedding(serving: OpenAIServing, request: Request, body: dict)
     items, field = _inputs(body)
     pooling = _pooling(serving, body)
     try:
-        pooling.verify(serving.tm.info.config.hidden_size)
+        pooling.verify(serving.tm.info.config.embedding_size)
     except ValueError as e:
         raise APIError(str(e), param=str(e).split(":")[0]) from None
     add_special = body.get("add_special_tokens")
@@ -124,7 +128,10 @@ async def create_embedding(serving: OpenAIServing, request: Request, body: dict)
         messages, images, videos, audios = parse_chat_messages(body["messages"])
         if videos or audios:
             raise APIError("messages: embeddings take text and image parts only", param="messages")
-        text = chat_prompt(serving, messages, {"add_generation_prompt": False, **body}, None)
+        if tm.info.config.family.embedding_only:  # a dual encoder has no chat template: its text parts as given
+            text = " ".join(p["text"] for m in messages for p in _parts(m["content"]) if p.get("type") == "text")
+        else:
+            text = chat_prompt(serving, messages, {"add_generation_prompt": False, **body}, None)
         reqs.append(embedding_request(pooling, text, None, images, bool(add_special)))
     else:
         for text, ids, images in items:
