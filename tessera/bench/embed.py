@@ -110,7 +110,7 @@ def run_embed_bench(model_path: str = "demo-vl", num_texts: int = 256, num_image
                     hf_batch_size: int = 32, engine_kwargs: dict | None = None) -> EmbedBenchResult:
     import torch
 
-    from tessera import Engine
+    from tessera.entrypoints.engine import Engine
     from tessera.config import resolve_model_path
 
     texts, images = inputs(num_texts, num_images)

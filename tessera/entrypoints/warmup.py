@@ -11,7 +11,8 @@ Each request streams a few tokens for one plain PNG (320 x 240, a size the proce
 own, so none is a cache hit) where the model takes images, one second of a tone where it takes audio, text only
 otherwise. They are ordinary requests (counted in /metrics like any other; their access-log lines, request ids
 `warmup-N`, at debug level); the caches they filled are flushed afterwards. An encoder-decoder speech model
-(Whisper) is warmed up with one transcription instead.
+(Whisper) is warmed up with one transcription instead, an embedding server (--is-embedding, CLIP, SigLIP) with
+embedding requests (a text, or an image alone where the model takes images).
 
 Ready means ready: a warm-up that fails raises WarmupError with the server's own answer, and the server exits
 with it instead of saying it is ready (a request it cannot serve, e.g. under a --max-total-tokens too small for

@@ -32,32 +32,38 @@ _VISION = "transformers.models.clip.modeling_clip:CLIPVisionModel"
 
 
 class CLIPModel(TesseraModel):
-    """forward(fb, pool) fills fb.hidden_states (each request's vector at its last row); no logits."""
+    """forward(fb, pool) fills fb.hidden_states (each request's vector at its last row); no logits. SigLIP
+    (models/siglip.py) is a subclass: its towers end in their own heads instead of projections."""
 
     text_tower_class: ClassVar[str] = _TEXT
     vision_tower_class: ClassVar[str] = _VISION
+    has_projections: ClassVar[bool] = True  # CLIP's text_projection / visual_projection after the towers
 
     def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
                  language_model_only: bool = False):
         super().__init__()
         self.config = config
         hf = config.hf_config
-        self.projection_dim = int(hf.projection_dim)
+        self.projection_dim = config.embedding_size
         self.text_model = build_transformers_tower(self.text_tower_class, hf.text_config)
-        self.text_projection = nn.Linear(int(hf.text_config.hidden_size), self.projection_dim, bias=False)
-        self.vision_model = self.visual_projection = None
+        self.text_projection = self.visual_projection = None
+        if self.has_projections:
+            self.text_projection = nn.Linear(int(hf.text_config.hidden_size), self.projection_dim, bias=False)
+        self.vision_model = None
         if not language_model_only:
             self.vision_model = build_transformers_tower(self.vision_tower_class, hf.vision_config)
-            self.visual_projection = nn.Linear(int(hf.vision_config.hidden_size), self.projection_dim, bias=False)
+            if self.has_projections:
+                self.visual_projection = nn.Linear(int(hf.vision_config.hidden_size), self.projection_dim,
+                                                   bias=False)
 
     @classmethod
     def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
-        """transformers' CLIPModel names; logit_scale (the contrastive loss's temperature) is not used."""
+        """transformers' names; logit_scale and logit_bias (the contrastive loss's) are not used."""
         vision = None if language_model_only else "vision_model."
         projection = None if language_model_only else "visual_projection."
         return WeightMapping(prefix_rules=(("text_model.", "text_model."), ("text_projection.", "text_projection."),
                                            ("vision_model.", vision), ("visual_projection.", projection),
-                                           ("logit_scale", None)),
+                                           ("logit_scale", None), ("logit_bias", None)),
                              ignore=(r"position_ids$",))
 
     def encoders(self) -> dict[Modality, Encoder]:
@@ -65,16 +71,18 @@ class CLIPModel(TesseraModel):
 
     def get_image_feature(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
         """One [1, projection_dim] vector per item: the vision tower over all the call's images at once."""
-        assert self.vision_model is not None and self.visual_projection is not None
+        assert self.vision_model is not None
+        weight = self.text_model.embeddings.token_embedding.weight
         out: list[torch.Tensor | None] = [item.precomputed_embedding for item in items]
         todo = [i for i, e in enumerate(out) if e is None]
         if todo:
-            weight = self.visual_projection.weight
             pixels = torch.cat([_pixels(items[i], i) for i in todo]).to(device=weight.device, dtype=weight.dtype)
             pooled = self.vision_model(pixel_values=pixels).pooler_output
-            for i, v in zip(todo, self.visual_projection(pooled)):
+            if self.visual_projection is not None:
+                pooled = self.visual_projection(pooled)
+            for i, v in zip(todo, pooled):
                 out[i] = v[None]
-        return [e.to(self.visual_projection.weight.dtype) for e in out]  # type: ignore[union-attr]
+        return [e.to(weight.dtype) for e in out]  # type: ignore[union-attr]
 
     def text_features(self, input_ids: list[torch.Tensor]) -> torch.Tensor:
         """get_text_features of each prompt [B, projection_dim]: one padded call, prompts left-aligned (the
@@ -84,12 +92,13 @@ class CLIPModel(TesseraModel):
         mask = torch.zeros_like(ids)
         for i, t in enumerate(input_ids):
             ids[i, :t.shape[0]], mask[i, :t.shape[0]] = t, 1
-        return self.text_projection(self.text_model(input_ids=ids, attention_mask=mask).pooler_output)
+        pooled = self.text_model(input_ids=ids, attention_mask=mask).pooler_output
+        return pooled if self.text_projection is None else self.text_projection(pooled)
 
     def forward(self, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
         ext, _, starts, _ = fb.host_plan()
-        out = torch.zeros((fb.input_ids.shape[0], self.projection_dim), dtype=self.text_projection.weight.dtype,
-                          device=fb.input_ids.device)
+        out = torch.zeros((fb.input_ids.shape[0], self.projection_dim),
+                          dtype=self.text_model.embeddings.token_embedding.weight.dtype, device=fb.input_ids.device)
         media = set(fb.mm_embed_rows.tolist()) if fb.mm_embed_rows is not None else set()
         texts = [(s, n) for s, n in zip(starts, ext) if s not in media]
         if texts:

@@ -74,8 +74,12 @@ class ModelConfig(DecoderDims):
 
     @property
     def embedding_size(self) -> int:
-        """Values in an embedding request's vector: a dual encoder's projection_dim, else the hidden size."""
-        return int(self.hf_config.projection_dim) if self.family.embedding_only else self.hidden_size
+        """Values in an embedding request's vector: a dual encoder's shared width (CLIP's projection_dim,
+        SigLIP's text head's projection_size), else the hidden size."""
+        if not self.family.embedding_only:
+            return self.hidden_size
+        hf = self.hf_config
+        return int(hf.projection_dim) if hasattr(hf, "projection_dim") else int(hf.text_config.projection_size)
 
     @classmethod
     def load(cls, model_path: str | Path) -> ModelConfig:

@@ -148,6 +148,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            frozenset({IMAGE}), "learned", model_types=("clip",), embedding_only=True,
            notes="generation (embeddings only: a text or one image per input); tensor parallelism",
            quantization="none"),
+    Family("SiglipModel", "tessera.models.siglip:SiglipModel", "tessera.multimodal.processors.clip:CLIPProcessor",
+           frozenset({IMAGE}), "learned", model_types=("siglip",), embedding_only=True,
+           notes="generation (embeddings only: a text or one image per input); tensor parallelism; SigLIP 2",
+           quantization="none"),
 )}
 
 

@@ -1,4 +1,4 @@
-"""CLIP through tessera.Engine: Engine.encode of texts gives get_text_features, of images (three formats) the
+"""CLIP and SigLIP through tessera.Engine: Engine.encode of texts gives get_text_features, of images (three formats) the
 image tower's get_image_features, normalised or not, batched and alone, texts and images in one batch; a
 generation request, a text with an image, and a pooling other than the model's own are refused or ignored."""
 
@@ -15,12 +15,12 @@ from tests.models.clip_testing import make_tiny_clip
 TEXTS = ["the red circle", "a dog", "two green squares, far apart!"]
 
 
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def clip(request, tmp_path_factory):
     from transformers import AutoProcessor
 
-    path = tmp_path_factory.mktemp("tiny-clip-engine")
-    return path, make_tiny_clip(path, seed=1), AutoProcessor.from_pretrained(path)
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}-engine")
+    return path, make_tiny_clip(path, seed=1, kind=request.param), AutoProcessor.from_pretrained(path)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +63,7 @@ def test_engine_encode_matches_clip_features(clip, images):
         same(engine.encode(image_data=images[0], dimensions=8), image_refs[0][:8])
         with pytest.raises(ValueError, match="^prompt: CLIP embeds a text or an image"):
             engine.encode("the cat", image_data=images[0])
-        with pytest.raises(ValueError, match="^prompt: CLIPModel is an embedding model"):
+        with pytest.raises(ValueError, match="^prompt: (CLIPModel|SiglipModel) is an embedding model"):
             engine.generate("the cat", {"max_new_tokens": 2})
         with pytest.raises(ValueError, match="^dimensions:"):
-            engine.encode("the cat", dimensions=25)
+            engine.encode("the cat", dimensions=10_000)

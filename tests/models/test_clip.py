@@ -1,5 +1,5 @@
-"""CLIP as a Tessera model: our CLIPModel (transformers' towers under our loader and step) gives
-transformers' get_text_features / get_image_features, texts of different lengths batched in one step."""
+"""CLIP and SigLIP as Tessera models: our CLIPModel / SiglipModel (transformers' towers under our loader and step)
+give transformers' get_text_features / get_image_features, texts of different lengths batched in one step."""
 
 from __future__ import annotations
 
@@ -11,20 +11,22 @@ from PIL import Image
 from tessera.layers.forward_batch import ForwardBatch
 from tessera.messages.items import Modality, MultimodalDataItem
 from tessera.models.clip import CLIPModel
+from tessera.models.siglip import SiglipModel
 from tessera.models.registry import load_model
 from tests.models.clip_testing import make_tiny_clip
 
 TEXTS = ["the red circle", "a dog", "two green squares, far apart!"]
 
 
-@pytest.fixture(scope="module")
-def clip(tmp_path_factory):
+@pytest.fixture(scope="module", params=["clip", "siglip"])
+def clip(request, tmp_path_factory):
     from transformers import AutoProcessor
 
-    path = tmp_path_factory.mktemp("tiny-clip")
-    hf = make_tiny_clip(path)
+    path = tmp_path_factory.mktemp(f"tiny-{request.param}")
+    hf = make_tiny_clip(path, kind=request.param)
     ours, config = load_model(path, torch.float32)
-    assert isinstance(ours, CLIPModel) and config.family.embedding_only and config.embedding_size == 24
+    want = (SiglipModel, 32) if request.param == "siglip" else (CLIPModel, 24)
+    assert type(ours) is want[0] and config.family.embedding_only and config.embedding_size == want[1]
     return hf, ours, AutoProcessor.from_pretrained(path)
 
 
@@ -58,5 +60,5 @@ def test_images_match_get_image_features(clip):
         got = ours.get_image_feature(items)
     assert float(torch.nn.functional.cosine_similarity(refs[0], refs[1], dim=0)) < 0.999
     for g, r in zip(got, refs):
-        assert g.shape == (1, 24)
+        assert g.shape == (1, ours.projection_dim)
         torch.testing.assert_close(g[0], r, atol=1e-5, rtol=0)

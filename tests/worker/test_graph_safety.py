@@ -72,6 +72,7 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
             decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
             architectures=["WhisperForConditionalGeneration"]),
         "CLIPModel": clip.tiny_clip_config,
+        "SiglipModel": clip.tiny_siglip_config,
     }
 
 

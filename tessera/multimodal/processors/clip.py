@@ -1,4 +1,4 @@
-"""CLIP's processor: a request is a text or one image (a dual encoder embeds each on its own).
+"""The dual encoders' processor (CLIP, SigLIP): a request is a text or one image (each is embedded on its own).
 
 A text is tokenized as the frontend tokenizes any prompt. An image becomes one placeholder token (the text
 config's end-of-text id: any id does, the model finds the row by its media placement) whose item holds the
@@ -31,7 +31,8 @@ class CLIPProcessor(BaseMultimodalProcessor):
     @property
     def placeholder_id(self) -> int:
         text = self.hf_config.text_config
-        return int(text.eos_token_id) if 0 <= int(text.eos_token_id) < int(text.vocab_size) else 0
+        eos = text.eos_token_id
+        return eos if isinstance(eos, int) and 0 <= eos < int(text.vocab_size) else 0
 
     def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
         pixels = as_tensor(hf_output["pixel_values"], "pixel_values")
@@ -50,7 +51,8 @@ class CLIPProcessor(BaseMultimodalProcessor):
         if data.get("feature") is None:
             raise ValueError("image_data: precomputed_embedding needs 'feature'")
         feature = as_tensor(data["feature"], "feature").reshape(1, -1)
-        width = int(self.hf_config.projection_dim)
+        hf = self.hf_config  # CLIP's projection_dim, SigLIP's text head width (ModelConfig.embedding_size)
+        width = int(hf.projection_dim) if hasattr(hf, "projection_dim") else int(hf.text_config.projection_size)
         if feature.shape[1] != width:
             raise ValueError(f"image_data: feature must hold {width} values (projection_dim), got {feature.shape[1]}")
         return [ItemFeatures(Modality.IMAGE, 1, precomputed_embedding=feature)]
