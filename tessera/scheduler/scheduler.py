@@ -315,7 +315,8 @@ class Scheduler:
         for s in batch.reqs:
             if s.end - s.start > 1 or not s.req.output_ids:  # a prefill chunk, not a decode token
                 self.num_prefill_tokens_computed += s.end - s.start
-                if not self.tree.disable:
+                # An embedding request whose prompt ends here finishes below: its KV is cached once, then.
+                if not self.tree.disable and not (s.req.pooling is not None and s.end == s.req.seq_len):
                     self.policy.kv.cache_prefill(s.req)
         self._take_prompt_logprobs(batch, fi, result)
         outputs = self._finish_pooled(batch, fi, result)

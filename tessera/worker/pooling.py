@@ -57,14 +57,24 @@ class Pooler:
                 at += 1
             if e.final:
                 total, count = self._partial.pop(rid)
-                out.append(finish(total / count, e))
-        return [v.cpu() for v in out]
+                out.append(total / count)
+        return finish(out, [e for e in entries if e.final])
 
 
-def finish(vector: torch.Tensor, entry: PoolingRows) -> torch.Tensor:
-    """Matryoshka truncation, then L2 normalisation (each when asked)."""
-    if entry.params.dimensions is not None:
-        vector = vector[:entry.params.dimensions]
-    if entry.params.normalize:
-        vector = torch.nn.functional.normalize(vector, p=2, dim=-1)
-    return vector
+def finish(vectors: list[torch.Tensor], entries: list[PoolingRows]) -> list[torch.Tensor]:
+    """Matryoshka truncation, then L2 normalisation (each when asked); the vectors on the host, in one copy
+    (one device sync a step, not one a request)."""
+    if not vectors:
+        return []
+    stacked = torch.stack(vectors)
+    full = torch.nn.functional.normalize(stacked, p=2, dim=-1).cpu()  # the common case: every value kept
+    raw = stacked.cpu()
+    out = []
+    for i, e in enumerate(entries):
+        d = e.params.dimensions
+        if d is None:
+            out.append((full[i] if e.params.normalize else raw[i]).clone())
+        else:  # cut first, then normalise what is kept (vLLM's order)
+            v = raw[i, :d].clone()
+            out.append(torch.nn.functional.normalize(v, p=2, dim=-1) if e.params.normalize else v)
+    return out
