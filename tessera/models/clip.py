@@ -117,5 +117,6 @@ def _pixels(item: MultimodalDataItem, index: int) -> torch.Tensor:
         raise ValueError(f"item {index}: neither feature nor precomputed_embedding is set")
     pixels = item.feature if item.feature.ndim == 4 else item.feature[None]
     if pixels.ndim != 4 or pixels.shape[0] != 1:
-        raise ValueError(f"item {index}: CLIP takes one image's pixel values [3, S, S], got {tuple(item.feature.shape)}")
+        raise ValueError(f"item {index}: CLIP takes one image's pixel values [3, S, S], got "
+                         f"{tuple(item.feature.shape)}")
     return pixels
