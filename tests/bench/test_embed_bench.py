@@ -3,10 +3,13 @@ benchmark's inputs (a few, on demo-vl), and the result reports every rate."""
 
 from __future__ import annotations
 
+import pytest
+
 from tessera.bench.cli import build_parser
 from tessera.bench.embed import run_embed_bench
 
 
+@pytest.mark.slow  # an Engine and transformers on demo-vl: ~15 s
 def test_embed_bench_compares_equal_vectors() -> None:
     result = run_embed_bench("demo-vl", num_texts=6, num_images=2, hf_batch_size=4)
     assert result.min_cosine >= 0.99999

@@ -15,7 +15,8 @@ from tests.models.clip_testing import make_tiny_clip
 TEXTS = ["the red circle", "a dog", "two green squares, far apart!"]
 
 
-@pytest.fixture(scope="module", params=["clip", "siglip"])
+# SigLIP's Engine path is CLIP's (its model-level parity is in tests/models/test_clip.py): slow, to keep `make test` short.
+@pytest.fixture(scope="module", params=["clip", pytest.param("siglip", marks=pytest.mark.slow)])
 def clip(request, tmp_path_factory):
     from transformers import AutoProcessor
 
