@@ -70,8 +70,9 @@ class ModelInfo:
 
     @property
     def is_embedding(self) -> bool:
-        """Served for embeddings only: --is-embedding, or an embedding-only architecture (CLIP)."""
-        return self.args.is_embedding or self.config.family.embedding_only
+        """Served for embeddings only: --is-embedding, or an embedding architecture (CLIP, SigLIP, a headless base
+        model such as Qwen2Model)."""
+        return self.args.is_embedding or self.config.family.embedding_only or self.config.family.headless
 
     def no_media_reason(self) -> str:
         if self.args.language_model_only:

@@ -56,7 +56,8 @@ def check_pooling(pooling: PoolingParams | None, config: ModelConfig, is_embeddi
             raise ValueError(f"prompt: {config.architecture} is an embedding model; ask /v1/embeddings "
                              "(Engine.encode)")
         if is_embedding:
-            raise ValueError("prompt: the server runs with --is-embedding; ask /v1/embeddings (Engine.encode)")
+            raise ValueError(f"prompt: {config.architecture} is served for embeddings only (--is-embedding, or a base "
+                             "model without its LM head); ask /v1/embeddings (Engine.encode)")
         return None
     if family.encoder_decoder:
         raise ValueError(f"prompt: {config.architecture} is an encoder-decoder model and gives no embeddings")

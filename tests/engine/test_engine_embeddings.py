@@ -180,3 +180,26 @@ def test_text_family_matches_hf_and_refuses_images(tiny_qwen3, scene_images):
             assert_same(out, pooled(ref, "last"))
         with pytest.raises(ValueError, match="^media: .* takes text only"):
             engine.encode("a picture", image_data=scene_images[0])
+
+
+def test_headless_base_model_is_an_embedding_model(tiny_qwen3, tmp_path):
+    """`Qwen3Model` (a base model saved without its LM head, as e5 / gte-style checkpoints are) loads as an
+    embedding model: its vectors are the base model's, generation is refused."""
+    import json
+    import shutil
+
+    from transformers import AutoModel, AutoTokenizer
+
+    base = AutoModel.from_pretrained(tiny_qwen3).eval()
+    base.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_qwen3 / name, tmp_path / name)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3Model"]
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    with torch.no_grad():
+        refs = [base(**tok([t], return_tensors="pt")).last_hidden_state[0] for t in TEXTS]
+    with Engine(str(tmp_path), max_total_tokens=1024, show_progress=False) as engine:
+        for out, ref in zip(engine.encode(TEXTS), refs):
+            assert_same(out, pooled(ref, "last"))
+        with pytest.raises(ValueError, match="^prompt: Qwen3Model is served for embeddings only"):
+            engine.generate("hello", {"max_new_tokens": 2})
