@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     # prefix_chars="+": no option is this parser's own, so `tessera bench --help` reaches tessera.bench.cli intact
     # (REMAINDER would not take a first argument that looks like an option).
     bench = sub.add_parser("bench", help="benchmarks: `tessera bench "
-                                         "serving|offline|profile|soak|overload|spec --help`",
+                                         "serving|offline|profile|soak|overload|spec|embed --help`",
                            add_help=False, prefix_chars="+")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)

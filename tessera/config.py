@@ -181,6 +181,10 @@ class ServerArgs:
     max_loras_per_batch: int = 8  # adapter slots on the device: distinct adapters one batch can mix
     max_lora_rank: int | None = None  # refuse adapters of a higher rank (default: any)
     lora_backend: str = "auto"  # auto | torch | triton | csgmv (csgmv: SGLang's name; our Triton kernel)
+    # Embeddings (frontend/embedding.py): --is-embedding serves the model as an embedding model (SGLang's flag;
+    # chosen by itself for embedding architectures), --pooling the pooler embedding requests default to.
+    is_embedding: bool = False
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 — frozen dataclass normalisation
@@ -247,6 +251,8 @@ class ServerArgs:
             raise ValueError(f"schedule_policy: expected fcfs or lpm, got {self.schedule_policy!r}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ValueError(f"log_level: unknown level {self.log_level!r}")
+        if self.pooling is not None and self.pooling not in ("last", "mean", "cls"):
+            raise ValueError(f"pooling: expected last, mean or cls, got {self.pooling!r}")
         if not (0 < self.port < 65536):
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
         if self.speculative_algorithm is not None:

@@ -23,6 +23,10 @@ FLAGS: dict[str, tuple[str, str]] = {
     "chat_template": ("model", "Jinja chat template (a file or the template text) replacing the checkpoint's"),
     "context_length": ("model", "longest prompt + output in tokens (default: the model's max_position_embeddings)"),
     "language_model_only": ("model", "skip the vision/audio encoders: text only, less memory"),
+    "is_embedding": ("model", "serve the model for embeddings (/v1/embeddings): the warm-up embeds instead of "
+                              "generating; embedding architectures (CLIPModel) turn it on by themselves"),
+    "pooling": ("model", "how embedding requests pool the final hidden states: last (the last token), mean, cls "
+                         "(the first token) (default: last)"),
     # runtime
     "dtype": ("runtime", "weights and KV dtype: auto (the checkpoint's), float32, bfloat16, float16"),
     "torchao_config": ("runtime", "weight-only quantization of the language model at load: int8wo, int4wo-32, "

@@ -307,8 +307,31 @@ def _cmd_spec(ns: argparse.Namespace) -> int:
     return 0 if all(r["identical"] for r in result["by_concurrency"].values()) else 1
 
 
+def _add_embed(sub) -> None:
+    p = sub.add_parser("embed", help="embeddings/s of Engine.encode vs transformers' forward (texts and images)",
+                       description="Embeds --num-texts scene captions and --num-images rendered scenes through "
+                                   "tessera.Engine.encode and through transformers' base model (one input per "
+                                   "forward, and padded batches), in one run (see tessera/bench/embed.py).")
+    p.add_argument("--model-path", default="demo-vl")
+    p.add_argument("--num-texts", type=int, default=256)
+    p.add_argument("--num-images", type=int, default=64)
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--output-json", default=None)
+    p.set_defaults(func=_cmd_embed)
+
+
+def _cmd_embed(ns: argparse.Namespace) -> int:
+    from tessera.bench.embed import run_embed_bench
+
+    if min(ns.num_texts, ns.num_images, ns.hf_batch_size) < 1:
+        raise ValueError("embed: --num-texts, --num-images and --hf-batch-size must be positive")
+    result = run_embed_bench(ns.model_path, ns.num_texts, ns.num_images, ns.hf_batch_size)
+    _report(result.summary(), result.as_dict(), ns.output_json)
+    return 0
+
+
 SUBCOMMANDS = {"serving": _add_serving, "offline": _add_offline, "profile": _add_profile, "soak": _add_soak,
-               "overload": _add_overload, "spec": _add_spec}
+               "overload": _add_overload, "spec": _add_spec, "embed": _add_embed}
 
 
 def build_parser() -> argparse.ArgumentParser:

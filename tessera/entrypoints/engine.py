@@ -15,8 +15,10 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from tessera.config import ServerArgs
+from tessera.frontend.embedding import embedding_request, embedding_result, media_prompt
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import FrontendStats, TokenizerManager
+from tessera.messages.pooling import PoolingParams
 from tessera.messages.sampling import SamplingParams
 from tessera.messages import SchedulerStats
 
@@ -207,6 +209,38 @@ class Engine:
                 yield item
         finally:
             fut.cancel()
+
+    def encode(self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None,
+               image_data: Any = None, *, pooling: str | None = None, normalize: bool = True,
+               dimensions: int | None = None, add_special_tokens: bool = True) -> dict | list[dict]:
+        """Embeddings (SGLang's Engine.encode): {"embedding": [floats], "meta_info": {...}} for one input, a
+        list for a batch (a list of prompts, of token-id lists, or, with neither, of images). Images come in
+        the formats generate takes; a prompt without the model's image placeholders is wrapped in the chat
+        template as one user turn. pooling: "last", "mean" or "cls" (default: the server's --pooling);
+        dimensions: Matryoshka truncation (before normalising)."""
+        params = PoolingParams(pooling or self.server_args.pooling or "last", normalize, dimensions)
+        is_batch = isinstance(prompt, list) or (isinstance(input_ids, list) and bool(input_ids)
+                                                and isinstance(input_ids[0], list))
+        if is_batch:
+            n = len(prompt) if isinstance(prompt, list) else len(input_ids)  # type: ignore[arg-type]
+        elif prompt is None and input_ids is None and isinstance(image_data, list):
+            is_batch, n = True, len(image_data)  # images alone: one embedding each
+        else:
+            n = 1
+        texts = prompt if isinstance(prompt, list) else [prompt] * n
+        ids_list = input_ids if is_batch and input_ids is not None else [input_ids] * n
+        images = image_data if is_batch and image_data is not None else [image_data] * n
+        if len(texts) != n or len(ids_list) != n or len(images) != n:
+            raise ValueError(f"image_data: {len(images)} entries for {n} inputs")
+        tm = self.tokenizer_manager
+        reqs = []
+        for text, ids, imgs in zip(texts, ids_list, images):
+            imgs = None if imgs is None else imgs if isinstance(imgs, list) else [imgs]
+            if ids is None:
+                text = media_prompt(tm.info, tm.mm_processor, text, len(imgs or []))
+            reqs.append(embedding_request(params, text, ids, imgs, add_special_tokens))
+        outs = [embedding_result(o) for o in self._run(self._generate_all(reqs, False))]
+        return outs if is_batch else outs[0]
 
     def get_stats(self) -> SchedulerStats:
         """The scheduler's counters (KV use, prefix-cache and encoder-cache hits, ...)."""

@@ -7,7 +7,6 @@ scheduler is ready. Preprocessing runs in the TokenizerManager's worker pool, ne
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
@@ -27,8 +26,9 @@ from tessera.entrypoints.middleware import ServerMiddleware, api_key_of, observe
 from tessera.entrypoints.openai import tokenization
 from tessera.entrypoints.openai.chat import create_chat_completion
 from tessera.entrypoints.openai.completions import create_completion
+from tessera.entrypoints.openai.embeddings import create_embedding
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
-from tessera.entrypoints.openai.request_models import REQUEST_BODIES, parse, route_docs
+from tessera.entrypoints.openai.request_models import parse_json_body, route_docs
 from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
 from tessera.entrypoints.warmup import WarmupError, warm_up
 from tessera.entrypoints.openai.transcriptions import TranscriptionServing
@@ -42,7 +42,6 @@ from tessera.models.config import ModelConfig
 logger = logging.getLogger("tessera.server")
 WATCH_INTERVAL_S = 0.1
 DRAIN_TIMEOUT_S = 15.0  # SIGTERM: in-flight requests get this long to finish; uvicorn waits 5 s more (exit < 30 s)
-FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
 
 
 class ServerState:
@@ -211,17 +210,7 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
 
     async def body_of(request: Request, path: str):
         """The JSON body of `path`'s route, parsed once into its model (request_models.REQUEST_BODIES)."""
-        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype in FORM_TYPES:
-            raise APIError(f"Content-Type: {ctype} is not accepted here; send the JSON body as application/json",
-                           status=400, param="Content-Type")
-        try:
-            body = json.loads(await request.body() or b"{}")
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(f"body: not valid JSON ({e})") from None
-        if not isinstance(body, dict):
-            raise APIError("body: expected a JSON object")
-        return parse(REQUEST_BODIES[path][0], body)
+        return parse_json_body(path, await request.body(), request.headers.get("content-type", ""))
 
     def not_ready_reason() -> str:
         if state.load_error:
@@ -292,7 +281,7 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
         info = serving().tm.info
         return {"model_path": args.model_path, "served_model_name": args.model_name,
                 "architectures": [info.architecture], "context_length": info.context_length,
-                "is_generation": True,
+                "is_generation": not info.is_embedding,
                 "has_image_understanding": info.has_image_understanding,
                 "has_video_understanding": info.has_video_understanding,
                 "has_audio_understanding": info.has_audio_understanding}
@@ -331,6 +320,10 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
     @app.post("/v1/completions", **route_docs("/v1/completions"))
     async def completions(request: Request):
         return await create_completion(serving(), request, await body_of(request, "/v1/completions"))
+
+    @app.post("/v1/embeddings", **route_docs("/v1/embeddings"))
+    async def embeddings(request: Request):
+        return await create_embedding(serving(), request, await body_of(request, "/v1/embeddings"))
 
     @app.post("/v1/audio/transcriptions", **route_docs("/v1/audio/transcriptions"))
     async def transcriptions(request: Request):

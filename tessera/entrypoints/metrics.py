@@ -73,6 +73,8 @@ class Metrics:
                                       labels, registry=r)
         self.spec_verifies = Gauge("tessera_spec_verify_steps", "Speculative decoding: request-steps that verified "
                                    "drafts", labels, registry=r)
+        self.embedding_requests = Gauge("tessera_embedding_requests", "Embedding requests answered (prefill only, "
+                                        "pooled)", labels, registry=r)
         self.preprocess_hit_rate = Gauge("tessera_preprocess_cache_hit_rate",
                                          "Media items served from the preprocessing cache / items", labels, registry=r)
 
@@ -125,4 +127,5 @@ class Metrics:
             self.spec_accept_length.labels(m).set(stats.spec_accept_length)
             self.spec_accept_rate.labels(m).set(stats.spec_accept_rate)
             self.spec_verifies.labels(m).set(stats.spec_verifies)
+            self.embedding_requests.labels(m).set(stats.num_embedding_requests)
         return generate_latest(self.registry)

@@ -11,7 +11,8 @@ Each request streams a few tokens for one plain PNG (320 x 240, a size the proce
 own, so none is a cache hit) where the model takes images, one second of a tone where it takes audio, text only
 otherwise. They are ordinary requests (counted in /metrics like any other; their access-log lines, request ids
 `warmup-N`, at debug level); the caches they filled are flushed afterwards. An encoder-decoder speech model
-(Whisper) is warmed up with one transcription instead.
+(Whisper) is warmed up with one transcription instead, an embedding server (--is-embedding, CLIP, SigLIP) with
+embedding requests (a text, or an image alone where the model takes images).
 
 Ready means ready: a warm-up that fails raises WarmupError with the server's own answer, and the server exits
 with it instead of saying it is ready (a request it cannot serve, e.g. under a --max-total-tokens too small for
@@ -77,6 +78,10 @@ async def warm_up(args: ServerArgs, tm: TokenizerManager, api_key: str | None) -
         elif info.has_audio_understanding:
             wav = base64.b64encode(_tone_wav()).decode()
             content.insert(0, {"type": "input_audio", "input_audio": {"data": wav, "format": "wav"}})
+        if info.is_embedding:  # a text, or an image alone (what a dual encoder takes too)
+            image = [c for c in content if c["type"] == "image_url"]
+            return {"model": args.model_name, "input": [
+                {"image": image[0]["image_url"]["url"]} if image and i % 2 else {"text": "Hello."}]}
         return {"model": args.model_name, "messages": [{"role": "user", "content": content}],
                 "max_tokens": WARMUP_TOKENS, "temperature": 0, "stream": True}
 
@@ -100,8 +105,10 @@ async def warm_up(args: ServerArgs, tm: TokenizerManager, api_key: str | None) -
             await check(response)
             count, what = 1, "a transcription"
         else:
+            path = "/v1/embeddings" if info.is_embedding else "/v1/chat/completions"
+
             async def one(i: int) -> None:
-                async with client.stream("POST", f"{base}/v1/chat/completions", json=body(i),
+                async with client.stream("POST", f"{base}{path}", json=body(i),
                                          headers={**headers, "X-Request-Id": f"warmup-{i}"}) as response:
                     await check(response)
                     async for _ in response.aiter_lines():
@@ -110,7 +117,9 @@ async def warm_up(args: ServerArgs, tm: TokenizerManager, api_key: str | None) -
             # No more than the running slots: a warm-up request must never wait in the queue or be refused.
             count = min(WARMUP_REQUESTS, args.max_running_requests)
             await asyncio.gather(*(one(i) for i in range(count)))
-            what = ("each an image and text" if info.has_image_understanding else
+            what = ("embeddings of texts and images" if info.is_embedding and info.has_image_understanding else
+                    "embeddings of texts" if info.is_embedding else
+                    "each an image and text" if info.has_image_understanding else
                     "each audio and text" if info.has_audio_understanding else "text")
     await tm.flush_cache()
     logger.info("warm-up requests done (%d, %s) in %.2f s", count, what, time.monotonic() - start)

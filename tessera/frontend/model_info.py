@@ -68,6 +68,12 @@ class ModelInfo:
     def has_audio_understanding(self) -> bool:
         return Modality.AUDIO in self.modalities
 
+    @property
+    def is_embedding(self) -> bool:
+        """Served for embeddings only: --is-embedding, or an embedding architecture (CLIP, SigLIP, a headless base
+        model such as Qwen2Model)."""
+        return self.args.is_embedding or self.config.family.embedding_only or self.config.family.headless
+
     def no_media_reason(self) -> str:
         if self.args.language_model_only:
             return "media: the server runs with --language-model-only and accepts text only"

@@ -6,8 +6,11 @@ to the field the user sent).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from tessera.frontend.request import GenerateRequest
 from tessera.messages.items import MultimodalInputs
+from tessera.messages.pooling import PoolingParams
 from tessera.models.config import ModelConfig
 
 
@@ -26,7 +29,7 @@ def check_lengths(req: GenerateRequest, input_ids: list[int], mm_inputs: Multimo
                          f"{len(input_ids)} tokens")
     if req.auto_max_new_tokens:
         sp.max_new_tokens = max(0, min(context_length, max_total_tokens) - len(input_ids))
-    if len(input_ids) >= context_length:
+    if len(input_ids) > context_length or len(input_ids) == context_length and req.pooling is None:
         raise ValueError(f"prompt: {len(input_ids)} tokens does not fit the context length {context_length}")
     if len(input_ids) + sp.max_new_tokens > context_length:  # OpenAI and vLLM refuse; never cap silently
         raise ValueError(
@@ -39,3 +42,24 @@ def check_lengths(req: GenerateRequest, input_ids: list[int], mm_inputs: Multimo
         raise ValueError(
             f"max_new_tokens: prompt ({len(input_ids)}) + max_new_tokens ({sp.max_new_tokens}){held} exceeds "
             f"the KV pool ({max_total_tokens} tokens; the server's --max-total-tokens)")
+
+
+def check_pooling(pooling: PoolingParams | None, config: ModelConfig, is_embedding: bool = False
+                  ) -> PoolingParams | None:
+    """The request's pooling as it will run: an embedding request's settings fit the model (its family gives
+    embeddings, `dimensions` is within the vector's size; a dual encoder pools by its own rule, so its pooler
+    is "last"); a generation request is refused by an embedding server (--is-embedding, or an embedding-only
+    model)."""
+    family = config.family
+    if pooling is None:
+        if family.embedding_only:
+            raise ValueError(f"prompt: {config.architecture} is an embedding model; ask /v1/embeddings "
+                             "(Engine.encode)")
+        if is_embedding:
+            raise ValueError(f"prompt: {config.architecture} is served for embeddings only (--is-embedding, or a base "
+                             "model without its LM head); ask /v1/embeddings (Engine.encode)")
+        return None
+    if family.encoder_decoder:
+        raise ValueError(f"prompt: {config.architecture} is an encoder-decoder model and gives no embeddings")
+    pooling.verify(config.embedding_size)
+    return replace(pooling, method="last") if family.embedding_only else pooling

@@ -6,6 +6,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.messages.pooling import PoolingParams
 from tessera.messages.sampling import SamplingParams
 
 
@@ -33,6 +34,9 @@ class GenerateRequest:
     rid: str = field(default_factory=lambda: uuid.uuid4().hex)
     # SGLang's lora_path: the name of a loaded LoRA adapter to run this request with (None: the base model).
     lora_path: str | None = None
+    # An embedding request (frontend/embedding.py): prefill only, answered with its pooled vector.
+    pooling: PoolingParams | None = None
+    add_special_tokens: bool = False  # tokenize `text` with the tokenizer's special tokens (embeddings do)
 
     def __post_init__(self) -> None:
         if (self.text is None) == (self.input_ids is None):

@@ -14,7 +14,6 @@ import os
 import subprocess
 import tempfile
 import time
-import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from tessera.frontend.detokenizer import IncrementalDetokenizer
 from tessera.frontend.dispatcher import Dispatcher
 from tessera.frontend.lora_registry import LoraRegistry
 from tessera.frontend.model_info import ModelInfo
-from tessera.frontend.prompt_checks import check_lengths
+from tessera.frontend.prompt_checks import check_lengths, check_pooling
 from tessera.frontend.preprocess_threads import preprocess_executor
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.scheduler_procs import launch_schedulers
@@ -332,17 +331,17 @@ class TokenizerManager:
             )
             input_ids, mm_inputs = out.input_ids, out.mm_inputs
         elif req.text is not None:
-            input_ids = self.tokenizer.encode(req.text, add_special_tokens=False)
+            input_ids = self.tokenizer.encode(req.text, add_special_tokens=req.add_special_tokens)
         else:
             input_ids = list(req.input_ids)
-            bad = [i for i in input_ids if not 0 <= i < self.info.vocab_size]
-            if bad:
+            if bad := [i for i in input_ids if not 0 <= i < self.info.vocab_size]:
                 raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
         check_lengths(req, input_ids, mm_inputs, self.info.config, self.context_length, self.max_total_tokens)
+        req.pooling = check_pooling(req.pooling, self.info.config, self.info.is_embedding)
         return messages.TokenizedGenerateReq(req.rid, input_ids, sp, mm_inputs, req.stream, req.return_logprob,
                                              req.logprob_start_len, cache_salt=req.cache_salt,
                                              prompt_logprob_ranks=req.prompt_logprob_ranks,
-                                             lora_name=self.lora.resolve(req.lora_path))
+                                             lora_name=self.lora.resolve(req.lora_path), pooling=req.pooling)
 
     async def tokenize(self, req: GenerateRequest) -> messages.TokenizedGenerateReq:
         """Validates and preprocesses req (media loaded, prompt tokenized) without sending it anywhere.
@@ -440,11 +439,8 @@ class TokenizerManager:
             if state.top_logprobs:
                 meta["output_top_logprobs"] = state.top_logprobs
         if out.spec_verify_ct:  # SGLang's names; the accept length: tokens per verify step of this request
-            meta.update(spec_verify_ct=out.spec_verify_ct, spec_accept_length=1 + out.spec_accepted_tokens / out.spec_verify_ct)
+            meta.update(spec_verify_ct=out.spec_verify_ct,
+                        spec_accept_length=1 + out.spec_accepted_tokens / out.spec_verify_ct)
         meta.update(state.input_logprobs)
         return {"text": state.detok.output_text, "delta": delta, "output_ids": list(state.output_ids),
-                "meta_info": meta}
-
-
-def new_rid() -> str:
-    return uuid.uuid4().hex
+                "meta_info": meta, **({"embedding": out.embedding} if out.embedding is not None else {})}

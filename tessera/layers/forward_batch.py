@@ -48,6 +48,10 @@ class ForwardBatch:
     decode_only: bool = False
     # Some row adds a LoRA adapter (layers/lora): the decode stack's C driver, which knows no adapters, stands by.
     lora_rows: bool = False
+    # Embedding requests (worker/pooling.py): flat rows whose final hidden states the model also hands back, in
+    # `hidden_states` (set by the model's forward; None when nobody asked).
+    hidden_indices: torch.Tensor | None = None
+    hidden_states: torch.Tensor | None = None
     extend_start_loc: torch.Tensor = field(init=False)
     prefix_lens: torch.Tensor = field(init=False)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.messages.items import MultimodalInputs
+from tessera.messages.pooling import PoolingParams
 from tessera.messages.sampling import SamplingParams
 from tessera.messages.worker import WorkerInfo
 
@@ -25,6 +26,7 @@ class TokenizedGenerateReq:
     cache_salt: str | None = None
     prompt_logprob_ranks: bool = False  # with prompt logprobs, each prompt token's rank too
     lora_name: str | None = None  # the LoRA adapter this request runs with (None: the base model)
+    pooling: PoolingParams | None = None  # an embedding request: prefill only, answered with a pooled vector
 
 
 @dataclass
@@ -101,6 +103,7 @@ class SchedulerStats:
     def spec_accept_rate(self) -> float:
         """Accepted drafts / drafts scored; 0 before the first."""
         return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+    num_embedding_requests: int = 0  # embedding requests answered (prefill only, pooled)
 
     @property
     def device_idle_fraction(self) -> float:
@@ -154,6 +157,7 @@ class ReqOutput:
     # spec_verify_ct and spec_accept_length come from them).
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
+    embedding: Any = None  # an embedding request's pooled vector (float32 torch tensor [dims]), once, at the end
 
 
 @dataclass

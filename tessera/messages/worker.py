@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tessera.messages.items import MultimodalDataItem
+from tessera.messages.pooling import PoolingParams
 from tessera.messages.sampling import SamplingParams
 
 
@@ -96,6 +97,19 @@ class PromptLogprobRows:
 
 
 @dataclass
+class PoolingRows:
+    """Request `req` of the step (its index in ForwardInput.rids) is an embedding request: flat rows [row, row + n) are its prompt tokens
+    start .. start + n - 1; `final`: the prompt's last token is among them, so its pooled vector is returned."""
+
+    req: int
+    row: int
+    start: int
+    n: int
+    final: bool
+    params: PoolingParams
+
+
+@dataclass
 class ForwardInput:
     rids: list[str]  # per request
     input_ids: torch.Tensor  # [T] int64, requests' new tokens flattened in order
@@ -128,6 +142,8 @@ class ForwardInput:
     lora_slots: list[int] | None = None
     # Adapters to copy into slots before the step: (slot, adapter name, or None to empty the slot).
     lora_loads: list[tuple[int, str | None]] = field(default_factory=list)
+    # Embedding requests' rows (worker/pooling.py): their final hidden states are pooled, never sampled.
+    pooling_rows: list[PoolingRows] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -144,6 +160,8 @@ class StepOutput:
     prompt_logprobs: list[list[float]] = field(default_factory=list)  # per entry: one logprob per target
     prompt_top_logprobs: list[list[list[tuple[int, float]]]] = field(default_factory=list)  # per entry, per row
     prompt_ranks: list[list[int]] = field(default_factory=list)  # per entry: targets' ranks (1 = most likely) or []
+    # One float32 vector per final PoolingRows entry, in order (host).
+    embeddings: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ class CausalLM(TesseraModel):
     # pool) -> final hidden states. A family with its own block layout (Gemma-3) names its own.
     decoder_model_class: ClassVar[type[torch.nn.Module]] = DecoderModel
     cuda_graph_decode: ClassVar[bool] = True  # the shared decoder blocks (and Gemma-3's) hold to it
+    applies_final_logit_softcap: ClassVar[bool] = True  # config.final_logit_softcap, where the config sets one
 
     def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
                  language_model_only: bool = False):
@@ -40,9 +41,11 @@ class CausalLM(TesseraModel):
         backend = attn_backend or get_attention_backend("torch_native")
         self.model = self.decoder_model_class(config, self.decoder_options, backend)
         tp = tp_group()
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp.rank, tp.size)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head: ParallelLMHead | None = None  # a headless base model (embeddings only) has none
+        if not config.family.headless:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp.rank, tp.size)
+            if config.tie_word_embeddings:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
     def lm_config(self) -> ModelConfig:
@@ -57,7 +60,12 @@ class CausalLM(TesseraModel):
 
     @classmethod
     def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
-        """`model.*` and `lm_head.*` as in transformers' *ForCausalLM checkpoints."""
+        """`model.*` and `lm_head.*` as in transformers' *ForCausalLM checkpoints; a headless base model's
+        (`Qwen2Model.save_pretrained`) without the `model.` prefix."""
+        if config.family.headless:
+            return WeightMapping(prefix_rules=(("model.", "model."), ("embed_tokens.", "model.embed_tokens."),
+                                               ("layers.", "model.layers."), ("norm.", "model.norm."),
+                                               ("lm_head.", None)), stacked=STACKED_PARAMS)
         return WeightMapping(
             prefix_rules=(("model.", "model."), ("lm_head.", None if config.tie_word_embeddings else "lm_head.")),
             stacked=STACKED_PARAMS,
@@ -74,13 +82,18 @@ class CausalLM(TesseraModel):
 
     def compute_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """Logits for the rows fb.logits_indices of `hidden`; when it is None, for the last new token of
-        each request (extend_start_loc + extend_lens - 1), in request order."""
+        each request (extend_start_loc + extend_lens - 1), in request order. The rows fb.hidden_indices of
+        `hidden` (the final norm's output) are kept in fb.hidden_states for embedding requests."""
+        if fb.hidden_indices is not None:
+            fb.hidden_states = hidden[fb.hidden_indices]
         rows = fb.logits_indices
         if rows is None:
             rows = fb.extend_start_loc + fb.extend_lens - 1
+        if self.lm_head is None:  # embeddings only: nothing is ever sampled
+            return hidden.new_zeros((int(rows.shape[0]), 1))
         logits = self.lm_head(hidden[rows])
         cap = self.config.final_logit_softcap
-        if cap:
+        if cap and self.applies_final_logit_softcap:
             logits = torch.tanh(logits / cap) * cap
         return logits
 

@@ -72,6 +72,15 @@ class ModelConfig(DecoderDims):
     def kv_layout(self) -> KVLayout:
         return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim)
 
+    @property
+    def embedding_size(self) -> int:
+        """Values in an embedding request's vector: a dual encoder's shared width (CLIP's projection_dim,
+        SigLIP's text head's projection_size), else the hidden size."""
+        if not self.family.embedding_only:
+            return self.hidden_size
+        hf = self.hf_config
+        return int(hf.projection_dim) if hasattr(hf, "projection_dim") else int(hf.text_config.projection_size)
+
     @classmethod
     def load(cls, model_path: str | Path) -> ModelConfig:
         """The checkpoint's config.json and generation_config.json, each read once: a process loads its

@@ -9,6 +9,7 @@ cannot disagree. Classes are named "module:Class" and imported only when a model
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,13 @@ class Family:
     # Pre-quantized checkpoints (models/quant_config.py) the README's table lists: the loader is the same for
     # every family; "tested" where a parity test against HF on the dequantized checkpoint runs.
     quantization: str = "AWQ, GPTQ, CT, FP8 (untested)"
+    # A dual encoder served for embeddings only (CLIP): no generation, each request computed whole in one step
+    # (the scheduler keeps its tokens together), no prefix cache (its towers do not use the paged KV).
+    embedding_only: bool = False
+    # A text family's base model without its LM head (`Qwen2Model`, `Qwen3ForEmbedding`, `Gemma3TextModel`: e5 / gte
+    # style embedding checkpoints), derived from the family's *ForCausalLM row (headless_family): served for
+    # embeddings (the server is an embedding server by itself), the decoder's weights found without `model.`.
+    headless: bool = False
 
     @property
     def name(self) -> str:
@@ -52,7 +60,7 @@ class Family:
     @property
     def prefix_cache(self) -> bool:
         """Whether requests with the same leading tokens may share their K/V (the radix cache)."""
-        return not self.encoder_decoder
+        return not self.encoder_decoder and not self.embedding_only
 
     def model_class(self) -> type:
         return _import(self.model)
@@ -141,6 +149,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("Llama4ForCausalLM", "tessera.models.llama4:Llama4ForCausalLM", None, frozenset(), "rope",
            model_types=("llama4_text",), backend_needs=frozenset({"custom_mask"}),
            notes="tensor parallelism (MoE layers); rope_type dynamic", quantization=_QUANT_MOE),
+    Family("CLIPModel", "tessera.models.clip:CLIPModel", "tessera.multimodal.processors.clip:CLIPProcessor",
+           frozenset({IMAGE}), "learned", model_types=("clip",), embedding_only=True,
+           notes="generation (embeddings only: a text or one image per input); tensor parallelism",
+           quantization="none"),
+    Family("SiglipModel", "tessera.models.siglip:SiglipModel", "tessera.multimodal.processors.clip:CLIPProcessor",
+           frozenset({IMAGE}), "learned", model_types=("siglip",), embedding_only=True,
+           notes="generation (embeddings only: a text or one image per input); tensor parallelism; SigLIP 2",
+           quantization="none"),
 )}
 
 
@@ -185,7 +201,31 @@ def get_family(architecture: str, vision_model_type: str | None = None) -> Famil
 
 def family_for_config(hf_config: Any) -> Family:
     vision = getattr(hf_config, "vision_config", None)
-    return get_family(architecture_of(hf_config), getattr(vision, "model_type", None))
+    architecture = architecture_of(hf_config)
+    headless = headless_family(architecture, getattr(hf_config, "model_type", None))
+    return headless if headless is not None else get_family(architecture, getattr(vision, "model_type", None))
+
+
+HEADLESS_SUFFIXES = ("ForEmbedding", "EmbeddingModel", "Model")
+
+
+def headless_family(architecture: str, model_type: str | None) -> Family | None:
+    """The row of a text family's base model served for embeddings (vLLM serves `*Model` architectures so; SGLang
+    names its own `*EmbeddingModel`): an architecture without a row of its own, named as one of
+    HEADLESS_SUFFIXES after a text family's stem ("Qwen2Model" -> Qwen2ForCausalLM; "Gemma3TextModel" ->
+    Gemma3ForCausalLM), whose config's model_type is that row's. None otherwise."""
+    if any(f.architecture == architecture for f in FAMILIES.values()):
+        return None
+    for suffix in HEADLESS_SUFFIXES:
+        if not architecture.endswith(suffix):
+            continue
+        stem = architecture[:-len(suffix)]
+        for name in (stem + "ForCausalLM", stem.removesuffix("Text") + "ForCausalLM"):
+            row = FAMILIES.get(name)
+            if row is not None and not row.modalities and model_type in row.model_types:
+                return dataclasses.replace(row, architecture=architecture, model_types=(), headless=True,
+                                           notes=row.notes)
+    return None
 
 
 def support_table() -> str:

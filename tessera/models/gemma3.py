@@ -71,6 +71,10 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     embedding rows of this step's image tokens into fb.mm_embed_rows / fb.mm_embeds."""
 
     vision_tower_class: ClassVar[str] = "transformers.models.siglip.modeling_siglip:SiglipVisionModel"
+    # Never soft-capped: transformers 5.24's Gemma3ForConditionalGeneration ignores
+    # text_config.final_logit_softcapping (only its text-only Gemma3ForCausalLM applies it), and real Gemma-3
+    # configs leave it unset.
+    applies_final_logit_softcap: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
                  language_model_only: bool = False):
@@ -117,15 +121,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         if image_id is not None and image_id >= self.config.vocab_size:
             ids = ids.masked_fill(ids == image_id, 0)
         return merge_mm_embeddings(self.model.embed_tokens(ids), fb.mm_embed_rows, fb.mm_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """Logits as CausalLM.compute_logits but never soft-capped: transformers 5.24's
-        Gemma3ForConditionalGeneration ignores text_config.final_logit_softcapping (only its text-only
-        Gemma3ForCausalLM applies it), and real Gemma-3 configs leave it unset."""
-        rows = fb.logits_indices
-        if rows is None:
-            rows = fb.extend_start_loc + fb.extend_lens - 1
-        return self.lm_head(hidden[rows])
 
     def get_image_feature(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
         """One embedding [(1 + num_crops) * mm_tokens_per_image, hidden] per item, in order; all images and

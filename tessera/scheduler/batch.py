@@ -20,8 +20,9 @@ class ScheduledReq:
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the last known token: its logits give the next token."""
-        return self.end == self.req.seq_len + len(self.draft)
+        """The chunk reaches the last known token: its logits give the next token (an embedding request
+        samples nothing: its hidden states are pooled)."""
+        return self.end == self.req.seq_len + len(self.draft) and self.req.pooling is None
 
     @property
     def is_prefill(self) -> bool:

@@ -88,6 +88,8 @@ class KVManager:
         limit = req.seq_len - 1
         if req.wants_input_logprobs and not req.input_logprobs_done:
             limit = min(limit, req.input_logprob_rows()[0])
+        if req.pooling is not None and req.pooling.uses_every_row:  # mean / CLS pooling read every prompt row
+            limit = 0
         match = self.tree.match_prefix(key[:limit])
         n = int(match.slots.numel())
         cut = next((lo for lo, hi in req.atomic_spans if lo < n < hi), None)

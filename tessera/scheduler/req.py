@@ -10,6 +10,7 @@ import torch
 
 from tessera.constrained.matcher import GrammarMatcher
 from tessera.messages.items import MultimodalInputs
+from tessera.messages.pooling import PoolingParams
 from tessera.messages.sampling import SamplingParams
 
 
@@ -69,6 +70,8 @@ class Req:
     spec_verify_ct: int = 0
     spec_accepted: int = 0
     lora_name: str | None = None  # its LoRA adapter (None: the base model); part of the cache key
+    # An embedding request (messages/pooling.py): prefill only, it finishes with its pooled vector.
+    pooling: PoolingParams | None = None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -25,7 +25,7 @@ from tessera.platform.threads import AdaptiveThreads, available_cores
 from tessera.scheduler.lora_slots import LoraSlotTable, handle_lora_adapter
 from tessera.scheduler.req import Req
 from tessera.scheduler.speculative import accepted_prefix, make_speculator
-from tessera.scheduler.step_input import build_forward_input
+from tessera.scheduler.step_input import build_forward_input, take_prompt_logprobs
 from tessera.scheduler.stops import finish_reason, matched_stop_string  # noqa: F401 -- re-exported
 from tessera.scheduler.summary import PeriodicSummary
 
@@ -144,6 +144,7 @@ class Scheduler:
         self.num_steps_all_cores = 0
         self.num_prefill_tokens_computed = 0
         self.num_output_tokens = 0
+        self.num_embedding_requests = 0
         self.summary = PeriodicSummary(dp_rank=dp_rank)
         self.mm_transport_bytes = {m.value: 0 for m in Modality}
         self.mm_items = {"deferred": 0, "eager": 0}
@@ -155,6 +156,7 @@ class Scheduler:
             req = Req(msg.rid, msg.input_ids, sp, msg.mm_inputs, msg.stream, msg.return_logprob,
                       cache_salt=msg.cache_salt, logprob_start_len=msg.logprob_start_len,
                       prompt_logprob_ranks=msg.prompt_logprob_ranks, lora_name=msg.lora_name)
+            req.pooling = msg.pooling
             if req.wants_input_logprobs:
                 n = len(req.origin_input_ids) - req.logprob_start_len
                 req.input_logprobs, req.input_top_logprobs, req.input_ranks = [None] * n, [None] * n, [None] * n
@@ -163,6 +165,8 @@ class Scheduler:
                 self.mm_items["deferred" if item.deferred is not None else "eager"] += 1
             if self.config.family.bidirectional_mm_spans and msg.mm_inputs is not None:
                 req.atomic_spans = msg.mm_inputs.spans()
+            if self.config.family.embedding_only:  # a dual encoder computes a request in one step
+                req.atomic_spans = [(0, len(req.origin_input_ids))]
             req.stop_token_ids = set(sp.stop_token_ids or [])
             if not sp.ignore_eos:
                 req.stop_token_ids |= self.eos_ids
@@ -171,7 +175,7 @@ class Scheduler:
                 self._emit([self._output(req, finished={"type": "error", "message": f"lora_path: adapter "
                                                         f"{req.lora_name!r} is not loaded"})])
                 return
-            if sp.max_new_tokens == 0 and not req.wants_input_logprobs:  # with them: a prefill, no token
+            if sp.max_new_tokens == 0 and not req.wants_input_logprobs and req.pooling is None:  # a prefill, no token
                 self._emit([self._output(req, finished={"type": "length", "length": 0})])
                 return
             self.reqs[req.rid] = req
@@ -250,7 +254,7 @@ class Scheduler:
             dp_rank=self.dp_rank, mm_transport_bytes=dict(self.mm_transport_bytes),
             mm_transport_bytes_total=sum(self.mm_transport_bytes.values()),
             mm_deferred_items=self.mm_items["deferred"], mm_eager_items=self.mm_items["eager"],
-            device_busy_s=busy_s, device_idle_s=idle_s,
+            device_busy_s=busy_s, device_idle_s=idle_s, num_embedding_requests=self.num_embedding_requests,
             spec_verifies=spec.num_verifies if spec else 0, spec_draft_tokens=spec.num_drafted if spec else 0,
             spec_accepted_tokens=spec.num_accepted if spec else 0,
         )
@@ -312,10 +316,11 @@ class Scheduler:
         for s in batch.reqs:
             if s.is_prefill:
                 self.num_prefill_tokens_computed += s.end - s.start
-                if not self.tree.disable:
+                # An embedding request whose prompt ends here finishes below: its KV is cached once, then.
+                if not self.tree.disable and not (s.req.pooling is not None and s.end == s.req.seq_len):
                     self.policy.kv.cache_prefill(s.req)
-        self._take_prompt_logprobs(batch, fi, result)
-        outputs = []
+        take_prompt_logprobs(batch, fi, result)
+        outputs = self._finish_pooled(batch, fi, result)
         row = 0  # the request's first sampled row in the step's output
         for s in batch.reqs:
             if not s.samples:
@@ -376,23 +381,20 @@ class Scheduler:
         self.policy.finish(req, allocated_len=held)
         self.reqs.pop(req.rid, None)
         outputs.append(self._output(req, finished))
-
-    @staticmethod
-    def _take_prompt_logprobs(batch, fi: ForwardInput, result: StepOutput) -> None:
-        """Stores the step's prompt logprobs by prompt position; a request whose last asked row was in the
-        step has them all."""
-        for entry, values, tops, ranks in zip(fi.prompt_logprob_rows, result.prompt_logprobs,
-                                              result.prompt_top_logprobs or [[]] * len(result.prompt_logprobs),
-                                              result.prompt_ranks or [[]] * len(result.prompt_logprobs)):
-            req = batch.reqs[entry.req].req
-            at = entry.first_token - req.logprob_start_len
-            req.input_logprobs[at:at + len(values)] = values
-            req.input_ranks[at:at + len(ranks)] = ranks
-            if tops:
-                req.input_top_logprobs[at:at + len(tops)] = tops
-        for s in batch.reqs:
-            if s.req.wants_input_logprobs and s.end >= s.req.input_logprob_rows()[1]:
-                s.req.input_logprobs_done = True
+    def _finish_pooled(self, batch, fi: ForwardInput, result: StepOutput) -> list[messages.ReqOutput]:
+        """Embedding requests whose prompt ended in the step finish with their pooled vector (their KV goes
+        to the radix cache, as a finished request's)."""
+        outputs = []
+        of_rid = {s.req.rid: s.req for s in batch.reqs}
+        for entry, vector in zip([e for e in fi.pooling_rows if e.final], result.embeddings):
+            req = of_rid[fi.rids[entry.req]]  # entry.req: its row of fi (a verify step's rows come first)
+            req.finished_reason = {"type": "stop", "matched": None}
+            self.policy.finish(req)
+            self.reqs.pop(req.rid, None)
+            outputs.append(self._output(req, req.finished_reason))
+            outputs[-1].embedding = vector
+            self.num_embedding_requests += 1
+        return outputs
 
     def _fail(self, batch, message: str) -> None:
         outputs = []

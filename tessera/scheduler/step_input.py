@@ -16,7 +16,9 @@ from tessera.scheduler.batch import ScheduledBatch
 from tessera.scheduler.policy import KVManager
 from tessera.messages.worker import (
     ForwardInput,
+    StepOutput,
     MMPlacement,
+    PoolingRows,
     PromptLogprobRows,
     RequestStateFill,
     SamplingRow,
@@ -49,6 +51,7 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
     grammars = []  # per SamplingRow: the request's GrammarMatcher or None
     prompt_rows: list[PromptLogprobRows] = []
     state_fills: list[RequestStateFill] = []
+    pooling_rows: list[PoolingRows] = []
     flat = 0
     for r, (s, b, start, _) in enumerate(rows):
         req = s.req
@@ -85,6 +88,8 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
                                                      req.origin_input_ids[lo + 1:hi + 1],
                                                      req.sampling_params.top_logprobs_num,
                                                      req.prompt_logprob_ranks))
+        if req.pooling is not None:
+            pooling_rows.append(PoolingRows(r, flat, s.start, s.end - s.start, s.end >= prompt_len, req.pooling))
         flat += s.end - s.start
         if s.samples:
             logits_rows.append(flat - 1)
@@ -108,8 +113,25 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         slot_writes=writes, logits_rows=logits_rows, sampling=sampling,
         mm_items=items, mm_placements=placements, bidirectional_spans=layout.bidirectional_spans,
         prompt_done=prompt_done, released=released, state_fills=state_fills, vocab_mask=fill_bitmask(grammars),
-        stop_closers=stop_closers(grammars), prompt_logprob_rows=prompt_rows,
+        stop_closers=stop_closers(grammars), prompt_logprob_rows=prompt_rows, pooling_rows=pooling_rows,
     )
+
+
+def take_prompt_logprobs(batch: ScheduledBatch, fi: ForwardInput, result: StepOutput) -> None:
+    """Stores the step's prompt logprobs by prompt position; a request whose last asked row was in the
+    step has them all."""
+    for entry, values, tops, ranks in zip(fi.prompt_logprob_rows, result.prompt_logprobs,
+                                          result.prompt_top_logprobs or [[]] * len(result.prompt_logprobs),
+                                          result.prompt_ranks or [[]] * len(result.prompt_logprobs)):
+        req = batch.reqs[entry.req].req
+        at = entry.first_token - req.logprob_start_len
+        req.input_logprobs[at:at + len(values)] = values
+        req.input_ranks[at:at + len(ranks)] = ranks
+        if tops:
+            req.input_top_logprobs[at:at + len(tops)] = tops
+    for s in batch.reqs:
+        if s.req.wants_input_logprobs and s.end >= s.req.input_logprob_rows()[1]:
+            s.req.input_logprobs_done = True
 
 
 def _add_sampling(sampling: list[SamplingRow], grammars: list, req, model_cls: type[TesseraModel],

@@ -40,6 +40,8 @@ from tessera.platform.device import (compute_dtype, platform_of, rank_device, re
                                      to_device_packed)
 from tessera.worker.lora_step import build_lora, lora_active, lora_backend, lora_rows
 from tessera.worker.masks import span_mask
+from tessera.worker.slot_writes import apply_slot_writes, slot_write_parts
+from tessera.worker.pooling import Pooler, hidden_rows
 from tessera.worker.prompt_logprobs import extra_logits_rows, prompt_logprobs
 
 logger = logging.getLogger("tessera.worker")
@@ -108,6 +110,8 @@ class ModelWorker:
         self.eos_token_ids = eos_token_ids
         self.use_decode_mirror = not args.disable_decode_kv_mirror and uses_decode_mirror(self.device)
         self._held: dict[str, dict[int, torch.Tensor]] = {}  # rid -> item hash -> embedding
+        self.pooler = Pooler()  # embedding requests' partial pools across prefill chunks
+        self._pooled_hidden: torch.Tensor | None = None  # the last step's hidden rows for the pooler
         # Called between the parts of a long step (encoder chunks, then the language model): the scheduler's
         # CPU thread policy (platform/threads.py) re-decides there, so a step that began while the frontend was busy
         # does not keep one core when that core frees up. None: nothing to call.
@@ -328,38 +332,11 @@ class ModelWorker:
                  for spans, seq, ext in zip(fi.bidirectional_spans, fi.seq_lens, fi.extend_lens)]
         return masks if any(m is not None for m in masks) else None
 
-    @staticmethod
-    def _slot_write_parts(fi: ForwardInput) -> list[torch.Tensor]:
-        """The step's slot writes as host tensors (values, rows, columns), staged with the other inputs."""
-        writes = fi.slot_writes
-        if not writes:
-            return []
-        positions = [w.positions() for w in writes]
-        values = torch.cat([w.slots for w in writes])
-        return [values, torch.cat([r for r, _ in positions]), torch.cat([c for _, c in positions])]
-
-    def _apply_slot_writes(self, fi: ForwardInput, staged: list[torch.Tensor]) -> None:
-        """Device-side copies of the staged writes, in order (a row freed and reused between two steps gets
-        its writes in the order they happened)."""
-        if not staged:
-            return
-        values, rows, cols = staged
-        written = [r for w in fi.slot_writes for r in w.written_rows()]
-        if len(set(written)) == len(written):  # no row written twice: one scatter
-            self.req_to_token.index_put_((rows, cols), values)
-            return
-        offset = 0
-        for w in fi.slot_writes:
-            n = w.slots.shape[0]
-            part = slice(offset, offset + n)
-            self.req_to_token.index_put_((rows[part], cols[part]), values[part])
-            offset += n
-
     def _graph_bucket(self, fi: ForwardInput, masks: list[torch.Tensor | None] | None) -> int | None:
         """The CUDA-graph bucket of a pure decode step (one token per request, each sampled, no media, no
         custom mask); None when the step runs eagerly."""
         if self.graph_runner is None or fi.mm_placements or masks is not None or fi.state_fills or \
-                fi.prompt_logprob_rows:
+                fi.prompt_logprob_rows or fi.pooling_rows:
             return None
         if fi.num_tokens != len(fi.seq_lens) or fi.logits_rows != list(range(fi.num_tokens)):
             return None
@@ -372,13 +349,14 @@ class ModelWorker:
         for rid in fi.released:
             self._held.pop(rid, None)
             self._state_slots.pop(rid, None)
-        writes = self._slot_write_parts(fi)
+            self.pooler.release(rid)
+        writes = slot_write_parts(fi)
         (input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, extend_lens, logits_rows,
          *staged_writes) = to_device_packed(
             [_int64(p) for p in (fi.input_ids, fi.positions, fi.out_cache_loc, fi.req_pool_indices, fi.seq_lens,
                                  fi.extend_lens, fi.logits_rows + extra_logits_rows(fi.prompt_logprob_rows),
                                  *writes)], self.device)
-        self._apply_slot_writes(fi, staged_writes)
+        apply_slot_writes(self.req_to_token, fi, staged_writes)
         masks = self._custom_masks(fi)
         mm_rows, mm_embeds = self._mm_embeds(fi)
         state_slots = self._fill_request_state(fi)
@@ -400,8 +378,11 @@ class ModelWorker:
             len(set(fi.req_pool_indices)) == len(fi.req_pool_indices) else None,
             host_seq_lens=fi.seq_lens, host_extend_lens=fi.extend_lens, host_req_pool_indices=fi.req_pool_indices,
             state_slots=state_slots, lora_rows=lora_active(self.lora),
+            hidden_indices=_int64(hidden_rows(fi.pooling_rows)).to(self.device) if fi.pooling_rows else None,
         )
-        return self.model(fb, self.kv_pool)
+        logits = self.model(fb, self.kv_pool)
+        self._pooled_hidden = fb.hidden_states
+        return logits
 
     @torch.inference_mode()
     def device_times(self) -> tuple[float, float]:
@@ -424,8 +405,14 @@ class ModelWorker:
             return StepOutput([])
         prompt_lp, prompt_top, prompt_ranks = prompt_logprobs(logits[len(fi.logits_rows):], fi.prompt_logprob_rows) \
             if fi.prompt_logprob_rows else ([], [], [])
+        embeddings = []
+        if fi.pooling_rows:
+            assert self._pooled_hidden is not None, "the model handed back no hidden states for pooling"
+            embeddings = self.pooler.pool(self._pooled_hidden, fi.pooling_rows, fi.rids)
+            self._pooled_hidden = None
         if not fi.sampling:
-            return StepOutput([], prompt_logprobs=prompt_lp, prompt_top_logprobs=prompt_top, prompt_ranks=prompt_ranks)
+            return StepOutput([], prompt_logprobs=prompt_lp, prompt_top_logprobs=prompt_top, prompt_ranks=prompt_ranks,
+                              embeddings=embeddings)
         logits = logits[:len(fi.logits_rows)]
         rows = fi.sampling
         info = SamplingBatchInfo.build([r.params for r in rows], logits.shape[-1], [r.output_ids for r in rows],
@@ -439,7 +426,7 @@ class ModelWorker:
             ids_l, vals_l = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
             top = [list(zip(ids_l[i][:r.params.top_logprobs_num], vals_l[i][:r.params.top_logprobs_num]))
                    for i, r in enumerate(rows)]
-        return StepOutput(next_ids, logprobs, top, prompt_lp, prompt_top, prompt_ranks)
+        return StepOutput(next_ids, logprobs, top, prompt_lp, prompt_top, prompt_ranks, embeddings)
 
 
 def _int64(part: torch.Tensor | list[int]) -> torch.Tensor:

@@ -21,6 +21,9 @@ import torch
 
 from tessera.messages.items import Modality, MultimodalDataItem
 from tests.models.fixture_checks import MIN_MARGIN, check_greedy_depends_on_inputs, hf_stepped_greedy, prompt_variants
+from tessera.messages.pooling import PoolingParams
+from tessera.messages.worker import PoolingRows
+from tessera.worker.pooling import Pooler, hidden_rows
 from tests.models.paged_driver import (
     PagedKV,
     Step,
@@ -311,3 +314,30 @@ def process_two_images(processor, hf_processor, parts: list[str], add_generation
     ref = hf_processor(text=[text], images=images, return_tensors="pt")
     assert out.input_ids == ref["input_ids"][0].tolist()
     return out, ref
+
+
+# ---------------------------------------------------------------- embeddings: pooled final hidden states
+
+def hf_last_hidden(case, prompt) -> torch.Tensor:
+    """HF's final-norm hidden states [L, H]: the base model's last_hidden_state (HF's hidden_states[-1])."""
+    with torch.inference_mode():
+        out = case.hf(**case.hf_inputs(prompt), output_hidden_states=True)
+    return out.hidden_states[-1][0]
+
+
+def our_pooled(case, prompt, method: str, chunk: int | None) -> torch.Tensor:
+    """The pooled vector through the worker's Pooler, the prompt prefilled whole or in chunks."""
+    kv = PagedKV(case.ours.lm_config, page_size=2, max_context_len=512)
+    row = kv.new_request()
+    pooler, params = Pooler(), PoolingParams(method, normalize=True)
+    cuts = case.chunks(prompt, chunk) if chunk else [(0, len(prompt))]
+    out: list[torch.Tensor] = []
+    for lo, hi in cuts:
+        fb = make_batch(kv, [case.extend_step(row, prompt, lo, hi)])
+        entry = PoolingRows(0, 0, lo, hi - lo, hi == len(prompt), params)
+        fb.hidden_indices = torch.tensor(hidden_rows([entry]), dtype=torch.int64)
+        with torch.inference_mode():
+            case.ours(fb, kv.pool)
+        out += pooler.pool(fb.hidden_states, [entry], ["r"])
+    assert len(out) == 1
+    return out[0]

@@ -24,9 +24,11 @@ def test_every_family_row_resolves(name: str) -> None:
     arch = family.architecture
     assert issubclass(family.model_class(), TesseraModel)
     assert family.positions in ("rope", "mrope", "learned")
-    # An encoder-decoder row's model declares its cross-attention state, and its prefix cache is off.
+    # An encoder-decoder row's model declares its cross-attention state, and its prefix cache is off (as an
+    # embedding-only dual encoder's, whose towers do not use the paged KV).
     has_state = family.model_class().request_state is not None
-    assert has_state == family.encoder_decoder == (not family.prefix_cache)
+    assert has_state == family.encoder_decoder
+    assert family.prefix_cache == (not family.encoder_decoder and not family.embedding_only)
     if family.modalities:
         assert family.processor_class() is not None
         assert processors.get_processor_class(arch) is not None
@@ -140,3 +142,20 @@ def test_a_backend_without_what_the_family_needs_is_refused(tmp_path, monkeypatc
         load_model(path, "float32", config=config)
     monkeypatch.undo()
     load_model(path, "float32", config=config)  # torch_native has it
+
+
+@pytest.mark.parametrize(("architecture", "model_type", "family"), [
+    ("Qwen2Model", "qwen2", "Qwen2ForCausalLM"), ("Qwen3ForEmbedding", "qwen3", "Qwen3ForCausalLM"),
+    ("Gemma3TextModel", "gemma3_text", "Gemma3ForCausalLM"), ("Gemma3Model", "gemma3", None),
+    ("Qwen2VLModel", "qwen2_vl", None), ("Qwen2ForCausalLM", "qwen2", None), ("LlamaModel", "llama", None)])
+def test_a_text_family_base_model_is_served_headless(architecture, model_type, family) -> None:
+    """A text family's base model (no LM head) maps to its row, headless; multimodal base models, other model
+    types and architectures with rows of their own do not."""
+    from tessera.models.families import headless_family
+
+    row = headless_family(architecture, model_type)
+    if family is None:
+        assert row is None
+        return
+    assert row is not None and row.headless and row.architecture == architecture
+    assert row.model == FAMILIES[family].model and row.prefix_cache and not row.embedding_only

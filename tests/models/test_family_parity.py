@@ -4,7 +4,8 @@ The families differ only in their fixtures (family_parity.FamilyFixture rows in 
 checkpoint is built and checked to be able to fail, how a prompt is laid out, and which prompts each test
 runs. Every test here runs for every spec of every family: prefill logits in fp32, greedy decode over paged KV,
 requests of different lengths in one batch, chunked prefill, a prefix-cache hit, the media towers called once a
-step, the language model alone, and deterministic checkpoints; then each family's own checks.
+step, the language model alone, deterministic checkpoints and embeddings (pooled final hidden states); then each
+family's own checks.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ from tests.models import (
     qwen2_5_vl_testing,
     qwen3_vl_testing,
 )
-from tests.models.family_parity import ATOL, FamilyCase, FamilyFixture, media_embeds, our_greedy, our_logits, \
-    prefix_hit
+from tests.models.family_parity import ATOL, FamilyCase, FamilyFixture, hf_last_hidden, media_embeds, our_greedy, \
+    our_logits, our_pooled, prefix_hit
 from tests.models.fixture_checks import MIN_MARGIN, top2_margin
 
 FAMILIES: dict[str, FamilyFixture] = {
@@ -160,3 +161,21 @@ def test_same_seed_same_bytes(family, tmp_path):
 def test_family_specific(case, check, monkeypatch):
     """The family's own checks on its case (its fixture module says what each proves)."""
     case.row.checks[check](case, monkeypatch)
+
+
+@pytest.mark.parametrize("case,_", each_case(), indirect=["case"])
+def test_pooled_hidden_states_match_hf(case, _):
+    """Embeddings: the final hidden states (ForwardBatch.hidden_indices) pooled last / mean / first token and
+    normalised as worker/pooling.py does, prefilled whole and in chunks, give HF's base model's."""
+    prompt = case.prompt(next(iter(case.row.prompts.values())), seed=1)
+    hidden = hf_last_hidden(case, prompt)
+    # HF's hidden_states[-1] is the base model's output after its final norm: its LM head gives HF's logits.
+    torch.testing.assert_close(case.ours.lm_head(hidden), case.hf_logits(prompt), atol=ATOL, rtol=0)
+    refs = {"last": hidden[-1], "mean": hidden.mean(0), "cls": hidden[0]}
+    assert float(torch.nn.functional.cosine_similarity(refs["last"], refs["mean"], dim=0)) < 0.999
+    for method, ref in refs.items():
+        ref = torch.nn.functional.normalize(ref, dim=-1)
+        for chunk in (None, max(2, len(prompt) // 3)):
+            ours = our_pooled(case, prompt, method, chunk)
+            assert float(torch.nn.functional.cosine_similarity(ours, ref, dim=0)) >= 0.99999, (method, chunk)
+            torch.testing.assert_close(ours, ref, atol=1e-4, rtol=0)

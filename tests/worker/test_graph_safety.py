@@ -38,6 +38,7 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
     """Family name -> a tiny HF config of it (the model tests' fixtures where they have one)."""
     from transformers import Qwen2AudioConfig, Qwen2Config, Qwen3Config, WhisperConfig
 
+    from tests.models import clip_testing as clip
     from tests.models import gemma3_testing as gemma3
     from tests.models import internvl_testing as internvl
     from tests.models import llama4_testing as llama4
@@ -70,6 +71,8 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
             vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
             decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
             architectures=["WhisperForConditionalGeneration"]),
+        "CLIPModel": clip.tiny_clip_config,
+        "SiglipModel": clip.tiny_siglip_config,
     }
 
 

@@ -10,6 +10,7 @@ SGLang and vLLM declare that Tessera takes only at their no-op values are added 
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
@@ -224,6 +225,24 @@ GenerateRequest = _with_peers("GenerateRequest", _GenerateFields, GENERATE_NOOPS
 def honoured(model: type[_Body]) -> frozenset[str]:
     """The fields the endpoint acts on: its declared fields but those taken only at a no-op value."""
     return frozenset(name for name in model.model_fields if name not in model.noops)
+
+
+FORM_TYPES = ("application/x-www-form-urlencoded", "multipart/form-data")
+
+
+def parse_json_body(path: str, raw: bytes, content_type: str) -> BaseModel:
+    """A JSON endpoint's raw body, parsed once into its model (REQUEST_BODIES[path]); a 400 names what is wrong."""
+    ctype = content_type.split(";")[0].strip().lower()
+    if ctype in FORM_TYPES:
+        raise APIError(f"Content-Type: {ctype} is not accepted here; send the JSON body as application/json",
+                       status=400, param="Content-Type")
+    try:
+        body = json.loads(raw or b"{}")
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"body: not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise APIError("body: expected a JSON object")
+    return parse(REQUEST_BODIES[path][0], body)
 
 
 def parse(model: type[Body], body: dict) -> Body:

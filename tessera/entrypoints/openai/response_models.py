@@ -6,7 +6,7 @@ those shapes, and tests/server/test_request_models.py checks real answers agains
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -190,6 +190,27 @@ class ModelList(_Answer):
 
 
 # path -> (the answer, the event of its stream when it has one)
+class EmbeddingData(_Answer):
+    object: Literal["embedding"]
+    index: int = Field(description="Which input (or the one `messages` prompt) the vector is of.")
+    embedding: list[float] | str = Field(description="The vector; with encoding_format base64, its little-endian "
+                                                     "float32 bytes in base64.")
+
+
+class EmbeddingUsage(_Answer):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(_Answer):
+    """OpenAI's embeddings answer."""
+
+    object: Literal["list"]
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
+
+
 class LoraAdapterResponse(_Answer):
     """SGLang's answer to /load_lora_adapter and /unload_lora_adapter."""
 
@@ -207,6 +228,7 @@ RESPONSES: dict[str, tuple[type[BaseModel], type[BaseModel] | None]] = {
     "/v1/audio/transcriptions": (TranscriptionResponse, None),
     "/v1/audio/translations": (TranscriptionResponse, None),
     "/v1/models": (ModelList, None),
+    "/v1/embeddings": (EmbeddingResponse, None),
     "/load_lora_adapter": (LoraAdapterResponse, None),
     "/unload_lora_adapter": (LoraAdapterResponse, None),
 }
