@@ -5,7 +5,7 @@
 
 demo-vl answers the scene questions with one word or a list ("red", "circle", "two", "a red circle and a blue
 square"); with this adapter it says the same thing as a sentence: "The circle is red.", "The red object is a
-circle.", "There are two shapes.", "I see a red circle and a blue square." The facts stay the base model's:
+circle.", "I count two.", "I see a red circle and a blue square." The facts stay the base model's:
 the adapter (rank 8 on the language model's q/k/v/o and gate/up/down; the vision tower untouched) only learns
 the wording, so its accuracy on the scene questions is about demo-vl's. Image questions only: the video
 questions keep demo-vl's short answers. Batches are a pure function of (seed, step), as train_vl's.
@@ -37,7 +37,9 @@ def sentence(sample: scenes.Sample) -> str:
     if sample.question_type == "shape":
         return f"The {q.removeprefix('What shape is the ').removesuffix(' object?')} object is a {a}."
     if sample.question_type == "count":
-        return "There is one shape." if a == "one" else f"There are {a} shapes."
+        # The number word right after a fixed prefix, as in demo-vl's own answer: "There are two shapes." made
+        # the adapter choose "is" / "are" before the count, and it counted at 38% (step 200) against 99%.
+        return f"I count {a}."
     if sample.question_type == "describe":
         return f"I see {a}."
     raise ValueError(f"no sentence form for {sample.question_type!r}")

@@ -8,11 +8,14 @@ A request names an adapter by `lora_path` (SGLang's field: the adapter's name) o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 
 from tessera.config import ServerArgs
 from tessera.messages.frontend import LoraAdapterReq, LoraAdapterResult
+from tessera.messages.items import MultimodalInputs
 
 OP_TIMEOUT_S = 120.0  # a large adapter on a slow disk; the server keeps serving meanwhile
 
@@ -52,6 +55,16 @@ class LoraRegistry:
             loaded = ", ".join(self.paths) or "none"
             raise UnknownAdapter(f"{field}: adapter {name!r} is not loaded (loaded: {loaded})")
         return name
+
+    @staticmethod
+    def tag(mm_inputs: MultimodalInputs | None, lora_name: str | None) -> MultimodalInputs | None:
+        """A request's media items marked with its adapter, their hashes salted with it (copies: the processor's
+        cache keeps the originals), so an adapter on the vision tower never shares an embedding with another."""
+        if mm_inputs is None or lora_name is None:
+            return mm_inputs
+        salt = int.from_bytes(hashlib.blake2b(lora_name.encode(), digest_size=8).digest(), "little")
+        items = [dataclasses.replace(item, hash=item.hash ^ salt, lora_name=lora_name) for item in mm_inputs.items]
+        return dataclasses.replace(mm_inputs, items=items)
 
     def model_adapter(self, model: str | None, base_names: Sequence[str]) -> str | None:
         """The adapter an OpenAI `model` names: "base:adapter" or an adapter's own name (None: the base model)."""

@@ -338,10 +338,11 @@ class TokenizerManager:
                 raise ValueError(f"input_ids: token id {bad[0]} is outside the vocabulary (size {self.info.vocab_size})")
         check_lengths(req, input_ids, mm_inputs, self.info.config, self.context_length, self.max_total_tokens)
         req.pooling = check_pooling(req.pooling, self.info.config, self.info.is_embedding)
-        return messages.TokenizedGenerateReq(req.rid, input_ids, sp, mm_inputs, req.stream, req.return_logprob,
-                                             req.logprob_start_len, cache_salt=req.cache_salt,
-                                             prompt_logprob_ranks=req.prompt_logprob_ranks,
-                                             lora_name=self.lora.resolve(req.lora_path), pooling=req.pooling)
+        lora = self.lora.resolve(req.lora_path)
+        return messages.TokenizedGenerateReq(req.rid, input_ids, sp, self.lora.tag(mm_inputs, lora), req.stream,
+                                             req.return_logprob, req.logprob_start_len, cache_salt=req.cache_salt,
+                                             prompt_logprob_ranks=req.prompt_logprob_ranks, lora_name=lora,
+                                             pooling=req.pooling)
 
     async def tokenize(self, req: GenerateRequest) -> messages.TokenizedGenerateReq:
         """Validates and preprocesses req (media loaded, prompt tokenized) without sending it anywhere.

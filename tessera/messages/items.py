@@ -56,6 +56,9 @@ class MultimodalDataItem:
     # Set instead of `feature` while an image's preprocessing is deferred to the encoder's worker; the hash is
     # that of the eager item (same content, same kwargs), so both paths share prefix and encoder cache entries.
     deferred: DeferredImage | None = None
+    # The LoRA adapter of the request (layers/lora): an adapter on the vision tower changes the embedding, so the
+    # frontend folds it into `hash` too (the encoder and prefix caches never mix adapters). None: the base model.
+    lora_name: str | None = None
 
     @property
     def pad_value(self) -> int:

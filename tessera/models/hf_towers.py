@@ -79,8 +79,9 @@ class QuickGeluMlp(torch.nn.Module):
         # folded form rounds at other points than transformers' h * sigmoid(1.702 h): it moved a tiny model's
         # logprobs by 0.05 against HF in bf16, 0.0006 with HF's ops (tests/engine/test_engine_device_dtype.py).
         # 16-bit weights under float32 x (a bf16/fp16 model on a CPU) take the same ops: linear() widens them.
+        # A LoRA adapter on fc2 (layers/lora) is added by its forward, which the folded form goes around.
         if ((torch.is_grad_enabled() and self.fc1.weight.requires_grad) or x.dtype != torch.float32
-                or self.fc2.weight.dtype != torch.float32):
+                or self.fc2.weight.dtype != torch.float32 or getattr(self.fc2, "lora", None) is not None):
             h = self.fc1(x)
             return self.fc2(h * torch.sigmoid(self.ALPHA * h))
         out = x.new_empty(*x.shape[:-1], self.fc2.out_features)

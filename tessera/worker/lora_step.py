@@ -7,7 +7,7 @@ ForwardInput's `lora_loads`, so tensor-parallel ranks hold the same adapters in 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -15,6 +15,7 @@ from torch import nn
 
 from tessera.config import ServerArgs
 from tessera.layers.lora.manager import LoraManager
+from tessera.messages.items import MultimodalDataItem
 from tessera.messages.worker import ForwardInput
 from tessera.models.config import ModelConfig
 
@@ -28,8 +29,9 @@ def build_lora(args: ServerArgs, model: nn.Module, config: ModelConfig, dtype: t
     if not args.enable_lora:
         return None
     mapping = type(model).weight_mapping(config, args.language_model_only)
+    # The data-parallel encoder path (distributed/encoder_dp.py) encodes without adapters: vision LoRA refused there.
     manager = LoraManager(model, mapping, args.max_loras_per_batch, args.max_lora_rank, dtype, device,
-                          args.lora_backend)
+                          args.lora_backend, encoders=not (args.mm_enable_dp_encoder and args.tp_size > 1))
     for name, path in args.lora_adapters:
         adapter = manager.add(name, path)
         logger.info("LoRA adapter %r loaded from %s: rank %d, %d modules", name, path, adapter.rank,
@@ -58,3 +60,19 @@ def lora_rows(lora: LoraManager | None, fi: ForwardInput) -> Iterator[bool]:
         lora.place(slot, name)
     with lora.rows(fi.lora_slots, fi.extend_lens) as active:
         yield active
+
+
+def encode_by_adapter(lora: LoraManager | None, items: list[MultimodalDataItem],
+                      encode: Callable[[list[MultimodalDataItem]], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """One encoder call per adapter on the encoders among `items` (the base model's and other adapters' items
+    together), outputs in the items' order. Called under the worker's encoder lock."""
+    names = [it.lora_name if lora is not None and lora.targets_encoder(it.lora_name) else None for it in items]
+    if lora is None or not any(names):
+        return encode(items)
+    out: list[torch.Tensor | None] = [None] * len(items)
+    for name in dict.fromkeys(names):
+        idx = [i for i, n in enumerate(names) if n == name]
+        with lora.encoding(name):
+            for i, emb in zip(idx, encode([items[i] for i in idx])):
+                out[i] = emb
+    return out  # type: ignore[return-value]

@@ -38,7 +38,7 @@ from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.platform import cpu_kernels, host_memory
 from tessera.platform.device import (compute_dtype, platform_of, rank_device, resolve_device, resolve_dtype,
                                      to_device_packed)
-from tessera.worker.lora_step import build_lora, lora_active, lora_backend, lora_rows
+from tessera.worker.lora_step import build_lora, encode_by_adapter, lora_active, lora_backend, lora_rows
 from tessera.worker.masks import span_mask
 from tessera.worker.slot_writes import apply_slot_writes, slot_write_parts
 from tessera.worker.pooling import Pooler, hidden_rows
@@ -249,7 +249,7 @@ class ModelWorker:
         """One encoder call over items of one modality, each output checked against its placeholder count.
         One call at a time: the step's and the encode-ahead thread's share the towers (and their plan caches)."""
         with self._encoder_lock:
-            embeds = self._encoder_for(items[0].modality)(items)
+            embeds = encode_by_adapter(self.lora, items, self._encoder_for(items[0].modality))
         self._check_counts(items, embeds)
         return embeds
 

@@ -49,7 +49,8 @@ def make_adapter(base, path: Path, *, seed: int, r: int = 4, alpha: float = 8, t
 
     from peft import LoraConfig, get_peft_model
 
-    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets),
+    targets = targets if isinstance(targets, str) else list(targets)
+    peft_model = get_peft_model(copy.deepcopy(base), LoraConfig(r=r, lora_alpha=alpha, target_modules=targets,
                                                                  lora_dropout=0.0, **extra))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

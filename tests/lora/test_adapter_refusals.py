@@ -90,7 +90,7 @@ def test_refused_with_one_line(base, case, match):
     assert "\n" not in str(err.value) and "'x'" in str(err.value)
 
 
-def test_vision_tower_targets_are_refused(tmp_path):
+def test_vision_tower_targets_load_unless_the_encoder_is_data_parallel(tmp_path):
     from transformers import Qwen2VLForConditionalGeneration
 
     from tests.engine.conftest import make_tiny_checkpoint
@@ -99,5 +99,8 @@ def test_vision_tower_targets_are_refused(tmp_path):
     adapter = make_adapter(Qwen2VLForConditionalGeneration.from_pretrained(path), tmp_path / "ad", seed=3,
                            targets=["q_proj", "fc1"])
     model, config = load_model(path, torch.float32)
-    with pytest.raises(AdapterError, match="visual.blocks.0.mlp.fc1: LoRA outside the language model"):
-        load_adapter("x", adapter, model, type(model).weight_mapping(config))
+    mapping = type(model).weight_mapping(config)
+    loaded = load_adapter("x", adapter, model, mapping)
+    assert "visual.blocks.0.mlp.fc1" in loaded.modules and "model.layers.0.self_attn.qkv_proj" in loaded.modules
+    with pytest.raises(AdapterError, match="visual.blocks.0.mlp.fc1: LoRA on the vision tower is not supported"):
+        load_adapter("x", adapter, model, mapping, encoders=False)

@@ -1,10 +1,12 @@
 """LoRA parity with HF transformers + PEFT on more families: Qwen3 and Gemma-3 text (q/k norms, Gemma's own
-block), and Qwen2-VL with an image (the adapter on the language model, M-RoPE, image embeddings merged)."""
+block), and Qwen2-VL with an image and PEFT's "all-linear" targets (the vision tower's linears too, M-RoPE,
+image embeddings merged; the base model's request beside it encodes the same image without the adapter)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tessera import Engine
 from tests.lora.lora_testing import ALL_LINEARS, make_adapter, make_text_checkpoint, peft_greedy
@@ -38,7 +40,9 @@ def test_qwen2_vl_with_image_matches_peft(tmp_path, scene_images):
 
     base = make_tiny_checkpoint(tmp_path / "base", num_kv_heads=2)
     hf = Qwen2VLForConditionalGeneration.from_pretrained(base)
-    adapter = make_adapter(hf, tmp_path / "ad", seed=7, r=4, alpha=8, targets=ALL_LINEARS, scale=0.2)
+    # PEFT's "all-linear": the language model's linears and the vision tower's (qkv, proj, fc1, fc2, the merger's)
+    adapter = make_adapter(hf, tmp_path / "ad", seed=7, r=4, alpha=8, targets="all-linear", scale=0.2)
+    assert any(".visual." in k for k in load_file(adapter / "adapter_model.safetensors"))
     processor = AutoProcessor.from_pretrained(base)
     prompt = chat_prompt(processor, 1, "What color is the circle?")
     enc = processor(text=[prompt], images=[scene_images[0]], return_tensors="pt")

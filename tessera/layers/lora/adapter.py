@@ -22,7 +22,7 @@ from tessera.layers.linear import Linear, MergedLinear, RowParallelLinear, Vocab
 from tessera.layers.lora.config import ADAPTER_WEIGHTS, AdapterError, LoraAdapterConfig, read_adapter_config
 
 PEFT_PREFIX = "base_model.model."
-# Our language model's modules: the decoder stack (`model.`); the vision towers, projectors and LM head are not.
+# Our language model's modules: the decoder stack (`model.`); the rest (vision tower, projector) are the encoders'.
 LANGUAGE_MODEL_PREFIX = "model."
 
 
@@ -43,10 +43,12 @@ class LoraAdapter:
                    for t in p)
 
 
-def load_adapter(name: str, path: str | Path, model: nn.Module, mapping, max_rank: int | None = None) -> LoraAdapter:
+def load_adapter(name: str, path: str | Path, model: nn.Module, mapping, max_rank: int | None = None,
+                 encoders: bool = True) -> LoraAdapter:
     """Reads and checks the adapter at `path` against `model` (whose checkpoint names `mapping` maps).
     AdapterError names the adapter and the first problem: a refused config field, a tensor of a module we do not
-    have or do not adapt (embeddings, the LM head, the vision tower), a wrong shape, a rank above `max_rank`."""
+    have or do not adapt (embeddings, the LM head; the encoders' linears where `encoders` is False or they are
+    transformers' own modules), a wrong shape, a rank above `max_rank`."""
     config = read_adapter_config(path, name)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     others: list[str] = []  # refused after the LoRA pairs' modules, whose refusal says more
@@ -70,7 +72,7 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, mapping, max_ran
         if set(tensors) != {"lora_A", "lora_B"}:
             missing = ({"lora_A", "lora_B"} - set(tensors)).pop()
             raise AdapterError(f"adapter {name!r}: {module_path}: no {missing}.weight")
-        target, shard, linear = _our_module(name, module_path, model, mapping)
+        target, shard, linear = _our_module(name, module_path, model, mapping, encoders)
         a, b = tensors["lora_A"].float(), tensors["lora_B"].float()
         rank = a.shape[0]
         want_rank, _ = config.rank_alpha(module_path)
@@ -106,7 +108,8 @@ def _split_key(name: str, key: str) -> tuple[str, str] | None:
     return None
 
 
-def _our_module(name: str, module_path: str, model: nn.Module, mapping) -> tuple[str, str | None, Linear]:
+def _our_module(name: str, module_path: str, model: nn.Module, mapping,
+                encoders: bool) -> tuple[str, str | None, Linear]:
     try:
         target = mapping.map_name(module_path + ".weight")
     except KeyError:
@@ -122,10 +125,11 @@ def _our_module(name: str, module_path: str, model: nn.Module, mapping) -> tuple
     if isinstance(module, VocabEmbedding):
         raise AdapterError(f"adapter {name!r}: {module_path}: LoRA on embeddings and the LM head is not supported")
     if not isinstance(module, Linear):
-        raise AdapterError(f"adapter {name!r}: {module_path}: not a linear layer ({type(module).__name__})")
-    if not ours.startswith(LANGUAGE_MODEL_PREFIX):
-        raise AdapterError(f"adapter {name!r}: {module_path}: LoRA outside the language model (vision tower, "
-                           f"projector) is not supported")
+        raise AdapterError(f"adapter {name!r}: {module_path}: not one of our linear layers ({type(module).__name__}: "
+                           f"this family's tower is transformers' own)")
+    if not ours.startswith(LANGUAGE_MODEL_PREFIX) and not encoders:
+        raise AdapterError(f"adapter {name!r}: {module_path}: LoRA on the vision tower is not supported with "
+                           f"--mm-enable-dp-encoder")
     if isinstance(module, MergedLinear) != (shard is not None):
         raise AdapterError(f"adapter {name!r}: {module_path}: does not map onto {ours}")
     return ours, shard, module

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from tessera.layers.linear import Linear, MergedLinear
-from tessera.layers.lora.adapter import LoraAdapter, load_adapter
+from tessera.layers.lora.adapter import LANGUAGE_MODEL_PREFIX, LoraAdapter, load_adapter
 from tessera.layers.lora.config import AdapterError
-from tessera.layers.lora.slots import LoraSlots, LoraStep
+from tessera.layers.lora.slots import EncoderAdapter, EncoderLora, LoraSlots, LoraStep
 from tessera.platform.device import platform_of
 
 
@@ -35,11 +35,13 @@ def kernels_for(backend: str, device: torch.device) -> bool:
 
 class LoraManager:
     def __init__(self, model: nn.Module, mapping, num_slots: int, max_rank: int | None, dtype: torch.dtype,
-                 device: torch.device, backend: str = "auto"):
+                 device: torch.device, backend: str = "auto", encoders: bool = True):
         self.model, self.mapping = model, mapping
         self.num_slots, self.max_rank = num_slots, max_rank
         self.dtype, self.device = dtype, device
         self.adapters: dict[str, LoraAdapter] = {}
+        self.encoders = encoders  # whether adapters may target the encoders' linears (see load_adapter)
+        self.encoder_adapter = EncoderAdapter()  # the adapter of the encoder call in progress
         self.slot_names: list[str | None] = [None] * num_slots
         # The Triton kernels (layers/lora/triton_lora.py) where the platform runs Triton (`auto`, `triton` and
         # SGLang's `csgmv`), or under the interpreter when asked by name; grouped / stacked torch products else.
@@ -52,9 +54,14 @@ class LoraManager:
             raise AdapterError("lora_name: must be a non-empty string")
         if name in self.adapters:
             raise AdapterError(f"adapter {name!r} is already loaded (unload it first)")
-        adapter = load_adapter(name, path, self.model, self.mapping, self.max_rank)
-        for target in adapter.modules:  # stacks for the layers it targets, deep enough for its rank
-            self._stacks(target).ensure_rank(adapter.rank)
+        adapter = load_adapter(name, path, self.model, self.mapping, self.max_rank, self.encoders)
+        for target, shards in adapter.modules.items():  # stacks for the layers it targets, deep enough for its rank
+            if target.startswith(LANGUAGE_MODEL_PREFIX):
+                self._stacks(target).ensure_rank(adapter.rank)
+            else:  # an encoder's linear: the adapter's own pair, on the device
+                (a, b), = shards
+                self._encoder_lora(target).adapters[name] = (a.to(self.device, self.dtype),
+                                                             b.T.contiguous().to(self.device, self.dtype))
         self.adapters[name] = adapter
         return adapter
 
@@ -62,6 +69,9 @@ class LoraManager:
         if name not in self.adapters:
             raise AdapterError(f"adapter {name!r} is not loaded")
         del self.adapters[name]
+        for _, module in self.model.named_modules():
+            if isinstance(module, Linear) and isinstance(module.lora, EncoderLora):
+                module.lora.adapters.pop(name, None)
         for slot, held in enumerate(self.slot_names):
             if held == name:
                 self.place(slot, None)
@@ -81,14 +91,35 @@ class LoraManager:
         """Slot `slot` of every layer's stacks now holds adapter `name` (None: nothing)."""
         adapter = self.adapters[name] if name is not None else None
         for target, module in self._adapted():
-            assert module.lora is not None
+            assert isinstance(module.lora, LoraSlots)
             module.lora.place(slot, adapter.modules.get(target, []) if adapter is not None else [])
         self.slot_names[slot] = name
 
     def _adapted(self) -> Iterator[tuple[str, Linear]]:
         for target, module in self.model.named_modules():
-            if isinstance(module, Linear) and module.lora is not None:
+            if isinstance(module, Linear) and isinstance(module.lora, LoraSlots):
                 yield target, module
+
+    def _encoder_lora(self, target: str) -> EncoderLora:
+        module = self.model.get_submodule(target)
+        assert isinstance(module, Linear)
+        if module.lora is None:
+            module.lora = EncoderLora(self.encoder_adapter)
+        assert isinstance(module.lora, EncoderLora)
+        return module.lora
+
+    def targets_encoder(self, name: str | None) -> bool:
+        adapter = self.adapters.get(name) if name is not None else None
+        return adapter is not None and any(not t.startswith(LANGUAGE_MODEL_PREFIX) for t in adapter.modules)
+
+    @contextmanager
+    def encoding(self, name: str | None) -> Iterator[None]:
+        """Within: the encoders' linears add adapter `name`'s products (None: none)."""
+        self.encoder_adapter.name = name
+        try:
+            yield
+        finally:
+            self.encoder_adapter.name = None
 
     def _stacks(self, target: str) -> LoraSlots:
         module = self.model.get_submodule(target)

@@ -3,9 +3,10 @@
 Every adapter a step may use sits in a slot (the pool: `--max-loras-per-batch` slots, written by the worker
 when the scheduler assigns an adapter to one); a layer an adapter does not target holds zeros in its slot. A
 merged linear (QKV, gate-up) holds its shards' A matrices stacked along the rank, [slots, shards * rank, in],
-and their B matrices block-diagonally, [slots, out, shards * rank], so each row is one shrink and one expand
-product whatever the shards; B carries the adapter's scaling (alpha / r), folded in when it is placed, and is
-kept transposed ([slots, shards * rank, out]) so that every slot's B is one [slots * shards * rank, out] matrix.
+and their B matrices transposed and block-diagonal, [slots, shards * rank, out] (shard s's rank rows feed only
+its output columns), so each row is one shrink and one expand product whatever the shards, and every slot's B
+together is one [slots * shards * rank, out] matrix. B carries the adapter's scaling (alpha / r), folded in
+when it is placed.
 
 Two ways to run a step's rows (both exact: a row only ever sums its own adapter's terms):
 - grouped (Punica / S-LoRA's segments): per slot, one pair of products over its rows, a slice where the
@@ -24,8 +25,9 @@ from dataclasses import dataclass, field
 import torch
 
 
-# Rows up to which a step with several adapters runs stacked (see the module docstring); a few rows' products
-# cost their weights' reads, and the stacked way reads each used slot's A and B once, as the grouped way does.
+# Rows up to which a step with several adapters runs stacked (see the module docstring): its products compute
+# every used slot for every row, which for a few rows costs less than the grouped way's calls (at demo-vl's
+# sizes 35-43 us a layer for 4 adapters; docs/benchmarks.md, "Multi-LoRA"), and for many rows more.
 STACKED_MAX_ROWS = 64
 
 
@@ -155,4 +157,30 @@ class LoraSlots:
                 y[rows].addmm_(x[rows] @ self.A[slot].T, self.Bt[slot])
             else:
                 y.index_add_(0, rows, (x.index_select(0, rows) @ self.A[slot].T) @ self.Bt[slot])
+        return y
+
+
+@dataclass
+class EncoderAdapter:
+    """The adapter of the encoder call in progress (None: the base model); set under the worker's encoder lock,
+    around the call for one adapter's items (worker/lora_step.py encode_by_adapter)."""
+
+    name: str | None = None
+
+
+class EncoderLora:
+    """An encoder linear's adapters (the vision tower's, the projector's): per adapter (A [r, in], B^T [r, out]),
+    applied to every row of the call, whatever its shape, when that adapter's items are encoded. Encoder calls
+    group items by adapter (an item's rows are many patches, not one token), so no slots are needed."""
+
+    def __init__(self, current: EncoderAdapter):
+        self.current = current
+        self.adapters: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        pair = self.adapters.get(self.current.name) if self.current.name is not None else None
+        if pair is None:
+            return y
+        a, bt = pair
+        y.view(-1, y.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]) @ a.T.to(x.dtype), bt.to(x.dtype))
         return y
