@@ -202,7 +202,7 @@ def test_worker_applies_slot_writes_in_order_when_a_row_is_written_twice() -> No
     from types import SimpleNamespace
 
     from tessera.messages.worker import SlotWrite, TokenSlotWrites
-    from tessera.worker.model_worker import ModelWorker
+    from tessera.worker.slot_writes import apply_slot_writes, slot_write_parts
 
     writes = [SlotWrite(1, 0, torch.tensor([5, 6, 7])), SlotWrite(2, 0, torch.tensor([8, 9])),
               TokenSlotWrites(torch.tensor([2, 1]), torch.tensor([2, 1]), torch.tensor([10, 11]))]
@@ -212,11 +212,11 @@ def test_worker_applies_slot_writes_in_order_when_a_row_is_written_twice() -> No
     assert want[1, :3].tolist() == [5, 11, 7] and want[2, :3].tolist() == [8, 9, 10]
     for ws in (writes, writes[1:]):  # rows written twice (in order, one write at a time), then once (one scatter)
         fi = SimpleNamespace(slot_writes=ws)
-        worker = SimpleNamespace(req_to_token=torch.zeros(4, 8, dtype=torch.int64))
-        ModelWorker._apply_slot_writes(worker, fi, ModelWorker._slot_write_parts(fi))
+        table = torch.zeros(4, 8, dtype=torch.int64)
+        apply_slot_writes(table, fi, slot_write_parts(fi))
         expected = want.clone() if ws is writes else torch.zeros(4, 8, dtype=torch.int64).index_put_(
             (torch.tensor([2, 2, 2, 1]), torch.tensor([0, 1, 2, 1])), torch.tensor([8, 9, 10, 11]))
-        assert torch.equal(worker.req_to_token, expected)
+        assert torch.equal(table, expected)
 
 
 
