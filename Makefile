@@ -13,7 +13,7 @@ ARGS    ?=
 # clone's folder as an empty namespace package.
 PIP_INSTALL := $(BIN)/pip install --progress-bar on -c constraints.txt --config-settings editable_mode=compat
 
-.PHONY: setup serve test test-fast eval-vl train-vl eval-asr train-asr clean
+.PHONY: setup serve test test-fast eval-vl train-vl train-draft eval-asr train-asr clean
 
 # `make serve` installs what serving needs; `make test` adds the test tools (pytest, lm-eval, selenium, ...).
 $(STAMP): pyproject.toml constraints.txt
@@ -57,6 +57,10 @@ eval-vl: $(STAMP)
 
 train-vl: $(STAMP)
 	$(BIN)/python -m tessera.demo.train_vl --work-dir .train/demo-vl --out tessera/assets/demo-vl
+
+# demo-vl-draft, demo-vl's STANDALONE speculative draft, distilled from demo-vl's greedy outputs (minutes).
+train-draft: $(STAMP)
+	$(BIN)/python -m tessera.demo.train_draft --work-dir .train/demo-vl-draft --out tessera/assets/demo-vl-draft
 
 # demo-asr data is synthesised with espeak-ng (apt-get install espeak-ng); tests and serving never need it.
 eval-asr: $(STAMP)

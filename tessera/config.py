@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 ASSETS_DIR = Path(__file__).resolve().parent / "assets"
-BUNDLED_MODELS = ("demo-vl", "demo-asr")
+BUNDLED_MODELS = ("demo-vl", "demo-asr", "demo-vl-draft")  # demo-vl-draft: demo-vl's STANDALONE draft
 # Media items one request may carry when --limit-mm-data-per-request does not say (vLLM has such a default
 # too): a message with 50 images is refused up front instead of tying up the preprocessing pool.
 DEFAULT_MM_ITEMS_PER_REQUEST = {"image": 16, "video": 4, "audio": 8}
@@ -26,7 +26,7 @@ BUNDLED_LORA_DIR = ASSETS_DIR / "lora"
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """`demo-vl` / `demo-asr` name the bundled checkpoints; anything else is a local directory."""
+    """`demo-vl` / `demo-asr` / `demo-vl-draft` name the bundled checkpoints; anything else is a local directory."""
     if name_or_path in BUNDLED_MODELS:
         path = ASSETS_DIR / name_or_path
         if not (path / "config.json").exists():

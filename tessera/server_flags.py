@@ -71,7 +71,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "stream_interval": ("scheduling", "tokens per streamed chunk"),
     "speculative_algorithm": ("scheduling", "speculative decoding: NGRAM (prompt lookup), STANDALONE (a draft "
                                             "model with the same tokenizer); EAGLE is not supported"),
-    "speculative_draft_model_path": ("scheduling", "STANDALONE's draft checkpoint (a bundled name or a directory)"),
+    "speculative_draft_model_path": ("scheduling", "STANDALONE's draft checkpoint (a directory, or demo-vl-draft: "
+                                                   "demo-vl's bundled one)"),
     "speculative_num_steps": ("scheduling", "draft tokens proposed per verify step (default: 4)"),
     "speculative_eagle_topk": ("scheduling", "drafts per position: 1 only (chains, no token trees)"),
     "speculative_num_draft_tokens": ("scheduling", "tokens scored per verify step, num_steps + 1 (default: 5)"),
