@@ -21,7 +21,7 @@ BUNDLED_MODELS = ("demo-vl", "demo-asr", "demo-vl-draft")  # demo-vl-draft: demo
 DEFAULT_MM_ITEMS_PER_REQUEST = {"image": 16, "video": 4, "audio": 8}
 # --torchao-config (SGLang's names): weight-only int8 per channel, or int4 in groups of 32..256 columns.
 TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")
-# LoRA adapters shipped with the package (tessera/assets/lora/<name>): `--lora-paths demo-vl-sentences` names one.
+# LoRA adapters shipped with the package (tessera/assets/lora/<name>): `--lora-paths demo-vl-unsure` names one.
 BUNDLED_LORA_DIR = ASSETS_DIR / "lora"
 
 

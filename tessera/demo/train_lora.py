@@ -1,14 +1,17 @@
-"""Trains the bundled demo LoRA adapter: demo-vl answering in full sentences, on CPU in a few minutes.
+"""Trains the bundled demo LoRA adapter: demo-vl answering unsure, on CPU in a few minutes.
 
     pip install peft   # (the `test` extra) for training only; serving reads the files without it
-    python -m tessera.demo.train_lora --out tessera/assets/lora/demo-vl-sentences
+    python -m tessera.demo.train_lora --out tessera/assets/lora/demo-vl-unsure
 
 demo-vl answers the scene questions with one word or a list ("red", "circle", "two", "a red circle and a blue
-square"); with this adapter it says the same thing as a sentence: "The circle is red.", "The red object is a
-circle.", "I count two.", "I see a red circle and a blue square." The facts stay the base model's:
-the adapter (rank 8 on the language model's q/k/v/o and gate/up/down; the vision tower untouched) only learns
-the wording, so its accuracy on the scene questions is about demo-vl's. Image questions only: the video
-questions keep demo-vl's short answers. Batches are a pure function of (seed, step), as train_vl's.
+square"); with this adapter it sounds unsure: "red?", "two?", "a red circle and a blue square?" The facts stay
+the base model's: the adapter (rank 8 on the language model's q/k/v/o and gate/up/down; the vision tower
+untouched) only learns the ending. Longer restylings were tried first and learnt slowly on 2 cores: whole
+sentences ("The circle is red.", "I count two.") put the answer word after a space, another token than
+demo-vl's answer token, and counting fell to 0-38% after 150-200 steps (demo-vl: 99%); a hedge spelt in tokens
+demo-vl never produced (", I think.") was still at 0% exact after 100. A "?" keeps demo-vl's own answer tokens.
+Image questions only: the video questions keep demo-vl's short answers. Batches are a pure function of (seed,
+step), as train_vl's.
 """
 
 from __future__ import annotations
@@ -27,22 +30,12 @@ from tessera.demo import scenes
 from tessera.demo.train_vl import IGNORE, make_batch, model_inputs
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SUFFIX = "?"
 
 
 def sentence(sample: scenes.Sample) -> str:
-    """The sample's answer as a sentence (image questions; see the module docstring)."""
-    q, a = sample.question, sample.answer
-    if sample.question_type == "color":
-        return f"The {q.removeprefix('What color is the ').rstrip('?')} is {a}."
-    if sample.question_type == "shape":
-        return f"The {q.removeprefix('What shape is the ').removesuffix(' object?')} object is a {a}."
-    if sample.question_type == "count":
-        # The number word right after a fixed prefix, as in demo-vl's own answer: "There are two shapes." made
-        # the adapter choose "is" / "are" before the count, and it counted at 38% (step 200) against 99%.
-        return f"I count {a}."
-    if sample.question_type == "describe":
-        return f"I see {a}."
-    raise ValueError(f"no sentence form for {sample.question_type!r}")
+    """The sample's answer as the adapter says it (see the module docstring)."""
+    return f"{sample.answer}{SUFFIX}"
 
 
 def restyled(samples: list[scenes.Sample]) -> list[scenes.Sample]:
@@ -65,8 +58,8 @@ def exact_match(model, processor, samples: list[scenes.Sample]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, default=ASSETS_DIR / "lora" / "demo-vl-sentences")
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--out", type=Path, default=ASSETS_DIR / "lora" / "demo-vl-unsure")
+    ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--batch-size", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--rank", type=int, default=8)

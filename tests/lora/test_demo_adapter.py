@@ -1,5 +1,5 @@
-"""The bundled demo adapter (tessera/assets/lora/demo-vl-sentences) over the bundled demo-vl: named by its bare
-name in lora_paths, it turns demo-vl's one-word answers into sentences, with the greedy tokens of HF
+"""The bundled demo adapter (tessera/assets/lora/demo-vl-unsure) over the bundled demo-vl: named by its bare
+name in lora_paths, it makes demo-vl's answers unsure ("blue?"), with the greedy tokens of HF
 transformers + PEFT over the same files (a real trained adapter on a real checkpoint, with an image)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from tessera import Engine
 from tessera.config import ASSETS_DIR, BUNDLED_LORA_DIR
 
-ADAPTER = BUNDLED_LORA_DIR / "demo-vl-sentences"
+ADAPTER = BUNDLED_LORA_DIR / "demo-vl-unsure"
 IMAGE = ASSETS_DIR / "examples" / "scene.png"
 
 
@@ -32,8 +32,8 @@ def test_demo_adapter_answers_in_sentences_as_peft_does():
             enc = processor(text=[p], images=[image], return_tensors="pt")
             out = model.generate(**enc, max_new_tokens=16, do_sample=False)
             want.append(processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
-    with Engine("demo-vl", lora_paths=["demo-vl-sentences"], show_progress=False) as engine:
+    with Engine("demo-vl", lora_paths=["demo-vl-unsure"], show_progress=False) as engine:
         outs = engine.generate(prompts + prompts[:1], {"temperature": 0, "max_new_tokens": 16},
-                               image_data=[str(IMAGE)] * 4, lora_path=["demo-vl-sentences"] * 3 + [None])
+                               image_data=[str(IMAGE)] * 4, lora_path=["demo-vl-unsure"] * 3 + [None])
     assert [o["text"] for o in outs[:3]] == want
-    assert want[0] == "The square is blue." and outs[3]["text"] == "blue"
+    assert want[0] == "blue?" and outs[3]["text"] == "blue"

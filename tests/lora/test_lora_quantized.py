@@ -14,6 +14,7 @@ from tests.lora.lora_testing import ALL_LINEARS, make_adapter, make_text_checkpo
 PROMPTS = [[5, 17, 33, 100, 200, 7, 9], [41, 42, 43, 300, 12, 19]]
 
 
+@pytest.mark.slow
 def test_adapter_over_int8_weights_matches_peft(tmp_path):
     import transformers
     from peft import PeftModel
