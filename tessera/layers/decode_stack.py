@@ -10,7 +10,9 @@ decode stack in one C call".
 
 It applies to DecoderModel's own blocks (DecoderLayer with SwiGLU, with or without QK-norm and biases) on one
 rank, with float32, bfloat16 / float16 (kept in 16 bits) or our C-packed int8 / int4 weights, and the torch_native
-backend reading the pool in place. Anything else runs the layers as before. TESSERA_DECODE_STACK=0 turns it off.
+backend reading the pool in place, and with LoRA adapter rows (float32 stacks: each row's adapter product is
+added in C, layers/lora/slots.py's layout). Anything else runs the layers as before. TESSERA_DECODE_STACK=0 turns
+it off.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("q_norm", _P), ("k_norm", _P), ("qkv", _Weight),
                 ("o", _Weight), ("gate_up", _Weight), ("down", _Weight), ("k_cache", _P), ("v_cache", _P),
                 ("window", _L)]
+
+
+class _Lora(ctypes.Structure):
+    _fields_ = [("A", _P), ("Bt", _P), ("width", _L)]
 
 
 class _Kernels(ctypes.Structure):
@@ -92,6 +98,8 @@ class _Plan:
     eps: float
     scale: float
     pool_key: tuple | None = None
+    lora: ctypes.Array | None = None  # the LoRA table, 4 per layer, for the stacks in lora_key
+    lora_key: tuple | None = None
 
 
 def _linears(model: nn.Module) -> list[nn.Module]:
@@ -190,6 +198,35 @@ def _attach_pool(plan: _Plan, pool: TokenToKVPool) -> bool:
     return True
 
 
+def _lora_table(plan: _Plan, fb: ForwardBatch) -> tuple[ctypes.Array | None, int, int] | None:
+    """(the LoRA table, the step's row slots' address, the number of slots) for a step with adapter rows,
+    (None, 0, 0) without; None where the driver cannot run its adapters (the layers run the step then)."""
+    if not fb.lora_rows:
+        return None, 0, 0
+    from tessera.layers.lora.slots import LoraSlots  # a step with adapter rows: the module is loaded already
+
+    stacks = [lin.lora for lin in plan.linears]
+    if not all(s is None or type(s) is LoraSlots for s in stacks) or not cpu_kernels.available("gemv"):
+        return None
+    step = next((s.step for s in stacks if s is not None), None)
+    if step is None or step.groups is None:
+        return None, 0, 0
+    rows = step.row_slots
+    if step.kernels or rows is None or not (rows.dtype is torch.int64 and is_host(rows.device)
+                                            and rows.is_contiguous() and rows.shape == fb.input_ids.shape):
+        return None
+    key = tuple((s.A.data_ptr(), s.Bt.data_ptr(), s.A.shape[1]) if s is not None and s.rank else None
+                for s in stacks)
+    if plan.lora_key != key:
+        if not all(s is None or not s.rank or (s.A.dtype is torch.float32 and s.Bt.dtype is torch.float32
+                                               and is_host(s.A.device) and s.A.is_contiguous()
+                                               and s.Bt.is_contiguous()) for s in stacks):
+            return None
+        plan.lora = (_Lora * len(stacks))(*(_Lora(*k) if k else _Lora() for k in key))
+        plan.lora_key = key
+    return plan.lora, rows.data_ptr(), max(s.num_slots for s in stacks if s is not None)
+
+
 def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
         pool: TokenToKVPool) -> torch.Tensor | None:
     """The final-norm hidden states [M, H] of a decode step through the C driver, or None where it does not
@@ -197,7 +234,7 @@ def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     all its own blocks with SwiGLU (it asks only then); the backend's metadata for `fb` must have been
     initialised (DecoderModel.forward does so first)."""
     m = x.shape[0]
-    if not (enabled() and not fb.lora_rows and x.dim() == 2 and 0 < m <= cpu_gemv.max_rows()
+    if not (enabled() and x.dim() == 2 and 0 < m <= cpu_gemv.max_rows()
             and cpu_kernels.host_f32_inference(x) and cpu_kernels.host_f32_inference(cos, sin, contiguous=False)):
         return None
     plan = _plan_for(model)
@@ -208,6 +245,9 @@ def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     loc = fb.out_cache_loc
     if not (loc.dtype is torch.int64 and is_host(loc.device) and loc.is_contiguous() and loc.shape == (m,)):
         return None
+    lora = _lora_table(plan, fb)
+    if lora is None:
+        return None
     paged = model.attn_backend.paged_decode_plan(fb, pool, plan.dims[1])
     if paged is None or not _attach_pool(plan, pool):
         return None
@@ -217,7 +257,7 @@ def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     rc = cpu_kernels.call("decode_stack", ctypes.byref(plan.kernels), plan.layers, len(plan.layers),
                           plan.final_norm.data_ptr(), x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                           cos.stride(0), loc.data_ptr(), slots.data_ptr(), slots.stride(0), lens.data_ptr(), m, H,
-                          Hq, Hkv, D, I, plan.eps, plan.scale, torch.get_num_threads())
+                          Hq, Hkv, D, I, plan.eps, plan.scale, torch.get_num_threads(), *lora)
     if rc != 0:
         raise MemoryError(f"decode stack: no scratch memory for {m} rows")
     return out

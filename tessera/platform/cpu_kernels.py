@@ -76,7 +76,7 @@ KERNELS: dict[str, Kernel] = {
                                "dequantization to float32, then rounding to bfloat16"),
     # A decode step of the whole decoder stack (layers/decode_stack.py): it calls the kernels above by address.
     "decode_stack": Kernel("cpu_decode_stack.c", "tessera_decode_stack_f32",
-                           (_P, _P, _L) + (_P,) * 5 + (_L, _P, _P, _L, _P) + (_L,) * 6 + (_F, _F, _I),
+                           (_P, _P, _L) + (_P,) * 5 + (_L, _P, _P, _L, _P) + (_L,) * 6 + (_F, _F, _I, _P, _P, _L),
                            "the decoder layers one kernel call at a time", _I),
 }
 

@@ -12,6 +12,8 @@ from transformers import Qwen2Config, Qwen3Config
 from tessera.cache.kv_pool import ReqToTokenPool, TokenToKVPool
 from tessera.layers import decode_stack
 from tessera.layers.forward_batch import ForwardBatch
+from tessera.layers.linear import Linear, MergedLinear
+from tessera.layers.lora.slots import LoraSlots, LoraStep
 from tessera.layers.quantization.affine import quantize
 from tessera.layers.rotary import RotaryEmbedding
 from tessera.models.qwen2 import Qwen2ForCausalLM
@@ -73,7 +75,8 @@ def _batch(cfg, lens: list[int], seed: int = 0, mrope: bool = False):
 def _fresh(fb: ForwardBatch) -> ForwardBatch:
     """The same step as a new object (backends keep per-batch state by identity)."""
     return ForwardBatch(fb.input_ids, fb.positions, fb.out_cache_loc, fb.req_pool_indices, fb.seq_lens,
-                        fb.extend_lens, fb.req_to_token, fb.logits_indices, req_generations=fb.req_generations)
+                        fb.extend_lens, fb.req_to_token, fb.logits_indices, req_generations=fb.req_generations,
+                        lora_rows=fb.lora_rows)
 
 
 def _both(model, fb, pool, monkeypatch):
@@ -203,3 +206,42 @@ def test_a_pool_whose_buffers_moved_repoints_every_layer(monkeypatch):
         pool.k_buffers[layer] = torch.randn_like(pool.k_buffers[layer])
         pool.v_buffers[layer] = torch.randn_like(pool.v_buffers[layer])
     _check(model, fb2, pool, monkeypatch, exact=True)
+
+
+def _adapters(model, num_slots: int, seed: int = 0) -> LoraStep:
+    """LoRA stacks on every projection: slot 0 rank 8 on all of them, slot 1 rank 3 on q, v and down only (its
+    other shards and projections hold zeros), slot 2 empty (an adapter's slot no row uses)."""
+    gen = torch.Generator().manual_seed(seed)
+    step = LoraStep(dtype=torch.float32)
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            sizes = list(lin.output_sizes.values()) if isinstance(lin, MergedLinear) else [lin.out_features]
+            lin.lora = LoraSlots(step, num_slots, lin.in_features, sizes, torch.float32, torch.device("cpu"))
+            lin.lora.ensure_rank(8)
+            pair = lambda r, n: (torch.randn(r, lin.in_features, generator=gen) * 0.2,  # noqa: E731
+                                 torch.randn(n, r, generator=gen) * 0.2)
+            lin.lora.place(0, [pair(8, n) for n in sizes])
+            partial = lin is layer.mlp.down_proj or lin is layer.self_attn.qkv_proj
+            lin.lora.place(1, [pair(3, n) if partial and i != 1 else None for i, n in enumerate(sizes)])
+    return step
+
+
+@pytest.mark.parametrize("req_slots", [[0, -1, 1, 0, 1, -1], [1]], ids=["mixed", "one"])
+def test_lora_rows_equal_the_layers(req_slots, monkeypatch):
+    """Adapter rows run in the C stack: each row gets its own adapter's product (slots interleaved, base rows
+    between them), as the layer-by-layer path's LoRA products give it."""
+    model, cfg = _model("qwen2", BIG, bias=True)
+    step = _adapters(model, num_slots=3)
+    fb, pool = _batch(cfg, [9, 40, 17, 3, 25, 60][:len(req_slots)])
+    fb.lora_rows = True
+    step.set_rows(req_slots, [1] * len(req_slots), torch.device("cpu"))
+    try:
+        stacked, layered, *_ = _both(model, fb, pool, monkeypatch)
+    finally:
+        step.clear()
+    torch.testing.assert_close(stacked, layered, atol=2e-5, rtol=1e-5)
+    monkeypatch.delenv("TESSERA_DECODE_STACK")
+    for lin in (m for m in model.modules() if isinstance(m, Linear)):
+        lin.lora = None
+    plain, *_ = _both(model, _fresh(fb), _batch(cfg, [9, 40, 17, 3, 25, 60][:len(req_slots)])[1], monkeypatch)
+    assert (stacked - plain).abs().max() > 1e-2  # the adapters changed every output they touch

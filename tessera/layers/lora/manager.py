@@ -133,7 +133,7 @@ class LoraManager:
     @contextmanager
     def rows(self, req_slots: list[int] | None, extend_lens: list[int]) -> Iterator[bool]:
         """Within: each layer adds its rows' adapters (req_slots: per request, its slot or -1). Yields whether
-        any row has an adapter (the decode stack and graphs, which know no LoRA, run only when none has)."""
+        any row has an adapter (the CUDA graphs, which know no LoRA, run only when none has)."""
         if req_slots:
             self.step.set_rows(req_slots, extend_lens, self.device)
         try:

@@ -15,7 +15,8 @@ Two ways to run a step's rows (both exact: a row only ever sums its own adapter'
   once, the other slots' columns zeroed by the step's row mask, one expand over every used slot's B. Two
   products per layer whatever the number of adapters, where the grouped way pays 4 small operations per
   adapter (each a Python call at decode sizes).
-Rows of requests without an adapter get nothing added.
+Rows of requests without an adapter get nothing added. A CPU decode step in float32 skips both: the decode
+stack's C driver (layers/decode_stack.py) reads these stacks and adds each row's own products there.
 """
 
 from __future__ import annotations

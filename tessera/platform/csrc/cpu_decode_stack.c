@@ -10,6 +10,9 @@
  *
  * Layout per row: qkv = [q heads | k heads | v heads]; q is rotated into a [rows, Hq, D] buffer, k rotated
  * straight into its K/V slot and v copied there; attention reads the pool in place (cpu_decode_attention.c).
+ * LoRA (layers/lora/slots.py): a step whose rows use adapters adds each row's own adapter product to the
+ * qkv, o, gate-up and down outputs, x A[slot]^T then B[slot], the rows of one slot gathered so that its A is one
+ * few-row product (Punica's segments; no row computes another slot's terms).
  * Built by cpu_kernels.py; driven by layers/decode_stack.py, which decides when it applies.
  */
 #include <stdint.h>
@@ -57,6 +60,46 @@ typedef struct {
     long window;              /* sliding window in tokens, 0 for full attention */
 } layer_t;
 
+/* One projection's LoRA stacks: A [slots, width, k] and Bt [slots, width, n] (B transposed, its scaling folded
+ * in), float32; A is NULL where no adapter targets the projection. */
+typedef struct {
+    const float *A, *Bt;
+    long width;
+} lora_t;
+
+/* The step's adapter rows grouped by slot: rows order[starts[s] .. starts[s + 1]) use slot s. */
+typedef struct {
+    long *order, *starts;
+    long slots;
+    float *xs, *t, *d; /* scratch: gathered rows [M, k], their shrink [M, width], one row's expand [n] */
+} lora_rows_t;
+
+/* y[r] += (x[r] A[s]^T) Bt[s] for every adapter row r (slot s); the product is summed apart and then added, as
+ * the layer-by-layer path's addmm does. */
+static void lora_add(const kernels_t *kn, const lora_t *lo, const lora_rows_t *lr, const float *x, float *y,
+                     long N, long K, int threads) {
+    if (!lr || !lo->A) return;
+    long W = lo->width;
+    for (long s = 0; s < lr->slots; s++) {
+        long cnt = lr->starts[s + 1] - lr->starts[s];
+        const long *rows = lr->order + lr->starts[s];
+        if (!cnt) continue;
+        for (long i = 0; i < cnt; i++) memcpy(lr->xs + i * K, x + rows[i] * K, sizeof(float) * K);
+        kn->f32(lr->xs, lo->A + s * W * K, NULL, lr->t, cnt, W, K, threads);
+        const float *B = lo->Bt + s * W * N;
+        for (long i = 0; i < cnt; i++) {
+            const float *t = lr->t + i * W;
+            float *d = lr->d, *yr = y + rows[i] * N;
+            for (long o = 0; o < N; o++) d[o] = t[0] * B[o];
+            for (long j = 1; j < W; j++) {
+                const float a = t[j], *b = B + j * N;
+                for (long o = 0; o < N; o++) d[o] += a * b[o];
+            }
+            for (long o = 0; o < N; o++) yr[o] += d[o];
+        }
+    }
+}
+
 static void product(const kernels_t *kn, const weight_t *w, const float *x, float *y, long M, int threads) {
     switch (w->kind) {
     case W_F32: kn->f32(x, w->w, w->bias, y, M, w->n, w->k, threads); break;
@@ -69,16 +112,48 @@ static void product(const kernels_t *kn, const weight_t *w, const float *x, floa
 
 /* x [M, H]: the step's input embeddings; out [M, H]: the final norm of the last layer's residual sum.
  * cos, sin [M, D / 2] (row stride cs_row); loc [M]: each row's new K/V slot; slots [M, >= lens[m]] (row stride
- * slots_stride) and lens [M]: each row's keys after this step's token is written. Returns 0, or -1 when the
- * scratch memory could not be had (nothing was written then). */
+ * slots_stride) and lens [M]: each row's keys after this step's token is written. lora [L * 4] (qkv, o, gate-up,
+ * down per layer) and row_slots [M] (-1: no adapter), or NULL without adapter rows; num_slots bounds the slots.
+ * Returns 0, or -1 when the scratch memory could not be had (nothing was written then). */
 int tessera_decode_stack_f32(const kernels_t *kn, const layer_t *layers, long L, const float *final_norm,
                              const float *x, float *out, const float *cos, const float *sin, long cs_row,
                              const long *loc, const long *slots, long slots_stride, const long *lens, long M,
-                             long H, long Hq, long Hkv, long D, long I, float eps, float scale, int threads) {
+                             long H, long Hq, long Hkv, long D, long I, float eps, float scale, int threads,
+                             const lora_t *lora, const long *row_slots, long num_slots) {
     long qkv_w = (Hq + 2 * Hkv) * D, q_w = Hq * D, kv_w = Hkv * D, G = Hq / Hkv;
     long need = M * (qkv_w + 2 * q_w + 4 * H + 3 * I) + Hq * D;
+    lora_rows_t lr_store, *lr = NULL;
+    long width = 0, kmax = H > q_w ? H : q_w, nmax = qkv_w > 2 * I ? qkv_w : 2 * I;
+    if (kmax < I) kmax = I;
+    if (nmax < H) nmax = H;
+    if (lora && row_slots) {
+        for (long i = 0; i < 4 * L; i++)
+            if (lora[i].A && lora[i].width > width) width = lora[i].width;
+        need += M * (kmax + width) + nmax;
+    }
     float *buf = malloc(sizeof(float) * need);
     if (!buf) return -1;
+    if (lora && row_slots && width > 0) { /* a counting sort of the adapter rows by slot */
+        lr = &lr_store;
+        lr->order = malloc(sizeof(long) * (M + num_slots + 1));
+        if (!lr->order) {
+            free(buf);
+            return -1;
+        }
+        lr->slots = num_slots;
+        lr->xs = buf + M * (qkv_w + 2 * q_w + 4 * H + 3 * I) + Hq * D;
+        lr->t = lr->xs + M * kmax;
+        lr->d = lr->t + M * width;
+        lr->starts = lr->order + M;
+        memset(lr->starts, 0, sizeof(long) * (num_slots + 1));
+        for (long m = 0; m < M; m++)
+            if (row_slots[m] >= 0 && row_slots[m] < num_slots) lr->starts[row_slots[m] + 1]++;
+        for (long s = 0; s < num_slots; s++) lr->starts[s + 1] += lr->starts[s];
+        for (long m = 0; m < M; m++)
+            if (row_slots[m] >= 0 && row_slots[m] < num_slots) lr->order[lr->starts[row_slots[m]]++] = m;
+        for (long s = num_slots; s > 0; s--) lr->starts[s] = lr->starts[s - 1];
+        lr->starts[0] = 0;
+    }
     float *qkv = buf, *q = qkv + M * qkv_w, *attn = q + M * q_w, *h = attn + M * q_w, *res = h + M * H,
           *sum = res + M * H, *normed = sum + M * H, *gu = normed + M * H, *act = gu + 2 * M * I,
           *qk_tmp = act + M * I;
@@ -94,7 +169,9 @@ int tessera_decode_stack_f32(const kernels_t *kn, const layer_t *layers, long L,
             sum = t;
             resid = res;
         }
+        const lora_t *lo = lora ? lora + 4 * l : NULL;
         product(kn, &ly->qkv, normed, qkv, M, threads);
+        if (lr) lora_add(kn, lo, lr, normed, qkv, qkv_w, H, threads);
         for (long m = 0; m < M; m++) {
             const float *row = qkv + m * qkv_w, *c = cos + m * cs_row, *s = sin + m * cs_row;
             float *k_slot = ly->k_cache + loc[m] * kv_w, *v_slot = ly->v_cache + loc[m] * kv_w;
@@ -112,19 +189,23 @@ int tessera_decode_stack_f32(const kernels_t *kn, const layer_t *layers, long L,
         kn->attention(q, ly->k_cache, ly->v_cache, slots, slots_stride, lens, attn, M, Hkv, G, D, kv_w, D, scale,
                       ly->window, threads);
         product(kn, &ly->o, attn, h, M, threads);
+        if (lr) lora_add(kn, lo + 1, lr, attn, h, H, q_w, threads);
         kn->rmsnorm(h, resid, sum, ly->post_norm, normed, M, H, eps, threads);
         float *t = res;
         res = sum;
         sum = t;
         resid = res;
         product(kn, &ly->gate_up, normed, gu, M, threads);
+        if (lr) lora_add(kn, lo + 2, lr, normed, gu, 2 * I, H, threads);
         kn->silu_mul(gu, 2 * I, act, M, I, threads);
         product(kn, &ly->down, act, h, M, threads);
+        if (lr) lora_add(kn, lo + 3, lr, act, h, H, I, threads);
     }
     if (L == 0)
         kn->rmsnorm(x, NULL, NULL, final_norm, out, M, H, eps, threads);
     else
         kn->rmsnorm(h, resid, sum, final_norm, out, M, H, eps, threads);
+    if (lr) free(lr->order);
     free(buf);
     return 0;
 }
