@@ -209,7 +209,7 @@ def _lora_table(plan: _Plan, fb: ForwardBatch) -> tuple[ctypes.Array | None, int
     if not all(s is None or type(s) is LoraSlots for s in stacks) or not cpu_kernels.available("gemv"):
         return None
     step = next((s.step for s in stacks if s is not None), None)
-    if step is None or step.groups is None:
+    if step is None or not (step.groups is not None or step.graph):  # graph: a decode graph's padded step
         return None, 0, 0
     rows = step.row_slots
     if step.kernels or rows is None or not (rows.dtype is torch.int64 and is_host(rows.device)

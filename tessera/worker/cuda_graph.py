@@ -13,6 +13,10 @@ replaying it turns those launches into one. A graph replays fixed addresses and 
   so its derived tensors are recomputed on every replay; a backend that must plan on the host (FlashInfer)
   does so in plan_graph_decode, called before every warm-up, capture and replay, outside the graph;
 - logits land in the graph's own output buffer; the first bs rows are the step's.
+- with LoRA (--enable-lora) every graph holds the adapter products of every slot: each row's slot is one more
+  static input (-1 for the base model and for padding), the layers read it through LoraStep.decode_graph, and
+  the stacks are fixed before capture (LoraManager.fix_stacks), so adapters placed later in their slots are
+  replayed without a new capture.
 
 The sampler runs outside the graph, on those rows. Its work depends on per-request settings that change from
 step to step (greedy or not, top-k/p, penalties, seeds, logprobs; later grammar masks), which a graph would
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +43,14 @@ from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.attention.base import BaseAttentionBackend
 from tessera.models.base import TesseraModel
 from tessera.layers.forward_batch import ForwardBatch
+from tessera.layers.lora.manager import LoraManager
 from tessera.platform.device import Platform, platform_of
 
 logger = logging.getLogger("tessera.worker")
 
+# The adapters' rank that LoRA stacks are fixed at for the graphs without --max-lora-rank, when no adapter
+# loaded at start needs more (adapters loaded later above it are refused, naming the flag).
+DEFAULT_LORA_RANK = 16
 DEFAULT_MAX_BS = 160  # SGLang's default on large GPUs; batches beyond it are rare and launch-cost bound less
 
 
@@ -73,6 +82,7 @@ class DecodeInputs:
     req_pool_indices: torch.Tensor  # [bs] int64
     seq_lens: torch.Tensor  # [bs] int64
     host_seq_lens: list[int] | None = None  # seq_lens on the host when the caller has them (saves a read back)
+    lora_slots: torch.Tensor | None = None  # [bs] int64: each request's LoRA slot (-1: none); None: no adapters
 
     @property
     def batch_size(self) -> int:
@@ -95,6 +105,7 @@ class DecodeBuffers:
         self.seq_lens = longs(max_bs, fill=1)  # padding: one key, slot 0
         self.extend_lens = longs(max_bs, fill=1)
         self.logits_indices = torch.arange(max_bs, dtype=torch.int64, device=device)
+        self.lora_slots = longs(max_bs, fill=-1)  # padding and the base model's rows: no adapter
 
     def load(self, inputs: DecodeInputs, bucket: int) -> None:
         """Copies the step into rows [0, bs) and resets rows [bs, bucket) to padding (a previous, larger
@@ -106,20 +117,26 @@ class DecodeBuffers:
         self.out_cache_loc[:bs].copy_(inputs.out_cache_loc)
         self.req_pool_indices[:bs].copy_(inputs.req_pool_indices)
         self.seq_lens[:bs].copy_(inputs.seq_lens)
+        if inputs.lora_slots is not None:
+            self.lora_slots[:bs].copy_(inputs.lora_slots)
+        else:
+            self.lora_slots[:bs].fill_(-1)
         if bs < bucket:
+            self.lora_slots[bs:bucket].fill_(-1)
             self.input_ids[bs:bucket].zero_()
             self.positions[..., bs:bucket].zero_()
             self.out_cache_loc[bs:bucket].zero_()
             self.req_pool_indices[bs:bucket].fill_(self.pad_row)
             self.seq_lens[bs:bucket].fill_(1)
 
-    def batch(self, bucket: int, req_to_token: torch.Tensor) -> ForwardBatch:
-        """The ForwardBatch over the first `bucket` rows (views: a graph captured over it reads the buffers)."""
+    def batch(self, bucket: int, req_to_token: torch.Tensor, lora: bool = False) -> ForwardBatch:
+        """The ForwardBatch over the first `bucket` rows (views: a graph captured over it reads the buffers).
+        lora: rows may have adapters (their slots in lora_slots)."""
         return ForwardBatch(
             input_ids=self.input_ids[:bucket], positions=self.positions[..., :bucket],
             out_cache_loc=self.out_cache_loc[:bucket], req_pool_indices=self.req_pool_indices[:bucket],
             seq_lens=self.seq_lens[:bucket], extend_lens=self.extend_lens[:bucket], req_to_token=req_to_token,
-            logits_indices=self.logits_indices[:bucket], decode_only=True)
+            logits_indices=self.logits_indices[:bucket], decode_only=True, lora_rows=lora)
 
 
 class DecodeGraphRunner:
@@ -127,7 +144,7 @@ class DecodeGraphRunner:
     once `capture()` succeeded, else the same padded forward eagerly."""
 
     def __init__(self, model: TesseraModel, pool: TokenToKVPool, req_to_token: torch.Tensor, sizes: list[int],
-                 pad_row: int, mrope: bool, platform: Platform | None = None):
+                 pad_row: int, mrope: bool, platform: Platform | None = None, lora: LoraManager | None = None):
         assert not req_to_token[pad_row].any(), "the padding row of the slot table must hold only slot 0"
         self.model, self.pool, self.req_to_token = model, pool, req_to_token
         self.platform = platform or platform_of(req_to_token.device)  # what captures the graphs
@@ -141,6 +158,7 @@ class DecodeGraphRunner:
         found = {id(b): b for m in modules for b in vars(m).values() if isinstance(b, BaseAttentionBackend)}
         self.backends = list(found.values())
         self._capturing: int | None = None  # the bucket being captured, for the error message
+        self.lora = lora  # its adapters' products are part of every step (see the module docstring)
 
     @property
     def captured(self) -> bool:
@@ -162,7 +180,8 @@ class DecodeGraphRunner:
         self._plan(bucket, None if lens is None else list(lens) + [1] * (bucket - inputs.batch_size))
         graph = self.graphs.get(bucket)
         if graph is None:
-            logits = self.model(self.buffers.batch(bucket, self.req_to_token), self.pool)
+            with self._lora_rows(bucket):
+                logits = self.model(self._batch(bucket), self.pool)
         else:
             graph.replay()
             logits = self.outputs[bucket]
@@ -174,19 +193,28 @@ class DecodeGraphRunner:
         twice before its capture: Triton compiles and cuBLAS picks its kernels outside the graph. The buffers
         hold padding throughout, so these runs only write the dummy KV slot."""
         def step(bucket: int) -> None:
-            self.outputs[bucket] = self.model(self.buffers.batch(bucket, self.req_to_token), self.pool)
+            with self._lora_rows(bucket):
+                self.outputs[bucket] = self.model(self._batch(bucket), self.pool)
 
         steps = {bucket: (lambda b=bucket: step(b)) for bucket in self.sizes}
         # Backends that plan on the host (FlashInfer) plan each bucket before every run, outside the graph.
         self.graphs = self.platform.capture_graphs(
             steps, warmup=2, before=self._before_run)
 
+    def _batch(self, bucket: int) -> ForwardBatch:
+        return self.buffers.batch(bucket, self.req_to_token, lora=self.lora is not None)
+
+    def _lora_rows(self, bucket: int) -> AbstractContextManager:
+        if self.lora is None:
+            return nullcontext()
+        return self.lora.step.decode_graph(self.buffers.lora_slots[:bucket], self.lora.num_slots)
+
     def _before_run(self, bucket: int) -> None:
         self._capturing = bucket
         self._plan(bucket, [1] * bucket)
 
     def _plan(self, bucket: int, host_seq_lens: list[int] | None) -> None:
-        fb = self.buffers.batch(bucket, self.req_to_token)
+        fb = self._batch(bucket)
         for backend in self.backends:
             backend.plan_graph_decode(fb, self.sizes[-1], host_seq_lens)
 
@@ -227,6 +255,8 @@ def capture_decode_graphs(worker, backend_name: str) -> tuple[DecodeGraphRunner 
         if platform.supports_graphs:
             logger.info("CUDA graphs off: %s", why_not)
         return None, f"off: {why_not}"
+    if worker.lora is not None:  # the graphs replay the stacks' addresses: fixed from here on
+        worker.lora.fix_stacks(args.max_lora_rank or DEFAULT_LORA_RANK)
     runner = worker.decode_graph_runner(min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, args.max_running_requests))
     failure = runner.try_capture()  # logged there, as an error
     if failure is not None:

@@ -144,7 +144,7 @@ class ModelWorker:
     def decode_graph_runner(self, max_bs: int) -> DecodeGraphRunner:
         """A runner of padded decode steps over this worker's model, pool and slot table (not captured)."""
         return DecodeGraphRunner(self.model, self.kv_pool, self.req_to_token, capture_batch_sizes(max_bs),
-                                 self.pad_row, self.config.positions == "mrope")
+                                 self.pad_row, self.config.positions == "mrope", lora=self.lora)
 
     def _capture_decode_graphs(self, backend_name: str) -> DecodeGraphRunner | None:
         """The decode graphs, or None (every step then runs eagerly); sets cuda_graph_status."""
@@ -364,10 +364,11 @@ class ModelWorker:
             self.between_phases()
         for rid in fi.prompt_done:  # embeddings are only needed until the prompt's KV exists
             self._held.pop(rid, None)
-        bucket = None if lora_active(self.lora) else self._graph_bucket(fi, masks)  # graphs hold no adapters
-        if bucket is not None and self.graph_runner is not None:
-            return self.graph_runner.forward(
-                DecodeInputs(input_ids, positions, out_cache_loc, req_pool_indices, seq_lens, fi.seq_lens), bucket)
+        bucket = self._graph_bucket(fi, masks)
+        if bucket is not None and self.graph_runner is not None:  # adapters too: each row's slot is an input
+            lora_slots = self.lora.step.row_slots if lora_active(self.lora) else None  # type: ignore[union-attr]
+            return self.graph_runner.forward(DecodeInputs(input_ids, positions, out_cache_loc, req_pool_indices,
+                                                          seq_lens, fi.seq_lens, lora_slots), bucket)
         fb = ForwardBatch(
             input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
             req_pool_indices=req_pool_indices, seq_lens=seq_lens, extend_lens=extend_lens,

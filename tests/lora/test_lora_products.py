@@ -109,3 +109,34 @@ def test_kernels_match_reference(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got, want, atol=tol * 10, rtol=tol), (got - want).abs().max()
     assert IN_INTERPRETER or DEVICE.type == "cuda"
+
+
+def test_fixed_stacks_stay_put_and_refuse_higher_ranks(tmp_path):
+    """Before decode graphs are captured every language-model linear gets its stacks at a fixed rank: loading
+    and placing adapters afterwards writes into the same memory (what a graph replays), and an adapter of a
+    higher rank is refused, naming the flag."""
+    import transformers
+
+    from tessera.layers.linear import Linear
+    from tessera.layers.lora import AdapterError
+    from tessera.layers.lora.manager import LoraManager
+    from tessera.models.registry import load_model
+    from tests.lora.lora_testing import make_adapter, make_text_checkpoint
+
+    path = make_text_checkpoint(tmp_path / "base", "qwen2")
+    model, config = load_model(path, torch.float32)
+    hf = transformers.Qwen2ForCausalLM.from_pretrained(path)
+    lora = LoraManager(model, type(model).weight_mapping(config), 2, None, torch.float32, torch.device("cpu"))
+    lora.add("small", make_adapter(hf, tmp_path / "small", seed=1, r=2, targets=["q_proj"]))
+    lora.fix_stacks(4)
+    stacks = {n: m.lora for n, m in model.named_modules() if isinstance(m, Linear) and n.startswith("model.")}
+    assert len(stacks) == 4 * config.num_layers and all(s is not None and s.rank == 4 for s in stacks.values())
+    where = {n: (s.A.data_ptr(), s.Bt.data_ptr()) for n, s in stacks.items()}
+    lora.add("four", make_adapter(hf, tmp_path / "four", seed=2, r=4, targets=["v_proj", "down_proj"]))
+    lora.place(0, "four")
+    lora.place(1, "small")
+    assert {n: (s.A.data_ptr(), s.Bt.data_ptr()) for n, s in stacks.items()} == where
+    assert stacks["model.layers.0.mlp.down_proj"].A[0].abs().sum() > 0
+    with pytest.raises(AdapterError, match="rank 8 is above 4, .*--max-lora-rank"):
+        lora.add("big", make_adapter(hf, tmp_path / "big", seed=3, r=8, targets=["q_proj"]))
+    assert "big" not in lora.adapters

@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -235,23 +236,46 @@ class _RecordedDrafts:
         pass
 
 
+def _random_adapter(tmp: str) -> str:
+    """A PEFT adapter of rank 4 on every linear of demo-vl's language model, random (tessera.bench.lora)."""
+    from pathlib import Path
+
+    from tessera.bench.lora import write_random_adapter
+    from tessera.config import resolve_model_path
+    from tessera.models.registry import load_model
+
+    model, _ = load_model(resolve_model_path("demo-vl"), dtype="float32", language_model_only=True)
+    return str(write_random_adapter(model, Path(tmp) / "random", rank=4, seed=3, scale=0.2))
+
+
 def run_padded_against_eager(attention_backend: str, with_image: bool = True,
                              device: torch.device = torch.device("cpu"),
-                             drafts: dict[str, list[int]] | None = None) -> tuple[list[int], dict[str, list[int]]]:
+                             drafts: dict[str, list[int]] | None = None,
+                             lora_dir: str | None = None) -> tuple[list[int], dict[str, list[int]]]:
     """Drives two workers through the same scheduler steps: one eager, one whose decode steps run the padded
     forward a graph captures (uncaptured: run eagerly). Asserts equal logits every step; returns the padded
     steps' batch sizes and the outputs. drafts: speculative decoding with these outputs (a run's, recorded) as
-    drafts, every third token wrong; verify steps are decode rows, so they take the padded forward too."""
+    drafts, every third token wrong; verify steps are decode rows, so they take the padded forward too.
+    lora_dir: a folder for a random adapter; requests then use it, the bundled demo adapter and none, mixed."""
+    from tessera.config import ASSETS_DIR
     from tessera.frontend.model_info import ModelInfo
     from tessera.models.config import eos_token_ids
+    from tessera.scheduler.lora_slots import LoraSlotTable
+    from tessera.worker.lora_step import lora_rows
     from tessera.worker.model_worker import ModelWorker
 
+    lora = {} if lora_dir is None else dict(lora_paths=[f"random={_random_adapter(lora_dir)}",
+                                                        f"unsure={ASSETS_DIR / 'lora' / 'demo-vl-unsure'}"],
+                                            max_loras_per_batch=2)
     args = ServerArgs.for_engine("demo-vl", max_total_tokens=2048, max_running_requests=4, device=str(device),
-                                 attention_backend=attention_backend, disable_cuda_graph=True)
+                                 attention_backend=attention_backend, disable_cuda_graph=True, **lora)
     info = ModelInfo.load(args)
     eos = eos_token_ids(info.config)
     eager, padded = ModelWorker(args, eos, info.config), ModelWorker(args, eos, info.config)
     padded.use_decode_mirror = False  # as on CUDA, where graphs run
+    if padded.lora is not None:
+        padded.lora.fix_stacks(8)  # as before a capture
+    table = LoraSlotTable(2, ["random", "unsure"]) if lora else None
     # Buckets 1, 2, 4: a batch of 3 gets a pad row (up to 16 with drafts: 4 requests x 4 verify rows).
     padded.graph_runner = padded.decode_graph_runner(max_bs=4 if drafts is None else 16)
     padded_sizes: list[int] = []
@@ -266,12 +290,19 @@ def run_padded_against_eager(attention_backend: str, with_image: bool = True,
     if drafts is not None:
         policy.speculator = Speculator(_RecordedDrafts(drafts), 3, disable_batch_size=8, context_length=512)
     reqs = _requests(info, with_image)
+    for r, name in zip(reqs, ["random", None, "unsure", "random"] if lora else []):
+        r.lora_name = name
     for r in reqs:
         policy.add(r)
     model_class = info.config.family.model_class()
     while (batch := policy.next_batch()) is not None:
         fi = build_forward_input(batch, model_class, info.config, policy.kv)
-        want, got = eager.forward(fi), padded.forward(fi)
+        if table is not None:
+            table.fill(fi, batch)
+        with lora_rows(eager.lora, fi):
+            want = eager.forward(fi)
+        with lora_rows(padded.lora, fi):
+            got = padded.forward(fi)
         torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
         _apply_greedy_step(policy, batch, want)
     assert all(len(r.output_ids) == r.sampling_params.max_new_tokens for r in reqs)
@@ -286,6 +317,20 @@ def test_padded_decode_equals_eager_decode_torch_native() -> None:
     # Speculative verify steps (up to 4 requests x 4 rows, sharing their table rows) take the graphs' path too.
     sizes, with_drafts = run_padded_against_eager("torch_native", drafts=outputs)
     assert with_drafts == outputs and max(sizes) > 4, sizes
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="the torch_native run belongs to the parent process")
+@pytest.mark.parametrize("stack", ["1", "0"], ids=["c_stack", "layers"])
+def test_padded_decode_with_lora_equals_eager_torch_native(tmp_path, stack, monkeypatch) -> None:
+    """Adapter rows in the graphs' padded forward: two adapters and the base model in one batch, each row's
+    adapter read from the static row-slot buffer, against the eager worker's LoRA path: through the CPU decode
+    stack, and layer by layer (the stacked product over every slot, as a graph without the kernels runs it)."""
+    monkeypatch.setenv("TESSERA_DECODE_STACK", stack)
+    sizes, outputs = run_padded_against_eager("torch_native", with_image=False, lora_dir=str(tmp_path))
+    assert 3 in sizes and 1 in sizes, sizes
+    if stack == "1":  # the adapters change the tokens (once is enough)
+        _, plain = run_padded_against_eager("torch_native", with_image=False)
+        assert outputs["t0"] != plain["t0"] and outputs["t1"] == plain["t1"]  # t1 ran on the base model
 
 
 @pytest.mark.slow  # a second interpreter process: ~12 s of CPU
@@ -303,6 +348,9 @@ def test_padded_decode_with_triton_kernels() -> None:
     assert 3 in sizes and 1 in sizes, sizes
     sizes, with_drafts = run_padded_against_eager("triton", with_image=HAS_CUDA, device=DEVICE, drafts=outputs)
     assert with_drafts == outputs and max(sizes) > 4, sizes
+    with tempfile.TemporaryDirectory() as tmp:  # adapter rows through the Triton kernels, as the graphs run them
+        sizes, _ = run_padded_against_eager("triton", with_image=False, device=DEVICE, lora_dir=tmp)
+    assert 3 in sizes, sizes
 
 
 @pytest.mark.cuda

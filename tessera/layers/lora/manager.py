@@ -3,7 +3,8 @@
 The scheduler decides which adapter sits in which slot (scheduler/lora_slots.py, least recently used out) and
 says so in each ForwardInput; this class only follows: `place` copies an adapter's host tensors into a slot of
 every layer with LoRA stacks (zeros where it targets nothing), `rows` scopes a forward's rows per slot. A layer
-gets its stacks the first time an adapter targets it.
+gets its stacks the first time an adapter targets it, or, before decode graphs are captured, every language
+model linear gets them at once at a fixed rank (`fix_stacks`): a graph replays the addresses it captured.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ class LoraManager:
         # The Triton kernels (layers/lora/triton_lora.py) where the platform runs Triton (`auto`, `triton` and
         # SGLang's `csgmv`), or under the interpreter when asked by name; grouped / stacked torch products else.
         self.step = LoraStep(dtype=dtype, kernels=kernels_for(backend, device))
+        self.fixed_rank: int | None = None  # set by fix_stacks: the stacks no longer move or grow
 
     # ---- adapters ----------------------------------------------------------------------------------------
     def add(self, name: str, path: str | Path) -> LoraAdapter:
@@ -55,6 +57,9 @@ class LoraManager:
         if name in self.adapters:
             raise AdapterError(f"adapter {name!r} is already loaded (unload it first)")
         adapter = load_adapter(name, path, self.model, self.mapping, self.max_rank, self.encoders)
+        if self.fixed_rank is not None and adapter.rank > self.fixed_rank:
+            raise AdapterError(f"adapter {name!r}: rank {adapter.rank} is above {self.fixed_rank}, the rank the "
+                               "decode CUDA graphs were captured for (start the server with --max-lora-rank)")
         for target, shards in adapter.modules.items():  # stacks for the layers it targets, deep enough for its rank
             if target.startswith(LANGUAGE_MODEL_PREFIX):
                 self._stacks(target).ensure_rank(adapter.rank)
@@ -120,6 +125,16 @@ class LoraManager:
             yield
         finally:
             self.encoder_adapter.name = None
+
+    def fix_stacks(self, rank: int) -> None:
+        """Gives every language model linear its stacks at `rank` (at least the loaded adapters' ranks), placed
+        where they stay: decode CUDA graphs are captured over these addresses. Adapters of a higher rank are
+        refused from then on."""
+        rank = max([rank, *(a.rank for a in self.adapters.values())])
+        for target, module in self.model.named_modules():
+            if isinstance(module, Linear) and target.startswith(LANGUAGE_MODEL_PREFIX):
+                self._stacks(target).ensure_rank(rank)
+        self.fixed_rank = rank
 
     def _stacks(self, target: str) -> LoraSlots:
         module = self.model.get_submodule(target)

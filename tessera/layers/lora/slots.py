@@ -15,12 +15,16 @@ Two ways to run a step's rows (both exact: a row only ever sums its own adapter'
   once, the other slots' columns zeroed by the step's row mask, one expand over every used slot's B. Two
   products per layer whatever the number of adapters, where the grouped way pays 4 small operations per
   adapter (each a Python call at decode sizes).
-Rows of requests without an adapter get nothing added. A CPU decode step in float32 skips both: the decode
+A decode CUDA graph (worker/cuda_graph.py) runs its rows from a device tensor of row slots alone, over every
+slot (`LoraStep.decode_graph`): the kernels, or the stacked product over all slots. Rows of requests without an
+adapter get nothing added. A CPU decode step in float32 skips both: the decode
 stack's C driver (layers/decode_stack.py) reads these stacks and adds each row's own products there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +48,7 @@ class LoraStep:
     segments: list[tuple[int, int, int]] = field(default_factory=list)  # (slot, first row, end row), in order
     num_used: int = 0  # slots 0..num_used-1 cover every slot the step uses
     kernels: bool = False  # the products run as the Triton kernels (triton_lora.py; the manager decides)
+    graph: bool = False  # a decode graph's step: rows by row_slots alone, every slot (decode_graph)
     _masks: dict[int, torch.Tensor] = field(default_factory=dict)  # stacked-way row masks by rank width
 
     def stacked(self) -> bool:
@@ -71,7 +76,7 @@ class LoraStep:
                     self.segments.append((slot, start, start + n))
             start += n
         if not self.segments:
-            self.groups = None
+            self.groups, self.row_slots = None, None
             return
         self.num_used = 1 + max(slot for slot, _, _ in self.segments)
         row_slots = torch.full((start,), -1, dtype=torch.int64)
@@ -89,6 +94,19 @@ class LoraStep:
                 rows = torch.cat([torch.arange(lo, hi) for lo, hi in spans])
                 groups.append((slot, rows.to(device, non_blocking=True)))
         self.groups = groups
+
+    @contextmanager
+    def decode_graph(self, row_slots: torch.Tensor, num_slots: int) -> Iterator[None]:
+        """Within: every layer adds its rows' adapters by `row_slots` (a static device buffer, -1 for the base
+        model) over all `num_slots` slots, reading no host value of the step, which a captured graph could not
+        follow. The masks are made anew within, so a capture records them and a replay recomputes them."""
+        saved = (self.groups, self.row_slots, self.num_used, self._masks)
+        self.graph, self.row_slots, self.num_used, self._masks = True, row_slots, num_slots, {}
+        try:
+            yield
+        finally:
+            self.graph = False
+            self.groups, self.row_slots, self.num_used, self._masks = saved
 
     def clear(self) -> None:
         self.groups, self.segments, self.row_slots, self.num_used = None, [], None, 0
@@ -139,21 +157,21 @@ class LoraSlots:
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y + each row's adapter product (x: the layer's input [T, in]; y: its output [T, out], written in
         place)."""
-        groups = self.step.groups
-        if not groups:
+        step = self.step
+        groups = step.groups
+        if not (groups or step.graph):
             return y
         assert x.dim() == 2, "LoRA rows are the step's flattened tokens"
-        step = self.step
         if step.kernels and step.row_slots is not None:
             from tessera.layers.lora import triton_lora
 
             return triton_lora.lora_expand(y, triton_lora.lora_shrink(x, self.A, step.row_slots), self.Bt,
                                            step.row_slots)
-        if step.stacked():
+        if step.graph or step.stacked():
             used, width = step.num_used, self.A.shape[1]
             xa = x @ self.A[:used].reshape(used * width, -1).T  # [rows, used * width]: every used slot's shrink
             return y.addmm_(xa.mul_(step.mask(width)), self.Bt[:used].reshape(used * width, -1))
-        for slot, rows in groups:
+        for slot, rows in groups:  # type: ignore[union-attr]
             if isinstance(rows, slice):
                 y[rows].addmm_(x[rows] @ self.A[slot].T, self.Bt[slot])
             else:
