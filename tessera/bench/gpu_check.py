@@ -13,7 +13,9 @@ embedding table, which is also the LM head, is small), then measures, side by si
 4. batch-1 decode ms per token, Tessera vs HF vs the floor; Tessera's decode step at batch 8, 32, 64 and
    HF's at the largest; the CUDA graphs the engine reports captured;
 5. `tessera bench offline` workload a, Tessera vs HF output tok/s;
-6. `tessera bench serving` random-image 448x448 at concurrency 64 against a `tessera serve` subprocess.
+6. `tessera bench serving` random-image 448x448 at concurrency 64 against a `tessera serve` subprocess;
+7. speculative decoding's verify step with ORACLE drafts (issue 49), and 16 decode rows over 4 LoRA adapters
+   against the base step, both through CUDA graphs (issue 50; tessera/bench/lora.py).
 
 DIR/gpu_check.json and DIR/gpu_check.md are rewritten as each section starts and ends, so a run killed
 from outside leaves what finished (and which section was running). Each ends with issue 30's targets, met
@@ -47,6 +49,7 @@ from typing import Any
 import torch
 
 from tessera.bench import gpu_sections as sec
+from tessera.bench import lora as lora_bench
 from tessera.bench.gpu_report import MET, markdown, targets
 from tessera.platform.device import resolve_device
 
@@ -153,6 +156,7 @@ def run(out_dir: Path, plan: sec.Plan, work_dir: Path, log: Callable[[str], Any]
         section("offline_a_7b", lambda: sec.offline_a(models["7b"], plan, budget), ("7b",))
         section("serving_7b", lambda: sec.serving(models["7b"], plan, budget), ("7b",))
         section("spec_oracle_7b", lambda: sec.speculative_oracle(models["7b"], plan), ("7b",))
+        section("lora_7b", lambda: lora_bench.gpu_section(models["7b"], plan), ("7b",))
     for name in plan.speed_models:
         if name != "7b":
             section(f"decode_{name}", speed(name), (name,), needs_bandwidth=True)

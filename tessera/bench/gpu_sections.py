@@ -36,7 +36,7 @@ NEEDS_S = {"preflight": 0, "bandwidth": 0, "checkpoints": 60, "parity_fp32": 30,
            "decode_2b": 40, "offline_a_7b": 90, "serving_7b": 90,
            "checkpoint tiny": 5, "checkpoint 7b": 60, "checkpoint 2b": 20, "parity case": 5, "Tessera decode": 5,
            "HF batch 1": 25, "HF largest batch": 15, "offline tessera": 40, "offline hf": 60, "serving stop": 35,
-           "unfused batch 1": 30, "spec_oracle_7b": 90}
+           "unfused batch 1": 30, "spec_oracle_7b": 90, "lora_7b": 60}
 
 # SGLang's published Qwen2.5-VL-7B serving figure on one H200 (MMMU): a reference, not a target.
 SGLANG_VL7B_H200_OUTPUT_TOK_S = 8800
