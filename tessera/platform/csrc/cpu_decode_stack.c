@@ -77,7 +77,7 @@ typedef struct {
 /* y[r] += (x[r] A[s]^T) Bt[s] for every adapter row r (slot s); the product is summed apart and then added, as
  * the layer-by-layer path's addmm does. */
 static void lora_add(const kernels_t *kn, const lora_t *lo, const lora_rows_t *lr, const float *x, float *y,
-                     long N, long K, int threads) {
+                     long N, long K) {
     if (!lr || !lo->A) return;
     long W = lo->width;
     for (long s = 0; s < lr->slots; s++) {
@@ -85,7 +85,8 @@ static void lora_add(const kernels_t *kn, const lora_t *lo, const lora_rows_t *l
         const long *rows = lr->order + lr->starts[s];
         if (!cnt) continue;
         for (long i = 0; i < cnt; i++) memcpy(lr->xs + i * K, x + rows[i] * K, sizeof(float) * K);
-        kn->f32(lr->xs, lo->A + s * W * K, NULL, lr->t, cnt, W, K, threads);
+        /* one thread: a few rows against a few rank rows, smaller than a thread team's start-up */
+        kn->f32(lr->xs, lo->A + s * W * K, NULL, lr->t, cnt, W, K, 1);
         const float *B = lo->Bt + s * W * N;
         for (long i = 0; i < cnt; i++) {
             const float *t = lr->t + i * W;
@@ -171,7 +172,7 @@ int tessera_decode_stack_f32(const kernels_t *kn, const layer_t *layers, long L,
         }
         const lora_t *lo = lora ? lora + 4 * l : NULL;
         product(kn, &ly->qkv, normed, qkv, M, threads);
-        if (lr) lora_add(kn, lo, lr, normed, qkv, qkv_w, H, threads);
+        if (lr) lora_add(kn, lo, lr, normed, qkv, qkv_w, H);
         for (long m = 0; m < M; m++) {
             const float *row = qkv + m * qkv_w, *c = cos + m * cs_row, *s = sin + m * cs_row;
             float *k_slot = ly->k_cache + loc[m] * kv_w, *v_slot = ly->v_cache + loc[m] * kv_w;
@@ -189,17 +190,17 @@ int tessera_decode_stack_f32(const kernels_t *kn, const layer_t *layers, long L,
         kn->attention(q, ly->k_cache, ly->v_cache, slots, slots_stride, lens, attn, M, Hkv, G, D, kv_w, D, scale,
                       ly->window, threads);
         product(kn, &ly->o, attn, h, M, threads);
-        if (lr) lora_add(kn, lo + 1, lr, attn, h, H, q_w, threads);
+        if (lr) lora_add(kn, lo + 1, lr, attn, h, H, q_w);
         kn->rmsnorm(h, resid, sum, ly->post_norm, normed, M, H, eps, threads);
         float *t = res;
         res = sum;
         sum = t;
         resid = res;
         product(kn, &ly->gate_up, normed, gu, M, threads);
-        if (lr) lora_add(kn, lo + 2, lr, normed, gu, 2 * I, H, threads);
+        if (lr) lora_add(kn, lo + 2, lr, normed, gu, 2 * I, H);
         kn->silu_mul(gu, 2 * I, act, M, I, threads);
         product(kn, &ly->down, act, h, M, threads);
-        if (lr) lora_add(kn, lo + 3, lr, act, h, H, I, threads);
+        if (lr) lora_add(kn, lo + 3, lr, act, h, H, I);
     }
     if (L == 0)
         kn->rmsnorm(x, NULL, NULL, final_norm, out, M, H, eps, threads);
