@@ -4,7 +4,9 @@ nn.Linear in most families, and the projector's) and a batch of the adapter's re
 on the same image, and the adapter on a text-only prompt.
 
 Each family's tiny checkpoint is its HF-parity fixture (tests/models/*_testing.py); adapter weights are large
-enough that the adapter changes HF's greedy tokens, which is checked.
+enough that the adapter changes HF's greedy tokens, which is checked. Llama-4's MoE router and experts take no
+adapter (PEFT cannot wrap its router, which returns scores and logits; experts are parameters, not linears): its
+adapter leaves the router out, and both are refused at load with one line.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ MAX_NEW = 6
 SP = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 
 # family: (its testing module, checkpoint builder kwargs, HF loader kwargs, the vision tower's PEFT module prefix)
+# and any LoraConfig extras
 FAMILIES = {
     "llava": ("llava_testing", {"spec": "llama"}, {"spec": "llama"}, "model.vision_tower."),
     "llava-mistral": ("llava_testing", {"spec": "mistral"}, {"spec": "mistral"}, "model.vision_tower."),
@@ -32,13 +35,13 @@ FAMILIES = {
     "qwen2_5_vl": ("qwen2_5_vl_testing", {}, {}, "model.visual."),
     "qwen3_vl": ("qwen3_vl_testing", {}, {}, "model.visual."),
     "gemma3": ("gemma3_testing", {}, {}, "model.vision_tower."),
-    "llama4": ("llama4_testing", {}, {}, "vision_model."),
+    "llama4": ("llama4_testing", {}, {}, "vision_model.", {"exclude_modules": ["router"]}),
 }
 
 
 def family_checkpoint(family: str, path):
     """(the tiny checkpoint at `path`, a loader of HF's model over it)."""
-    name, build_kw, load_kw, _ = FAMILIES[family]
+    name, build_kw, load_kw = FAMILIES[family][:3]
     module = importlib.import_module(f"tests.models.{name}")
     builder = next(getattr(module, f) for f in dir(module) if f.startswith("make_tiny_") and f.endswith("_checkpoint"))
     path = builder(path, **build_kw)
@@ -66,8 +69,9 @@ def test_all_linear_adapter_with_an_image_matches_peft(family, tmp_path, scene_i
 
     path, load_hf = family_checkpoint(family, tmp_path / "base")
     hf = load_hf()
-    adapter = make_adapter(hf, tmp_path / "ad", seed=7, r=4, alpha=8, targets="all-linear", scale=0.2)
-    tower = FAMILIES[family][3]
+    tower, *extra = FAMILIES[family][3:]
+    adapter = make_adapter(hf, tmp_path / "ad", seed=7, r=4, alpha=8, targets="all-linear", scale=0.2,
+                           **(extra[0] if extra else {}))
     assert any(k.startswith(f"base_model.model.{tower}") for k in load_file(adapter / "adapter_model.safetensors"))
     processor = AutoProcessor.from_pretrained(path)
     image = [scene_images[0]]
@@ -82,3 +86,19 @@ def test_all_linear_adapter_with_an_image_matches_peft(family, tmp_path, scene_i
         outs = engine.generate([prompt, prompt, text], SP, image_data=[image, image, None],
                                lora_path=["ad", None, "ad"])
     assert [o["output_ids"] for o in outs] == [want, base_want, text_want]
+
+
+def test_llama4_router_and_experts_are_refused_at_load(tmp_path):
+    from tessera.layers.lora import AdapterError, load_adapter
+    from tessera.models.registry import load_model
+    from tests.lora.test_adapter_refusals import _edit
+
+    path, load_hf = family_checkpoint("llama4", tmp_path / "base")
+    model, config = load_model(path, torch.float32)
+    mapping = type(model).weight_mapping(config)
+    adapter = make_adapter(load_hf(), tmp_path / "router", seed=1, targets=["router", "q_proj"])
+    with pytest.raises(AdapterError, match=r"layers\.1\.feed_forward\.router: LoRA on the MoE router is not supported"):
+        load_adapter("x", adapter, model, mapping)
+    _edit(adapter, {"target_parameters": ["feed_forward.experts.gate_up_proj"]})
+    with pytest.raises(AdapterError, match="target_parameters: LoRA on parameters \\(MoE experts\\) is not supported"):
+        load_adapter("x", adapter, model, mapping)

@@ -133,6 +133,9 @@ def _our_module(name: str, module_path: str, model: nn.Module, mapping,
         raise AdapterError(f"adapter {name!r}: {module_path}: no such module in {type(model).__name__}") from None
     if isinstance(module, VocabEmbedding):
         raise AdapterError(f"adapter {name!r}: {module_path}: LoRA on embeddings and the LM head is not supported")
+    refusal = getattr(module, "lora_refusal", None)  # a layer that says why it takes none (the MoE router)
+    if refusal:
+        raise AdapterError(f"adapter {name!r}: {module_path}: {refusal}")
     rows = on_token_rows(model, ours)
     # transformers' own towers keep torch's nn.Linear: an encoder's adapter is added by a forward hook there
     if not isinstance(module, Linear) and (rows or type(module) is not nn.Linear):
