@@ -23,16 +23,13 @@ from tessera.layers.linear import Linear, MergedLinear, RowParallelLinear, Vocab
 from tessera.layers.lora.config import ADAPTER_WEIGHTS, AdapterError, LoraAdapterConfig, read_adapter_config
 
 PEFT_PREFIX = "base_model.model."
-# Our language model's modules: the decoder stack (`model.`); the rest (vision tower, projector) are the encoders'.
-LANGUAGE_MODEL_PREFIX = "model."
 
 
 def on_token_rows(model: nn.Module, module: str) -> bool:
     """Whether our module `module` runs on a step's token rows (each row adds its own request's adapter: LoRA
-    slots) rather than on an encoder call's rows (one adapter per call: EncoderLora). A model says so where its
-    decoder is not `model.` (TesseraModel.lora_on_token_rows)."""
-    rule = getattr(model, "lora_on_token_rows", None)
-    return rule(module) if rule is not None else module.startswith(LANGUAGE_MODEL_PREFIX)
+    slots) rather than on an encoder call's rows (one adapter per call: EncoderLora); the model says
+    (TesseraModel.lora_on_token_rows: its decoder, `model.` in every decoder-only family)."""
+    return model.lora_on_token_rows(module)
 
 
 @dataclass
