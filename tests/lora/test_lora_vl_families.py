@@ -102,3 +102,15 @@ def test_llama4_router_and_experts_are_refused_at_load(tmp_path):
     _edit(adapter, {"target_parameters": ["feed_forward.experts.gate_up_proj"]})
     with pytest.raises(AdapterError, match="target_parameters: LoRA on parameters \\(MoE experts\\) is not supported"):
         load_adapter("x", adapter, model, mapping)
+
+
+def test_tower_layers_other_than_linears_are_refused_at_load(tmp_path):
+    """PEFT makes conv adapters too (CLIP's patch embedding): refused, naming the module and its type."""
+    from tessera.layers.lora import AdapterError, load_adapter
+    from tessera.models.registry import load_model
+
+    path, load_hf = family_checkpoint("llava", tmp_path / "base")
+    model, config = load_model(path, torch.float32)
+    adapter = make_adapter(load_hf(), tmp_path / "conv", seed=1, targets=["patch_embedding", "q_proj"])
+    with pytest.raises(AdapterError, match=r"patch_embedding: LoRA on Conv2d is not supported \(only on linear"):
+        load_adapter("x", adapter, model, type(model).weight_mapping(config))
