@@ -48,6 +48,9 @@ class SigmoidTopKMoE(nn.Module):
             raise ValueError(f"num_experts_per_tok={top_k} must be between 1 and num_local_experts={num_experts}")
         self.top_k = top_k
         self.router = Linear(hidden_size, num_experts, bias=False)
+        # Refused at adapter load (layers/lora/adapter.py): a router adapter changes which experts run, and PEFT
+        # cannot wrap transformers' Llama4Router (it returns scores and logits), so none could be checked.
+        self.router.lora_refusal = "LoRA on the MoE router is not supported"
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, act)
         self.shared_expert = GatedMLP(hidden_size, intermediate_size, act)
 

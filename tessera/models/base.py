@@ -110,6 +110,12 @@ class TesseraModel(nn.Module):
         """Modality -> encoder. Empty for text-only models and language-model-only loads."""
         return {}
 
+    def lora_on_token_rows(self, module: str) -> bool:
+        """Whether a LoRA adapter on our linear `module` runs on a step's token rows, each row with its request's
+        adapter (the decoder, `model.`), rather than on an encoder call's rows, one adapter per call (towers,
+        projectors; layers/lora)."""
+        return module.startswith("model.")
+
     @classmethod
     def prepare_step(cls, config: ModelConfig, segments: Sequence[StepSegment]) -> StepLayout:
         """Positions of the step's tokens (the family's scheme) and, for families whose media attend

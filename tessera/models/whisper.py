@@ -148,6 +148,8 @@ class WhisperForConditionalGeneration(TesseraModel):
         self.decoder = WhisperDecoder(config, attn_backend)
         self.encoder = build_transformers_tower(ENCODER, config.hf_config)
         self.proj_out = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        if self.proj_out is not None:  # a Linear, not our VocabEmbedding: says so itself (layers/lora/adapter.py)
+            self.proj_out.lora_refusal = "LoRA on embeddings and the LM head is not supported"
         self.num_input_frames = 2 * int(config.hf_config.max_source_positions)
         self.num_mel_bins = int(config.hf_config.num_mel_bins)
         self.tokens = WhisperTokens.from_generation_config(config.generation_config, config.hf_config)
@@ -163,6 +165,11 @@ class WhisperForConditionalGeneration(TesseraModel):
 
     def encoders(self) -> dict[Modality, Encoder]:
         return {Modality.AUDIO: self.encode_audio}
+
+    def lora_on_token_rows(self, module: str) -> bool:
+        """The decoder's linears run on the step's tokens, except cross-attention's K/V projections: those run
+        once per request on its encoder output (fill_cross_kv), under its adapter as the encoder does."""
+        return module.startswith("decoder.") and not module.endswith(("encoder_attn.k_proj", "encoder_attn.v_proj"))
 
     # ---- encoder ------------------------------------------------------------------------------------------
 

@@ -62,17 +62,28 @@ def lora_rows(lora: LoraManager | None, fi: ForwardInput) -> Iterator[bool]:
         yield active
 
 
+def by_adapter(lora: LoraManager | None, names: list[str | None], run: Callable[[list[int]], None]) -> None:
+    """`run(indices)` once per adapter among `names` (one per entry; None: the base model) whose adapter targets
+    the encoders' linears, under that adapter (the others' entries together, without one); one call over all
+    entries when none does."""
+    names = [n if lora is not None and lora.targets_encoder(n) else None for n in names]
+    if lora is None or not any(names):
+        run(list(range(len(names))))
+        return
+    for name in dict.fromkeys(names):
+        with lora.encoding(name):
+            run([i for i, n in enumerate(names) if n == name])
+
+
 def encode_by_adapter(lora: LoraManager | None, items: list[MultimodalDataItem],
                       encode: Callable[[list[MultimodalDataItem]], list[torch.Tensor]]) -> list[torch.Tensor]:
     """One encoder call per adapter on the encoders among `items` (the base model's and other adapters' items
     together), outputs in the items' order. Called under the worker's encoder lock."""
-    names = [it.lora_name if lora is not None and lora.targets_encoder(it.lora_name) else None for it in items]
-    if lora is None or not any(names):
-        return encode(items)
     out: list[torch.Tensor | None] = [None] * len(items)
-    for name in dict.fromkeys(names):
-        idx = [i for i, n in enumerate(names) if n == name]
-        with lora.encoding(name):
-            for i, emb in zip(idx, encode([items[i] for i in idx])):
-                out[i] = emb
+
+    def run(idx: list[int]) -> None:
+        for i, emb in zip(idx, encode([items[i] for i in idx])):
+            out[i] = emb
+
+    by_adapter(lora, [it.lora_name for it in items], run)
     return out  # type: ignore[return-value]

@@ -38,7 +38,7 @@ from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.platform import cpu_kernels, host_memory
 from tessera.platform.device import (compute_dtype, platform_of, rank_device, resolve_device, resolve_dtype,
                                      to_device_packed)
-from tessera.worker.lora_step import build_lora, encode_by_adapter, lora_active, lora_backend, lora_rows
+from tessera.worker.lora_step import build_lora, by_adapter, encode_by_adapter, lora_active, lora_backend, lora_rows
 from tessera.worker.masks import span_mask
 from tessera.worker.slot_writes import apply_slot_writes, slot_write_parts
 from tessera.worker.pooling import Pooler, hidden_rows
@@ -313,14 +313,20 @@ class ModelWorker:
             for item in misses.values():
                 by_modality.setdefault(item.modality, []).append(item)
             for modality, items in by_modality.items():
-                for item, out in zip(items, self.encoders[modality](items)):
+                with self._encoder_lock:  # the encoders' current adapter is shared with the encode-ahead thread
+                    embeds = encode_by_adapter(self.lora, items, self.encoders[modality])
+                for item, out in zip(items, embeds):
                     if out.shape[0] != rows:
                         raise EmbeddingCountError(f"{modality.value}: encoder output has {out.shape[0]} rows, the "
                                                   f"model's per-request state takes {rows}")
                     self.encoder_cache.put(item.hash, out)
                     outputs[item.hash] = out
             slots = [fill.slots.to(self.device) for fill in fi.state_fills]
-            self.request_state.fill(self.model, [outputs[f.item.hash] for f in fi.state_fills], slots, self.kv_pool)
+            fills = fi.state_fills
+            # An adapter on cross-attention's K/V projections (Whisper's) applies to its own requests' fills.
+            with self._encoder_lock:
+                by_adapter(self.lora, [f.item.lora_name for f in fills], lambda idx: self.request_state.fill(
+                    self.model, [outputs[fills[i].item.hash] for i in idx], [slots[i] for i in idx], self.kv_pool))
             for fill, s in zip(fi.state_fills, slots):
                 self._state_slots[fi.rids[fill.req]] = s
         return torch.stack([self._state_slots[rid] for rid in fi.rids])

@@ -16,7 +16,8 @@ ALL_LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def make_text_checkpoint(path: Path, arch: str = "qwen2", seed: int = 0) -> Path:
-    """A tiny random text model (Qwen2, Qwen3 or Gemma3 text) with demo-vl's tokenizer."""
+    """A tiny random text model (Qwen2, Qwen3, Gemma3 text or Llama-4 text, MoE on its second layer) with demo-vl's
+    tokenizer."""
     import transformers
     from transformers import AutoTokenizer
 
@@ -28,6 +29,11 @@ def make_text_checkpoint(path: Path, arch: str = "qwen2", seed: int = 0) -> Path
         cfg = transformers.Gemma3TextConfig(**common, query_pre_attn_scalar=16, sliding_window=8,
                                             layer_types=["sliding_attention", "full_attention"])
         cls = transformers.Gemma3ForCausalLM
+    elif arch == "llama4":
+        cfg = transformers.Llama4TextConfig(**common, intermediate_size_mlp=128, num_local_experts=4,
+                                            num_experts_per_tok=2, interleave_moe_layer_step=2, attention_chunk_size=8,
+                                            rope_parameters={"rope_type": "default", "rope_theta": 1000.0})
+        cls = transformers.Llama4ForCausalLM
     else:
         cfg_cls, cls = {"qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
                         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}[arch]

@@ -15,7 +15,8 @@ MAX_NEW = 6
 SP = {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}
 
 
-@pytest.mark.parametrize("arch,cls_name", [("qwen3", "Qwen3ForCausalLM"), ("gemma3", "Gemma3ForCausalLM")])
+@pytest.mark.parametrize("arch,cls_name", [("qwen3", "Qwen3ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"),
+                                           ("llama4", "Llama4ForCausalLM")])  # Llama-4: the shared expert's linears
 def test_text_family_matches_peft(tmp_path, arch, cls_name):
     import transformers
 

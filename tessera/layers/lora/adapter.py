@@ -5,8 +5,9 @@ module, named as transformers names it. The model's own checkpoint mapping (mode
 turns `<module>.weight` into our parameter and shard: `...self_attn.k_proj` is shard "k" of our merged
 `qkv_proj`, `...mlp.up_proj` shard "up" of `gate_up_proj`. Under tensor parallelism a column-parallel
 shard keeps its rows of B (as the base weight keeps its rows) and a row-parallel layer its columns of A
-(its partial product is summed over the ranks with the base layer's). Only the language model's linear
-layers take adapters; anything else is refused with the module named.
+(its partial product is summed over the ranks with the base layer's). The linear layers take adapters: ours,
+and in the encoders (transformers' own towers) torch's nn.Linear too (layers/lora/slots.attach_encoder_lora);
+anything else is refused with the module named.
 """
 
 from __future__ import annotations
@@ -22,8 +23,13 @@ from tessera.layers.linear import Linear, MergedLinear, RowParallelLinear, Vocab
 from tessera.layers.lora.config import ADAPTER_WEIGHTS, AdapterError, LoraAdapterConfig, read_adapter_config
 
 PEFT_PREFIX = "base_model.model."
-# Our language model's modules: the decoder stack (`model.`); the rest (vision tower, projector) are the encoders'.
-LANGUAGE_MODEL_PREFIX = "model."
+
+
+def on_token_rows(model: nn.Module, module: str) -> bool:
+    """Whether our module `module` runs on a step's token rows (each row adds its own request's adapter: LoRA
+    slots) rather than on an encoder call's rows (one adapter per call: EncoderLora); the model says
+    (TesseraModel.lora_on_token_rows: its decoder, `model.` in every decoder-only family)."""
+    return model.lora_on_token_rows(module)
 
 
 @dataclass
@@ -47,8 +53,8 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, mapping, max_ran
                  encoders: bool = True) -> LoraAdapter:
     """Reads and checks the adapter at `path` against `model` (whose checkpoint names `mapping` maps).
     AdapterError names the adapter and the first problem: a refused config field, a tensor of a module we do not
-    have or do not adapt (embeddings, the LM head; the encoders' linears where `encoders` is False or they are
-    transformers' own modules), a wrong shape, a rank above `max_rank`."""
+    have or do not adapt (embeddings, the LM head, MoE experts; the encoders' linears where `encoders` is False),
+    a wrong shape, a rank above `max_rank`."""
     config = read_adapter_config(path, name)
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     others: list[str] = []  # refused after the LoRA pairs' modules, whose refusal says more
@@ -109,7 +115,7 @@ def _split_key(name: str, key: str) -> tuple[str, str] | None:
 
 
 def _our_module(name: str, module_path: str, model: nn.Module, mapping,
-                encoders: bool) -> tuple[str, str | None, Linear]:
+                encoders: bool) -> tuple[str, str | None, Linear | nn.Linear]:
     try:
         target = mapping.map_name(module_path + ".weight")
     except KeyError:
@@ -124,10 +130,15 @@ def _our_module(name: str, module_path: str, model: nn.Module, mapping,
         raise AdapterError(f"adapter {name!r}: {module_path}: no such module in {type(model).__name__}") from None
     if isinstance(module, VocabEmbedding):
         raise AdapterError(f"adapter {name!r}: {module_path}: LoRA on embeddings and the LM head is not supported")
-    if not isinstance(module, Linear):
-        raise AdapterError(f"adapter {name!r}: {module_path}: not one of our linear layers ({type(module).__name__}: "
-                           f"this family's tower is transformers' own)")
-    if not ours.startswith(LANGUAGE_MODEL_PREFIX) and not encoders:
+    refusal = getattr(module, "lora_refusal", None)  # a layer that says why it takes none (the MoE router)
+    if refusal:
+        raise AdapterError(f"adapter {name!r}: {module_path}: {refusal}")
+    rows = on_token_rows(model, ours)
+    # transformers' own towers keep torch's nn.Linear: an encoder's adapter is added by a forward hook there
+    if not isinstance(module, Linear) and (rows or type(module) is not nn.Linear):
+        raise AdapterError(f"adapter {name!r}: {module_path}: LoRA on {type(module).__name__} is not supported "
+                           f"(only on linear layers)")
+    if not rows and not encoders:
         raise AdapterError(f"adapter {name!r}: {module_path}: LoRA on the vision tower is not supported with "
                            f"--mm-enable-dp-encoder")
     if isinstance(module, MergedLinear) != (shard is not None):

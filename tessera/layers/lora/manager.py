@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from tessera.layers.linear import Linear, MergedLinear
-from tessera.layers.lora.adapter import LANGUAGE_MODEL_PREFIX, LoraAdapter, load_adapter
+from tessera.layers.lora.adapter import LoraAdapter, load_adapter, on_token_rows
 from tessera.layers.lora.config import AdapterError
-from tessera.layers.lora.slots import EncoderAdapter, EncoderLora, LoraSlots, LoraStep
+from tessera.layers.lora.slots import EncoderAdapter, EncoderLora, LoraSlots, LoraStep, attach_encoder_lora
 from tessera.platform.device import platform_of
 
 
@@ -61,7 +61,7 @@ class LoraManager:
             raise AdapterError(f"adapter {name!r}: rank {adapter.rank} is above {self.fixed_rank}, the rank the "
                                "decode CUDA graphs were captured for (start the server with --max-lora-rank)")
         for target, shards in adapter.modules.items():  # stacks for the layers it targets, deep enough for its rank
-            if target.startswith(LANGUAGE_MODEL_PREFIX):
+            if on_token_rows(self.model, target):
                 self._stacks(target).ensure_rank(adapter.rank)
             else:  # an encoder's linear: the adapter's own pair, on the device
                 (a, b), = shards
@@ -75,7 +75,7 @@ class LoraManager:
             raise AdapterError(f"adapter {name!r} is not loaded")
         del self.adapters[name]
         for _, module in self.model.named_modules():
-            if isinstance(module, Linear) and isinstance(module.lora, EncoderLora):
+            if isinstance(getattr(module, "lora", None), EncoderLora):
                 module.lora.adapters.pop(name, None)
         for slot, held in enumerate(self.slot_names):
             if held == name:
@@ -106,16 +106,11 @@ class LoraManager:
                 yield target, module
 
     def _encoder_lora(self, target: str) -> EncoderLora:
-        module = self.model.get_submodule(target)
-        assert isinstance(module, Linear)
-        if module.lora is None:
-            module.lora = EncoderLora(self.encoder_adapter)
-        assert isinstance(module.lora, EncoderLora)
-        return module.lora
+        return attach_encoder_lora(self.model.get_submodule(target), self.encoder_adapter)
 
     def targets_encoder(self, name: str | None) -> bool:
         adapter = self.adapters.get(name) if name is not None else None
-        return adapter is not None and any(not t.startswith(LANGUAGE_MODEL_PREFIX) for t in adapter.modules)
+        return adapter is not None and any(not on_token_rows(self.model, t) for t in adapter.modules)
 
     @contextmanager
     def encoding(self, name: str | None) -> Iterator[None]:
@@ -132,7 +127,7 @@ class LoraManager:
         refused from then on."""
         rank = max([rank, *(a.rank for a in self.adapters.values())])
         for target, module in self.model.named_modules():
-            if isinstance(module, Linear) and target.startswith(LANGUAGE_MODEL_PREFIX):
+            if isinstance(module, Linear) and on_token_rows(self.model, target):
                 self._stacks(target).ensure_rank(rank)
         self.fixed_rank = rank
 

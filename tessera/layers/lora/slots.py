@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 
 # Rows up to which a step with several adapters runs stacked (see the module docstring): its products compute
@@ -203,3 +204,21 @@ class EncoderLora:
         a, bt = pair
         y.view(-1, y.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]) @ a.T.to(x.dtype), bt.to(x.dtype))
         return y
+
+
+def _add_encoder_lora(module: nn.Module, args: tuple, y: torch.Tensor) -> torch.Tensor:
+    return module.lora(args[0], y)
+
+
+def attach_encoder_lora(module: nn.Module, current: EncoderAdapter) -> EncoderLora:
+    """The EncoderLora of an encoder linear, made on first use. Our Linear calls its `lora` itself; transformers'
+    towers keep torch's nn.Linear (their parameter names and code stay transformers'), where a forward hook adds
+    it to the output."""
+    lora = getattr(module, "lora", None)
+    if lora is None:
+        lora = EncoderLora(current)
+        if not hasattr(module, "lora"):  # torch's nn.Linear: no `lora` of its own
+            module.register_forward_hook(_add_encoder_lora)
+        module.lora = lora
+    assert isinstance(lora, EncoderLora)
+    return lora
