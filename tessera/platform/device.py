@@ -69,6 +69,51 @@ class Platform:
         """How many programs the device runs at once (a GPU's streaming multiprocessors); None: not known."""
         return None
 
+    def side_stream(self, device: torch.device) -> SideStream:
+        """Where a background thread's device work runs beside the steps (see SideStream)."""
+        return SideStream()
+
+
+class SideStream:
+    """A background thread's device work beside the model steps (the encode-ahead thread's vision tower), and
+    the hand-off of its results to the step. On the host a result is ready when the thread's call returns:
+    nothing to order. `scope` wraps the thread's call, `done` (the thread, after it) marks its results, and
+    `receive` (the step's thread, before the step uses a result) orders the step after the mark."""
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def done(self) -> object | None:
+        return None
+
+    def receive(self, tensor: torch.Tensor, mark: object | None) -> torch.Tensor:
+        return tensor
+
+
+class CudaSideStream(SideStream):
+    """The thread's kernels on a stream of their own, so that they run while the steps' kernels run (SGLang
+    overlaps its encoders the same way); an event marks each call's end."""
+
+    def __init__(self, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+
+    def scope(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream)
+
+    def done(self) -> object | None:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def receive(self, tensor: torch.Tensor, mark: object | None) -> torch.Tensor:
+        current = torch.cuda.current_stream(tensor.device)
+        if mark is not None:
+            current.wait_event(mark)  # type: ignore[arg-type]
+        # The tensor's memory belongs to the side stream's allocator pool: without this it could be handed out
+        # again there while the steps still read it.
+        tensor.record_stream(current)
+        return tensor
+
 
 class StepClock:
     """How long the device computed model steps, and how long it sat idle between consecutive ones (the host
@@ -174,6 +219,9 @@ class CudaPlatform(Platform):
 
     def parallel_units(self, device: torch.device) -> int | None:
         return torch.cuda.get_device_properties(device).multi_processor_count
+
+    def side_stream(self, device: torch.device) -> SideStream:
+        return CudaSideStream(device)
 
     def capture_graphs(self, fns: dict[int, Callable[[], None]], warmup: int = 2,
                        before: Callable[[int], None] | None = None) -> dict[int, object]:

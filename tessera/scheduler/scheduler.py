@@ -131,7 +131,9 @@ class Scheduler:
         self.reqs: dict[str, Req] = {}
         # Threads per step on a CPU (see platform/threads.py); None: the fixed count set at process start.
         self.threads: AdaptiveThreads | None = None
-        if args.adaptive_threads and platform_of(self.worker.device).runs_on_host_cores:
+        if not platform_of(self.worker.device).runs_on_host_cores:
+            self.worker.start_encode_ahead()  # media encoded on a side stream while the steps run
+        elif args.adaptive_threads:
             # Media are encoded ahead on a core the policy leaves to that thread while it has work.
             reserved = self.worker.background_cores if self.worker.start_encode_ahead() else None
             self.threads = AdaptiveThreads(available_cores(), reserved=reserved)

@@ -1,4 +1,4 @@
-"""Encoding a request's media while it waits for its prefill, on a thread beside the scheduler's loop (CPU).
+"""Encoding a request's media while it waits for its prefill, on a thread beside the scheduler's loop.
 
 On host cores the scheduler's loop is one thread that runs every step, and a step that admits a request with
 an image ran the vision tower inside it: on demo-vl at concurrency 16 the tower was a quarter of the loop's
@@ -18,6 +18,9 @@ Contract:
   hold `budget_bytes` (the encoder cache's size): past either, items wait for their step. Results nobody took
   (a request aborted before its prefill) are dropped oldest first when room is needed.
 - `busy` says whether the thread has work: the thread policy then leaves it a core (platform/threads.py).
+- On a GPU the thread's calls run on a stream of their own (platform/device.py SideStream), so the tower's
+  kernels run while the decode steps' run; `take` orders the step's stream after the call that made the
+  embedding. There the thread keeps torch's thread count (its host work is launching kernels).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from concurrent.futures import Future
 import torch
 
 from tessera.messages.items import MultimodalDataItem
+from tessera.platform.device import SideStream
 from tessera.platform.threads import one_torch_thread
 
 logger = logging.getLogger("tessera.worker")
@@ -39,8 +43,12 @@ Encode = Callable[[list[MultimodalDataItem]], list[torch.Tensor]]
 
 
 class EncodeAhead:
-    def __init__(self, encode: Encode, chunk: int, capacity: int, budget_bytes: int):
+    def __init__(self, encode: Encode, chunk: int, capacity: int, budget_bytes: int, side: SideStream | None = None,
+                 host_cores: bool = True):
         self._encode, self._chunk, self._capacity, self._budget = encode, chunk, capacity, budget_bytes
+        self._side = side or SideStream()
+        self._host_cores = host_cores  # the thread's torch ops run on the host's cores: one intra-op thread
+        self._marks: dict[int, object | None] = {}  # item hash -> the side stream's mark of its call
         self._held_bytes = 0  # of the finished results nobody has taken
         self._queue: deque[MultimodalDataItem] = deque()
         self._results: OrderedDict[int, Future] = OrderedDict()  # item hash -> its embedding, in arrival order
@@ -87,9 +95,10 @@ class EncodeAhead:
         except Exception:  # noqa: BLE001 - the step encodes the item itself and raises there
             embedding = None
         with self._cv:
+            mark = self._marks.pop(item_hash, None)
             if self._results.pop(item_hash, None) is not None and embedding is not None:
                 self._held_bytes -= embedding.nbytes
-        return embedding
+        return None if embedding is None else self._side.receive(embedding, mark)
 
     def clear(self) -> None:
         """Drops the results nobody took (a cache flush); queued and running items finish as usual."""
@@ -107,6 +116,7 @@ class EncodeAhead:
     def _forget(self, item_hash: int) -> None:
         """Drops a finished result (the caller holds the lock)."""
         result = self._results.pop(item_hash)
+        self._marks.pop(item_hash, None)
         if result.exception() is None:
             self._held_bytes -= result.result().nbytes
 
@@ -123,12 +133,14 @@ class EncodeAhead:
             return items, [self._results[it.hash] for it in items]
 
     def _run(self, inherited_threads: int) -> None:
-        one_torch_thread(inherited_threads)
+        if self._host_cores:
+            one_torch_thread(inherited_threads)
         while True:
             items, results = self._next_call()
             try:
-                with torch.inference_mode():
+                with torch.inference_mode(), self._side.scope():
                     embeddings = self._encode(items)
+                    mark = self._side.done()
                 if len(embeddings) != len(items):
                     raise ValueError(f"{len(embeddings)} embeddings for {len(items)} items")
             except Exception as e:  # noqa: BLE001 - reported by the step's own call (see the contract)
@@ -138,6 +150,8 @@ class EncodeAhead:
             else:
                 with self._cv:
                     self._held_bytes += sum(emb.nbytes for emb in embeddings)
+                    for it in items:
+                        self._marks[it.hash] = mark
                 for r, emb in zip(results, embeddings):
                     r.set_result(emb)
             with self._cv:

@@ -262,14 +262,16 @@ class ModelWorker:
 
     # ---- encoding ahead (see worker/encode_ahead.py) ---------------------------------------------------
     def start_encode_ahead(self) -> bool:
-        """Starts the encode-ahead thread where it applies: one rank on host cores, a model with encoders,
-        TESSERA_ENCODE_AHEAD not 0. The scheduler calls this when its thread policy can leave the thread a
-        core (adaptive threads); returns whether it runs."""
-        if (self.ahead is None and self.platform.runs_on_host_cores and self.tp.size == 1 and self.encoders
+        """Starts the encode-ahead thread where it applies: one rank, a model with encoders, TESSERA_ENCODE_AHEAD
+        not 0. The scheduler calls this on a device (the thread's kernels on a side stream) and on host cores
+        when its thread policy can leave the thread a core (adaptive threads); returns whether it runs."""
+        if (self.ahead is None and self.tp.size == 1 and self.encoders
                 and os.environ.get("TESSERA_ENCODE_AHEAD", "1") != "0"):
             self.ahead = EncodeAhead(self._encode_items, ENCODE_AHEAD_CHUNK,
                                      capacity=ENCODE_AHEAD_ITEMS_PER_REQUEST * self.args.max_running_requests,
-                                     budget_bytes=self.args.mm_cache_size_mb * 1024 * 1024)
+                                     budget_bytes=self.args.mm_cache_size_mb * 1024 * 1024,
+                                     side=self.platform.side_stream(self.device),
+                                     host_cores=self.platform.runs_on_host_cores)
             self.info = dataclasses.replace(self.info, encode_ahead=True)
         return self.ahead is not None
 

@@ -4,8 +4,10 @@ what it holds. Through an Engine: tests/engine/test_engine_encode_ahead.py."""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tessera.messages.items import Modality
@@ -106,3 +108,86 @@ def test_results_nobody_took_stop_new_work_at_the_byte_budget() -> None:
         threading.Event().wait(0.01)
     assert float(ahead.take(3)[0, 0]) == 3
     assert tower.calls == [[1, 2], [3]]
+
+
+class RecordingSide:
+    """A SideStream that records what ran inside its scope and which mark each result was received with."""
+
+    def __init__(self) -> None:
+        self.inside = False
+        self.in_scope: list[list[int]] = []
+        self.marks = 0
+        self.received: list[tuple[float, int]] = []
+
+    def scope(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def cm():
+            self.inside = True
+            try:
+                yield
+            finally:
+                self.inside = False
+        return cm()
+
+    def done(self) -> int:
+        assert self.inside  # marked inside the scope: after the call's work, on its stream
+        self.marks += 1
+        return self.marks
+
+    def receive(self, tensor: torch.Tensor, mark) -> torch.Tensor:
+        self.received.append((float(tensor[0, 0]), mark))
+        return tensor
+
+
+def test_calls_run_in_the_side_stream_and_the_step_receives_each_result_after_its_mark() -> None:
+    side = RecordingSide()
+
+    def tower(items: list) -> list[torch.Tensor]:
+        side.in_scope.append([it.hash for it in items]) if side.inside else None
+        return [torch.full((2, 3), float(it.hash)) for it in items]
+
+    gate = threading.Event()
+    first = threading.Event()
+
+    def gated(items: list) -> list[torch.Tensor]:
+        first.set()
+        gate.wait(10)
+        return tower(items)
+
+    ahead = EncodeAhead(gated, chunk=2, capacity=16, budget_bytes=1 << 20, side=side, host_cores=False)
+    ahead.submit([_item(1)])
+    assert first.wait(10)
+    ahead.submit([_item(2), _item(3)])
+    gate.set()
+    for _ in range(1000):  # both calls done (a still-queued item would be left to the step)
+        if not ahead.busy and all(ahead.ready(h) for h in (1, 2, 3)):
+            break
+        time.sleep(0.01)
+    assert [float(ahead.take(h)[0, 0]) for h in (3, 1, 2)] == [3.0, 1.0, 2.0]
+    assert side.in_scope == [[1], [2, 3]]  # every call inside the side stream's scope
+    assert side.received == [(3.0, 2), (1.0, 1), (2.0, 2)]  # each result after its own call's mark
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_side_stream_results_on_cuda_equal_the_same_work_on_the_step_stream() -> None:
+    """Never run on a GPU so far (none at hand when it was written)."""
+    from tessera.platform.device import platform_of
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    w = torch.randn(2048, 2048, device=device)
+
+    def tower(items: list) -> list[torch.Tensor]:
+        return [torch.full((64, 2048), float(it.hash), device=device) @ w for it in items]
+
+    ahead = EncodeAhead(tower, chunk=4, capacity=16, budget_bytes=1 << 30, side=platform_of(device).side_stream(device),
+                        host_cores=False)
+    ahead.submit([_item(h) for h in range(1, 9)])
+    while ahead.busy:
+        time.sleep(0.01)
+    got = [ahead.take(h) for h in range(1, 9)]
+    want = tower([_item(h) for h in range(1, 9)])
+    for g, x in zip(got, want):
+        torch.testing.assert_close(g * 2, x * 2)  # read on the step's stream, after the side stream's event
