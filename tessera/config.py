@@ -109,6 +109,10 @@ class ServerArgs:
     # Only on CUDA with a backend that supports it (triton) and one TP rank.
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    # SGLang's --enable-torch-compile: the decode graphs of batches up to torch_compile_max_bs capture the model's
+    # forward as torch.compile (inductor) built it instead of its eager kernels (worker/cuda_graph.py).
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
     # Decode reads each request's K/V from a contiguous copy kept across steps (appending one token per
     # step) instead of gathering it from the pool's pages every step; it costs up to the pool's size again.
     disable_decode_kv_mirror: bool = False
@@ -218,6 +222,8 @@ class ServerArgs:
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static: must be in (0, 1), got {self.mem_fraction_static!r}")
         _check_device(self.device)
+        if not isinstance(self.torch_compile_max_bs, int) or self.torch_compile_max_bs < 1:
+            raise ValueError(f"torch_compile_max_bs: must be a positive integer, got {self.torch_compile_max_bs!r}")
         if self.cuda_graph_max_bs is not None and (not isinstance(self.cuda_graph_max_bs, int)
                                                    or self.cuda_graph_max_bs < 1):
             raise ValueError(f"cuda_graph_max_bs: must be a positive integer, got {self.cuda_graph_max_bs!r}")

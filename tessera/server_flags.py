@@ -38,6 +38,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "disable_cuda_graph": ("runtime", "run decode steps eagerly instead of replaying CUDA graphs"),
     "cuda_graph_max_bs": ("runtime", "largest decode batch captured as a CUDA graph (default: "
                                      "max_running_requests, at most 160)"),
+    "enable_torch_compile": ("runtime", "capture the decode CUDA graphs over the model compiled by torch.compile "
+                                        "(inductor); falls back to the eager kernels if compiling fails"),
+    "torch_compile_max_bs": ("runtime", "largest decode batch whose graph is compiled (default 32)"),
     "tp_size": ("runtime", "tensor-parallel ranks (GPUs) per replica"),
     "dp_size": ("runtime", "data-parallel replicas (each a scheduler + model) behind one frontend"),
     "load_balance_method": ("runtime", "how requests pick a replica: round_robin, shortest_queue, cache_aware"),

@@ -18,6 +18,10 @@ replaying it turns those launches into one. A graph replays fixed addresses and 
   the stacks are fixed before capture (LoraManager.fix_stacks), so adapters placed later in their slots are
   replayed without a new capture.
 
+With --enable-torch-compile the buckets up to --torch-compile-max-bs capture the model as torch.compile built
+it (inductor, dynamic=False: one specialisation per bucket, as SGLang does) instead of its eager kernels; a
+capture that fails that way is retried without compiling, and the status says so.
+
 The sampler runs outside the graph, on those rows. Its work depends on per-request settings that change from
 step to step (greedy or not, top-k/p, penalties, seeds, logprobs; later grammar masks), which a graph would
 have to cover with one variant per combination or with worst-case work on every row; outside, a greedy batch
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
@@ -144,7 +149,8 @@ class DecodeGraphRunner:
     once `capture()` succeeded, else the same padded forward eagerly."""
 
     def __init__(self, model: TesseraModel, pool: TokenToKVPool, req_to_token: torch.Tensor, sizes: list[int],
-                 pad_row: int, mrope: bool, platform: Platform | None = None, lora: LoraManager | None = None):
+                 pad_row: int, mrope: bool, platform: Platform | None = None, lora: LoraManager | None = None,
+                 compile_max_bs: int = 0):
         assert not req_to_token[pad_row].any(), "the padding row of the slot table must hold only slot 0"
         self.model, self.pool, self.req_to_token = model, pool, req_to_token
         self.platform = platform or platform_of(req_to_token.device)  # what captures the graphs
@@ -159,6 +165,8 @@ class DecodeGraphRunner:
         self.backends = list(found.values())
         self._capturing: int | None = None  # the bucket being captured, for the error message
         self.lora = lora  # its adapters' products are part of every step (see the module docstring)
+        self.compile_max_bs = compile_max_bs  # buckets up to this run the torch.compile'd model (0: none)
+        self._compiled: object | None = None
 
     @property
     def captured(self) -> bool:
@@ -181,7 +189,7 @@ class DecodeGraphRunner:
         graph = self.graphs.get(bucket)
         if graph is None:
             with self._lora_rows(bucket):
-                logits = self.model(self._batch(bucket), self.pool)
+                logits = self._model_for(bucket)(self._batch(bucket), self.pool)
         else:
             graph.replay()
             logits = self.outputs[bucket]
@@ -194,12 +202,44 @@ class DecodeGraphRunner:
         hold padding throughout, so these runs only write the dummy KV slot."""
         def step(bucket: int) -> None:
             with self._lora_rows(bucket):
-                self.outputs[bucket] = self.model(self._batch(bucket), self.pool)
+                self.outputs[bucket] = self._model_for(bucket)(self._batch(bucket), self.pool)
 
+        if self.compile_max_bs:
+            self._check_compiled()
         steps = {bucket: (lambda b=bucket: step(b)) for bucket in self.sizes}
         # Backends that plan on the host (FlashInfer) plan each bucket before every run, outside the graph.
         self.graphs = self.platform.capture_graphs(
             steps, warmup=2, before=self._before_run)
+
+    def _check_compiled(self) -> None:
+        """Runs each compiled bucket once beside the model itself on the padding batch (what the warm-ups run)
+        and raises when the logits differ: a miscompiled model must cost the compile, not the answers."""
+        for bucket in [b for b in self.sizes if b <= self.compile_max_bs]:
+            outs = []
+            for model in (self.model, self._model_for(bucket)):
+                self._before_run(bucket)
+                with self._lora_rows(bucket):
+                    outs.append(model(self._batch(bucket), self.pool).float())
+            want, got = outs
+            # float32 agrees closely; 16-bit activations round differently once inductor fuses them
+            tol = 1e-4 if self.pool.k_buffers[0].dtype == torch.float32 else 5e-2
+            if not (torch.isfinite(got).all() and torch.allclose(got, want, atol=tol, rtol=tol)):
+                diff = (got - want).abs().nan_to_num(float("inf")).max().item()
+                raise RuntimeError(f"torch.compile's logits differ from the model's at batch {bucket} "
+                                   f"(max difference {diff:.3g})")
+
+    def _model_for(self, bucket: int):
+        """The model, or for buckets up to compile_max_bs the model compiled once by torch.compile (its
+        specialisations per bucket are made by the warm-up runs, before the capture)."""
+        if bucket > self.compile_max_bs:
+            return self.model
+        if self._compiled is None:
+            dynamo = torch._dynamo.config
+            dynamo.cache_size_limit = max(dynamo.cache_size_limit, len(self.sizes) + 8)  # a specialisation per bucket
+            backend = os.environ.get("TESSERA_TORCH_COMPILE_BACKEND", "inductor")  # tests: "eager" (dynamo only)
+            self._compiled = torch.compile(self.model, dynamic=False, backend=backend,
+                                           **({"mode": "max-autotune-no-cudagraphs"} if backend == "inductor" else {}))
+        return self._compiled
 
     def _batch(self, bucket: int) -> ForwardBatch:
         return self.buffers.batch(bucket, self.req_to_token, lora=self.lora is not None)
@@ -259,8 +299,15 @@ def capture_decode_graphs(worker, backend_name: str) -> tuple[DecodeGraphRunner 
         worker.lora.fix_stacks(args.max_lora_rank or DEFAULT_LORA_RANK)
     runner = worker.decode_graph_runner(min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, args.max_running_requests))
     failure = runner.try_capture()  # logged there, as an error
+    compiled = ""
+    if failure is not None and runner.compile_max_bs:  # torch.compile's failure must not cost the graphs
+        platform.synchronize(worker.device)
+        runner.compile_max_bs, runner._compiled = 0, None
+        compiled, failure = f" without torch.compile (it failed: {failure})", runner.try_capture()
+    elif runner.compile_max_bs:
+        compiled = f", torch.compile up to batch {runner.compile_max_bs}"
     if failure is not None:
         platform.synchronize(worker.device)
         return None, f"capture failed, decode runs eagerly: {failure}"
-    logger.info("CUDA graphs captured for decode batch sizes %s", runner.sizes)
-    return runner, "captured"
+    logger.info("CUDA graphs captured for decode batch sizes %s%s", runner.sizes, compiled)
+    return runner, "captured" + compiled

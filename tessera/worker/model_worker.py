@@ -144,7 +144,8 @@ class ModelWorker:
     def decode_graph_runner(self, max_bs: int) -> DecodeGraphRunner:
         """A runner of padded decode steps over this worker's model, pool and slot table (not captured)."""
         return DecodeGraphRunner(self.model, self.kv_pool, self.req_to_token, capture_batch_sizes(max_bs),
-                                 self.pad_row, self.config.positions == "mrope", lora=self.lora)
+                                 self.pad_row, self.config.positions == "mrope", lora=self.lora,
+                                 compile_max_bs=self.args.torch_compile_max_bs if self.args.enable_torch_compile else 0)
 
     def _capture_decode_graphs(self, backend_name: str) -> DecodeGraphRunner | None:
         """The decode graphs, or None (every step then runs eagerly); sets cuda_graph_status."""

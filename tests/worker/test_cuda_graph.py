@@ -141,6 +141,28 @@ def test_a_failed_capture_is_an_error_with_its_reason_and_keeps_no_graphs(monkey
     assert runner.try_capture() is None and sorted(runner.graphs) == [1, 2, 4]
 
 
+def test_a_miscompiled_model_fails_the_capture_before_any_graph(monkeypatch) -> None:
+    """torch.compile's output is checked against the model's on the padding batch before capturing: logits that
+    differ (here the compiled function adds 1) fail the capture, naming torch.compile, so the worker recaptures
+    without it (capture_decode_graphs)."""
+    fake = _FakeCuda(monkeypatch, fail_at=0)
+    runs = []
+
+    def model(fb, pool):
+        runs.append(fb.batch_size)
+        return torch.arange(fb.batch_size * 8, dtype=torch.float32).view(fb.batch_size, 8)
+
+    runner = DecodeGraphRunner(model, TokenToKVPool(8, 1, 1, 4), torch.zeros(4, 16, dtype=torch.int64), [1, 2, 4],
+                               pad_row=3, mrope=False, platform=platform_of("cuda"), compile_max_bs=2)
+    monkeypatch.setattr(DecodeGraphRunner, "_model_for",
+                        lambda self, bucket: (lambda fb, pool: model(fb, pool) + (bucket <= 2)))
+    reason = runner.try_capture()
+    assert reason is not None and "torch.compile's logits differ from the model's at batch 1" in reason
+    assert fake.captures == 0 and not runner.captured
+    runner.compile_max_bs = 0  # what capture_decode_graphs does next
+    assert runner.try_capture() is None and sorted(runner.graphs) == [1, 2, 4]
+
+
 def test_the_worker_reports_why_it_has_no_graphs(monkeypatch, caplog) -> None:
     from tessera.frontend.model_info import ModelInfo
     from tessera.models.config import eos_token_ids
@@ -251,7 +273,7 @@ def _random_adapter(tmp: str) -> str:
 def run_padded_against_eager(attention_backend: str, with_image: bool = True,
                              device: torch.device = torch.device("cpu"),
                              drafts: dict[str, list[int]] | None = None,
-                             lora_dir: str | None = None) -> tuple[list[int], dict[str, list[int]]]:
+                             lora_dir: str | None = None, compile_max_bs: int = 0) -> tuple[list[int], dict[str, list[int]]]:
     """Drives two workers through the same scheduler steps: one eager, one whose decode steps run the padded
     forward a graph captures (uncaptured: run eagerly). Asserts equal logits every step; returns the padded
     steps' batch sizes and the outputs. drafts: speculative decoding with these outputs (a run's, recorded) as
@@ -278,6 +300,7 @@ def run_padded_against_eager(attention_backend: str, with_image: bool = True,
     table = LoraSlotTable(2, ["random", "unsure"]) if lora else None
     # Buckets 1, 2, 4: a batch of 3 gets a pad row (up to 16 with drafts: 4 requests x 4 verify rows).
     padded.graph_runner = padded.decode_graph_runner(max_bs=4 if drafts is None else 16)
+    padded.graph_runner.compile_max_bs = compile_max_bs
     padded_sizes: list[int] = []
     runner_forward = padded.graph_runner.forward
 
@@ -331,6 +354,26 @@ def test_padded_decode_with_lora_equals_eager_torch_native(tmp_path, stack, monk
     if stack == "1":  # the adapters change the tokens (once is enough)
         _, plain = run_padded_against_eager("torch_native", with_image=False)
         assert outputs["t0"] != plain["t0"] and outputs["t1"] == plain["t1"]  # t1 ran on the base model
+
+
+@pytest.mark.skipif(IN_INTERPRETER, reason="the torch_native run belongs to the parent process")
+def test_padded_decode_through_torch_compile_equals_eager(monkeypatch) -> None:
+    """--enable-torch-compile: the buckets up to torch_compile_max_bs run the model through torch.compile (here
+    dynamo with the eager backend: the traced program, not inductor's code, which only a GPU run checks) and
+    give the eager worker's logits; the larger buckets run the model itself."""
+    monkeypatch.setenv("TESSERA_TORCH_COMPILE_BACKEND", "eager")
+    compiled: list[int] = []
+    real = DecodeGraphRunner._model_for
+
+    def spy(self, bucket):
+        model = real(self, bucket)
+        if model is not self.model:
+            compiled.append(bucket)
+        return model
+
+    monkeypatch.setattr(DecodeGraphRunner, "_model_for", spy)
+    sizes, _ = run_padded_against_eager("torch_native", with_image=False, compile_max_bs=2)
+    assert set(compiled) == {1, 2} and 3 in sizes, (compiled, sizes)  # bucket 4 (3 rows) ran uncompiled
 
 
 @pytest.mark.slow  # a second interpreter process: ~12 s of CPU
