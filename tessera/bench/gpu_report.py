@@ -75,6 +75,8 @@ def _decode(report: dict) -> list[tuple[str, bool, str]]:
         ratio = d["tessera_b1_ms"] / d["floor_ms"]
         unfused = (f"; {d['unfused_b1_ms']:.2f} ms with TESSERA_TRITON_OPS=0" if d.get("unfused_b1_ms") is not None
                    else "")
+        if d.get("compiled_b1_ms") is not None:
+            unfused += f"; {d['compiled_b1_ms']:.2f} ms with --enable-torch-compile ({d.get('compiled_graph_status')})"
         out.append((name, 0 < ratio <= FLOOR_TARGET, f"{d['tessera_b1_ms']:.2f} ms vs floor {d['floor_ms']:.2f} ms "
                     f"({ratio:.2f}x; {d['decode_weights']['bytes'] / 1e9:.3g} GB read per step{unfused})"))
     big = max(map(int, d.get("hf_step_ms", {})), default=None)

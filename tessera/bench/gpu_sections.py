@@ -36,7 +36,7 @@ NEEDS_S = {"preflight": 0, "bandwidth": 0, "checkpoints": 60, "parity_fp32": 30,
            "decode_2b": 40, "offline_a_7b": 90, "serving_7b": 90,
            "checkpoint tiny": 5, "checkpoint 7b": 60, "checkpoint 2b": 20, "parity case": 5, "Tessera decode": 5,
            "HF batch 1": 25, "HF largest batch": 15, "offline tessera": 40, "offline hf": 60, "serving stop": 35,
-           "unfused batch 1": 30, "spec_oracle_7b": 90, "lora_7b": 60}
+           "unfused batch 1": 30, "spec_oracle_7b": 90, "lora_7b": 60, "compiled batch 1": 120}
 
 # SGLang's published Qwen2.5-VL-7B serving figure on one H200 (MMMU): a reference, not a target.
 SGLANG_VL7B_H200_OUTPUT_TOK_S = 8800
@@ -352,6 +352,20 @@ def decode_speed(path: Path, plan: Plan, bandwidth: float, budget: Budget) -> di
     big = max(map(int, out["tessera_step_ms"]), default=None)
     if big and budget.allows(f"HF batch {big}", plan.needs("HF largest batch")):
         out["hf_step_ms"][str(big)] = _step_ms(hf_run(prompts[:big]), min(plan.decode_tokens, 16), plan.device)
+    del hf
+    if budget.allows("compiled batch 1", plan.needs("compiled batch 1")):
+        # --enable-torch-compile beside the hand-fused kernels: inductor's default mode, whose compile fits the
+        # check's budget (max-autotune's search may not); the status says whether the compiled graph was kept.
+        os.environ["TESSERA_TORCH_COMPILE_MODE"] = "default"
+        try:
+            with Engine(str(path), device=plan.device, dtype=dtype, max_running_requests=1, enable_torch_compile=True,
+                        show_progress=False) as engine:
+                out["compiled_graph_status"] = engine.get_server_info()["effective"].get("cuda_graph_status")
+                out["compiled_b1_ms"] = _step_ms(
+                    lambda k: engine.generate(prompts[:1], {"temperature": 0, "max_new_tokens": k, "ignore_eos": True}),
+                    plan.decode_tokens, plan.device)
+        finally:
+            os.environ.pop("TESSERA_TORCH_COMPILE_MODE", None)
     return out
 
 

@@ -237,8 +237,9 @@ class DecodeGraphRunner:
             dynamo = torch._dynamo.config
             dynamo.cache_size_limit = max(dynamo.cache_size_limit, len(self.sizes) + 8)  # a specialisation per bucket
             backend = os.environ.get("TESSERA_TORCH_COMPILE_BACKEND", "inductor")  # tests: "eager" (dynamo only)
+            mode = os.environ.get("TESSERA_TORCH_COMPILE_MODE", "max-autotune-no-cudagraphs")  # SGLang's
             self._compiled = torch.compile(self.model, dynamic=False, backend=backend,
-                                           **({"mode": "max-autotune-no-cudagraphs"} if backend == "inductor" else {}))
+                                           **({"mode": mode} if backend == "inductor" else {}))
         return self._compiled
 
     def _batch(self, bucket: int) -> ForwardBatch:
