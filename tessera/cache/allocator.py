@@ -84,6 +84,8 @@ class PagedTokenAllocator:
 
     def pages_to_slots(self, pages: torch.Tensor) -> torch.Tensor:
         """All slots of `pages`, page by page: [len(pages) * page_size]."""
+        if self.page_size == 1:  # one op, not four: every prefill chunk of a request comes here
+            return pages + 1
         return (pages[:, None] * self.page_size + 1 + self._page_offsets).flatten()
 
     def alloc_extend(self, prefix_len: int, last_slot: int, extend_len: int) -> torch.Tensor | None:

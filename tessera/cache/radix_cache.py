@@ -234,21 +234,23 @@ class RadixCache:
     # ---- scheduler helpers (see the module docstring) ----------------------------------------------------
 
     def cache_finished_req(self, key: Sequence[int], slots: torch.Tensor, cached_len: int,
-                           last_node: TreeNode) -> None:
+                           last_node: TreeNode, freed: list[torch.Tensor] | None = None) -> None:
         """A request is done. key: its tokens whose KV is written (kv_len of them); slots: every slot the
         request holds, slots[:len(key)] matching key (len(slots) >= len(key); extra ones were allocated but
         unused); cached_len, last_node: what admission (or the last cache_unfinished_req) gave it, its
-        slots[:cached_len] are the tree's. Afterwards the request holds no slot and no lock."""
+        slots[:cached_len] are the tree's. Afterwards the request holds no slot and no lock. freed: the slots
+        to give back are appended there (the caller frees them) instead of freed here."""
         assert len(slots) >= len(key) >= cached_len, (len(slots), len(key), cached_len)
+        free = self.allocator.free if freed is None else freed.append
         if self.disable:
-            self.allocator.free(slots)
+            free(slots)
             return
         aligned = len(key) // self.page_size * self.page_size
         new_prefix_len = self.insert(key[:aligned], slots[:aligned])
         # The locked path [0, cached_len) cannot have been evicted, so insert walks at least that far.
         assert new_prefix_len >= cached_len, (new_prefix_len, cached_len)
         # Both ranges are page aligned at their start and cover pages only this request owns.
-        self.allocator.free(torch.cat((slots[cached_len:new_prefix_len], slots[aligned:])))
+        free(torch.cat((slots[cached_len:new_prefix_len], slots[aligned:])))
         self.dec_lock_ref(last_node)
 
     def cache_unfinished_req(self, key: Sequence[int], slots: torch.Tensor, cached_len: int,

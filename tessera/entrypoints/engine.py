@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from tessera.config import ServerArgs
+from tessera.frontend.embed_batch import run_batch
 from tessera.frontend.embedding import embedding_request, embedding_result, media_prompt
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import FrontendStats, TokenizerManager
@@ -233,13 +234,13 @@ class Engine:
         if len(texts) != n or len(ids_list) != n or len(images) != n:
             raise ValueError(f"image_data: {len(images)} entries for {n} inputs")
         tm = self.tokenizer_manager
-        reqs = []
+        reqs, sampling = [], SamplingParams(max_new_tokens=0)
         for text, ids, imgs in zip(texts, ids_list, images):
             imgs = None if imgs is None else imgs if isinstance(imgs, list) else [imgs]
             if ids is None:
                 text = media_prompt(tm.info, tm.mm_processor, text, len(imgs or []))
-            reqs.append(embedding_request(params, text, ids, imgs, add_special_tokens))
-        outs = [embedding_result(o) for o in self._run(self._generate_all(reqs, False))]
+            reqs.append(embedding_request(params, text, ids, imgs, add_special_tokens, sampling=sampling))
+        outs = [embedding_result(o) for o in self._run(run_batch(tm, reqs))]
         return outs if is_batch else outs[0]
 
     def get_stats(self) -> SchedulerStats:

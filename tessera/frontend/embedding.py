@@ -18,13 +18,15 @@ from tessera.messages.sampling import SamplingParams
 
 def embedding_request(pooling: PoolingParams, text: str | None = None, input_ids: list[int] | None = None,
                       image_data: list[Any] | None = None, add_special_tokens: bool = True,
-                      rid: str | None = None) -> GenerateRequest:
+                      rid: str | None = None, sampling: SamplingParams | None = None) -> GenerateRequest:
     """One embedding request (no tokens generated: max_new_tokens 0); an empty prompt fails when it is
-    tokenized, unless images come with it."""
+    tokenized, unless images come with it. sampling: the batch's shared SamplingParams(max_new_tokens=0)
+    (nothing changes an embedding request's after its check: one check and one pickled copy for the batch)."""
     extra = {"rid": rid} if rid is not None else {}
     if text is None and input_ids is None:
         text = ""  # an image alone (a dual encoder's image input)
-    return GenerateRequest(text=text, input_ids=input_ids, sampling_params=SamplingParams(max_new_tokens=0),
+    sampling = sampling if sampling is not None else SamplingParams(max_new_tokens=0)
+    return GenerateRequest(text=text, input_ids=input_ids, sampling_params=sampling,
                            image_data=image_data or None, pooling=pooling, add_special_tokens=add_special_tokens,
                            **extra)
 

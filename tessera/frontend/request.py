@@ -1,7 +1,9 @@
-"""GenerateRequest: the frontend's typed form of one generate call (Engine or HTTP)."""
+"""GenerateRequest: the frontend's typed form of one generate call (Engine or HTTP); the errors a request
+ends with and the meta_info of its answer."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,3 +59,44 @@ class GenerateRequest:
     @property
     def has_media(self) -> bool:
         return bool(self.image_data or self.video_data or self.audio_data)
+
+
+class EngineUnavailable(RuntimeError):
+    """No scheduler can serve the request (still loading, or its process died): HTTP 503, message public."""
+
+    status = 503
+    public = True
+
+
+class RequestFailed(RuntimeError):
+    """The scheduler failed this request (a model-step error); the details stay in the server log: HTTP 500."""
+
+    status = 500
+
+
+@dataclass(frozen=True)
+class FrontendStats:
+    """Counters of the frontend process (the scheduler's are messages.SchedulerStats).
+
+    preprocess_cache_misses counts the media items that went through the HF image/video
+    processor; hits, those served from the preprocessing cache. Zero for text-only models.
+    """
+
+    preprocess_cache_hits: int = 0
+    preprocess_cache_misses: int = 0
+    preprocess_cache_bytes: int = 0
+    preprocess_cache_entries: int = 0
+
+
+def output_meta(rid: str, out, prompt_tokens: int, completion_tokens: int, created: float,
+                first_token_time: float | None) -> dict:
+    """The meta_info every answer carries (out: the request's final or latest messages.ReqOutput)."""
+    return {
+        "id": rid,
+        "finish_reason": out.finished_reason,
+        "prompt_tokens": out.prompt_tokens or prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "cached_tokens": out.cached_tokens,
+        "e2e_latency": time.monotonic() - created,
+        "ttft": (first_token_time - created) if first_token_time else None,
+    }

@@ -28,7 +28,7 @@ from tessera.frontend.lora_registry import LoraRegistry
 from tessera.frontend.model_info import ModelInfo
 from tessera.frontend.prompt_checks import check_lengths, check_pooling
 from tessera.frontend.preprocess_threads import preprocess_executor
-from tessera.frontend.request import GenerateRequest
+from tessera.frontend.request import EngineUnavailable, FrontendStats, GenerateRequest, RequestFailed, output_meta
 from tessera.frontend.scheduler_procs import launch_schedulers
 from tessera.version import __version__ as tessera_version
 from tessera import messages
@@ -42,19 +42,6 @@ logger = logging.getLogger("tessera")
 STARTUP_TIMEOUT_S = 300
 PREPROCESS_THREADS = 4  # tokenization + media preprocessing threads of the frontend process
 RECV_POLL_MS = 200  # how often an idle receive loop looks at the scheduler processes (a death is seen this fast)
-
-
-class EngineUnavailable(RuntimeError):
-    """No scheduler can serve the request (still loading, or its process died): HTTP 503, message public."""
-
-    status = 503
-    public = True
-
-
-class RequestFailed(RuntimeError):
-    """The scheduler failed this request (a model-step error); the details stay in the server log: HTTP 500."""
-
-    status = 500
 
 
 @dataclass
@@ -71,20 +58,6 @@ class ReqState:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finished: bool = False
-
-
-@dataclass(frozen=True)
-class FrontendStats:
-    """Counters of the frontend process (the scheduler's are messages.SchedulerStats).
-
-    preprocess_cache_misses counts the media items that went through the HF image/video
-    processor; hits, those served from the preprocessing cache. Zero for text-only models.
-    """
-
-    preprocess_cache_hits: int = 0
-    preprocess_cache_misses: int = 0
-    preprocess_cache_bytes: int = 0
-    preprocess_cache_entries: int = 0
 
 
 class TokenizerManager:
@@ -310,9 +283,10 @@ class TokenizerManager:
         return req.has_media or (self.mm_processor is not None and req.text is not None
                                  and self.mm_processor.has_placeholders(req.text))
 
-    def _tokenize(self, req: GenerateRequest, processed=None) -> messages.TokenizedGenerateReq:
+    def _tokenize(self, req: GenerateRequest, processed=None, ids: list[int] | None = None
+                  ) -> messages.TokenizedGenerateReq:
         """Runs in the worker pool: chat-free tokenization, media loading and preprocessing (unless a
-        preprocessing process already made `processed`, the ProcessorOutput)."""
+        preprocessing process already made `processed`, the ProcessorOutput, or a batched call `ids`)."""
         sp = req.sampling_params
         if req.return_logprob:
             sp.logprobs = True
@@ -320,8 +294,11 @@ class TokenizerManager:
         mm_inputs = None
         given = [m for m, data in ((Modality.IMAGE, req.image_data), (Modality.VIDEO, req.video_data),
                                    (Modality.AUDIO, req.audio_data)) if data]
-        refuse_media(self.args.model_name, self.info.modalities, given, self.args.language_model_only)
-        if self._needs_media_processing(req):
+        if given:  # (model_name builds a Path: 1 ms over 256 texts)
+            refuse_media(self.args.model_name, self.info.modalities, given, self.args.language_model_only)
+        if ids is not None:  # a text alone, tokenized by a batched call (frontend/embed_batch.py)
+            input_ids = ids
+        elif self._needs_media_processing(req):
             if self.mm_processor is None:
                 raise ValueError(self.info.no_media_reason())
             out = processed if processed is not None else self.mm_processor.process(
@@ -371,13 +348,7 @@ class TokenizerManager:
         sp = req.sampling_params
         state = ReqState(req, len(tokenized.input_ids), IncrementalDetokenizer(
             self.tokenizer, sp.skip_special_tokens, sp.stop, sp.spaces_between_special_tokens, sp.no_stop_trim))
-        mm = tokenized.mm_inputs
-        self._check_replicas()  # never dispatch to a replica that has died since the last look
-        if not self.ready:
-            raise EngineUnavailable("the scheduler process has exited; the server is shutting down")
-        replica = self.dispatcher.choose(
-            req.rid, mm.pad_input_ids(tokenized.input_ids) if mm else tokenized.input_ids,
-            [item.hash for item in mm.items] if mm else [])
+        replica = self.route([tokenized])[0]
         self.states[req.rid] = state  # only now: the finally below is what removes it
         try:
             await messages.send_async(self.send_socks[replica], tokenized)
@@ -419,22 +390,26 @@ class TokenizerManager:
             if not state.finished:  # client went away or was cancelled: free the scheduler's KV
                 await messages.send_async(self.send_socks[replica], messages.AbortReq(req.rid))
 
+    def route(self, tokenized: list[messages.TokenizedGenerateReq]) -> list[int]:
+        """The replica to send each request to (counted in flight there until dispatcher.finished)."""
+        self._check_replicas()  # never dispatch to a replica that has died since the last look
+        if not self.ready:
+            raise EngineUnavailable("the scheduler process has exited; the server is shutting down")
+        out = []
+        for t in tokenized:
+            mm, ids = t.mm_inputs, t.input_ids
+            out.append(self.dispatcher.choose(t.rid, mm.pad_input_ids(ids) if mm else ids,
+                                              [item.hash for item in mm.items] if mm else []))
+        return out
+
     async def abort(self, rid: str) -> None:
         replica = self.dispatcher.owner(rid)
         if replica is not None:
             await messages.send_async(self.send_socks[replica], messages.AbortReq(rid))
 
     def _result(self, state: ReqState, out: messages.ReqOutput, delta: str) -> dict:
-        now = time.monotonic()
-        meta = {
-            "id": state.request.rid,
-            "finish_reason": out.finished_reason,
-            "prompt_tokens": out.prompt_tokens or state.prompt_tokens,
-            "completion_tokens": len(state.output_ids),
-            "cached_tokens": out.cached_tokens,
-            "e2e_latency": now - state.created,
-            "ttft": (state.first_token_time - state.created) if state.first_token_time else None,
-        }
+        meta = output_meta(state.request.rid, out, state.prompt_tokens, len(state.output_ids), state.created,
+                           state.first_token_time)
         if state.request.return_logprob:
             meta["output_token_logprobs"] = list(zip(state.logprobs, state.output_ids))
             if state.top_logprobs:

@@ -20,9 +20,10 @@ from tessera.messages.frontend import (
     SchedulerError,
     SchedulerReady,
     SchedulerStats,
+    TokenizedBatchReq,
     TokenizedGenerateReq,
 )
 
 __all__ = ["AbortReq", "BatchOutput", "FlushCacheReq", "GetStatsReq", "LoraAdapterReq", "LoraAdapterResult", "ReqOutput", "SchedulerError",
-           "SchedulerReady", "SchedulerStats", "TokenizedGenerateReq", "decode", "dumps", "encode", "loads", "recv",
+           "SchedulerReady", "SchedulerStats", "TokenizedBatchReq", "TokenizedGenerateReq", "decode", "dumps", "encode", "loads", "recv",
            "recv_async", "send", "send_async"]

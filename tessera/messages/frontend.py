@@ -30,6 +30,14 @@ class TokenizedGenerateReq:
 
 
 @dataclass
+class TokenizedBatchReq:
+    """Many requests in one message (a batch of embedding requests, frontend/embed_batch.py): one send and one
+    receive instead of one per request; the scheduler takes each as if it had come alone."""
+
+    reqs: list[TokenizedGenerateReq]
+
+
+@dataclass
 class AbortReq:
     rid: str
 

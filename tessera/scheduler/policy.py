@@ -152,11 +152,12 @@ class KVManager:
         self.allocator.free(slots)
         req.kv_len = kv_len
 
-    def release(self, req: Req, allocated_len: int | None = None) -> None:
+    def release(self, req: Req, allocated_len: int | None = None, freed: list[torch.Tensor] | None = None) -> None:
         """Returns req's KV: whole computed pages go to the radix cache, the rest to the allocator.
 
         allocated_len: slots held beyond kv_len (only after a failed step); normally every
-        allocated slot has had its KV written (allocation and forward share a step).
+        allocated slot has had its KV written (allocation and forward share a step). freed: collects the
+        slots for the allocator instead (release_all frees a step's in one call).
         """
         row = req.req_pool_idx
         if row is None:
@@ -166,10 +167,19 @@ class KVManager:
             self.state_tokens -= int(req.state_slots.numel())
             req.state_slots, req.state_filled = None, False
         slots = self.req_pool.req_to_token[row, : max(req.kv_len, allocated_len or 0)].clone()
-        self.tree.cache_finished_req(req.cache_key()[: req.kv_len], slots, req.prefix_len, req.last_node)
+        self.tree.cache_finished_req(req.cache_key()[: req.kv_len], slots, req.prefix_len, req.last_node, freed)
         self.req_pool.free(row)
         self._released.append(req.rid)
         req.req_pool_idx, req.last_node, req.kv_len, req.prefix_len = None, None, 0, 0
+
+    def release_all(self, reqs: list[Req]) -> None:
+        """release() of each, their slots back to the allocator in one call: a step's embedding requests all
+        finish together, and the allocator's checks cost ~70 us a call on a CPU (64 requests: 4 ms a step)."""
+        freed: list[torch.Tensor] = []
+        for req in reqs:
+            self.release(req, freed=freed)
+        if freed:
+            self.allocator.free(torch.cat(freed))
 
     def cache_prefill(self, req: Req) -> None:
         """After a prefill chunk: share its whole pages through the radix cache right away, so
@@ -303,9 +313,11 @@ class SchedulePolicy:
         return plain, budget
 
     def _shares_inflight_prefix(self, req: Req, inflight: list[list[int]]) -> bool:
-        if self.kv.tree.disable or not inflight:
-            return False
         key = req.cache_key()
+        # The shared span is at most the uncached rest of the prompt: a short one never waits, and the
+        # scan over every in-flight prompt (quadratic in a step's admissions) is skipped.
+        if self.kv.tree.disable or not inflight or len(key) - req.prefix_len < IN_BATCH_PREFIX_MIN:
+            return False
         shared = max(len(os.path.commonprefix([key, other])) for other in inflight)
         return shared - req.prefix_len >= IN_BATCH_PREFIX_MIN
 
@@ -328,3 +340,12 @@ class SchedulePolicy:
             self.speculator.release(req.rid)
         self.running.remove(req)
         self.kv.release(req, allocated_len)
+
+    def finish_all(self, reqs: list[Req]) -> None:
+        """finish() of each (none holds slots past its KV)."""
+        if self.speculator is not None:
+            for req in reqs:
+                self.speculator.release(req.rid)
+        gone = set(map(id, reqs))
+        self.running = [r for r in self.running if id(r) not in gone]
+        self.kv.release_all(reqs)

@@ -190,6 +190,9 @@ class Scheduler:
             else:
                 self.held[req.rid] = (req, grammar)
                 self._admit_ready()
+        elif isinstance(msg, messages.TokenizedBatchReq):
+            for one in msg.reqs:
+                self.handle(one)
         elif isinstance(msg, messages.AbortReq):
             req = self.reqs.pop(msg.rid, None)
             if req is not None:
@@ -386,16 +389,17 @@ class Scheduler:
     def _finish_pooled(self, batch, fi: ForwardInput, result: StepOutput) -> list[messages.ReqOutput]:
         """Embedding requests whose prompt ended in the step finish with their pooled vector (their KV goes
         to the radix cache, as a finished request's)."""
-        outputs = []
+        outputs, done = [], []
         of_rid = {s.req.rid: s.req for s in batch.reqs}
         for entry, vector in zip([e for e in fi.pooling_rows if e.final], result.embeddings):
             req = of_rid[fi.rids[entry.req]]  # entry.req: its row of fi (a verify step's rows come first)
             req.finished_reason = {"type": "stop", "matched": None}
-            self.policy.finish(req)
+            done.append(req)
             self.reqs.pop(req.rid, None)
             outputs.append(self._output(req, req.finished_reason))
             outputs[-1].embedding = vector
-            self.num_embedding_requests += 1
+        self.policy.finish_all(done)
+        self.num_embedding_requests += len(done)
         return outputs
 
     def _fail(self, batch, message: str) -> None:

@@ -203,3 +203,42 @@ def test_headless_base_model_is_an_embedding_model(tiny_qwen3, tmp_path):
             assert_same(out, pooled(ref, "last"))
         with pytest.raises(ValueError, match="^prompt: Qwen3Model is served for embeddings only"):
             engine.generate("hello", {"max_new_tokens": 2})
+
+
+def test_a_batch_mixes_texts_token_ids_and_images(engine, hf, scene_images):
+    """Engine.encode of a list goes as one batch (frontend/embed_batch.py): the texts in one tokenizer call
+    and one message, each image on its own; every answer in its input's place, as HF gives it."""
+    processor, _ = hf
+    prompts = ["a red circle", "Hello there", "x", "the scene"]
+    outs = engine.encode(prompts, image_data=[None, None, None, scene_images[0]])
+    for out, text in zip(outs[:3], prompts):
+        assert_same(out, pooled(hf_hidden(hf, text)))
+    templated = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "the scene"}]}],
+        add_generation_prompt=False, tokenize=False)
+    assert_same(outs[3], pooled(hf_hidden(hf, templated, images=[scene_images[0]])))
+    ids = processor.tokenizer("a red circle")["input_ids"]
+    assert_same(engine.encode(input_ids=[ids, ids])[1], pooled(hf_hidden(hf, "a red circle")))
+
+
+def test_a_bad_input_fails_its_batch_and_nothing_else(engine, hf):
+    """One input too long: the batch fails naming the field, its other requests are dropped (the frontend
+    holds none of them), and the engine answers the next batch and the prompts' own tokenization unchanged."""
+    with pytest.raises(ValueError, match="^prompt:"):
+        engine.encode(["a red circle", "word " * 5000, "x"])
+    tm = engine.tokenizer_manager
+    assert not tm.states and not any(tm.dispatcher.in_flight)
+    outs = engine.encode(TEXTS)
+    for out, text in zip(outs, TEXTS):
+        assert_same(out, pooled(hf_hidden(hf, text)))
+        assert out["meta_info"]["prompt_tokens"] == len(hf[0].tokenizer(text)["input_ids"])
+    assert engine.encode([]) == []
+
+
+def test_batched_tokenizer_call_gives_each_text_its_own_ids(hf):
+    """The batch path's assumption: the fast tokenizer's batch call gives every text what encode gives it."""
+    tok = hf[0].tokenizer
+    texts = ["a red circle", "", "  spaced  out ", "ünïcödé ✓ 漢字", "<|im_start|>user", "x" * 300]
+    for special in (True, False):
+        batch = tok(texts, add_special_tokens=special)["input_ids"]
+        assert batch == [tok.encode(t, add_special_tokens=special) for t in texts]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tessera.cache.kv_pool import TokenToKVPool
-from tessera.layers.attention import cpu_decode, get_attention_backend
+from tessera.layers.attention import cpu_decode, get_attention_backend, packed_extend
 from tessera.layers.forward_batch import ForwardBatch
 
 HEAD_DIM, POOL_SIZE, MAX_CTX = 8, 200, 32
@@ -61,7 +61,7 @@ def decode_path(request, monkeypatch):
 
 @pytest.mark.parametrize("heads", [(4, 2), (4, 4), (6, 1)], ids=["gqa", "mha", "mqa"])
 @pytest.mark.parametrize("layout", ["mixed", "decode_ragged", "decode_equal", "prefill_only", "decode_batch_ragged",
-                                    "decode_batch_equal"])
+                                    "decode_batch_equal", "packed", "packed_beside_masks"])
 def test_matches_reference(heads, layout, decode_path):
     num_heads, num_kv_heads = heads
     seq_lens, ext_lens, masks = {
@@ -72,8 +72,14 @@ def test_matches_reference(heads, layout, decode_path):
         # From MATMUL_DECODE_MIN_BATCH decode requests on, torch's path is matmuls, not SDPA.
         "decode_batch_ragged": ([3, 12, 7, 20, 9, 15], [1] * 6, None),
         "decode_batch_equal": ([8] * 5, [1] * 5, None),
+        # From PACK_MIN_REQUESTS causal extends on, they share one padded call (packed_extend.py).
+        "packed": ([5, 9, 7, 5, 6, 4], [5, 3, 2, 4, 1, 4], None),
+        "packed_beside_masks": ([5, 9, 7, 5, 6, 8], [5, 3, 2, 3, 1, 2], "masks"),
     }[layout]
-    if masks:
+    if masks and layout == "packed_beside_masks":
+        m3 = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 1, 1, 0], [0, 1, 1, 1, 1]], dtype=torch.bool)
+        masks = [None, None, None, m3, None, None]
+    elif masks:
         g = torch.Generator().manual_seed(3)
         m3 = torch.rand(3, 5, generator=g) > 0.5
         m3[torch.arange(3), torch.arange(2, 5)] = True  # every query sees itself
@@ -90,6 +96,24 @@ def test_matches_reference(heads, layout, decode_path):
         out = backend.forward(q, k, v, 0, fb, pool, 0.3)  # no init_forward_metadata: must build it itself
     assert torch.equal(pool.k_buffers[0][fb.out_cache_loc], k) and torch.equal(pool.v_buffers[0][fb.out_cache_loc], v)
     torch.testing.assert_close(out, reference(q, pool.k_buffers[0], pool.v_buffers[0], fb, 0.3), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_packed_extends_match_one_call_each(window, pool_dtype, monkeypatch):
+    """The packed call gives what one SDPA call per request gives, sliding window included; a pool in another
+    dtype than the queries (a prefix-free request's own call reads its fresh K/V) runs one call each."""
+    outs = []
+    for packed in (True, False):
+        monkeypatch.setattr(packed_extend, "PACK_MIN_REQUESTS", 4 if packed else 99)
+        pool, fb, g = make_case([5, 9, 7, 5, 6, 4], [5, 3, 2, 4, 1, 4], 2)
+        pool.k_buffers[0], pool.v_buffers[0] = pool.k_buffers[0].to(pool_dtype), pool.v_buffers[0].to(pool_dtype)
+        pool.dtype = pool_dtype
+        t = fb.out_cache_loc.shape[0]
+        q, k, v = (torch.randn(t, n, HEAD_DIM, generator=g) for n in (4, 2, 2))
+        with torch.inference_mode():
+            outs.append(get_attention_backend("torch_native").forward(q, k, v, 0, fb, pool, 0.3, window))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=0)
 
 
 def test_metadata_is_rebuilt_for_a_new_batch():

@@ -255,3 +255,26 @@ def test_batched_decode_allocation_equals_one_request_at_a_time(page_size: int) 
     assert full.kv.alloc_decode(reqs) is None
     assert torch.equal(full.kv.req_pool.req_to_token, table) and full.kv.allocator.num_free_pages == free
     assert full.kv.take_pending()[0] == []
+
+
+def test_finish_all_releases_as_finishing_one_by_one():
+    """A step's embedding requests are released together (one allocator call): the tree, the free pages and
+    the slot rows end as when each finishes alone."""
+    states = []
+    for together in (False, True):
+        policy = make_policy(256, page_size=2, chunk=64)
+        reqs = [make_req(f"r{i}", [1, 2, 3, 4, 10 + i, 20 + i, 30], 1) for i in range(5)]
+        for r in reqs:
+            policy.add(r)
+        batch = policy.next_batch()
+        assert batch is not None and len(batch.reqs) == 5
+        if together:
+            policy.finish_all(reqs)
+        else:
+            for r in reqs:
+                policy.finish(r)
+        kv = policy.kv
+        states.append((kv.allocator.num_free_pages, kv.tree.total_size(), sorted(kv.allocator.free_page_ids().tolist()),
+                       kv.req_pool.available_size() if hasattr(kv.req_pool, "available_size") else None))
+        assert not policy.running
+    assert states[0] == states[1]

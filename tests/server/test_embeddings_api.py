@@ -95,8 +95,11 @@ def test_messages_with_an_image_match_hf(vl_server, hf):
     ({"input": "hi", "encoding_format": "int8"}, "encoding_format"),
     ({"input": "hi", "temperature": 0}, "temperature"),
     ({"input": [[10 ** 9]]}, "input"),
+    ({"input": ["fine", "word " * 20000, "also fine"]}, "input"),  # one bad input of a batch: the whole 400
 ])
 def test_bad_requests_are_400s_naming_the_field(vl_server, body, param):
     r = httpx.post(f"{vl_server.base_url}/v1/embeddings", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+    r = httpx.post(f"{vl_server.base_url}/v1/embeddings", json={"input": ["fine", "x"]}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["data"]) == 2, r.text  # and the server goes on

@@ -217,6 +217,11 @@ def test_worker_applies_slot_writes_in_order_when_a_row_is_written_twice() -> No
         expected = want.clone() if ws is writes else torch.zeros(4, 8, dtype=torch.int64).index_put_(
             (torch.tensor([2, 2, 2, 1]), torch.tensor([0, 1, 2, 1])), torch.tensor([8, 9, 10, 11]))
         assert torch.equal(table, expected)
+    # A prefill step's admissions: each row's cached prefix, then its new tokens (no entry twice: one scatter).
+    ws = [SlotWrite(1, 0, torch.tensor([5, 6])), SlotWrite(1, 2, torch.tensor([7])), SlotWrite(3, 0, torch.tensor([9]))]
+    table = torch.zeros(4, 8, dtype=torch.int64)
+    apply_slot_writes(table, SimpleNamespace(slot_writes=ws), slot_write_parts(SimpleNamespace(slot_writes=ws)))
+    assert table[1, :3].tolist() == [5, 6, 7] and table[3, 0] == 9
 
 
 

@@ -3,8 +3,9 @@
 `input` is a string, a list of strings, a list of token ids or a list of such lists (OpenAI's forms), or
 SGLang's multimodal form, a list of {"text", "image"} objects; vLLM's chat form sends `messages` instead (image_url
 parts), rendered through the chat template without a generation prompt. Each input is one embedding request;
-they are batched with each other and with whatever else runs. `encoding_format` base64 is the float32 vector's
-little-endian bytes (what the openai client asks for by default and decodes). Errors are 400s naming the field.
+the request's inputs are tokenized, sent and answered as one batch (frontend/embed_batch.py), and batched with
+whatever else runs. `encoding_format` base64 is the float32 vector's little-endian bytes (what the openai client
+asks for by default and decodes). Errors are 400s naming the field.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tessera.entrypoints.openai.request_models import REQUEST_BODIES, _Body
 from tessera.entrypoints.openai.serving import OpenAIServing, check_batch
 from tessera.frontend.embedding import embedding_request, media_prompt
 from tessera.messages.pooling import PoolingParams
+from tessera.messages.sampling import SamplingParams
 
 Input = str | list[str] | list[int] | list[list[int]] | list[dict[str, Any]] | None
 
@@ -124,13 +126,15 @@ async def create_embedding(serving: OpenAIServing, request: Request, req: Embedd
             text = chat_prompt(serving, messages, template, None)
         reqs.append(embedding_request(pooling, text, None, images, bool(req.add_special_tokens)))
     else:
+        sampling = SamplingParams(max_new_tokens=0)  # shared by the batch (see embedding_request)
         for text, ids, images in items:
             if ids is None:
                 text = media_prompt(tm.info, tm.mm_processor, text or "", len(images))
-            reqs.append(embedding_request(pooling, text, ids, images, req.add_special_tokens is not False))
+            reqs.append(embedding_request(pooling, text, ids, images, req.add_special_tokens is not False,
+                                          sampling=sampling))
     names = {n: field for n in ("prompt", "input_ids", "media", "image_data")}
-    tokenized = await serving.prepare(reqs, names)
-    outs = await serving.collect_all(request, reqs, tokenized)
+    tokenized = await serving.prepare(reqs, names, batched=True)
+    outs = await serving.collect_all(request, reqs, tokenized, batched=True)
     data = [{"object": "embedding", "index": i, "embedding": _encoded(out["embedding"], req.encoding_format)}
             for i, out in enumerate(outs)]
     tokens = sum(out["meta_info"]["prompt_tokens"] for out in outs)

@@ -19,6 +19,7 @@ from fastapi import Request
 
 from tessera.entrypoints.openai.errors import APIError
 from tessera.entrypoints.openai.protocol import renamed_error
+from tessera.frontend.embed_batch import run_batch, tokenize_many
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import TokenizerManager
 from tessera.messages.sampling import SamplingParams
@@ -77,12 +78,17 @@ class OpenAIServing:
             reqs.append(GenerateRequest(sampling_params=params, **base))
         return reqs
 
-    async def prepare(self, reqs: list[GenerateRequest], names: dict[str, str]) -> list[TokenizedGenerateReq]:
-        """Validates and tokenizes every request before anything is sent (or any byte answered)."""
+    async def prepare(self, reqs: list[GenerateRequest], names: dict[str, str],
+                      batched: bool = False) -> list[TokenizedGenerateReq]:
+        """Validates and tokenizes every request before anything is sent (or any byte answered). batched:
+        embedding requests, their texts tokenized in one call (frontend/embed_batch.py)."""
         self._admit(len(reqs))
         self.preparing += len(reqs)
         try:
-            tokenized = list(await asyncio.gather(*(self.tm.tokenize(r) for r in reqs)))
+            if batched:
+                tokenized = await tokenize_many(self.tm, reqs)
+            else:
+                tokenized = list(await asyncio.gather(*(self.tm.tokenize(r) for r in reqs)))
         except ValueError as e:
             raise renamed_error(e, names) from None
         finally:
@@ -117,8 +123,9 @@ class OpenAIServing:
                            headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def collect_all(self, request: Request, reqs: list[GenerateRequest],
-                          tokenized: list[TokenizedGenerateReq]) -> list[dict]:
-        """Runs the requests to completion; aborts them all if the client disconnects."""
+                          tokenized: list[TokenizedGenerateReq], batched: bool = False) -> list[dict]:
+        """Runs the requests to completion; aborts them all if the client disconnects. batched: embedding
+        requests, sent and answered as one batch (frontend/embed_batch.py)."""
 
         async def one(r: GenerateRequest, t: TokenizedGenerateReq) -> dict:
             out = None
@@ -126,7 +133,13 @@ class OpenAIServing:
                 pass
             return out
 
-        task = asyncio.ensure_future(asyncio.gather(*(one(r, t) for r, t in zip(reqs, tokenized))))
+        async def batch() -> list[dict]:
+            for r in reqs:  # they enter tm.states before run_batch's first await, as _generate's do
+                self.prepared.pop(r.rid, None)
+            return await run_batch(self.tm, reqs, tokenized)
+
+        task = asyncio.ensure_future(batch() if batched else
+                                     asyncio.gather(*(one(r, t) for r, t in zip(reqs, tokenized))))
         while True:
             done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if done:

@@ -5,7 +5,8 @@ the longest of them. Float32 on a CPU: our C kernel reads the pool in place (cpu
 dtypes, GPUs, no C compiler) the K/V are kept contiguous across steps in a DecodeKVMirror when the
 ForwardBatch carries request generations (the model runner's batches do), else gathered from the pool, and
 attended with SDPA (torch's matmuls for float32 batches of MATMUL_DECODE_MIN_BATCH or more on a CPU, see
-_decode_attention). Prefill/extend requests run one SDPA call each. Gather indices and masks are built once
+_decode_attention). Prefill/extend requests run one SDPA call each, except many short ones without a custom
+mask: those share one padded call per layer (packed_extend.py). Gather indices and masks are built once
 per step (init_forward_metadata) and shared by all layers.
 """
 
@@ -17,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.cache.kv_pool import TokenToKVPool
-from tessera.layers.attention import cpu_decode
+from tessera.layers.attention import cpu_decode, packed_extend
 from tessera.layers.attention.base import BaseAttentionBackend
 from tessera.layers.attention.decode_mirror import DecodeKVMirror, MirrorPlan
 from tessera.layers.forward_batch import ForwardBatch
@@ -51,6 +52,7 @@ class _StepMetadata:
     # masks built once per step: (what, window) -> bool mask; ("additive", id(mask)) -> (mask, float mask)
     step_masks: dict = field(default_factory=dict)
     decode_lens_cpu: torch.Tensor | None = None  # int64 decode_lens for the CPU kernel, built on first use
+    packed: packed_extend.PackedExtends | None = None  # short causal extends attended together
 
     def lens_tensor(self) -> torch.Tensor:
         if self.decode_lens_cpu is None:
@@ -84,6 +86,7 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
 
         decode_reqs: list[int] = []
         extends: list[_ExtendPlan] = []
+        causal: list[tuple[int, int, int, int]] = []  # (start, extend_len, prefix_len, row): no custom mask
         for i, (ext, seq, start) in enumerate(zip(extend_lens, seq_lens, starts)):
             prefix = seq - ext
             if ext == 1 and custom[i] is None:
@@ -91,16 +94,16 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
                 continue
             if ext == 0:
                 continue
-            slots = fb.req_to_token[rows[i], :seq] if prefix > 0 else None
             mask = custom[i]
-            if mask is not None:
-                assert tuple(mask.shape) == (ext, seq), f"custom mask {i}: {tuple(mask.shape)} != {(ext, seq)}"
-                mask = mask.to(device=device, dtype=torch.bool)
-            elif prefix > 0:
-                # Query j sits at absolute position prefix + j: it sees keys 0..prefix + j.
-                q_pos = torch.arange(prefix, seq, device=device)
-                mask = torch.arange(seq, device=device)[None, :] <= q_pos[:, None]
-            extends.append(_ExtendPlan(start, ext, prefix, slots, mask))
+            if mask is None:
+                causal.append((start, ext, prefix, rows[i]))
+                continue
+            assert tuple(mask.shape) == (ext, seq), f"custom mask {i}: {tuple(mask.shape)} != {(ext, seq)}"
+            slots = fb.req_to_token[rows[i], :seq] if prefix > 0 else None
+            extends.append(_ExtendPlan(start, ext, prefix, slots, mask.to(device=device, dtype=torch.bool)))
+        packed = packed_extend.plan(causal, fb.req_to_token)
+        if packed is None:
+            extends += _causal_plans(causal, fb.req_to_token)
 
         decode_rows = decode_slots = decode_mask = None
         if decode_reqs:
@@ -118,7 +121,7 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
         gens = fb.req_generations
         keys = [(rows[i], gens[i]) for i in decode_reqs] if gens is not None and decode_reqs else None
         return _StepMetadata(fb, is_all_decode, decode_rows, decode_slots, decode_mask, extends, keys,
-                             [seq_lens[i] for i in decode_reqs])
+                             [seq_lens[i] for i in decode_reqs], packed=packed)
 
     def paged_decode_plan(self, fb: ForwardBatch, pool: TokenToKVPool,
                           num_heads: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -172,6 +175,11 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
             return self._decode(q, k, v, pool, layer_id, meta, scaling, sliding_window)
 
         out = q.new_empty(num_tokens, num_heads * head_dim)
+        if meta.packed is not None and pool.dtype != q.dtype:  # prefix-free keys differ from the pool's copy
+            meta.extends += _causal_plans(meta.packed.members, fb.req_to_token)
+            meta.packed = None
+        if meta.packed is not None:
+            packed_extend.attend(meta.packed, q, pool, layer_id, scaling, is_gqa, sliding_window, out)
         if meta.decode_rows is not None:
             r = meta.decode_rows
             out[r] = self._decode(q[r], k[r], v[r], pool, layer_id, meta, scaling, sliding_window)
@@ -265,6 +273,20 @@ class TorchNativeAttentionBackend(BaseAttentionBackend):
             k_pos = torch.arange(max_len, device=device)[None, :]
             meta.step_masks[key] = ((k_pos < n) & (k_pos >= n - window))[:, None, None, :]
         return meta.step_masks[key]
+
+
+def _causal_plans(members: list[tuple[int, int, int, int]], req_to_token: torch.Tensor) -> list[_ExtendPlan]:
+    """One plan per request (start, extend_len, prefix_len, req row) without a custom mask."""
+    plans = []
+    for start, ext, prefix, row in members:
+        seq, slots, mask = prefix + ext, None, None
+        if prefix > 0:
+            # Query j sits at absolute position prefix + j: it sees keys 0..prefix + j.
+            slots = req_to_token[row, :seq]
+            q_pos = torch.arange(prefix, seq, device=req_to_token.device)
+            mask = torch.arange(seq, device=req_to_token.device)[None, :] <= q_pos[:, None]
+        plans.append(_ExtendPlan(start, ext, prefix, slots, mask))
+    return plans
 
 
 # Below this many decode requests the CPU path keeps SDPA (one request: 31 vs 49 us per layer at demo-vl's
