@@ -109,6 +109,13 @@ def test_kernels_match_reference(dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert torch.allclose(got, want, atol=tol * 10, rtol=tol), (got - want).abs().max()
     assert IN_INTERPRETER or DEVICE.type == "cuda"
+    # As a decode CUDA graph runs them: the rows' slots from a static buffer alone (no groups from the host)
+    step.clear()
+    row_slots = torch.tensor([s for s, k in zip(req_slots, lens) for _ in range(k)], device=DEVICE)
+    with step.decode_graph(row_slots, 4):
+        got = slots(x.to(DEVICE, dtype), y.to(DEVICE, dtype).clone()).double().cpu()
+    assert torch.allclose(got, want, atol=tol * 10, rtol=tol), (got - want).abs().max()
+    assert step.groups is None and step.row_slots is None and not step.graph  # left as it was
 
 
 def test_fixed_stacks_stay_put_and_refuse_higher_ranks(tmp_path):
