@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from tessera.bench.metrics import median_ms
+
 from tessera.layers.forward_batch import ForwardBatch
 
 CONTEXT = PREFILL = 256
@@ -92,16 +94,6 @@ class _Variant:
         self._step(1, 0, PREFILL, PREFILL - 1)
 
 
-def _median_ms(fn, n: int, clock=time.perf_counter) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t = clock()
-        fn()
-        times.append(clock() - t)
-    return statistics.median(times) * 1e3
-
-
 @torch.inference_mode()
 def run(model_path: str, dtypes: list[str], rounds: int, threads: int, decode_steps: int = 32,
         cpu_time: bool = False) -> dict:
@@ -119,8 +111,8 @@ def run(model_path: str, dtypes: list[str], rounds: int, threads: int, decode_st
     for _ in range(rounds):
         out["bandwidth_gb_s"].append(_bandwidth())
         for d, v in variants.items():
-            out[d]["decode_ms"].append(_median_ms(v.decode, decode_steps, clock))
-            out[d]["prefill_tok_s"].append(PREFILL / _median_ms(v.prefill, 3, clock) * 1e3)
+            out[d]["decode_ms"].append(median_ms(v.decode, decode_steps, clock))
+            out[d]["prefill_tok_s"].append(PREFILL / median_ms(v.prefill, 3, clock) * 1e3)
     read = statistics.median(r for r, _ in out["bandwidth_gb_s"])
     for d in dtypes:
         row = out[d]

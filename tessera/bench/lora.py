@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tessera.bench.metrics import median_ms
 from tessera.layers.forward_batch import ForwardBatch
 from tessera.layers.linear import MergedLinear
 
@@ -124,16 +125,6 @@ class _Bench:
         self.len = CONTEXT + (self.len - CONTEXT + 1) % 200
 
 
-def _median_ms(fn, n: int, clock=time.perf_counter) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t = clock()
-        fn()
-        times.append(clock() - t)
-    return statistics.median(times) * 1e3
-
-
 @torch.inference_mode()
 def run(model_path: str, batch: int, adapters: int, rank: int, rounds: int, threads: int, steps: int = 20,
         cpu_time: bool = False, device: str = "cpu", dtype: str = "float32") -> dict:
@@ -147,7 +138,7 @@ def run(model_path: str, batch: int, adapters: int, rank: int, rounds: int, thre
     out: dict = {name: [] for name in cases}
     for _ in range(rounds):
         for name, slots in cases.items():
-            out[name].append(_median_ms(lambda s=slots: bench.step(s), steps,
+            out[name].append(median_ms(lambda s=slots: bench.step(s), steps,
                                         time.process_time if cpu_time else time.perf_counter))
     summary = {name: statistics.median(v) for name, v in out.items()}
     return {"model": model_path, "batch": batch, "adapters": adapters, "rank": rank, "threads": threads,

@@ -11,11 +11,25 @@ Throughputs divide the tokens of *successful* requests by the wall time of the w
 from __future__ import annotations
 
 import math
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+
+
+def median_ms(fn: Callable[[], object], n: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median milliseconds of n calls of fn after one warm-up call (clock: wall, or the process's CPU time)."""
+    fn()
+    times = []
+    for _ in range(n):
+        t = clock()
+        fn()
+        times.append(clock() - t)
+    return statistics.median(times) * 1e3
 
 
 @dataclass
