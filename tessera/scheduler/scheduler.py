@@ -19,8 +19,8 @@ from tessera.messages.worker import ForwardInput, StepOutput
 from tessera.models.config import ModelConfig
 from tessera.platform.device import platform_of
 from tessera.platform.threads import AdaptiveThreads, available_cores
-from tessera.scheduler.overlap import Launched, Overlap
 from tessera.scheduler.lora_slots import LoraSlotTable, handle_lora_adapter
+from tessera.scheduler.overlap import Launched, Overlap
 from tessera.scheduler.req import Req
 from tessera.scheduler.speculative import accepted_prefix, make_speculator
 from tessera.scheduler.step_input import build_forward_input, take_prompt_logprobs
