@@ -134,6 +134,10 @@ class ServerArgs:
     mem_fraction_static: float = 0.85  # share of the GPU's memory for weights + KV pool
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
+    # Overlap scheduling (scheduler/overlap.py): the host forms and launches decode step N+1 before it reads step
+    # N's tokens. SGLang's --disable-overlap-schedule is accepted too; `overlap_schedule` decides.
+    enable_overlap_schedule: bool = False
+    disable_overlap_schedule: bool = False
     # Multimodal
     mm_cache_size_mb: int = 256
     keep_mm_feature_on_device: bool = False
@@ -265,6 +269,15 @@ class ServerArgs:
             set_("speculative_algorithm", self.speculative_algorithm.upper())
             self.speculative_num_draft  # noqa: B018 -- checks the speculative flags
         self._check_lora(set_)
+        if self.enable_overlap_schedule and self.disable_overlap_schedule:
+            raise ValueError("enable_overlap_schedule: --disable-overlap-schedule is given too; choose one")
+
+    @property
+    def overlap_schedule(self) -> bool:
+        """The one place the default is decided: off unless --enable-overlap-schedule (SGLang's default is on;
+        ours stays off until the overlap has run on a GPU). Under tensor parallelism it stays off: only rank 0
+        samples, so the other ranks could not resolve a step's input ids from the previous step's tokens."""
+        return self.enable_overlap_schedule and not self.disable_overlap_schedule and self.tp_size == 1
 
     @property
     def speculative_num_draft(self) -> int:

@@ -71,6 +71,9 @@ FLAGS: dict[str, tuple[str, str]] = {
     "mem_fraction_static": ("scheduling", "share of GPU memory for weights + KV pool"),
     "disable_radix_cache": ("scheduling", "no prefix reuse across requests"),
     "schedule_policy": ("scheduling", "queue order: fcfs or lpm (longest cached prefix first)"),
+    "enable_overlap_schedule": ("scheduling", "form and launch the next decode step while the device runs the "
+                                              "current one (off by default: not yet run on a GPU; one TP rank)"),
+    "disable_overlap_schedule": ("scheduling", "SGLang's flag: no overlap scheduling (already Tessera's default)"),
     "stream_interval": ("scheduling", "tokens per streamed chunk"),
     "speculative_algorithm": ("scheduling", "speculative decoding: NGRAM (prompt lookup), STANDALONE (a draft "
                                             "model with the same tokenizer); EAGLE is not supported"),

@@ -144,6 +144,9 @@ class ForwardInput:
     lora_loads: list[tuple[int, str | None]] = field(default_factory=list)
     # Embedding requests' rows (worker/pooling.py): their final hidden states are pooled, never sampled.
     pooling_rows: list[PoolingRows] = field(default_factory=list)
+    # Overlap scheduling (scheduler/overlap.py): input_ids < 0 are the previous step's sampled ids, row -1 - id,
+    # which the worker reads on the device (worker/step_launch.py); the host never saw them.
+    placeholders: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -72,6 +73,36 @@ class Platform:
     def side_stream(self, device: torch.device) -> SideStream:
         """Where a background thread's device work runs beside the steps (see SideStream)."""
         return SideStream()
+
+    def start_read(self, tensors: Sequence[torch.Tensor]) -> HostRead:
+        """Starts bringing a step's results to the host without waiting for the step (see HostRead)."""
+        return HostRead(list(tensors))
+
+
+class HostRead:
+    """A step's device results on their way to the host; `wait()` gives the host tensors. On the host they are
+    the tensors themselves, at once (the step has run by the time it returns)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        self._tensors = tensors
+
+    def wait(self) -> list[torch.Tensor]:
+        return self._tensors
+
+
+class CudaHostRead(HostRead):
+    """Non-blocking copies into pinned host memory queued behind the step's kernels, and an event after them:
+    the host is free to form the next step until `wait()` (the overlap scheduler's read-back)."""
+
+    def __init__(self, tensors: list[torch.Tensor]):
+        super().__init__([torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in tensors])
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self) -> list[torch.Tensor]:
+        self._event.synchronize()
+        return self._tensors
 
 
 class SideStream:
@@ -147,44 +178,42 @@ class StepClock:
 
 class CudaStepClock(StepClock):
     """StepClock from CUDA events on the current stream: a step's busy time is the span of its work on the
-    device, an idle gap runs from the previous step's end to this step's first kernel. A step's events are read
-    when the next one begins (or when asked): the step's own read-back has waited for them, so reading them
-    never stalls the host."""
+    device, an idle gap runs from the previous step's end to this step's first kernel. `begin` and `end` bracket
+    the queuing of a step, the events time its run. Steps are read once their events have completed, oldest
+    first: the overlap scheduler queues step N+1 while step N still runs, and reading N then would wait for it."""
 
     def __init__(self) -> None:
         super().__init__()
         self._start = None
-        self._pending = None  # (start, stop) of the last step, not yet read
+        self._pending: deque = deque()  # (start, stop) of steps not yet read, oldest first
         self._prev_stop = None
 
     def begin(self) -> None:
-        self._settle()
+        self._settle(wait=False)
         self._start = torch.cuda.Event(enable_timing=True)
         self._start.record()
 
     def end(self) -> None:
         stop = torch.cuda.Event(enable_timing=True)
         stop.record()
-        self._pending = (self._start, stop)
+        self._pending.append((self._start, stop))
 
     def idle(self) -> None:
-        self._settle()
+        self._settle(wait=True)  # no step is in flight when the scheduler pauses: nothing waits long
         self._prev_stop = None
 
     def times(self) -> tuple[float, float]:
-        self._settle()
+        self._settle(wait=False)  # a step still running is counted once it has finished
         return self.busy_s, self.idle_s
 
-    def _settle(self) -> None:
-        if self._pending is None:
-            return
-        start, stop = self._pending
-        self._pending = None
-        stop.synchronize()
-        self.busy_s += start.elapsed_time(stop) / 1e3
-        if self._prev_stop is not None:
-            self.idle_s += max(0.0, self._prev_stop.elapsed_time(start) / 1e3)
-        self._prev_stop = stop
+    def _settle(self, wait: bool) -> None:
+        while self._pending and (wait or self._pending[0][1].query()):
+            start, stop = self._pending.popleft()
+            stop.synchronize()
+            self.busy_s += start.elapsed_time(stop) / 1e3
+            if self._prev_stop is not None:
+                self.idle_s += max(0.0, self._prev_stop.elapsed_time(start) / 1e3)
+            self._prev_stop = stop
 
 
 class CudaPlatform(Platform):
@@ -222,6 +251,9 @@ class CudaPlatform(Platform):
 
     def side_stream(self, device: torch.device) -> SideStream:
         return CudaSideStream(device)
+
+    def start_read(self, tensors: Sequence[torch.Tensor]) -> HostRead:
+        return CudaHostRead(list(tensors))
 
     def capture_graphs(self, fns: dict[int, Callable[[], None]], warmup: int = 2,
                        before: Callable[[int], None] | None = None) -> dict[int, object]:

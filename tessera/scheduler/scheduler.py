@@ -7,27 +7,26 @@ sampled tokens, check stop conditions -> send incremental outputs -> release fin
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Protocol
 
-import torch
 import zmq
 
 from tessera import messages
 from tessera.config import ServerArgs
 from tessera.constrained.matcher import GrammarCompiler
-from tessera.messages.items import Modality, MultimodalDataItem
-from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
+from tessera.messages.items import Modality
+from tessera.messages.worker import ForwardInput, StepOutput
 from tessera.models.config import ModelConfig
 from tessera.platform.device import platform_of
 from tessera.platform.threads import AdaptiveThreads, available_cores
 from tessera.scheduler.lora_slots import LoraSlotTable, handle_lora_adapter
+from tessera.scheduler.overlap import Launched, Overlap
 from tessera.scheduler.req import Req
 from tessera.scheduler.speculative import accepted_prefix, make_speculator
 from tessera.scheduler.step_input import build_forward_input, take_prompt_logprobs
 from tessera.scheduler.stops import finish_reason, matched_stop_string  # noqa: F401 -- re-exported
 from tessera.scheduler.summary import PeriodicSummary
+from tessera.scheduler.worker_api import RankGroup, StepWorker  # noqa: F401 -- StepWorker re-exported
 
 logger = logging.getLogger("tessera.scheduler")
 # While requests are held (media encoded ahead, a grammar compiling), the loop waits this long for a message
@@ -35,58 +34,14 @@ logger = logging.getLogger("tessera.scheduler")
 HELD_POLL_MS = 2
 
 
-class StepWorker(Protocol):
-    """What the scheduler asks of rank 0's model worker (worker/model_worker.py's ModelWorker)."""
-
-    info: WorkerInfo
-    device: torch.device
-    # Called between the parts of a long step, so the CPU thread policy can re-decide (None: nothing).
-    between_phases: Callable[[], object] | None
-
-    def execute(self, fi: ForwardInput) -> StepOutput: ...
-
-    def flush_cache(self) -> None: ...
-
-    def lora_adapter(self, name: str, path: str | None) -> None: ...  # load (path) or unload (None) an adapter
-
-    def cache_stats(self) -> tuple[int, int, int]: ...
-
-    # Encoding a request's media before its prefill, on a core of its own (worker/encode_ahead.py).
-    def start_encode_ahead(self) -> bool: ...
-
-    def encode_ahead(self, items: Sequence[MultimodalDataItem]) -> None: ...
-
-    def media_ready(self, items: Sequence[MultimodalDataItem]) -> bool: ...
-
-    def background_cores(self) -> int: ...
-
-    # How long the device ran steps and sat idle between consecutive ones (platform StepClock); idle() marks
-    # a pause of the scheduler (no batch), whose gap is not the device's idle time.
-    def device_times(self) -> tuple[float, float]: ...
-
-    def idle(self) -> None: ...
-
-    # STANDALONE speculative decoding's draft model (worker/draft_model.py), or None; fakes may omit it.
-    draft_proposer: object | None
-
-
-class RankGroup(Protocol):
-    """The other tensor-parallel ranks (distributed/tp_launch.py's TPGroupHandle)."""
-
-    @property
-    def alive(self) -> bool: ...
-
-    def broadcast(self, msg: tuple) -> None: ...
-
-
-
 class Scheduler:
     """Owns the request table, the page allocator, the radix tree and the cache keys; each step it hands a
     ForwardInput to the model worker and applies the sampled tokens it returns.
 
     The worker (rank 0's, in this process) and the handle of the other TP ranks are given: the scheduler
-    knows them only through `worker.info`, `worker.execute(ForwardInput) -> StepOutput` and its cache calls,
-    and `tp.broadcast(message)` (entrypoints/scheduler_process.py builds them)."""
+    knows them only through `worker.info`, `worker.launch(ForwardInput)` / `collect(handle) -> StepOutput`, its
+    cache calls and `tp.broadcast(message)` (scheduler/worker_api.py; entrypoints/scheduler_process.py builds
+    them)."""
 
     def __init__(self, args: ServerArgs, recv_endpoint: str, send_endpoint: str, worker: StepWorker,
                  config: ModelConfig, eos_ids: set[int], tp: RankGroup | None = None, dp_rank: int = 0):
@@ -150,6 +105,11 @@ class Scheduler:
         self.summary = PeriodicSummary(dp_rank=dp_rank)
         self.mm_transport_bytes = {m.value: 0 for m in Modality}
         self.mm_items = {"deferred": 0, "eager": 0}
+        # Forms decode step N+1 while the device runs step N (scheduler/overlap.py); speculative steps need the
+        # tokens on the host before the next one.
+        self.overlap = Overlap(self) if args.overlap_schedule and self.speculator is None else None
+        if args.overlap_schedule and self.overlap is None:
+            logger.info("overlap scheduling is off: speculative decoding verifies each step's tokens on the host")
 
     # ---- messages -----------------------------------------------------------------------
     def handle(self, msg) -> None:
@@ -197,13 +157,16 @@ class Scheduler:
             req = self.reqs.pop(msg.rid, None)
             if req is not None:
                 held = self.held.pop(msg.rid, None)
-                if held is None:
-                    self.policy.remove(req)
+                if held is None:  # overlap: a step in flight holds a row of it; its KV goes back after that step
+                    if self.overlap is None or not self.overlap.release_later(req, finished=False):
+                        self.policy.remove(req)
                 elif held[1] is not None:
                     held[1].cancel()
                 req.finished_reason = {"type": "abort", "message": "aborted by client"}
                 self._emit([self._output(req, req.finished_reason)])
         elif isinstance(msg, messages.FlushCacheReq):
+            if self.overlap is not None:
+                self.overlap.drain()  # its finished requests' KV goes back to the tree before the reset
             if not self.reqs:
                 self.tree.reset()
                 if self.tp is not None:
@@ -296,27 +259,41 @@ class Scheduler:
         return finish_reason(req, self.tokenizer, self.context_length)
 
     def step(self) -> bool:
+        if self.overlap is not None:
+            return self.overlap.step()
         batch = self.policy.next_batch()
         if batch is None:
             return False
+        step = self.launch(batch)
+        if step is not None:
+            self.finish_step(step)
+        return True
+
+    def launch(self, batch, fi: ForwardInput | None = None) -> Launched | None:
+        """Hands the step to the worker (its ForwardInput built here unless given); None when it failed, which
+        fails its batch."""
         try:
-            fi = build_forward_input(batch, self.model_cls, self.config, self.policy.kv)
-            if self.lora_slots is not None:
-                self.lora_slots.fill(fi, batch)
+            if fi is None:
+                fi = build_forward_input(batch, self.model_cls, self.config, self.policy.kv)
+                if self.lora_slots is not None:
+                    self.lora_slots.fill(fi, batch)
             if self.tp is not None:  # every rank runs the same step; rank 0 (here) samples
                 self.tp.broadcast(("step", fi))
             if self.threads is not None and self.threads.before_step() == self.threads.cores:
                 self.num_steps_all_cores += 1
-            result = self.worker.execute(fi)
+            return Launched(batch, fi, self.worker.launch(fi))
         except Exception as e:  # a bug or a bad tensor that got past the frontend: fail this batch only
-            logger.exception("model step failed; failing the %d requests of the batch", len(batch.reqs))
-            self._fail(batch, f"internal error in the model step: {type(e).__name__}: {e}")
-            if self.tp is not None and not self.tp.alive:
-                # A tensor-parallel rank died: this replica cannot step again. Exit, so the frontend takes
-                # the replica out and fails its requests (or stops, when it was the only one).
-                logger.error("a tensor-parallel rank exited; stopping this replica")
-                raise SystemExit(1) from e
-            return True
+            self._step_failed(batch, e)
+            return None
+
+    def finish_step(self, step: Launched) -> None:
+        """Reads a launched step's tokens and applies them: appends, stop checks, outputs, finished KV back."""
+        try:
+            result = self.worker.collect(step.handle)
+        except Exception as e:
+            self._step_failed(step.batch, e)
+            return
+        batch, fi = step.batch, step.fi
         self.num_forward_steps += 1
         for s in batch.reqs:
             if s.is_prefill:
@@ -331,7 +308,9 @@ class Scheduler:
             if not s.samples:
                 continue
             req, rows = s.req, 1 + len(s.draft)
-            if req.sampling_params.max_new_tokens == 0:  # ran for its prompt logprobs only
+            if req.finished:  # overlap: finished (or aborted) while this step ran; its token is discarded
+                pass
+            elif req.sampling_params.max_new_tokens == 0:  # ran for its prompt logprobs only
                 req.finished_reason = {"type": "length", "length": 0}
                 self._finish(req, req.finished_reason, outputs)
             else:
@@ -346,7 +325,15 @@ class Scheduler:
                         outputs.append(self._output(req))
             row += rows
         self._emit(outputs)
-        return True
+
+    def _step_failed(self, batch, e: Exception) -> None:
+        logger.error("model step failed; failing the %d requests of the batch", len(batch.reqs), exc_info=e)
+        self._fail(batch, f"internal error in the model step: {type(e).__name__}: {e}")
+        if self.tp is not None and not self.tp.alive:
+            # A tensor-parallel rank died: this replica cannot step again. Exit, so the frontend takes
+            # the replica out and fails its requests (or stops, when it was the only one).
+            logger.error("a tensor-parallel rank exited; stopping this replica")
+            raise SystemExit(1) from e
 
     def _verified(self, s, sampled: list[int]) -> list[int]:
         """A verify step's tokens to emit: the sampled rows up to the first that differs from its draft (see
@@ -369,7 +356,8 @@ class Scheduler:
             return True
         if req.return_logprob:
             req.logprobs.append(result.logprobs[row])  # type: ignore[index]
-            if result.top_logprobs is not None:
+            # Only a request that asked: the others' [] entries would depend on which batch they shared.
+            if result.top_logprobs is not None and req.sampling_params.top_logprobs_num:
                 req.top_logprobs.append(result.top_logprobs[row])
         finished = self._check_finished(req)
         if finished is not None:
@@ -381,9 +369,10 @@ class Scheduler:
         """Ends req: its KV goes back (a verify step that finished before its last accepted token holds KV past
         its last token: those slots too) and its final output joins `outputs`."""
         req.finished_reason = finished
-        held = req.kv_len
-        req.kv_len = min(req.kv_len, req.seq_len)
-        self.policy.finish(req, allocated_len=held)
+        if self.overlap is None or not self.overlap.release_later(req, finished=True):
+            held = req.kv_len
+            req.kv_len = min(req.kv_len, req.seq_len)
+            self.policy.finish(req, allocated_len=held)
         self.reqs.pop(req.rid, None)
         outputs.append(self._output(req, finished))
     def _finish_pooled(self, batch, fi: ForwardInput, result: StepOutput) -> list[messages.ReqOutput]:
@@ -406,9 +395,12 @@ class Scheduler:
         outputs = []
         for s in batch.reqs:
             req = s.req
-            req.kv_len = s.start  # the failed step wrote no usable KV; its fresh slots are freed
+            if req.finished:  # overlap: already answered while the step ran
+                continue
+            # The failed step wrote no usable KV; its fresh slots are freed (and those of a step launched after it).
+            held, req.kv_len = max(s.end, req.kv_len), s.start
             req.finished_reason = {"type": "error", "message": message}
-            self.policy.finish(req, allocated_len=s.end)
+            self.policy.finish(req, allocated_len=held)
             self.reqs.pop(req.rid, None)
             outputs.append(self._output(req, req.finished_reason))
         self._emit(outputs)
@@ -423,6 +415,8 @@ class Scheduler:
         need to get the held requests to their first token; demo-vl on 2 cores, 256 requests at concurrency
         16, four alternations: 2,103-2,618 output tok/s against 1,897-2,152, TTFT p99 316-419 ms against
         379-533 (docs/benchmarks.md, "Yielding to the encoder")."""
+        if self.overlap is not None and self.overlap.inflight is not None:
+            return 0  # the step in flight is collected (its finished requests' KV released) at once
         if not (self.policy.running or self.policy.waiting):
             return HELD_POLL_MS if self.held else 1000
         if self.held and not self.policy.waiting and self.threads is not None:

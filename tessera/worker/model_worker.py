@@ -32,7 +32,8 @@ from tessera.messages.items import Modality, MultimodalDataItem
 from tessera.layers.forward_batch import ForwardBatch
 from tessera.worker.draft_model import DraftModel
 from tessera.worker.encode_ahead import EncodeAhead
-from tessera.worker.sampler import Sampler, SamplingBatchInfo
+from tessera.worker.sampler import Sampler
+from tessera.worker.step_launch import StepHandle, launch_outputs, resolve_placeholders
 from tessera.worker.cuda_graph import DecodeGraphRunner, DecodeInputs, capture_batch_sizes, capture_decode_graphs
 from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.platform import cpu_kernels, host_memory
@@ -42,7 +43,7 @@ from tessera.worker.lora_step import build_lora, by_adapter, encode_by_adapter, 
 from tessera.worker.masks import span_mask
 from tessera.worker.slot_writes import apply_slot_writes, slot_write_parts
 from tessera.worker.pooling import Pooler, hidden_rows
-from tessera.worker.prompt_logprobs import extra_logits_rows, prompt_logprobs
+from tessera.worker.prompt_logprobs import extra_logits_rows
 
 logger = logging.getLogger("tessera.worker")
 
@@ -112,6 +113,7 @@ class ModelWorker:
         self._held: dict[str, dict[int, torch.Tensor]] = {}  # rid -> item hash -> embedding
         self.pooler = Pooler()  # embedding requests' partial pools across prefill chunks
         self._pooled_hidden: torch.Tensor | None = None  # the last step's hidden rows for the pooler
+        self.previous_ids: torch.Tensor | None = None  # the last step's sampled ids (device), for placeholders
         # Called between the parts of a long step (encoder chunks, then the language model): the scheduler's
         # CPU thread policy (platform/threads.py) re-decides there, so a step that began while the frontend was busy
         # does not keep one core when that core frees up. None: nothing to call.
@@ -365,6 +367,8 @@ class ModelWorker:
             [_int64(p) for p in (fi.input_ids, fi.positions, fi.out_cache_loc, fi.req_pool_indices, fi.seq_lens,
                                  fi.extend_lens, fi.logits_rows + extra_logits_rows(fi.prompt_logprob_rows),
                                  *writes)], self.device)
+        if fi.placeholders:  # overlap scheduling: the previous step's tokens, read on the device
+            input_ids = resolve_placeholders(input_ids, self.previous_ids)
         apply_slot_writes(self.req_to_token, fi, staged_writes)
         masks = self._custom_masks(fi)
         mm_rows, mm_embeds = self._mm_embeds(fi)
@@ -402,41 +406,27 @@ class ModelWorker:
         self.clock.idle()
 
     def execute(self, fi: ForwardInput) -> StepOutput:
+        return self.collect(self.launch(fi))
+
+    def launch(self, fi: ForwardInput) -> StepHandle:
+        """Queues the step (forward, sampling) and starts reading its tokens back (worker/step_launch.py); on
+        a CPU it has run when this returns. The clock brackets the queuing: on CUDA its events time the run."""
         self.clock.begin()
         try:
-            return self._execute(fi)
+            with lora_rows(self.lora, fi):  # the step's adapters in their slots, its rows per slot
+                logits = self.forward(fi)
+            if self.tp.rank != 0:  # only rank 0 samples
+                return StepHandle(StepOutput([]))
+            handle, self.previous_ids = launch_outputs(self, fi, logits, self._pooled_hidden, self.pooler,
+                                                       self.sampler)
+            self._pooled_hidden = None
+            return handle
         finally:
             self.clock.end()
 
-    def _execute(self, fi: ForwardInput) -> StepOutput:
-        with lora_rows(self.lora, fi):  # the step's adapters in their slots, its rows per slot
-            logits = self.forward(fi)
-        if self.tp.rank != 0:  # only rank 0 samples
-            return StepOutput([])
-        prompt_lp, prompt_top, prompt_ranks = prompt_logprobs(logits[len(fi.logits_rows):], fi.prompt_logprob_rows) \
-            if fi.prompt_logprob_rows else ([], [], [])
-        embeddings = []
-        if fi.pooling_rows:
-            assert self._pooled_hidden is not None, "the model handed back no hidden states for pooling"
-            embeddings = self.pooler.pool(self._pooled_hidden, fi.pooling_rows, fi.rids)
-            self._pooled_hidden = None
-        if not fi.sampling:
-            return StepOutput([], prompt_logprobs=prompt_lp, prompt_top_logprobs=prompt_top, prompt_ranks=prompt_ranks,
-                              embeddings=embeddings)
-        logits = logits[:len(fi.logits_rows)]
-        rows = fi.sampling
-        info = SamplingBatchInfo.build([r.params for r in rows], logits.shape[-1], [r.output_ids for r in rows],
-                                       [r.prompt_ids for r in rows], eos_token_ids=self.eos_token_ids,
-                                       device=self.device, vocab_mask=fi.vocab_mask, stop_closers=fi.stop_closers)
-        out = self.sampler(logits.float(), info, lambda scores: self.model.process_logits(scores, rows))
-        next_ids = out.next_token_ids.tolist()  # the step's one host sync
-        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
-        top = None
-        if out.top_logprob_ids is not None and out.top_logprob_values is not None:
-            ids_l, vals_l = out.top_logprob_ids.tolist(), out.top_logprob_values.tolist()
-            top = [list(zip(ids_l[i][:r.params.top_logprobs_num], vals_l[i][:r.params.top_logprobs_num]))
-                   for i, r in enumerate(rows)]
-        return StepOutput(next_ids, logprobs, top, prompt_lp, prompt_top, prompt_ranks, embeddings)
+    def collect(self, handle: StepHandle) -> StepOutput:
+        """The launched step's output, once its tokens are on the host."""
+        return handle.result()
 
 
 def _int64(part: torch.Tensor | list[int]) -> torch.Tensor:

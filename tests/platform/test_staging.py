@@ -81,6 +81,9 @@ class _FakeCudaEvents:
                 assert self.seq is not None, "synchronize on an event never recorded"
                 fake.completed = max(fake.completed, self.seq)
 
+            def query(self) -> bool:
+                return self.seq is not None and self.seq <= fake.completed
+
             def elapsed_time(self, end) -> float:
                 for e in (self, end):
                     if e.seq is None or e.seq > fake.completed:
@@ -110,3 +113,19 @@ def test_cuda_step_clock_reads_only_completed_events(monkeypatch) -> None:
     clock.end()
     fake.completed = fake.recorded
     assert clock.times() == pytest.approx((0.017, 0.003))
+
+
+def test_cuda_step_clock_never_waits_for_a_step_still_running(monkeypatch) -> None:
+    """Overlap scheduling queues step N+1 while step N runs: begin() must not synchronise on N's events."""
+    from tessera.platform.device import CudaStepClock
+
+    fake = _FakeCudaEvents()
+    monkeypatch.setattr(torch.cuda, "Event", fake.Event)
+    clock = CudaStepClock()
+    for busy in (0.004, 0.006):  # two steps queued back to back, neither finished
+        clock.begin()
+        fake.now += busy
+        clock.end()
+    assert fake.completed == 0 and clock.times() == (0.0, 0.0)  # nothing read, nothing waited for
+    fake.completed = fake.recorded  # the second step's read-back waited for both
+    assert clock.times() == pytest.approx((0.010, 0.0))  # no gap between steps queued back to back
