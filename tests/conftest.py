@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -28,6 +29,16 @@ ROOT = Path(__file__).resolve().parents[1]
 # does not end on one of them while the other worker has nothing left (the suite's tail was ~1.5 minutes).
 SLOW_FILES_FIRST = ("tests/distributed/", "tests/server/test_fuzz.py", "tests/bench/test_gpu_check.py",
                     "tests/server/test_reliability.py", "tests/bench/test_end_to_end.py")
+
+
+def pytest_configure(config):
+    # Nothing here downloads: a test that tried would fail fast instead of waiting on the network. (Set before the
+    # warm interpreter imports huggingface_hub, which reads it then; bench code sets it too, as a default.)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    if os.environ.get("TESSERA_TEST_COLD_SPAWN") != "1":
+        from tests import warm_spawn
+
+        warm_spawn.install()
 
 
 def pytest_collection_modifyitems(config, items):

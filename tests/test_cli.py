@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 
+from tests import warm_spawn
+
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tessera", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return warm_spawn.run("tessera", args, timeout)
 
 
 def test_help_lists_subcommands() -> None:

@@ -157,6 +157,10 @@ def run(out_dir: Path, plan: sec.Plan, work_dir: Path, log: Callable[[str], Any]
         section("serving_7b", lambda: sec.serving(models["7b"], plan, budget), ("7b",))
         section("spec_oracle_7b", lambda: sec.speculative_oracle(models["7b"], plan), ("7b",))
         section("lora_7b", lambda: lora_bench.gpu_section(models["7b"], plan), ("7b",))
+        # The same load with the overlap scheduler (issue 48: TPOT p50 <= 1.3x the batch-64 step); last, so that a
+        # short budget cuts it before the sections above.
+        section("serving_7b_overlap", lambda: sec.serving(models["7b"], plan, budget, "--enable-overlap-schedule"),
+                ("7b",))
     for name in plan.speed_models:
         if name != "7b":
             section(f"decode_{name}", speed(name), (name,), needs_bandwidth=True)

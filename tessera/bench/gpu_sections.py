@@ -34,6 +34,7 @@ DRY_SIZES = {"2b": (128, 2, 2, 1, 256, 2, 64, 2), "7b": (128, 2, 4, 2, 256, 2, 6
 # The dry run needs none.
 NEEDS_S = {"preflight": 0, "bandwidth": 0, "checkpoints": 60, "parity_fp32": 30, "parity_bf16": 30, "decode_7b": 60,
            "decode_2b": 40, "offline_a_7b": 90, "serving_7b": 90,
+           "serving_7b_overlap": 90,
            "checkpoint tiny": 5, "checkpoint 7b": 60, "checkpoint 2b": 20, "parity case": 5, "Tessera decode": 5,
            "HF batch 1": 25, "HF largest batch": 15, "offline tessera": 40, "offline hf": 60, "serving stop": 35,
            "unfused batch 1": 30, "spec_oracle_7b": 90, "lora_7b": 60, "compiled batch 1": 120}
@@ -399,9 +400,9 @@ def offline_a(path: Path, plan: Plan, budget: Budget) -> dict:
     return out
 
 
-def serving(path: Path, plan: Plan, budget: Budget) -> dict:
-    """`tessera bench serving` random-image 448x448 against a `tessera serve` subprocess; the load is
-    stopped (and recorded as cut) when the budget runs out, leaving time to stop the server."""
+def serving(path: Path, plan: Plan, budget: Budget, *flags: str) -> dict:
+    """`tessera bench serving` random-image 448x448 against a `tessera serve` subprocess (given flags added); the
+    load is stopped (and recorded as cut) when the budget runs out, leaving time to stop the server."""
     import httpx
 
     from tessera.bench.report import LocalServer
@@ -409,9 +410,10 @@ def serving(path: Path, plan: Plan, budget: Budget) -> dict:
 
     reserve = plan.needs("serving stop")
     with LocalServer(str(path), "--device", plan.device, "--dtype", plan.speed_dtype, "--max-running-requests",
-                     str(plan.serving_concurrency), startup_timeout_s=max(budget.left() - reserve, 10)) as server:
+                     str(plan.serving_concurrency), *flags,
+                     startup_timeout_s=max(budget.left() - reserve, 10)) as server:
         info = httpx.get(f"{server.base_url}/get_server_info", timeout=30).json()
-        out: dict[str, Any] = {"cuda_graph": graph_report(info), "prompts": plan.serving_prompts,
+        out: dict[str, Any] = {"cuda_graph": graph_report(info), "prompts": plan.serving_prompts, "flags": list(flags),
                                "concurrency": plan.serving_concurrency,
                                "sglang_reference_output_tok_s": SGLANG_VL7B_H200_OUTPUT_TOK_S}
         cfg = ServingConfig(base_url=server.base_url, dataset="random-image", num_prompts=plan.serving_prompts,

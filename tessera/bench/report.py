@@ -42,9 +42,8 @@ class LocalServer:
         self.port = port
         self.base_url = f"http://127.0.0.1:{port}"
         self.log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe nobody drains
-        self.proc = subprocess.Popen([sys.executable, "-m", "tessera", "serve", "--model-path", model_path,
-                                      "--host", "127.0.0.1", "--port", str(port), *extra],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = self._start(["serve", "--model-path", model_path, "--host", "127.0.0.1", "--port", str(port),
+                                 *extra])
         deadline = time.monotonic() + startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -58,6 +57,10 @@ class LocalServer:
             time.sleep(0.5)  # a start takes seconds; a coarse poll added ~0.25 s to each (tests start ~20)
         self.stop()
         raise RuntimeError(f"tessera serve did not become healthy within {startup_timeout_s:.0f} s")
+
+    def _start(self, argv: list[str]) -> subprocess.Popen:
+        """`python -m tessera argv...`, its output in self.log (the tests start it from a warm interpreter)."""
+        return subprocess.Popen([sys.executable, "-m", "tessera", *argv], stdout=self.log, stderr=subprocess.STDOUT)
 
     def output(self) -> str:
         """Everything the server printed so far."""

@@ -19,7 +19,7 @@ from tessera.bench.gpu_check import run
 from tessera.bench.gpu_sections import Budget, Plan, decode_weight_bytes, graph_report
 
 ALL_SECTIONS = ["preflight", "checkpoints", "parity_fp32", "bandwidth", "decode_7b", "offline_a_7b", "serving_7b", "spec_oracle_7b",
-                "lora_7b"]
+                "lora_7b", "serving_7b_overlap"]
 
 
 def _saved(out: Path) -> dict:
@@ -90,9 +90,12 @@ def test_dry_run_runs_every_section_and_writes_after_each(tmp_path, monkeypatch)
     lora = sections["lora_7b"]["result"]  # 4 adapters over 16 rows beside the base step (no graphs on a CPU)
     assert lora["batch"] == 16 and lora["adapters"] == 4 and not lora["cuda_graphs"]
     assert all(ms > 0 for ms in lora["step_ms"].values()) and lora["ratio_vs_base"]["base"] == 1.0
+    overlap = sections["serving_7b_overlap"]["result"]  # the same load with the overlap scheduler
+    assert overlap["flags"] == ["--enable-overlap-schedule"] and serving["flags"] == []
+    assert overlap["num_completed"] == plan.serving_prompts and overlap["num_failed"] == 0
 
     verdicts = {t["target"].split(" ")[0] + " " + t["target"].split(" ")[1]: t["status"] for t in report["targets"]}
-    assert len(report["targets"]) == 9 and set(verdicts.values()) <= {"met", "not met"}
+    assert len(report["targets"]) == 10 and set(verdicts.values()) <= {"met", "not met"}
     assert verdicts["fp32 greedy"] == "met" and verdicts["serving random"] == "met"
     assert verdicts["CUDA graphs"] == "not met" and verdicts["bf16 identical-token"] == "not met"  # neither on a CPU
     assert _saved(out)["targets"] == report["targets"]
@@ -125,11 +128,11 @@ def test_the_budget_cuts_inside_a_section_and_the_rest_is_skipped(tmp_path, monk
     assert len(s["checkpoints"]["cut"]) == 1 and s["checkpoints"]["cut"][0].startswith("checkpoint 7b: not started")
     assert "skipped" in s["parity_fp32"] and "needs about 30 s" in s["parity_fp32"]["skipped"]
     assert all("skipped" in s[name] for name in ("bandwidth", "decode_7b", "offline_a_7b", "serving_7b", "spec_oracle_7b",
-                                                  "lora_7b", "decode_2b"))
+                                                  "lora_7b", "serving_7b_overlap", "decode_2b"))
     assert _saved(out)["sections"]["checkpoints"]["cut"] == s["checkpoints"]["cut"]
     md = (out / "gpu_check.md").read_text()
     assert "Cut by the budget" in md and "checkpoints: checkpoint 7b: not started" in md
-    assert len(report["targets"]) == 9 and all(t["status"] == "not met" for t in report["targets"])
+    assert len(report["targets"]) == 10 and all(t["status"] == "not met" for t in report["targets"])
 
 
 def test_budget_records_a_part_it_does_not_start() -> None:

@@ -11,6 +11,7 @@ from tessera.config import ServerArgs
 from tessera.frontend import scheduler_procs
 from tessera.frontend.tokenizer_manager import TokenizerManager
 from tessera.frontend.model_info import ModelInfo
+from tessera.platform import launch
 
 
 def test_a_frontend_that_fails_to_load_stops_the_schedulers_it_started(monkeypatch):
@@ -25,6 +26,7 @@ def test_a_frontend_that_fails_to_load_stops_the_schedulers_it_started(monkeypat
         assert started and all(p.poll() is None for p in started)  # the scheduler is already starting
         raise RuntimeError("processor files are unreadable")
 
+    monkeypatch.setattr(scheduler_procs, "spawn", launch.spawn)  # the real launcher, not the tests' warm one
     monkeypatch.setattr(scheduler_procs.subprocess, "Popen", RecordingPopen)
     monkeypatch.setattr(ModelInfo, "make_mm_processor", broken_processor)
     with pytest.raises(RuntimeError, match="processor files are unreadable"):

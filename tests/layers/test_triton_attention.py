@@ -95,10 +95,13 @@ def test_split_kv_choice() -> None:
     from tessera.layers.attention.triton_backend import MAX_SPLITS, UNKNOWN_UNITS, TritonAttentionBackend
 
     backend = TritonAttentionBackend()
-    cpu = torch.device("cpu")
-    assert backend.kv_splits(1, 4, cpu) == MAX_SPLITS  # 4 programs: as many runs as allowed
-    assert backend.kv_splits(2, 4, cpu) == 8  # 2 x 32 / 8 = 8
+    cpu, gpu = torch.device("cpu"), torch.device("meta")
+    assert backend.kv_splits(1, 4, cpu) == 2 * UNKNOWN_UNITS // 4  # the interpreter: a few runs at batch 1
     assert backend.kv_splits(UNKNOWN_UNITS, 4, cpu) == 1  # enough programs already
+    backend._units[gpu] = 132  # an H100's SMs: two programs each
+    assert backend.kv_splits(1, 4, gpu) == MAX_SPLITS  # 4 programs: as many runs as allowed
+    assert backend.kv_splits(2, 32, gpu) == 8  # 264 / 64 = 4.1 -> 5 -> the next power of two
+    assert backend.kv_splits(64, 32, gpu) == 1
     backend.split_kv = False
     assert backend.kv_splits(1, 4, cpu) == 1
 

@@ -7,6 +7,7 @@ import socket
 import time
 
 from tessera.bench.report import LocalServer
+from tests import warm_spawn
 
 
 def free_port() -> int:
@@ -24,6 +25,10 @@ class ServerProcess(LocalServer):
         model_path = args_list.pop(i + 1)
         args_list.pop(i)
         super().__init__(model_path, *args_list, startup_timeout_s=startup_timeout)
+
+    def _start(self, argv: list[str]):
+        fd = self.log.fileno()
+        return warm_spawn.start("tessera", argv, lambda: super(ServerProcess, self)._start(argv), stdout=fd, stderr=fd)
 
 
 def wait_until_idle(base_url: str, timeout: float = 30.0) -> dict:
