@@ -95,7 +95,7 @@ def test_dry_run_runs_every_section_and_writes_after_each(tmp_path, monkeypatch)
     assert overlap["num_completed"] == plan.serving_prompts and overlap["num_failed"] == 0
 
     verdicts = {t["target"].split(" ")[0] + " " + t["target"].split(" ")[1]: t["status"] for t in report["targets"]}
-    assert len(report["targets"]) == 10 and set(verdicts.values()) <= {"met", "not met"}
+    assert len(report["targets"]) == 12 and set(verdicts.values()) <= {"met", "not met"}
     assert verdicts["fp32 greedy"] == "met" and verdicts["serving random"] == "met"
     assert verdicts["CUDA graphs"] == "not met" and verdicts["bf16 identical-token"] == "not met"  # neither on a CPU
     assert _saved(out)["targets"] == report["targets"]
@@ -132,7 +132,7 @@ def test_the_budget_cuts_inside_a_section_and_the_rest_is_skipped(tmp_path, monk
     assert _saved(out)["sections"]["checkpoints"]["cut"] == s["checkpoints"]["cut"]
     md = (out / "gpu_check.md").read_text()
     assert "Cut by the budget" in md and "checkpoints: checkpoint 7b: not started" in md
-    assert len(report["targets"]) == 10 and all(t["status"] == "not met" for t in report["targets"])
+    assert len(report["targets"]) == 12 and all(t["status"] == "not met" for t in report["targets"])
 
 
 def test_budget_records_a_part_it_does_not_start() -> None:
