@@ -154,3 +154,30 @@ def test_overlap_flags():
     assert not ServerArgs(disable_overlap_schedule=True).overlap_schedule  # SGLang's flag is accepted
     with pytest.raises(ValueError, match="choose one"):
         ServerArgs(enable_overlap_schedule=True, disable_overlap_schedule=True)
+
+
+def test_an_image_requests_decode_steps_overlap_with_its_positions(demo):
+    """M-RoPE: an image prompt's decode positions continue from a delta, which the follow-on step (formed without
+    the tokens) must carry as the plain step does."""
+    from tessera.config import ASSETS_DIR
+    from tessera.frontend.model_info import ModelInfo
+
+    info = ModelInfo.load(demo[0])
+    processor = info.make_mm_processor()
+    try:
+        prompt = info.apply_chat_template([{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": "How many shapes are there?"}]}])
+        image = processor.process(prompt=prompt, image_data=[str(ASSETS_DIR / "examples" / "scene.png")])
+    finally:
+        processor.close()
+    sp = SamplingParams(max_new_tokens=10, temperature=0, logprobs=True, ignore_eos=True).normalize()
+    img = messages.TokenizedGenerateReq("img", list(image.input_ids), sp, mm_inputs=image.mm_inputs, stream=True,
+                                        return_logprob=True)
+    arrivals = {0: [img, _req(demo, 2, max_new_tokens=8, ignore_eos=True)]}
+    plain, _, _ = _run(demo, False, arrivals)
+    over, stats, sched = _run(demo, True, arrivals)
+    assert sched.overlap is not None and sched.overlap.num_overlapped >= 5
+    assert over["img"]["ids"] == plain["img"]["ids"] and len(plain["img"]["ids"]) == 10
+    assert over["r2"]["ids"] == plain["r2"]["ids"]
+    assert over["img"]["lp"] == pytest.approx(plain["img"]["lp"], abs=1e-4)
+    assert stats.kv_used_tokens == 0 and not demo[3]._held
