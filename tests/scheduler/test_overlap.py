@@ -19,6 +19,7 @@ from tessera.messages.sampling import SamplingParams
 from tessera.models.config import ModelConfig, eos_token_ids
 from tessera.scheduler.scheduler import Scheduler
 from tessera.worker.step_launch import resolve_placeholders
+from tests.processed_chat import scene_question
 
 _ports = itertools.count()
 QUESTIONS = ["What color is the circle?", "Describe the scene.", "How many squares are there?", "Hello!",
@@ -159,17 +160,9 @@ def test_overlap_flags():
 def test_an_image_requests_decode_steps_overlap_with_its_positions(demo):
     """M-RoPE: an image prompt's decode positions continue from a delta, which the follow-on step (formed without
     the tokens) must carry as the plain step does."""
-    from tessera.config import ASSETS_DIR
     from tessera.frontend.model_info import ModelInfo
 
-    info = ModelInfo.load(demo[0])
-    processor = info.make_mm_processor()
-    try:
-        prompt = info.apply_chat_template([{"role": "user", "content": [
-            {"type": "image"}, {"type": "text", "text": "How many shapes are there?"}]}])
-        image = processor.process(prompt=prompt, image_data=[str(ASSETS_DIR / "examples" / "scene.png")])
-    finally:
-        processor.close()
+    image = scene_question(ModelInfo.load(demo[0]))
     sp = SamplingParams(max_new_tokens=10, temperature=0, logprobs=True, ignore_eos=True).normalize()
     img = messages.TokenizedGenerateReq("img", list(image.input_ids), sp, mm_inputs=image.mm_inputs, stream=True,
                                         return_logprob=True)

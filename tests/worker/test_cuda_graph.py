@@ -37,6 +37,7 @@ from tessera.worker.cuda_graph import (
 )
 
 from tests.kernel_device import DEVICE, HAS_CUDA, IN_INTERPRETER, RUNS_KERNELS, run_interpreted
+from tests.processed_chat import scene_question
 
 
 def test_capture_batch_sizes_and_buckets() -> None:
@@ -203,17 +204,9 @@ def _policy(max_running: int) -> SchedulePolicy:
 def _requests(info, with_image: bool = True) -> list[Req]:
     """An image request (M-RoPE positions continue with a delta when it decodes) and text requests of
     different lengths, finishing at different steps so that decode batches of 4, 3, 2 and 1 occur."""
-    from tessera.config import ASSETS_DIR
-
     reqs = []
     if with_image:
-        processor = info.make_mm_processor()
-        try:
-            prompt = info.apply_chat_template([{"role": "user", "content": [
-                {"type": "image"}, {"type": "text", "text": "How many shapes are there?"}]}])
-            image = processor.process(prompt=prompt, image_data=[str(ASSETS_DIR / "examples" / "scene.png")])
-        finally:
-            processor.close()
+        image = scene_question(info)
         reqs.append(Req("img", list(image.input_ids), SamplingParams(max_new_tokens=7, temperature=0),
                         image.mm_inputs))
     tok = info.tokenizer

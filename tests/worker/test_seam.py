@@ -22,6 +22,7 @@ from tessera.scheduler.req import Req
 from tessera.scheduler.step_input import build_forward_input
 from tessera.messages.worker import ForwardInput
 from tessera.worker.masks import span_mask
+from tests.processed_chat import process_chat, scene_question
 
 
 def _policy(pool_tokens: int, page_size: int, chunk: int, max_running: int = 6) -> SchedulePolicy:
@@ -136,20 +137,13 @@ def test_prepare_step_positions() -> None:
 def test_a_worker_fed_decoded_messages_matches_one_fed_the_originals() -> None:
     """Two workers step through the same ForwardInputs: one receives them in-process, the other after the
     wire codec (as a tensor-parallel rank would). Same tokens, and the image is encoded once per worker."""
-    from tessera.config import ASSETS_DIR
     from tessera.frontend.model_info import ModelInfo
     from tessera.models.config import eos_token_ids
     from tessera.worker.model_worker import ModelWorker
 
     args = ServerArgs.for_engine("demo-vl", max_total_tokens=2048, max_running_requests=4)
     info = ModelInfo.load(args)
-    processor = info.make_mm_processor()
-    try:
-        prompt = info.apply_chat_template([{"role": "user", "content": [
-            {"type": "image"}, {"type": "text", "text": "How many shapes are there?"}]}])
-        out = processor.process(prompt=prompt, image_data=[str(ASSETS_DIR / "examples" / "scene.png")])
-    finally:
-        processor.close()
+    out = scene_question(info)
     eos = eos_token_ids(info.config)
     local, remote = ModelWorker(args, eos, info.config), ModelWorker(args, eos, info.config)
     policy = _policy(pool_tokens=2048, page_size=1, chunk=32, max_running=4)  # the image spans several chunks
@@ -236,7 +230,6 @@ def test_cpu_encoder_runs_in_chunks_with_the_thread_policy_between(tmp_path) -> 
 
     args = ServerArgs.for_engine("demo-vl", max_total_tokens=4096, max_running_requests=4)
     info = ModelInfo.load(args)
-    processor = info.make_mm_processor()
     count = CPU_ENCODE_CHUNK + 3
     rng = torch.Generator().manual_seed(0)
     paths = []
@@ -244,11 +237,7 @@ def test_cpu_encoder_runs_in_chunks_with_the_thread_policy_between(tmp_path) -> 
         pixels = torch.randint(0, 256, (56 + 28 * (i % 4), 56 + 28 * (i % 3), 3), generator=rng, dtype=torch.uint8)
         paths.append(str(tmp_path / f"{i}.png"))
         Image.fromarray(pixels.numpy()).save(paths[-1])
-    try:
-        prompt = info.apply_chat_template([{"role": "user", "content": [{"type": "image"}] * count}])
-        out = processor.process(prompt=prompt, image_data=paths)
-    finally:
-        processor.close()
+    out = process_chat(info, [{"type": "image"}] * count, paths)
     items = out.mm_inputs.items
     assert len({it.hash for it in items}) == count
     worker = ModelWorker(args, {2}, info.config)
