@@ -141,11 +141,11 @@ def start(module: str, argv: Sequence[str], cold: Callable[[], Any], settings: d
           stdout: int = 1, stderr: int = 2):
     """`python -m module argv...` forked from the warm forkserver (settings, if any, on its stdin; its output to
     the caller's file descriptors stdout and stderr), or `cold()` where the environment does not allow it."""
-    if "env" not in _state or _comparable(dict(os.environ)) != _state["env"]:
-        if os.environ.get("TESSERA_TEST_WARM_LOG") and "env" in _state:  # which variable made it cold
-            now = _comparable(dict(os.environ))
+    then, now = _state.get("env"), _comparable(dict(os.environ))
+    if now != then:
+        if then is not None and os.environ.get("TESSERA_TEST_WARM_LOG"):  # which variables made it cold
             with open(os.environ["TESSERA_TEST_WARM_LOG"], "a") as f:
-                f.write(f"{module} {argv[:1]}: {sorted(k for k in {*now, *_state['env']} if now.get(k) != _state['env'].get(k))}\n")
+                f.write(f"{module} {argv[:1]}: {sorted(k for k in {*now, *then} if now.get(k) != then.get(k))}\n")
         return cold()
     ctx = _state.get("ctx")
     if ctx is None:
@@ -180,15 +180,15 @@ def run(module: str, argv: Sequence[str], timeout: float) -> subprocess.Complete
 
 def warm_spawn(module: str, argv: Sequence[str], settings: dict[str, Any]):
     """launch.spawn, from the warm forkserver where the environment allows."""
-    return start(module, argv, lambda: _state["cold"](module, argv, settings), settings)
+    from tessera.platform import launch
+
+    return start(module, argv, lambda: launch.spawn(module, argv, settings), settings)
 
 
 def install() -> None:
     """Routes the frontend's scheduler spawns through warm_spawn (the forkserver starts on first use); the
     tests' servers (tests/server/server_process.py) start through `start`."""
     from tessera.frontend import scheduler_procs
-    from tessera.platform import launch
 
-    _state["cold"] = launch.spawn
     _state["env"] = _comparable(dict(os.environ))
     scheduler_procs.spawn = warm_spawn

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
-from tessera.messages.worker import ForwardInput, SamplingRow
-from tessera.models.base import StepSegment, TesseraModel
+from tessera.messages.worker import ForwardInput
+from tessera.models.base import TesseraModel
 from tessera.scheduler.batch import ScheduledBatch, ScheduledReq
 from tessera.scheduler.req import Req
 
@@ -113,7 +111,7 @@ class Overlap:
         return (req.grammar is None and sp.constraint is None and req.pooling is None and sp.frequency_penalty == 0
                 and sp.presence_penalty == 0 and sp.repetition_penalty == 1)
 
-    def _follow_on(self, prev: Launched) -> tuple[ScheduledBatch, ForwardInput] | None:
+    def _follow_on(self, prev: Launched) -> tuple[ScheduledBatch, list[int]] | None:
         """The decode step after `prev` (launched, its tokens unknown), or None when the next step must see them:
         a request waits for admission, one runs that `prev` did not decode, or the pool has no slots left."""
         sched = self.sched
@@ -133,31 +131,6 @@ class Overlap:
         if slots is None:
             return None  # the plain step evicts and retracts
         batch = ScheduledBatch([ScheduledReq(r, r.kv_len, r.kv_len + 1, slots[i:i + 1]) for i, r in enumerate(reqs)])
-        fi = self._follow_on_input(batch, [-1 - rows[id(r)] for r in reqs])
         for r in reqs:
             r.kv_len += 1
-        return batch, fi
-
-    def _follow_on_input(self, batch: ScheduledBatch, placeholders: list[int]) -> ForwardInput:
-        """build_forward_input's message for a decode step whose tokens the host does not know yet."""
-        sched = self.sched
-        kv = sched.policy.kv
-        reqs = [s.req for s in batch.reqs]
-        layout = sched.model_cls.prepare_step(sched.config, [StepSegment(r.kv_len, r.kv_len + 1,
-                                                                         len(r.origin_input_ids), r.mm_inputs)
-                                                             for r in reqs])
-        writes, released = kv.take_pending()
-        # The sampler reads a row's output only for its length here (seed, min_new_tokens): prev's token
-        # counts, so a placeholder stands for it.
-        sampling = [SamplingRow(r.sampling_params, [*r.output_ids, -1], []) for r in reqs]
-        fi = ForwardInput(
-            rids=[r.rid for r in reqs], input_ids=torch.tensor(placeholders, dtype=torch.int64),
-            positions=layout.positions, out_cache_loc=torch.cat([s.out_cache_loc for s in batch.reqs]),
-            req_pool_indices=[r.req_pool_idx for r in reqs],  # type: ignore[misc]
-            req_generations=[kv.req_pool.generation[r.req_pool_idx] for r in reqs],  # type: ignore[index]
-            seq_lens=[r.kv_len + 1 for r in reqs], extend_lens=[1] * len(reqs), slot_writes=writes,
-            logits_rows=list(range(len(reqs))), sampling=sampling, released=released, placeholders=True,
-        )
-        if sched.lora_slots is not None:
-            sched.lora_slots.fill(fi, batch)
-        return fi
+        return batch, [-1 - rows[id(r)] for r in reqs]

@@ -269,14 +269,13 @@ class Scheduler:
             self.finish_step(step)
         return True
 
-    def launch(self, batch, fi: ForwardInput | None = None) -> Launched | None:
-        """Hands the step to the worker (its ForwardInput built here unless given); None when it failed, which
-        fails its batch."""
+    def launch(self, batch, pending: list[int] | None = None) -> Launched | None:
+        """Hands the step to the worker; None when it failed, which fails its batch. pending: the overlap's
+        placeholders for tokens the step in flight is sampling (build_forward_input)."""
         try:
-            if fi is None:
-                fi = build_forward_input(batch, self.model_cls, self.config, self.policy.kv)
-                if self.lora_slots is not None:
-                    self.lora_slots.fill(fi, batch)
+            fi = build_forward_input(batch, self.model_cls, self.config, self.policy.kv, pending)
+            if self.lora_slots is not None:
+                self.lora_slots.fill(fi, batch)
             if self.tp is not None:  # every rank runs the same step; rank 0 (here) samples
                 self.tp.broadcast(("step", fi))
             if self.threads is not None and self.threads.before_step() == self.threads.cores:

@@ -26,9 +26,13 @@ from tessera.messages.worker import (
 
 
 def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], config: ModelConfig,
-                        kv: KVManager) -> ForwardInput:
+                        kv: KVManager, pending: list[int] | None = None) -> ForwardInput:
     """The step's message. Takes the KV manager's pending slot writes and releases last, so a failure
     while building leaves them for the next step.
+
+    pending (overlap scheduling, scheduler/overlap.py; a batch of decode rows only): per request, a placeholder
+    for its last token, which the step in flight is still sampling: the row's input id (the worker reads the
+    token on the device), and one more output token for its sampler, whose seed and min_new_tokens count them.
 
     A verify step (speculative decoding: the last token and k drafts, scheduler/speculative.py) goes to the
     worker as k + 1 decode rows of the same request, row i with i + 1 more tokens of KV: every backend writes a
@@ -63,7 +67,7 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
             logits_rows.append(flat - 1)
             _add_sampling(sampling, grammars, req, model_cls, s.draft[:i])
             continue
-        ids.extend(req.token_slice(s.start, s.end))
+        ids.extend(req.token_slice(s.start, s.end) if pending is None else (pending[b],))
         locs.append(s.out_cache_loc)
         prompt_len = len(req.origin_input_ids)
         if req.mm_inputs is not None and req.mm_inputs.items and s.start < prompt_len:
@@ -91,9 +95,9 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         if req.pooling is not None:
             pooling_rows.append(PoolingRows(r, flat, s.start, s.end - s.start, s.end >= prompt_len, req.pooling))
         flat += s.end - s.start
-        if s.samples:
+        if s.samples or pending is not None:  # a pending row reaches one past the tokens the host knows
             logits_rows.append(flat - 1)
-            _add_sampling(sampling, grammars, req, model_cls, [])
+            _add_sampling(sampling, grammars, req, model_cls, [] if pending is None else [-1])
         # A request's state comes from its one media item (the frontend admits exactly one for such families).
         if req.state_slots is not None and not req.state_filled:
             state_fills.append(RequestStateFill(r, req.mm_inputs.items[0], req.state_slots))  # type: ignore[union-attr]
@@ -114,6 +118,7 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         mm_items=items, mm_placements=placements, bidirectional_spans=layout.bidirectional_spans,
         prompt_done=prompt_done, released=released, state_fills=state_fills, vocab_mask=fill_bitmask(grammars),
         stop_closers=stop_closers(grammars), prompt_logprob_rows=prompt_rows, pooling_rows=pooling_rows,
+        placeholders=pending is not None,
     )
 
 
