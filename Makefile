@@ -55,8 +55,11 @@ test-fast: $(TEST_STAMP)
 eval-vl: $(STAMP)
 	$(BIN)/python -m tessera.demo.eval_vl --model-path tessera/assets/demo-vl
 
+# Stages 1-4 (the scenes), then stage 5 (the copy task) from their checkpoint into the shipped one.
 train-vl: $(STAMP)
-	$(BIN)/python -m tessera.demo.train_vl --work-dir .train/demo-vl --out tessera/assets/demo-vl
+	$(BIN)/python -m tessera.demo.train_vl --work-dir .train/demo-vl --out .train/demo-vl/scenes
+	$(BIN)/python -m tessera.demo.train_copy --base .train/demo-vl/scenes --work-dir .train/demo-vl-copy \
+		--out tessera/assets/demo-vl
 
 # demo-vl-draft, demo-vl's STANDALONE speculative draft, distilled from demo-vl's greedy outputs (minutes).
 train-draft: $(STAMP)

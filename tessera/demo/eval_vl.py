@@ -7,7 +7,8 @@ With --engine the answers come from tessera.Engine (the arithmetic a server runs
 products on a CPU, which no HF configuration reproduces); without it from HF with the same weights.
 
 Exact match per question type on images and videos from a seed never used in training
-(training draws from seeds derived from --seed 1234 and evaluates on 999_999 during training).
+(training draws from seeds derived from --seed 1234 and evaluates on 999_999 during training), and on the
+copy task (demo/copy_task.py: "Repeat after me:" and a text, answered with the text).
 """
 
 from __future__ import annotations
@@ -18,17 +19,30 @@ import time
 
 import torch
 
-from tessera.demo import scenes
+from tessera.demo import copy_task, scenes
 from tessera.demo.runs import report
 
 HELD_OUT_SEED = 20_261_129
+MAX_NEW_TOKENS = 48  # the longest copy answer is ~40 tokens; a scene answer ~16
 
 
-def held_out(num_images: int, num_videos: int, seed: int = HELD_OUT_SEED) -> list[scenes.Sample]:
+def held_out(num_images: int, num_videos: int, num_copies: int = 0,
+             seed: int = HELD_OUT_SEED) -> list[scenes.Sample]:
     rng = random.Random(seed)
     out = [scenes.image_sample(rng, scenes.IMAGE_QUESTION_TYPES[i % 4]) for i in range(num_images)]
     out += [scenes.video_sample(rng, scenes.VIDEO_QUESTION_TYPES[i % 2]) for i in range(num_videos)]
+    out += [scenes.Sample("text", "copy", *copy_task.copy_pair(rng), (), ()) for _ in range(num_copies)]
     return out
+
+
+def _content(s: scenes.Sample) -> list[dict]:
+    return ([{"type": s.kind}] if s.kind != "text" else []) + [{"type": "text", "text": s.question}]
+
+
+def _media(s: scenes.Sample) -> dict:
+    if s.kind == "text":
+        return {}
+    return {"images": [s.frames[0]]} if s.kind == "image" else {"videos": [list(s.frames)]}
 
 
 @torch.no_grad()
@@ -48,17 +62,18 @@ def hf_answers(model_path: str, samples: list[scenes.Sample], batch_size: int = 
         if not fake_quantize_(model, torchao_config, "model.language_model."):
             raise ValueError(f"torchao_config: no language-model linears in {model_path}")
     answers = [""] * len(samples)
-    for kind in ("image", "video"):
+    for kind in ("image", "video", "text"):
         idx = [i for i, s in enumerate(samples) if s.kind == kind]
         for b in range(0, len(idx), batch_size):
             group = [samples[i] for i in idx[b : b + batch_size]]
-            texts = [processor.apply_chat_template(
-                [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": s.question}]}],
-                add_generation_prompt=True, tokenize=False) for s in group]
-            media = ({"images": [s.frames[0] for s in group]} if kind == "image"
-                     else {"videos": [list(s.frames) for s in group]})
+            texts = [processor.apply_chat_template([{"role": "user", "content": _content(s)}],
+                                                   add_generation_prompt=True, tokenize=False) for s in group]
+            media: dict = {}
+            for s in group:
+                for key, value in _media(s).items():
+                    media.setdefault(key, []).extend(value)
             enc = processor(text=texts, padding=True, return_tensors="pt", **media)
-            out = model.generate(**enc, max_new_tokens=24, do_sample=False)
+            out = model.generate(**enc, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
             decoded = processor.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
             for i, text in zip(idx[b : b + batch_size], decoded):
                 answers[i] = text.strip()
@@ -67,16 +82,15 @@ def hf_answers(model_path: str, samples: list[scenes.Sample], batch_size: int = 
 
 def engine_answers(model_path: str, samples: list[scenes.Sample], dtype: str = "auto",
                    torchao_config: str = "", batch_size: int = 64) -> list[str]:
-    """Greedy answers from tessera.Engine (24 tokens at most, as hf_answers), in batches."""
+    """Greedy answers from tessera.Engine (MAX_NEW_TOKENS at most, as hf_answers), in batches."""
     from tessera.entrypoints.engine import Engine
 
     answers: list[str] = []
     with Engine(model_path=model_path, dtype=dtype, torchao_config=torchao_config, show_progress=False) as engine:
         for b in range(0, len(samples), batch_size):
             group = samples[b : b + batch_size]
-            prompts = [engine.apply_chat_template([{"role": "user", "content": [
-                {"type": s.kind}, {"type": "text", "text": s.question}]}]) for s in group]
-            outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": 24},
+            prompts = [engine.apply_chat_template([{"role": "user", "content": _content(s)}]) for s in group]
+            outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": MAX_NEW_TOKENS},
                                    image_data=[[s.frames[0]] if s.kind == "image" else None for s in group],
                                    video_data=[[list(s.frames)] if s.kind == "video" else None for s in group])
             answers += [o["text"].strip() for o in outs]
@@ -97,6 +111,7 @@ def main() -> None:
     ap.add_argument("--model-path", default="tessera/assets/demo-vl")
     ap.add_argument("--images", type=int, default=500)
     ap.add_argument("--videos", type=int, default=200)
+    ap.add_argument("--copies", type=int, default=200, help="copy-task prompts")
     ap.add_argument("--output-json", default=None)
     ap.add_argument("--torchao-config", default="", help="evaluate this weight-only quantization "
                                                          "(int8wo, int4wo-32, ...) of the language model")
@@ -105,7 +120,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.dtype != "auto" and not args.engine:
         ap.error("--dtype is the Engine's: add --engine")
-    samples = held_out(args.images, args.videos)
+    samples = held_out(args.images, args.videos, args.copies)
     t0 = time.time()
     if args.engine:
         answers = engine_answers(args.model_path, samples, args.dtype, args.torchao_config)
@@ -114,7 +129,8 @@ def main() -> None:
     acc = accuracy(samples, answers)
     result = {"model_path": args.model_path, "answers_from": "tessera" if args.engine else "hf",
               "dtype": args.dtype, "torchao_config": args.torchao_config, "images": args.images,
-              "videos": args.videos, "seed": HELD_OUT_SEED, "accuracy": acc, "seconds": round(time.time() - t0, 1)}
+              "videos": args.videos, "copies": args.copies, "seed": HELD_OUT_SEED, "accuracy": acc,
+              "seconds": round(time.time() - t0, 1)}
     report(result, args.output_json)
 
 

@@ -133,20 +133,23 @@ def describe(scene: Scene) -> str:
     return ", ".join(parts[:-1]) + " and " + parts[-1]
 
 
+def ask(scene: Scene, qtype: str, target: Shape) -> tuple[str, str]:
+    """(question, answer) of an image question type about `scene` (`target`: the shape a lookup asks about)."""
+    if qtype == "color":
+        return f"What color is the {target.kind}?", target.color
+    if qtype == "shape":
+        return f"What shape is the {target.color} object?", target.kind
+    if qtype == "count":
+        return "How many shapes are there?", COUNT_WORDS[len(scene.shapes) - 1]
+    if qtype == "describe":
+        return "Describe the image.", describe(scene)
+    raise ValueError(f"unknown image question type {qtype!r}")
+
+
 def image_sample(rng: random.Random, question_type: str | None = None, max_shapes: int = 3) -> Sample:
     scene = random_scene(rng, max_shapes=max_shapes)
     qtype = question_type or rng.choice(IMAGE_QUESTION_TYPES)
-    target = rng.choice(scene.shapes)
-    if qtype == "color":
-        q, a = f"What color is the {target.kind}?", target.color
-    elif qtype == "shape":
-        q, a = f"What shape is the {target.color} object?", target.kind
-    elif qtype == "count":
-        q, a = "How many shapes are there?", COUNT_WORDS[len(scene.shapes) - 1]
-    elif qtype == "describe":
-        q, a = "Describe the image.", describe(scene)
-    else:
-        raise ValueError(f"unknown image question type {qtype!r}")
+    q, a = ask(scene, qtype, rng.choice(scene.shapes))
     return Sample("image", qtype, q, a, (render(scene),), (scene,))
 
 

@@ -1,6 +1,9 @@
 """Trains demo-vl (HF Qwen2VLForConditionalGeneration) on the scene grammar, on CPU.
 
-    python -m tessera.demo.train_vl --work-dir .train/demo-vl --out tessera/assets/demo-vl
+    python -m tessera.demo.train_vl --work-dir .train/demo-vl --out .train/demo-vl/scenes
+
+Stages 1-4, the scenes; the shipped checkpoint adds stage 5, the copy task (demo/train_copy.py, from this
+one's output; `make train-vl` runs both).
 
 Resumable: the work dir holds the latest checkpoint (model, heads, optimizer, step); batches are
 a pure function of (seed, step), so a resumed run sees exactly the data it would have, and the
@@ -264,7 +267,7 @@ def save_model(model, skeleton_dir: Path, out_dir: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work-dir", type=Path, default=Path(".train/demo-vl"))
-    ap.add_argument("--out", type=Path, default=Path("tessera/assets/demo-vl"))
+    ap.add_argument("--out", type=Path, default=Path(".train/demo-vl/scenes"))
     ap.add_argument("--vision-steps", type=int, default=800, help="stage 1: the vision tower and its heads alone")
     ap.add_argument("--steps", type=int, default=2000, help="stage 2 runs from --vision-steps to here")
     ap.add_argument("--focus-steps", type=int, default=300, help="stage 3: more color/shape questions, after --steps")

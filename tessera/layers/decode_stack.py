@@ -12,7 +12,7 @@ It applies to DecoderModel's own blocks (DecoderLayer with SwiGLU, with or witho
 rank, with float32, bfloat16 / float16 (kept in 16 bits) or our C-packed int8 / int4 weights, and the torch_native
 backend reading the pool in place, and with LoRA adapter rows (float32 stacks: each row's adapter product is
 added in C, layers/lora/slots.py's layout). Anything else runs the layers as before. TESSERA_DECODE_STACK=0 turns
-it off.
+it off. `run_rows` is the same call for a caller that knows its rows' KV slots itself (the STANDALONE draft).
 """
 
 from __future__ import annotations
@@ -233,6 +233,34 @@ def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     apply (nothing was written then: the caller runs the layers). `model` is a DecoderModel whose layers are
     all its own blocks with SwiGLU (it asks only then); the backend's metadata for `fb` must have been
     initialised (DecoderModel.forward does so first)."""
+    plan = _checked_plan(model, x, cos, sin, fb.out_cache_loc)
+    if plan is None:
+        return None
+    lora = _lora_table(plan, fb)
+    if lora is None:
+        return None
+    paged = model.attn_backend.paged_decode_plan(fb, pool, plan.dims[1])
+    if paged is None:
+        return None
+    return _launch(plan, x, cos, sin, fb.out_cache_loc, *paged, pool, lora)
+
+
+def run_rows(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor,
+             slots: torch.Tensor, lens: torch.Tensor, pool: TokenToKVPool) -> torch.Tensor | None:
+    """As run, for a caller that knows each row's KV slots itself (slots [M, >= max(lens)] int64, the first
+    lens[i] read; the row's new K/V goes to loc[i], which is its last read slot) and so needs no ForwardBatch
+    and no attention-backend plan: STANDALONE's draft model, whose few forwards per step cost mostly that
+    planning (worker/draft_model.py). No LoRA rows. None where the driver does not apply."""
+    plan = _checked_plan(model, x, cos, sin, loc)
+    if plan is None or not (slots.dtype is torch.int64 and lens.dtype is torch.int64 and slots.stride(1) == 1
+                            and lens.is_contiguous() and is_host(slots.device) and is_host(lens.device)
+                            and cpu_decode.pool_readable(plan.dims[1], pool)):
+        return None
+    return _launch(plan, x, cos, sin, loc, slots, lens, pool, (None, 0, 0))
+
+
+def _checked_plan(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  loc: torch.Tensor) -> _Plan | None:
     m = x.shape[0]
     if not (enabled() and x.dim() == 2 and 0 < m <= cpu_gemv.max_rows()
             and cpu_kernels.host_f32_inference(x) and cpu_kernels.host_f32_inference(cos, sin, contiguous=False)):
@@ -242,16 +270,16 @@ def run(model: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if (plan is None or cos.shape != (m, plan.dims[3] // 2) or sin.shape != cos.shape
             or cos.stride() != sin.stride() or cos.stride(1) != 1):
         return None
-    loc = fb.out_cache_loc
     if not (loc.dtype is torch.int64 and is_host(loc.device) and loc.is_contiguous() and loc.shape == (m,)):
         return None
-    lora = _lora_table(plan, fb)
-    if lora is None:
+    return plan
+
+
+def _launch(plan: _Plan, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, loc: torch.Tensor,
+            slots: torch.Tensor, lens: torch.Tensor, pool: TokenToKVPool, lora: tuple) -> torch.Tensor | None:
+    if not _attach_pool(plan, pool):
         return None
-    paged = model.attn_backend.paged_decode_plan(fb, pool, plan.dims[1])
-    if paged is None or not _attach_pool(plan, pool):
-        return None
-    slots, lens = paged
+    m = x.shape[0]
     H, Hq, Hkv, D, I = plan.dims
     out = torch.empty(m, H, dtype=torch.float32)
     rc = cpu_kernels.call("decode_stack", ctypes.byref(plan.kernels), plan.layers, len(plan.layers),

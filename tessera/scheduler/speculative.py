@@ -122,18 +122,25 @@ def _media_mask(req: Req) -> bytearray:
 class OracleProposer:
     """Benchmarks only: proposes the greedy answer recorded for the same prompt (a JSON list of
     {"input_ids": [...], "output_ids": [...]}). What a perfect proposer would give: the verify mechanism's own
-    ceiling (tests record wrong tokens on purpose, to make verify steps reject)."""
+    ceiling (tests record wrong tokens on purpose, to make verify steps reject). Prompts whose ids are equal
+    (the same question about different images: placeholders are one id) may hold several answers: the one that
+    agrees longest with the output so far is proposed."""
 
     def __init__(self, path: str):
+        self.answers: dict[tuple[int, ...], list[list[int]]] = {}
         with open(path) as f:
-            self.answers = {tuple(r["input_ids"]): list(r["output_ids"]) for r in json.load(f)}
+            for r in json.load(f):
+                self.answers.setdefault(tuple(r["input_ids"]), []).append(list(r["output_ids"]))
 
     def propose(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[list[int]]:
         out = []
         for req, k in zip(reqs, limits):
             # By position, whatever the output so far: recorded tokens that are wrong are simply rejected.
-            done = len(req.output_ids)
-            out.append(self.answers.get(tuple(req.origin_input_ids), [])[done:done + k])
+            done, so_far = len(req.output_ids), req.output_ids
+            answers = self.answers.get(tuple(req.origin_input_ids), [[]])
+            best = max(answers, key=lambda a: next((i for i, (x, y) in enumerate(zip(a, so_far)) if x != y),
+                                                   min(len(a), len(so_far))))
+            out.append(best[done:done + k])
         return out
 
     def release(self, rid: str) -> None:

@@ -9,7 +9,7 @@ DEMO_VL = "tessera/assets/demo-vl"
 
 
 def test_engine_answers_are_hf_answers_in_float32() -> None:
-    samples = eval_vl.held_out(6, 2)
+    samples = eval_vl.held_out(6, 2, 2)  # images, videos, copy prompts
     ours = eval_vl.engine_answers(DEMO_VL, samples, dtype="float32")
     assert ours == eval_vl.hf_answers(DEMO_VL, samples)
     assert len(set(ours)) > 3, ours  # different answers to different questions: not a degenerate run

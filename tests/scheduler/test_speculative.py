@@ -193,3 +193,20 @@ def test_drafts_that_keep_missing_back_off():
     spec.record(req.rid, 2, 1)  # an accepted draft: the next miss waits one step again, not 16
     spec.record(req.rid, 2, 0)
     assert spec.drafts([req]) == [[]] and spec.drafts([req])[0]
+
+
+def test_oracle_picks_the_recorded_answer_that_agrees_with_the_output(tmp_path):
+    """Two prompts with equal ids (one question about two images: the placeholders are one id) keep both
+    answers; the one the output so far agrees with is proposed."""
+    import json
+
+    from tessera.scheduler.speculative import OracleProposer
+
+    path = tmp_path / "oracle.json"
+    path.write_text(json.dumps([{"input_ids": [1, 2], "output_ids": [7, 8, 9, 10]},
+                                {"input_ids": [1, 2], "output_ids": [7, 3, 4, 5]},
+                                {"input_ids": [6], "output_ids": [11, 12]}]))
+    oracle = OracleProposer(str(path))
+    assert oracle.propose([_req([1, 2], [7])], [2]) == [[8, 9]]  # a tie: the first recorded
+    assert oracle.propose([_req([1, 2], [7, 3])], [2]) == [[4, 5]]
+    assert oracle.propose([_req([1, 2], [7, 3, 4]), _req([6], [11]), _req([9], [])], [4, 4, 4]) == [[5], [12], []]
