@@ -181,7 +181,9 @@ def test_ngram_on_the_copy_task(engines):
     rng = random.Random(5)
     pairs = [copy_task.copy_pair(rng) for _ in range(6)]
     prompts = [engines[0].apply_chat_template([{"role": "user", "content": q}]) for q, _ in pairs]
-    plain, spec = _both(engines, prompts, {"temperature": 0, "max_new_tokens": 48})
+    # One at a time: drafts stop once 4 requests decode together, so in one batch which requests verify would
+    # depend on how the batch happened to form.
+    plain, spec = zip(*(_both(engines, p, {"temperature": 0, "max_new_tokens": 48}) for p in prompts))
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     assert sum(o["text"] == a for o, (_, a) in zip(plain, pairs)) >= 2  # it copies (0.44 exact on held-out texts)
     lengths = [o["meta_info"]["spec_accept_length"] for o in spec]
