@@ -65,7 +65,7 @@ def _prompts(cfg: SpecBenchConfig, vocab: int, processor) -> list[dict]:
 
 
 def _timed(engine, prompts: list[dict], sp: dict, concurrency: int) -> tuple[float, list[list[int]]]:
-    """(output tokens per second, outputs) of the prompts in waves of `concurrency`."""
+    """(seconds, outputs) of the prompts in waves of `concurrency`."""
     outputs: list[list[int]] = []
     start = time.perf_counter()
     for i in range(0, len(prompts), concurrency):
@@ -74,7 +74,7 @@ def _timed(engine, prompts: list[dict], sp: dict, concurrency: int) -> tuple[flo
         outs = engine.generate(**{key: [p[key] for p in wave]}, sampling_params=sp,
                                image_data=[p.get("image_data") for p in wave] if key == "prompt" else None)
         outputs += [o["output_ids"] for o in outs]
-    return sum(map(len, outputs)) / (time.perf_counter() - start), outputs
+    return time.perf_counter() - start, outputs
 
 
 def _prompt_ids(engine, prompts: list[dict]) -> list[list[int]]:
@@ -124,11 +124,10 @@ def run_spec_bench(cfg: SpecBenchConfig) -> dict:
                 identical = True
                 for _ in range(cfg.num_runs):
                     for name, engine in (("plain", plain), ("spec", spec)):
-                        rate, outs = _timed(engine, prompts, sp, c)
-                        runs[name].append(rate)
+                        seconds, outs = _timed(engine, prompts, sp, c)
+                        runs[name].append(sum(map(len, outs)) / seconds)
                         identical &= outs == reference
-                    rate, outs = _timed(plain, prompts, {**sp, "max_new_tokens": 1}, c)
-                    runs["first_token_s"].append(sum(map(len, outs)) / rate)
+                    runs["first_token_s"].append(_timed(plain, prompts, {**sp, "max_new_tokens": 1}, c)[0])
                 after = spec.get_server_info()["stats"]
                 verifies = after["spec_verifies"] - before["spec_verifies"]
                 accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]

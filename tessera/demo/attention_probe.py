@@ -43,6 +43,16 @@ def binding_targets(processor, samples, ids, labels, labs) -> dict[str, torch.Te
     return {"bind_q1": q1, "bind_t1": t1, "bind_q2": q2, "bind_t2": t2}
 
 
+def capture_attention(model, layers: list[int]) -> dict[int, torch.Tensor]:
+    """{layer: its attention weights [batch, heads, queries, keys] of the model's latest forward}, kept up to date
+    by hooks on those language-model layers (eager attention returns the weights)."""
+    maps: dict[int, torch.Tensor] = {}
+    blocks = model.model.language_model.layers
+    for layer in layers:
+        blocks[layer].self_attn.register_forward_hook(lambda m, i, o, layer=layer: maps.__setitem__(layer, o[1]))
+    return maps
+
+
 class AttentionProbe:
     """Captures attention maps of two language-model layers and scores them against the lookup targets.
 
@@ -54,11 +64,8 @@ class AttentionProbe:
     """
 
     def __init__(self, model, hops=((0, "bind_q1", "bind_t1"), (2, "bind_q2", "bind_t2")), head: int = 0):
-        self.hops, self.head, self.maps = hops, head, {}
-        layers = model.model.language_model.layers
-        for layer, _, _ in hops:
-            layers[layer].self_attn.register_forward_hook(
-                lambda m, i, o, layer=layer: self.maps.__setitem__(layer, o[1]))
+        self.hops, self.head = hops, head
+        self.maps = capture_attention(model, [layer for layer, _, _ in hops])
 
     def loss(self, batch: dict) -> torch.Tensor:
         total = torch.zeros(())

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from tessera.demo import copy_task, scenes
-from tessera.demo.attention_probe import AttentionProbe
+from tessera.demo.attention_probe import AttentionProbe, capture_attention
 from tessera.demo.checkpoint import save_checkpoint
 from tessera.demo.runs import out_of_time, resume, save_state
-from tessera.demo.train_vl import IGNORE, batch_for_step, eval_set, evaluate, model_inputs
+from tessera.demo.train_vl import IGNORE, batch_for_step, eval_set, evaluate, exact_match, model_inputs
 
 EVAL_SEED = 999_999
 
@@ -41,21 +41,28 @@ def copy_batch(processor, pairs: list[tuple[str, str]]) -> dict:
     tok = processor.tokenizer
     prompts = [processor.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                              tokenize=False) for q, _ in pairs]
-    ids = [tok(p)["input_ids"] + tok(a + "<|im_end|>")["input_ids"] for p, (_, a) in zip(prompts, pairs)]
-    width = max(map(len, ids))
-    input_ids = torch.full((len(ids), width), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(input_ids)
+    prompt_ids = [tok(p)["input_ids"] for p in prompts]
+    rows = [ids + tok(a + "<|im_end|>")["input_ids"] for ids, (_, a) in zip(prompt_ids, pairs)]
+    input_ids, mask = padded(rows, tok.pad_token_id)
     labels = torch.full_like(input_ids, IGNORE)
     source = torch.full_like(input_ids, -1)
-    for i, (p, row, (q, a)) in enumerate(zip(prompts, ids, pairs)):
-        input_ids[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(row)] = 1
-        start = len(tok(p)["input_ids"])
+    for i, (p, ids, row, (q, _)) in enumerate(zip(prompts, prompt_ids, rows, pairs)):
+        start = len(ids)
         labels[i, start:len(row)] = input_ids[i, start:len(row)]
         text_start = len(tok(p[:p.index(q)] + copy_task.PREFIX)["input_ids"])
         n = len(row) - start  # the answer's tokens and <|im_end|>
         source[i, start - 1:start - 1 + n] = torch.arange(text_start, text_start + n)
     return {"input_ids": input_ids, "attention_mask": mask, "labels": labels, "copy_source": source}
+
+
+def padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of token rows padded on the right to the longest."""
+    ids = torch.full((len(rows), max(map(len, rows))), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = 1
+    return ids, mask
 
 
 class CopyProbe:
@@ -66,11 +73,8 @@ class CopyProbe:
     look the next word up. Other heads than the binding probe's (head 0 of layers 0 and 2)."""
 
     def __init__(self, model, prev_layer: int = 1, copy_layer: int = 3, head: int = 1):
-        self.prev_layer, self.copy_layer, self.head, self.maps = prev_layer, copy_layer, head, {}
-        layers = model.model.language_model.layers
-        for layer in (prev_layer, copy_layer):
-            layers[layer].self_attn.register_forward_hook(
-                lambda m, i, o, layer=layer: self.maps.__setitem__(layer, o[1]))
+        self.prev_layer, self.copy_layer, self.head = prev_layer, copy_layer, head
+        self.maps = capture_attention(model, [prev_layer, copy_layer])
 
     def loss(self, batch: dict) -> torch.Tensor:
         source = batch["copy_source"]
@@ -140,26 +144,20 @@ def anchor_pool(teacher, processor, seed: int, n: int, new_tokens: int = 24) -> 
         prompts.append(processor.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                      tokenize=False))
     tok = processor.tokenizer
-    tok.padding_side = "left"
+    side, tok.padding_side = tok.padding_side, "left"  # generate() continues each row from its end
     out = []
     for b in range(0, n, 32):
         enc = tok(prompts[b:b + 32], return_tensors="pt", padding=True)
         gen = teacher.generate(**enc, max_new_tokens=new_tokens, do_sample=False)
         mask = torch.cat([enc["attention_mask"], torch.ones_like(gen[:, enc["input_ids"].shape[1]:])], 1).bool()
         out += [row[keep].tolist() for row, keep in zip(gen, mask)]
-    tok.padding_side = "right"
+    tok.padding_side = side
     return out
 
 
 def anchor_loss(model, teacher, pool: list[list[int]], rng: random.Random, n: int, pad: int) -> torch.Tensor:
     """KL(teacher || student) at every position of n chats of the anchor pool."""
-    seqs = rng.sample(pool, n)
-    width = max(map(len, seqs))
-    ids = torch.full((n, width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, row in enumerate(seqs):
-        ids[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(row)] = 1
+    ids, mask = padded(rng.sample(pool, n), pad)
     with torch.no_grad():
         target = F.log_softmax(teacher(input_ids=ids, attention_mask=mask).logits, -1)
     logp = F.log_softmax(model(input_ids=ids, attention_mask=mask).logits, -1)
@@ -170,20 +168,6 @@ def anchor_loss(model, teacher, pool: list[list[int]], rng: random.Random, n: in
 def copy_pairs(seed: int, step: int, n: int) -> list[tuple[str, str]]:
     rng = random.Random(seed * 1_000_003 + step)
     return [copy_task.copy_pair(rng) for _ in range(n)]
-
-
-@torch.no_grad()
-def exact_match(model, batches: list[dict]) -> float:
-    """Teacher-forced: the share of sequences whose every labelled token is the argmax."""
-    model.eval()
-    right = total = 0
-    for b in batches:
-        logits = model(**model_inputs(b)).logits[:, :-1]
-        labels = b["labels"][:, 1:]
-        right += int((((logits.argmax(-1) == labels) | (labels == IGNORE)).all(-1)).sum())
-        total += len(labels)
-    model.train()
-    return right / total
 
 
 def copy_exact_match(model, processor, pairs: list[tuple[str, str]], batch_size: int = 32) -> float:

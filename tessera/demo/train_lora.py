@@ -27,7 +27,7 @@ import torch
 
 from tessera.config import ASSETS_DIR
 from tessera.demo import scenes
-from tessera.demo.train_vl import IGNORE, make_batch, model_inputs
+from tessera.demo.train_vl import exact_match, make_batch, model_inputs
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SUFFIX = "?"
@@ -48,12 +48,9 @@ def batch(processor, seed: int, step: int, size: int) -> dict:
 
 
 @torch.no_grad()
-def exact_match(model, processor, samples: list[scenes.Sample]) -> float:
+def sentence_exact_match(model, processor, samples: list[scenes.Sample]) -> float:
     """Teacher-forced exact match of the sentence answers (equals greedy exact match)."""
-    b = make_batch(processor, restyled(samples))
-    logits = model(**model_inputs(b)).logits[:, :-1]
-    labels = b["labels"][:, 1:]
-    return float((((logits.argmax(-1) == labels) | (labels == IGNORE)).all(-1)).float().mean())
+    return exact_match(model, [make_batch(processor, restyled(samples))])
 
 
 def main() -> None:
@@ -94,7 +91,7 @@ def main() -> None:
             print(f"step {step} loss {loss.item():.4f} ({time.monotonic() - start:.0f} s)", flush=True)
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             model.eval()
-            acc = {q: exact_match(model, processor, s) for q, s in held_out.items()}
+            acc = {q: sentence_exact_match(model, processor, s) for q, s in held_out.items()}
             model.train()
             print(f"step {step + 1} exact match {json.dumps(acc)}", flush=True)
     model.eval()

@@ -211,24 +211,27 @@ def model_inputs(batch: dict) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model, processor, samples_by_type: dict[str, list[scenes.Sample]], batch_size: int = 32) -> dict[str, float]:
-    """Teacher-forced exact match: every answer token (and <|im_end|>) is the argmax.
-
-    This equals greedy exact match: greedy reproduces the answer iff each step's argmax does.
-    """
+def exact_match(model, batches: list[dict]) -> float:
+    """Teacher-forced exact match: the share of sequences whose every labelled token (the answer and its
+    <|im_end|>) is the argmax. This equals greedy exact match: greedy reproduces the answer iff each step's
+    argmax does."""
     model.eval()
-    acc = {}
-    for qtype, samples in samples_by_type.items():
-        correct = 0
-        for i in range(0, len(samples), batch_size):
-            batch = make_batch(processor, samples[i : i + batch_size])
-            logits = model(**model_inputs(batch)).logits[:, :-1]
-            labels = batch["labels"][:, 1:]
-            ok = (logits.argmax(-1) == labels) | (labels == IGNORE)
-            correct += int(ok.all(-1).sum())
-        acc[qtype] = correct / len(samples)
+    right = total = 0
+    for batch in batches:
+        logits = model(**model_inputs(batch)).logits[:, :-1]
+        labels = batch["labels"][:, 1:]
+        right += int((((logits.argmax(-1) == labels) | (labels == IGNORE)).all(-1)).sum())
+        total += len(labels)
     model.train()
-    return acc
+    return right / total
+
+
+def evaluate(model, processor, samples_by_type: dict[str, list[scenes.Sample]],
+             batch_size: int = 32) -> dict[str, float]:
+    """exact_match per question type."""
+    return {qtype: exact_match(model, [make_batch(processor, samples[i : i + batch_size])
+                                       for i in range(0, len(samples), batch_size)])
+            for qtype, samples in samples_by_type.items()}
 
 
 def eval_set(seed: int, per_type: int) -> dict[str, list[scenes.Sample]]:

@@ -42,7 +42,7 @@ def accepted_prefix(draft: Sequence[int], sampled: Sequence[int]) -> int:
     row i follows draft i), and draft i + 1 stands while it equals sampled[i]. The step then emits
     sampled[:accepted + 1]."""
     n = 0
-    while n < len(draft) and sampled[n] == draft[n]:
+    while n < len(draft) and n < len(sampled) and sampled[n] == draft[n]:  # any two sequences: their common prefix
         n += 1
     return n
 
@@ -136,10 +136,9 @@ class OracleProposer:
         out = []
         for req, k in zip(reqs, limits):
             # By position, whatever the output so far: recorded tokens that are wrong are simply rejected.
-            done, so_far = len(req.output_ids), req.output_ids
+            done = len(req.output_ids)
             answers = self.answers.get(tuple(req.origin_input_ids), [[]])
-            best = max(answers, key=lambda a: next((i for i, (x, y) in enumerate(zip(a, so_far)) if x != y),
-                                                   min(len(a), len(so_far))))
+            best = max(answers, key=lambda answer: accepted_prefix(answer, req.output_ids))
             out.append(best[done:done + k])
         return out
 
