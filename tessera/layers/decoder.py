@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -57,6 +58,8 @@ STACKED_PARAMS: tuple[tuple[str, str, str], ...] = (
     ("gate_proj", "gate_up_proj", "gate"),
     ("up_proj", "gate_up_proj", "up"),
 )
+# UngatedMLP's fc1 is a one-shard fused module (its TP rows load as the others' do); only for decoder names.
+UNGATED_STACKED_PARAMS = STACKED_PARAMS + (("fc1", "fc1", "fc1"),)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class DecoderOptions:
     qkv_bias: bool = False  # Qwen2: True
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma-3)
+    ungated_mlp: bool = False  # fc2(act(fc1(x))) instead of SwiGLU (Cosmos3 Edge's relu2 MLP)
 
 
 class GatedActivation(nn.Module):
@@ -168,13 +172,37 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+class UngatedMLP(nn.Module):
+    """fc2(act(fc1(x))) with transformers' names (Cosmos3 Edge: act = relu2, i.e. relu(x)**2; no biases)."""
+
+    ACTIVATIONS = {"relu2": lambda h: F.relu(h).square_(), "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+                   "silu": F.silu}
+
+    def __init__(self, hidden_size: int, intermediate_size: int, act: str):
+        super().__init__()
+        if act not in self.ACTIVATIONS:
+            raise NotImplementedError(f"hidden_act={act!r}: ungated MLPs support {', '.join(self.ACTIVATIONS)}")
+        tp = tp_group()
+        start, size = tp.shard(intermediate_size, "intermediate_size")  # column- then row-parallel
+        # One shard named as the checkpoint's module, so that a TP rank loads its rows as the fused modules do.
+        self.fc1 = MergedLinear(hidden_size, {"fc1": size},
+                                sources=None if tp.size == 1 else {"fc1": (start, intermediate_size)})
+        self.act = self.ACTIVATIONS[act]
+        self.fc2 = (Linear(size, hidden_size) if tp.size == 1 else
+                    RowParallelLinear(size, hidden_size, False, start, intermediate_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into the norms."""
 
     def __init__(self, cfg: DecoderDims, opts: DecoderOptions, layer_id: int, attn_backend: BaseAttentionBackend):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, opts, layer_id, attn_backend)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        mlp = UngatedMLP if opts.ungated_mlp else GatedMLP
+        self.mlp = mlp(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

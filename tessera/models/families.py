@@ -90,6 +90,10 @@ def refuse_media(model_name: str, served: frozenset[Modality], given: list[Modal
 _QWEN_VL_PROCESSOR = "tessera.multimodal.processors.qwen_vl:QwenVLProcessor"
 _QUANT_TESTED = "AWQ, GPTQ, CT, FP8 (tested)"
 _QUANT_MOE = "dense layers (untested); not the MoE experts (stored fused)"
+# Cosmos3's unified checkpoints: the understanding (Reasoner) tower is served, its tensors found in the
+# checkpoint's own layout (tessera/models/cosmos3.py); the rest of the world model is not.
+_COSMOS3_NOTES = ("the Generator (image/video generation), sound and action towers (their tensors are skipped; "
+                  "serve the understanding tower with --model-type llm)")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("Qwen2ForCausalLM", "tessera.models.qwen2:Qwen2ForCausalLM", None, frozenset(), "rope",
@@ -127,6 +131,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "tessera.multimodal.processors.qwen3_vl:Qwen3VLProcessor", frozenset({IMAGE, VIDEO}), "mrope",
            model_types=("qwen3_vl",),
            notes="precomputed embeddings without the DeepStack levels (they are hidden x (1 + levels) wide)"),
+    Family("Cosmos3EdgeForConditionalGeneration", "tessera.models.cosmos3:Cosmos3EdgeForConditionalGeneration",
+           "tessera.multimodal.processors.cosmos3:Cosmos3EdgeProcessor", frozenset({IMAGE, VIDEO}), "mrope",
+           model_types=("cosmos3_edge",),
+           notes=_COSMOS3_NOTES),
+    Family("Cosmos3OmniForConditionalGeneration", "tessera.models.cosmos3:Cosmos3OmniForConditionalGeneration",
+           "tessera.multimodal.processors.qwen3_vl:Qwen3VLProcessor", frozenset({IMAGE, VIDEO}), "mrope",
+           model_types=("cosmos3_omni",),
+           notes=_COSMOS3_NOTES + "; precomputed embeddings without the DeepStack levels"),
     Family("InternVLForConditionalGeneration", "tessera.models.internvl:InternVLForConditionalGeneration",
            "tessera.multimodal.processors.internvl:InternVLProcessor", frozenset({IMAGE}), "rope",
            model_types=("internvl",),

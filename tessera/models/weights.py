@@ -47,12 +47,15 @@ class WeightMapping:
     ignore: regexes (re.search) of checkpoint names to drop silently (e.g. stale rotary buffers).
     stacked_prefix: stacked rules apply only to our names starting with it (e.g. "model.", so that an
         encoder module with its own separate q_proj/k_proj/v_proj keeps them).
+    renames: (old, new) substrings replaced in every name after the prefix rules, before the stacked rules: a
+        checkpoint saved with other module names (Cosmos3's Diffusers-style `.self_attn.to_q.`).
     """
 
     prefix_rules: tuple[tuple[str, str | None], ...]
     stacked: tuple[tuple[str, str, str], ...] = ()
     ignore: tuple[str, ...] = (r"rotary_emb\.inv_freq$",)
     stacked_prefix: str = ""
+    renames: tuple[tuple[str, str], ...] = ()
 
     def map_name(self, name: str) -> tuple[str, str | None] | None:
         """Checkpoint name -> (our parameter name, shard id or None); None = drop; KeyError = unexpected."""
@@ -66,6 +69,8 @@ class WeightMapping:
                 break
         else:
             raise KeyError(name)
+        for old, new in self.renames:
+            ours = ours.replace(old, new)
         if not ours.startswith(self.stacked_prefix):
             return ours, None
         for ckpt_mod, our_mod, shard_id in self.stacked:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -86,15 +86,17 @@ def _vision_config(spec: TinySpec) -> dict:
 
 
 def tiny_qwen3_vl_config(spec: TinySpec, vocab_size: int = VOCAB, token_ids: dict[str, int] | None = None,
-                         **text_extra):
-    from transformers import Qwen3VLConfig
+                         architecture: str = "Qwen3VLForConditionalGeneration", **text_extra):
+    """Qwen3-VL's config, or the config class of another architecture that is Qwen3-VL (Cosmos3-Nano's)."""
+    import transformers
 
     ids = token_ids or {"image": IMAGE_ID, "video": VIDEO_ID, "start": VSTART_ID, "end": VEND_ID}
     text_extra = text_extra or dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return Qwen3VLConfig(text_config=_text_config(spec, vocab_size, **text_extra), vision_config=_vision_config(spec),
-                         image_token_id=ids["image"], video_token_id=ids["video"],
-                         vision_start_token_id=ids["start"], vision_end_token_id=ids["end"],
-                         tie_word_embeddings=spec.tie, architectures=["Qwen3VLForConditionalGeneration"])
+    config_cls = getattr(transformers, architecture.replace("ForConditionalGeneration", "Config"))
+    return config_cls(text_config=_text_config(spec, vocab_size, **text_extra), vision_config=_vision_config(spec),
+                      image_token_id=ids["image"], video_token_id=ids["video"],
+                      vision_start_token_id=ids["start"], vision_end_token_id=ids["end"],
+                      tie_word_embeddings=spec.tie, architectures=[architecture])
 
 
 def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
@@ -117,12 +119,14 @@ def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
             merger.linear_fc2.bias.mul_(scale)
 
 
-def build_tiny_qwen3_vl(path: str | Path, spec: TinySpec, attn_implementation: str = "eager"):
+def build_tiny_qwen3_vl(path: str | Path, spec: TinySpec, attn_implementation: str = "eager",
+                        architecture: str = "Qwen3VLForConditionalGeneration"):
     """The HF reference model (eval mode), also saved to `path` (config + safetensors only)."""
-    from transformers import Qwen3VLForConditionalGeneration
+    import transformers
 
-    return save_random_model(path, Qwen3VLForConditionalGeneration, tiny_qwen3_vl_config(spec), spec.seed,
-                             lambda m: make_fixture_can_fail_(m, spec.seed), attn_implementation)
+    return save_random_model(path, getattr(transformers, architecture), tiny_qwen3_vl_config(
+        spec, architecture=architecture), spec.seed, lambda m: make_fixture_can_fail_(m, spec.seed),
+        attn_implementation)
 
 
 # ---------------------------------------------------------------- prompts
@@ -130,7 +134,7 @@ def build_tiny_qwen3_vl(path: str | Path, spec: TinySpec, attn_implementation: s
 Prompt = MRopePrompt  # HF takes nothing besides the ids, types and grids
 
 
-def build_prompt(spec: list, seed: int = 0) -> Prompt:
+def build_prompt(spec: list, seed: int = 0, patch_dim: int = PATCH_DIM) -> Prompt:
     """spec parts: int n = n random text tokens (ids < 100); ("image", (1, h, w)) = <vision_start> pads
     <vision_end>; ("video", (t, h, w)) = Qwen3-VL's layout: <vision_start>, then per frame group a
     3-token stand-in for its timestamp text, <vision_start> pads <vision_end>, then <vision_end>.
@@ -159,7 +163,7 @@ def build_prompt(spec: list, seed: int = 0) -> Prompt:
             msd = {"video_grid_thw": torch.tensor([[t, h, w]])}
         items.append(MultimodalDataItem(
             modality=Modality.IMAGE if kind == "image" else Modality.VIDEO, hash=len(items), offsets=offsets,
-            feature=torch.randn(t * h * w, PATCH_DIM, generator=g), model_specific_data=msd,
+            feature=torch.randn(t * h * w, patch_dim, generator=g), model_specific_data=msd,
         ))
     return Prompt(torch.tensor(ids), mm_types(ids, IMAGE_ID, VIDEO_ID), items)
 
@@ -178,8 +182,10 @@ def our_positions(prompt: Prompt) -> tuple[torch.Tensor, int]:
 class Qwen3VLCase(MRopeCase):
     """An item's embedding rows are its main features followed by its DeepStack levels, level by level."""
 
+    patch_dim: ClassVar[int] = PATCH_DIM  # values per pixel row
+
     def prompt(self, parts: list, seed: int = 0) -> Prompt:
-        return build_prompt(parts, seed)
+        return build_prompt(parts, seed, self.patch_dim)
 
     def our_positions(self, prompt: Prompt) -> tuple[torch.Tensor, int]:
         return our_positions(prompt)
@@ -217,13 +223,16 @@ def hf_generate_masked(hf, inputs: dict, num_new: int) -> list[int]:
     return hf_generate(hf, inputs, num_new, attention_mask=torch.ones_like(inputs["input_ids"]))
 
 
-def load_case(name: str, path: Path) -> Qwen3VLCase:
+def load_case(name: str, path: Path, architecture: str = "Qwen3VLForConditionalGeneration") -> Qwen3VLCase:
     """Beyond FamilyCase.check_fixture_can_fail (which checks every DeepStack level is text-sized): a dropped
-    DeepStack level moves the logits far beyond the tolerance."""
+    DeepStack level moves the logits far beyond the tolerance. `architecture`: HF's model, one that is Qwen3-VL."""
     from tessera.models.qwen3_vl import Qwen3VLForConditionalGeneration
     from tests.models.family_parity import ATOL
 
-    case, config = Qwen3VLCase.load(SPECS[name], path, build_tiny_qwen3_vl, Qwen3VLForConditionalGeneration)
+    def build(path: Path, spec: TinySpec):
+        return build_tiny_qwen3_vl(path, spec, architecture=architecture)
+
+    case, config = Qwen3VLCase.load(SPECS[name], path, build, Qwen3VLForConditionalGeneration)
     spec, hf, ours = case.spec, case.hf, case.ours
     assert config.mrope_section == spec.mrope_section and config.head_dim == spec.head_dim
     assert ours.num_deepstack_levels == len(spec.deepstack)

@@ -17,6 +17,7 @@ import torch
 
 from tessera.models.registry import load_model
 from tests.models import (
+    cosmos3_testing,
     gemma3_testing,
     internvl_testing,
     llama4_testing,
@@ -31,6 +32,8 @@ from tests.models.family_parity import ATOL, FamilyCase, FamilyFixture, hf_last_
 from tests.models.fixture_checks import MIN_MARGIN, top2_margin
 
 FAMILIES: dict[str, FamilyFixture] = {
+    "cosmos3_edge": cosmos3_testing.EDGE_FIXTURE,
+    "cosmos3_omni": cosmos3_testing.OMNI_FIXTURE,
     "gemma3": gemma3_testing.FIXTURE,
     "internvl": internvl_testing.FIXTURE,
     "llama4": llama4_testing.FIXTURE,

@@ -30,7 +30,7 @@ from tessera.multimodal.processors.base import (
     ItemFeatures,
     LoadedMultimodalData,
 )
-from tessera.multimodal.processors.qwen_vl import QwenVLProcessor
+from tessera.multimodal.processors.qwen_vl import QwenVLProcessor, temporal_patch_size
 
 __all__ = ["Qwen3VLProcessor", "frame_timestamps"]
 
@@ -56,9 +56,9 @@ class Qwen3VLProcessor(QwenVLProcessor):
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(hf_processor, hf_config, *args, **kwargs)
         self.tokens_per_second = None  # frame groups are placed by their timestamp text, not time-scaled
-        levels = len(hf_config.vision_config.deepstack_visual_indexes)
+        levels = len(getattr(hf_config.vision_config, "deepstack_visual_indexes", ()))  # none: Cosmos3 Edge
         self.embed_dim = int(hf_config.get_text_config().hidden_size) * (1 + levels)
-        self.temporal_patch_size = int(hf_config.vision_config.temporal_patch_size)
+        self.temporal_patch_size = temporal_patch_size(hf_config.vision_config)
         tokenizer = getattr(hf_processor, "tokenizer", hf_processor)
         self._tokenizer = tokenizer
         self.vision_start_id = int(getattr(hf_config, "vision_start_token_id", None)

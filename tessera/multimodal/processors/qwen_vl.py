@@ -26,7 +26,13 @@ from tessera.multimodal.processors.base import (
 )
 from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
-__all__ = ["QwenVLProcessor"]
+__all__ = ["QwenVLProcessor", "temporal_patch_size"]
+
+
+def temporal_patch_size(vision_config: Any) -> int:
+    """Frames per patch: the config's, or 1 for towers that patch frame by frame and have no such field
+    (Cosmos3 Edge's SigLIP2 tower)."""
+    return int(getattr(vision_config, "temporal_patch_size", 1))
 
 _KEYS = {  # modality -> (pixel key, grid key)
     Modality.IMAGE: ("pixel_values", "image_grid_thw"),
@@ -47,8 +53,8 @@ class QwenVLProcessor(BaseMultimodalProcessor):
         # What the language model and the vision tower accept, checked on caller-supplied tensors
         # here: a mismatch found in the scheduler process would fail a whole batch.
         self.embed_dim = int(hf_config.get_text_config().hidden_size)
-        channels = int(getattr(vision, "in_channels", getattr(vision, "in_chans", 3)))
-        self.patch_dim = channels * int(vision.temporal_patch_size) * int(vision.patch_size) ** 2
+        channels = int(getattr(vision, "in_channels", getattr(vision, "in_chans", getattr(vision, "num_channels", 3))))
+        self.patch_dim = channels * temporal_patch_size(vision) * int(vision.patch_size) ** 2
         merge = int(getattr(hf_processor.image_processor, "merge_size", self.spatial_merge_size))
         if merge != self.spatial_merge_size:
             raise ValueError(f"image processor merge_size {merge} != vision_config.spatial_merge_size "
