@@ -140,22 +140,16 @@ CHECKPOINT_SPEC = EdgeSpec("ckpt", hidden=64, layers=2, heads=4, kv_heads=2, hea
                            projector=48, seed=3)
 
 
-def make_tiny_cosmos3_edge_checkpoint(path: str | Path, spec: EdgeSpec = CHECKPOINT_SPEC, *,
-                                      image_min_pixels: int = 64 * 64, image_max_pixels: int = 128 * 128,
-                                      video_min_pixels: int = 32 * 32, video_max_pixels: int = 64 * 64 * 4) -> Path:
-    """Writes a complete random Cosmos3-Edge checkpoint to `path` (created if missing) and returns it: config.json
-    over the demo-vl tokenizer's vocabulary and its <|image_pad|>, <|video_pad|>, <|vision_start|>,
-    <|vision_end|> ids (eos <|im_end|>), the weights in the checkpoint's own layout, the tokenizer, the demo-vl chat
-    template and a Cosmos3EdgeProcessor (patch 16, merge 2, mean/std 0.5, do_sample_frames=False) that
-    `AutoProcessor.from_pretrained` loads."""
-    from transformers import (AutoProcessor, Cosmos3EdgeForConditionalGeneration, Cosmos3EdgeImageProcessor,
-                              Cosmos3EdgeProcessor, Cosmos3EdgeVideoProcessor)
+def tiny_cosmos3_edge_processor_and_config(spec: EdgeSpec = CHECKPOINT_SPEC, *, image_min_pixels: int = 64 * 64,
+                                           image_max_pixels: int = 128 * 128, video_min_pixels: int = 32 * 32,
+                                           video_max_pixels: int = 64 * 64 * 4) -> tuple[Any, Any]:
+    """(transformers Cosmos3EdgeProcessor over the demo-vl tokenizer, Cosmos3EdgeConfig with its token ids): see
+    make_tiny_cosmos3_edge_checkpoint."""
+    from transformers import AutoProcessor, Cosmos3EdgeImageProcessor, Cosmos3EdgeProcessor, Cosmos3EdgeVideoProcessor
 
     from tessera.config import ASSETS_DIR
     from tessera.demo.build_vl import CHAT_TEMPLATE
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     tok = AutoProcessor.from_pretrained(ASSETS_DIR / "demo-vl").tokenizer
     common = dict(patch_size=PATCH, merge_size=MERGE, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     processor = Cosmos3EdgeProcessor(
@@ -165,7 +159,6 @@ def make_tiny_cosmos3_edge_checkpoint(path: str | Path, spec: EdgeSpec = CHECKPO
             size={"shortest_edge": video_min_pixels, "longest_edge": video_max_pixels}, do_sample_frames=False,
             **common),
         tokenizer=tok, chat_template=CHAT_TEMPLATE)
-    processor.save_pretrained(path)
     ids = {t: tok.convert_tokens_to_ids(t) for t in
            ("<|endoftext|>", "<|im_end|>", "<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")}
     cfg = tiny_cosmos3_edge_config(
@@ -173,9 +166,24 @@ def make_tiny_cosmos3_edge_checkpoint(path: str | Path, spec: EdgeSpec = CHECKPO
         token_ids={"image": ids["<|image_pad|>"], "video": ids["<|video_pad|>"], "start": ids["<|vision_start|>"],
                    "end": ids["<|vision_end|>"]},
         bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"])
+    return processor, cfg
+
+
+def make_tiny_cosmos3_edge_checkpoint(path: str | Path, spec: EdgeSpec = CHECKPOINT_SPEC, **sizes: int) -> Path:
+    """Writes a complete random Cosmos3-Edge checkpoint to `path` (created if missing) and returns it: config.json
+    over the demo-vl tokenizer's vocabulary and its <|image_pad|>, <|video_pad|>, <|vision_start|>,
+    <|vision_end|> ids (eos <|im_end|>), the weights in the checkpoint's own layout, the tokenizer, the demo-vl chat
+    template and a Cosmos3EdgeProcessor (patch 16, merge 2, mean/std 0.5, do_sample_frames=False; `sizes` as
+    tiny_cosmos3_edge_processor_and_config's) that `AutoProcessor.from_pretrained` loads."""
+    from transformers import Cosmos3EdgeForConditionalGeneration
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    processor, cfg = tiny_cosmos3_edge_processor_and_config(spec, **sizes)
+    processor.save_pretrained(path)
+    text = cfg.get_text_config()
     save_random_model(path, Cosmos3EdgeForConditionalGeneration, cfg, spec.seed,
-                      lambda m: make_edge_fixture_can_fail_(m, spec.seed), None, ids["<|im_end|>"],
-                      ids["<|endoftext|>"])
+                      lambda m: make_edge_fixture_can_fail_(m, spec.seed), None, text.eos_token_id, text.pad_token_id)
     return path
 
 

@@ -11,8 +11,10 @@ config. Cosmos3-Nano is Qwen3-VL and uses Qwen3-VL's processor as it is.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from tessera.messages.items import Modality
+from tessera.multimodal.media import VideoClip
 from tessera.multimodal.processors.base import ItemFeatures
 from tessera.multimodal.processors.qwen3_vl import Qwen3VLProcessor
 
@@ -21,6 +23,11 @@ __all__ = ["Cosmos3EdgeProcessor"]
 
 class Cosmos3EdgeProcessor(Qwen3VLProcessor):
     """Cosmos3EdgeForConditionalGeneration."""
+
+    def video_call_kwargs(self, videos: Sequence[VideoClip]) -> dict[str, Any]:
+        """Qwen3-VL's metadata; HF's Edge video processor returns it to the processor (which writes the timestamps
+        from it) only when asked, where Qwen3-VL's asks by default."""
+        return {**super().video_call_kwargs(videos), "return_metadata": True}
 
     def expand_placeholders(self, input_ids: list[int], features: Sequence[ItemFeatures]) -> list[int]:
         """Videos given as one placeholder each lose the vision start/end pair around it before the frames
