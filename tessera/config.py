@@ -25,6 +25,9 @@ TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256
 BUNDLED_LORA_DIR = ASSETS_DIR / "lora"
 
 
+MODEL_TYPES = ("auto", "llm")  # --model-type
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """`demo-vl` / `demo-asr` / `demo-vl-draft` name the bundled checkpoints; anything else is a local directory."""
     if name_or_path in BUNDLED_MODELS:
@@ -117,6 +120,11 @@ class ServerArgs:
     # step) instead of gathering it from the pool's pages every step; it costs up to the pool's size again.
     disable_decode_kv_mirror: bool = False
     language_model_only: bool = False
+    # SGLang's --model-type: which of a checkpoint's runtimes to serve. auto: what config.json describes; llm: the
+    # understanding (LLM/VLM) tower of a multi-tower checkpoint, e.g. Cosmos3's Diffusers-layout world models, which
+    # SGLang otherwise routes to its diffusion runtime (their model_index.json). Tessera has no diffusion runtime, so
+    # auto refuses such a checkpoint by name; the tower's weights are the root's, else the pipeline's `transformer/`.
+    model_type: str = "auto"
     # Intra-op threads of the scheduler process (the model). None: on a CPU with one model rank, adaptive
     # (platform/threads.py: before each step, the cores that nothing else used in the last quarter
     # second, at least one); with several ranks, all cores but one split between them. A fixed count
@@ -206,6 +214,12 @@ class ServerArgs:
             domains = [d for entry in domains for d in str(entry).split(",")]
         if domains is not None:
             set_("allowed_media_domains", tuple(d.strip().lower() for d in domains if d.strip()))
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"model_type: expected {' or '.join(MODEL_TYPES)}, got {self.model_type!r}"
+                             + (" (Tessera has no diffusion runtime)" if self.model_type == "diffusion" else ""))
+        if self.model_type != "llm" and (Path(self.model_path) / "model_index.json").exists():
+            raise ValueError(f"model_type: {self.model_path} is a Diffusers pipeline (model_index.json); Tessera serves "
+                             "its understanding (LLM) tower with --model-type llm (no image or video generation)")
         for key in self.mm_process_config:
             if key not in ("image", "video", "audio"):
                 raise ValueError(f"mm_process_config: unknown modality {key!r} (expected image, video, audio)")

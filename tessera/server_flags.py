@@ -23,6 +23,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "chat_template": ("model", "Jinja chat template (a file or the template text) replacing the checkpoint's"),
     "context_length": ("model", "longest prompt + output in tokens (default: the model's max_position_embeddings)"),
     "language_model_only": ("model", "skip the vision/audio encoders: text only, less memory"),
+    "model_type": ("model", "auto (what config.json describes) or llm: serve the understanding (LLM) tower of a "
+                            "multi-tower checkpoint, e.g. Cosmos3's Diffusers-layout world models (SGLang's flag)"),
     "is_embedding": ("model", "serve the model for embeddings (/v1/embeddings): the warm-up embeds instead of "
                               "generating; embedding architectures (CLIPModel) turn it on by themselves"),
     "pooling": ("model", "how embedding requests pool the final hidden states: last (the last token), mean, cls "

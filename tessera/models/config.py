@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.layers.decoder import DecoderDims
+from tessera.messages.items import Modality
 from tessera.models.families import Family, family_for_config
 from tessera.models.quant_config import QuantConfig
 
@@ -85,9 +86,19 @@ class ModelConfig(DecoderDims):
     def load(cls, model_path: str | Path) -> ModelConfig:
         """The checkpoint's config.json and generation_config.json, each read once: a process loads its
         ModelConfig once and hands it to whatever else needs the checkpoint's settings."""
-        from transformers import AutoConfig
+        from transformers import PretrainedConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-        config = cls.from_hf(AutoConfig.from_pretrained(str(model_path)))
+        # AutoConfig.from_pretrained's two steps, so that the file as written is checked too: transformers fills a
+        # missing sub-config with its defaults (a 27-layer vision tower the weights then do not match).
+        raw, unused = PretrainedConfig.get_config_dict(str(model_path), _from_auto=True, name_or_path=str(model_path))
+        hf_config = CONFIG_MAPPING[raw["model_type"]].from_dict(raw, **unused) if "model_type" in raw else None
+        if hf_config is None:
+            raise ValueError(f"config.json of {model_path} has no model_type")
+        config = cls.from_hf(hf_config)
+        if config.family.modalities & {Modality.IMAGE, Modality.VIDEO} and not raw.get("vision_config"):
+            raise ValueError(f"config.json: vision_config is missing; {config.family.name} needs its vision tower's "
+                             "config (with --language-model-only too: the processor reads it)")
         gen = Path(model_path) / "generation_config.json"
         return replace(config, generation_config=json.loads(gen.read_text())) if gen.exists() else config
 

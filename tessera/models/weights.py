@@ -90,6 +90,9 @@ def checkpoint_files(model_path: str | Path) -> list[Path]:
     if (root / SAFETENSORS_SINGLE).exists():
         return [root / SAFETENSORS_SINGLE]
     files = sorted(root.glob("*.safetensors"))
+    if not files and (root / "model_index.json").exists() and (root / "transformer").is_dir():
+        # A Diffusers pipeline (--model-type llm): its `transformer` component holds the understanding tower.
+        return checkpoint_files(root / "transformer")
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {root} (model_path must be a local HF checkpoint dir)")
     return files

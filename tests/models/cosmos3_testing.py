@@ -193,3 +193,25 @@ def load_hf_reference(path: str | Path) -> Any:
 
     return Cosmos3EdgeForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
                                                                attn_implementation="eager").eval()
+
+
+def as_diffusers_layout(path: Path, extra_tensors: bool = True) -> Path:
+    """Rearranges a complete checkpoint as Cosmos3's Diffusers pipelines are laid out: model_index.json at the
+    root, the weights in the `transformer` component, with (extra_tensors) some of the Generator's tensors beside
+    the understanding tower's (ones the mappings drop)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    if extra_tensors:
+        width = tensors["embed_tokens.weight"].shape[1]
+        for name in ("layers.0.self_attn.add_q_proj.weight", "layers.0.mlp_moe_gen.fc1.weight",
+                     "time_embedder.linear_1.weight", "proj_out.weight"):
+            tensors[name] = torch.zeros(4, width)
+    (path / "transformer").mkdir()
+    save_file(tensors, path / "transformer" / "diffusion_pytorch_model.safetensors", metadata={"format": "pt"})
+    (path / "model.safetensors").unlink()
+    (path / "model_index.json").write_text(json.dumps({"_class_name": "Cosmos3Pipeline",
+                                                       "transformer": ["diffusers", "Cosmos3OmniTransformer"]}))
+    return path
