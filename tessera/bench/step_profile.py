@@ -99,7 +99,7 @@ def _hf_steps(cfg: ProfileConfig, model_dir: str):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForMultimodalLM
 
     arch = (AutoConfig.from_pretrained(model_dir).architectures or [""])[0]
-    auto = (AutoModelForImageTextToText if "VL" in arch else
+    auto = (AutoModelForImageTextToText if "VL" in arch or arch.startswith("Cosmos3") else
             AutoModelForMultimodalLM if "Audio" in arch else AutoModelForCausalLM)
     model = auto.from_pretrained(model_dir).eval()
     vocab = model.config.get_text_config().vocab_size

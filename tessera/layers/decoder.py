@@ -175,7 +175,8 @@ class GatedMLP(nn.Module):
 class UngatedMLP(nn.Module):
     """fc2(act(fc1(x))) with transformers' names (Cosmos3 Edge: act = relu2, i.e. relu(x)**2; no biases)."""
 
-    ACTIVATIONS = {"relu2": lambda h: F.relu(h).square_(), "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    # fc1's output is a fresh tensor: relu2 squares it in place (no [tokens, intermediate] temporary).
+    ACTIVATIONS = {"relu2": lambda h: F.relu_(h).square_(), "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
                    "silu": F.silu}
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str):

@@ -92,8 +92,7 @@ _QUANT_TESTED = "AWQ, GPTQ, CT, FP8 (tested)"
 _QUANT_MOE = "dense layers (untested); not the MoE experts (stored fused)"
 # Cosmos3's unified checkpoints: the understanding (Reasoner) tower is served, its tensors found in the
 # checkpoint's own layout (tessera/models/cosmos3.py); the rest of the world model is not.
-_COSMOS3_NOTES = ("the Generator (image/video generation), sound and action towers (their tensors are skipped; "
-                  "serve the understanding tower with --model-type llm)")
+_COSMOS3_NOTES = "the world model's Generator (image/video generation), sound and action towers (skipped at load)"
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("Qwen2ForCausalLM", "tessera.models.qwen2:Qwen2ForCausalLM", None, frozenset(), "rope",

@@ -36,6 +36,7 @@ FAMILIES = {
     "qwen3_vl": ("qwen3_vl_testing", {}, {}, "model.visual."),
     "gemma3": ("gemma3_testing", {}, {}, "model.vision_tower."),
     "llama4": ("llama4_testing", {}, {}, "vision_model.", {"exclude_modules": ["router"]}),
+    "cosmos3_edge": ("cosmos3_testing", {}, {}, "model.visual."),
 }
 
 
@@ -55,7 +56,9 @@ def prompt_of(family: str, processor, num_images: int, text: str) -> str:
 
 @torch.no_grad()
 def hf_greedy(model, processor, prompt: str, images) -> list[int]:
-    enc = processor(text=[prompt], return_tensors="pt", **({"images": images} if images else {}))
+    # M-RoPE families' generate reads the token types, which some processors (Cosmos3-Edge's) return only when asked.
+    asked = {"return_mm_token_type_ids": True} if "mm_token_type_ids" in processor.model_input_names else {}
+    enc = processor(text=[prompt], return_tensors="pt", **asked, **({"images": images} if images else {}))
     if "pixel_values" in enc:  # Llama-4's image processor gives bfloat16 pixels
         enc["pixel_values"] = enc["pixel_values"].float()
     out = model.generate(**enc, max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
