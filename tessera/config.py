@@ -218,8 +218,8 @@ class ServerArgs:
             raise ValueError(f"model_type: expected {' or '.join(MODEL_TYPES)}, got {self.model_type!r}"
                              + (" (Tessera has no diffusion runtime)" if self.model_type == "diffusion" else ""))
         if self.model_type != "llm" and (Path(self.model_path) / "model_index.json").exists():
-            raise ValueError(f"model_type: {self.model_path} is a Diffusers pipeline (model_index.json); Tessera serves "
-                             "its understanding (LLM) tower with --model-type llm (no image or video generation)")
+            raise ValueError(f"model_type: {self.model_path} is a Diffusers pipeline (model_index.json); Tessera "
+                             "serves its understanding (LLM) tower with --model-type llm (no image or video generation)")
         for key in self.mm_process_config:
             if key not in ("image", "video", "audio"):
                 raise ValueError(f"mm_process_config: unknown modality {key!r} (expected image, video, audio)")

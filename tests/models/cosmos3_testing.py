@@ -86,12 +86,8 @@ def make_edge_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
     """In place: random norm weights (0.5..1.5) and biases (N(0, 0.1)); the projector's output rescaled to the
     text embeddings' RMS."""
     g = torch.Generator().manual_seed(seed)
+    qwen3_vl.randomize_norms_and_biases_(hf, g)
     with torch.no_grad():
-        for module in hf.modules():
-            if type(module).__name__.endswith("RMSNorm") or isinstance(module, torch.nn.LayerNorm):
-                module.weight.copy_(0.5 + torch.rand(module.weight.shape, generator=g))
-            if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)) and module.bias is not None:
-                module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=g))
         out = hf.model.get_image_features(torch.randn(8 * 8, EDGE_PATCH_DIM, generator=g), torch.tensor([[1, 8, 8]]))
         feature = torch.cat(out.pooler_output)
         scale = float(hf.get_input_embeddings().weight.pow(2).mean().sqrt() / feature.pow(2).mean().sqrt())

@@ -99,16 +99,22 @@ def tiny_qwen3_vl_config(spec: TinySpec, vocab_size: int = VOCAB, token_ids: dic
                       tie_word_embeddings=spec.tie, architectures=[architecture])
 
 
-def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
-    """In place: random norm weights (0.5..1.5) and biases (N(0, 0.1)) everywhere; the main merger's and each
-    DeepStack merger's last projection rescaled to the text embeddings' RMS."""
-    g = torch.Generator().manual_seed(seed)
+def randomize_norms_and_biases_(hf: torch.nn.Module, g: torch.Generator) -> None:
+    """In place: random norm weights (0.5..1.5: RMSNorm, qk-norm, LayerNorm) and biases (N(0, 0.1)) everywhere."""
     with torch.no_grad():
         for module in hf.modules():
             if type(module).__name__.endswith("RMSNorm") or isinstance(module, torch.nn.LayerNorm):
                 module.weight.copy_(0.5 + torch.rand(module.weight.shape, generator=g))
             if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm)) and module.bias is not None:
                 module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=g))
+
+
+def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
+    """In place: random norm weights and biases everywhere; the main merger's and each DeepStack merger's last
+    projection rescaled to the text embeddings' RMS."""
+    g = torch.Generator().manual_seed(seed)
+    randomize_norms_and_biases_(hf, g)
+    with torch.no_grad():
         visual = hf.model.visual
         out = visual(torch.randn(8 * 8, PATCH_DIM, generator=g), grid_thw=torch.tensor([[1, 8, 8]]))
         text_rms = hf.get_input_embeddings().weight.pow(2).mean().sqrt()

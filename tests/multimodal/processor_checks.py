@@ -1,5 +1,6 @@
 """Checks the image processors' tests (InternVL, Llama-4, Pixtral) run alike over a complete tiny checkpoint:
-its fixtures, the preprocessing cache with a per-request process config, and text-only prompts and refusals."""
+its fixtures, the preprocessing cache with a per-request process config, and text-only prompts and refusals; and
+the output check of the processors that lay videos out frame by frame (Qwen3-VL, Cosmos3-Edge)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,30 @@ def check_formats_agree(proc, prompt: str, images: list, raw, others: list) -> N
     for out in (*others, from_ids):
         assert out.input_ids == raw.input_ids
         assert [i.offsets for i in out.mm_inputs.items] == [i.offsets for i in raw.mm_inputs.items]
+
+
+def assert_frame_runs_match_hf(out, ref, config, rope_index: Callable[[Any, Any], tuple[Any, int]]) -> None:
+    """Our output `out` equals HF's processor output `ref` where videos are timestamped frame runs (Qwen3-VL,
+    Cosmos3-Edge): the same ids, grids and pixel rows; an image is one placeholder run and a video one per frame
+    (group), each inside <vision_start>/<vision_end>; positions and delta equal `rope_index(config, ref)`."""
+    import torch
+
+    assert out.input_ids == ref["input_ids"][0].tolist()
+    for modality, pixel_key, grid_key in ((Modality.IMAGE, "pixel_values", "image_grid_thw"),
+                                          (Modality.VIDEO, "pixel_values_videos", "video_grid_thw")):
+        items = [i for i in out.mm_inputs.items if i.modality is modality]
+        if grid_key not in ref:
+            assert not items
+            continue
+        assert torch.equal(torch.cat([i.model_specific_data[grid_key] for i in items]), ref[grid_key])
+        assert torch.equal(torch.cat([i.feature for i in items]), ref[pixel_key])
+        token = config.image_token_id if modality is Modality.IMAGE else config.video_token_id
+        for item, (t, h, w) in zip(items, ref[grid_key].tolist()):
+            assert item.num_tokens == t * h * w // 4
+            assert len(item.offsets) == (1 if modality is Modality.IMAGE else t)
+            for s, e in item.offsets:
+                assert set(out.input_ids[s:e]) == {token}
+                assert (out.input_ids[s - 1], out.input_ids[e]) == (config.vision_start_token_id,
+                                                                    config.vision_end_token_id)
+    positions, delta = rope_index(config, ref)
+    assert torch.equal(out.mm_inputs.mrope_positions, positions) and out.mm_inputs.mrope_position_delta == delta

@@ -10,11 +10,11 @@ import types
 import pytest
 import torch
 
-from tessera.messages.items import Modality
 from tessera.multimodal.processors.base import ProcessorOutput
 from tests.models.cosmos3_testing import tiny_cosmos3_edge_processor_and_config
 from tests.models.mrope_vlm_testing import mm_types
 
+from .processor_checks import assert_frame_runs_match_hf
 from .conftest import chat_text, encode_mp4, encode_png, processor_factory, scene_frames, scene_image
 
 
@@ -58,19 +58,7 @@ def hf_rope_index(config, ref) -> tuple[torch.Tensor, int]:
 
 
 def assert_matches_hf(out: ProcessorOutput, ref, config) -> None:
-    assert out.input_ids == ref["input_ids"][0].tolist()
-    for modality, pixel_key, grid_key in ((Modality.IMAGE, "pixel_values", "image_grid_thw"),
-                                          (Modality.VIDEO, "pixel_values_videos", "video_grid_thw")):
-        items = [i for i in out.mm_inputs.items if i.modality is modality]
-        if grid_key not in ref:
-            assert not items
-            continue
-        assert torch.equal(torch.cat([i.model_specific_data[grid_key] for i in items]), ref[grid_key])
-        assert torch.equal(torch.cat([i.feature for i in items]), ref[pixel_key])
-        for item, (t, h, w) in zip(items, ref[grid_key].tolist()):
-            assert len(item.offsets) == t and item.num_tokens == t * h * w // 4  # a run per frame
-    positions, delta = hf_rope_index(config, ref)
-    assert torch.equal(out.mm_inputs.mrope_positions, positions) and out.mm_inputs.mrope_position_delta == delta
+    assert_frame_runs_match_hf(out, ref, config, hf_rope_index)
 
 
 @pytest.mark.parametrize("size", [(20, 20), (64, 64), (333, 251), (90, 700)])

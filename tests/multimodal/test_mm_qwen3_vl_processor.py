@@ -9,7 +9,6 @@ import types
 import pytest
 import torch
 
-from tessera.messages.items import Modality
 from tessera.multimodal.media import VideoClip
 from tessera.multimodal.processors.base import ProcessorOutput
 from tessera.multimodal.processors.qwen3_vl import frame_timestamps
@@ -18,6 +17,7 @@ from tests.models.qwen3_vl_testing import (
     tiny_qwen3_vl_processor_and_config,
 )
 
+from .processor_checks import assert_frame_runs_match_hf
 from .conftest import (
     chat_text,
     encode_mp4,
@@ -69,26 +69,7 @@ def hf_rope_index(config, ref) -> tuple[torch.Tensor, int]:
 
 
 def assert_matches_hf(out: ProcessorOutput, ref, config) -> None:
-    assert out.input_ids == ref["input_ids"][0].tolist()
-    for modality, pixel_key, grid_key in ((Modality.IMAGE, "pixel_values", "image_grid_thw"),
-                                          (Modality.VIDEO, "pixel_values_videos", "video_grid_thw")):
-        items = [i for i in out.mm_inputs.items if i.modality is modality]
-        if grid_key not in ref:
-            assert not items
-            continue
-        assert torch.equal(torch.cat([i.model_specific_data[grid_key] for i in items]), ref[grid_key])
-        assert torch.equal(torch.cat([i.feature for i in items]), ref[pixel_key])
-        token = config.image_token_id if modality is Modality.IMAGE else config.video_token_id
-        for item, (t, h, w) in zip(items, ref[grid_key].tolist()):
-            assert item.num_tokens == t * h * w // 4
-            # An image is one run; a video one run per frame group, each wrapped in <vision_start>/<vision_end>.
-            assert len(item.offsets) == (1 if modality is Modality.IMAGE else t)
-            for s, e in item.offsets:
-                assert set(out.input_ids[s:e]) == {token}
-                assert (out.input_ids[s - 1], out.input_ids[e]) == (config.vision_start_token_id,
-                                                                    config.vision_end_token_id)
-    positions, delta = hf_rope_index(config, ref)
-    assert torch.equal(out.mm_inputs.mrope_positions, positions) and out.mm_inputs.mrope_position_delta == delta
+    assert_frame_runs_match_hf(out, ref, config, hf_rope_index)
 
 
 SIZES = [(20, 20), (64, 64), (128, 512), (512, 128), (333, 251), (1000, 90)]

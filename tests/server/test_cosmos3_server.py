@@ -11,14 +11,14 @@ import random
 
 import httpx
 import pytest
-import torch
 
 from tessera.demo import scenes
 from tessera.multimodal.media import MediaLimits, load_video
-from tests.models.cosmos3_testing import EDGE, as_diffusers_layout, load_hf_reference, make_tiny_cosmos3_edge_checkpoint
+from tests.models.cosmos3_testing import (EDGE, as_diffusers_layout, load_hf_reference,
+                                          make_tiny_cosmos3_edge_checkpoint)
 from tests.multimodal.conftest import encode_mp4
 from tests.server.server_process import ServerProcess
-from tests.server.vlm_chat import check_model_info, data_uri
+from tests.server.vlm_chat import check_model_info, data_uri, hf_chat_reply
 
 MAX_TOKENS = 8
 NUM_FRAMES = 4
@@ -34,18 +34,7 @@ def cosmos3_server(tmp_path_factory):
 
 
 def _hf_reply(processor, model, content: list, images=None, clip=None) -> tuple[str, int]:
-    """HF generate's answer and its prompt length (Edge's generate needs the token types, given when asked)."""
-    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
-    kwargs = {}
-    if clip is not None:
-        kwargs = {"videos": [clip.frames], "videos_kwargs": {"return_metadata": True, "video_metadata": [
-            {"fps": clip.fps, "total_num_frames": clip.total_num_frames, "frames_indices": clip.sampled_indices}]}}
-    enc = processor(text=[text], images=images, return_tensors="pt", return_mm_token_type_ids=True, **kwargs)
-    with torch.inference_mode():
-        out = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)
-    prompt_len = enc["input_ids"].shape[1]
-    return processor.tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True), prompt_len
+    return hf_chat_reply(processor, model, content, MAX_TOKENS, images, clip)
 
 
 def test_chat_matches_hf(cosmos3_server) -> None:
@@ -73,8 +62,8 @@ def test_chat_matches_hf(cosmos3_server) -> None:
 
     mp4 = encode_mp4([f.resize((64, 64)) for f in scenes.video_sample(random.Random(3)).frames], fps=5)
     clip = load_video(mp4, limits=MediaLimits(), num_frames=NUM_FRAMES)  # the frames the server samples
-    reply = ask([{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(mp4).decode()}}],
-                "Which way is it moving?")
+    video_uri = "data:video/mp4;base64," + base64.b64encode(mp4).decode()
+    reply = ask([{"type": "video_url", "video_url": {"url": video_uri}}], "Which way is it moving?")
     content = [{"type": "video"}, {"type": "text", "text": "Which way is it moving?"}]
     assert (reply.choices[0].message.content, reply.usage.prompt_tokens) == _hf_reply(processor, model, content,
                                                                                       clip=clip)

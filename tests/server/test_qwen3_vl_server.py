@@ -9,14 +9,13 @@ import base64
 import random
 
 import pytest
-import torch
 
 from tessera.demo import scenes
 from tessera.multimodal.media import MediaLimits, load_video
 from tests.models.qwen3_vl_testing import make_tiny_qwen3_vl_checkpoint
 from tests.multimodal.conftest import encode_mp4
 from tests.server.server_process import ServerProcess
-from tests.server.vlm_chat import check_model_info, data_uri
+from tests.server.vlm_chat import check_model_info, data_uri, hf_chat_reply
 
 MAX_TOKENS = 8
 NUM_FRAMES = 4
@@ -32,18 +31,7 @@ def qwen3_vl_server(tmp_path_factory):
 
 
 def _hf_reply(processor, model, content: list, images=None, clip=None) -> tuple[str, int]:
-    """HF generate's answer and its prompt length."""
-    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                         tokenize=False)
-    kwargs = {}
-    if clip is not None:
-        kwargs = {"videos": [clip.frames], "videos_kwargs": {"video_metadata": [
-            {"fps": clip.fps, "total_num_frames": clip.total_num_frames, "frames_indices": clip.sampled_indices}]}}
-    enc = processor(text=[text], images=images, return_tensors="pt", **kwargs)
-    with torch.inference_mode():
-        out = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False)
-    prompt_len = enc["input_ids"].shape[1]
-    return processor.tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True), prompt_len
+    return hf_chat_reply(processor, model, content, MAX_TOKENS, images, clip)
 
 
 def test_chat_matches_hf(qwen3_vl_server) -> None:
