@@ -124,9 +124,12 @@ def load_edge_case(name: str, path: Path) -> Cosmos3EdgeCase:
 EDGE_FIXTURE = dataclasses.replace(
     qwen3_vl.FIXTURE, specs=tuple(EDGE_SPECS), load_case=load_edge_case, bytes_spec="mha_tied", checks={},
     build=lambda path, name: build_tiny_cosmos3_edge(path, EDGE_SPECS[name]))
+# Nano's model is Qwen3-VL's, run in full by its row: here the checkpoint's layout under a few of its prompts.
 OMNI_FIXTURE = dataclasses.replace(
     qwen3_vl.FIXTURE, specs=("gqa",), load_case=partial(qwen3_vl.load_case, architecture=OMNI), bytes_spec="gqa",
-    build=lambda path, name: qwen3_vl.build_tiny_qwen3_vl(path, qwen3_vl.SPECS[name], architecture=OMNI))
+    build=lambda path, name: qwen3_vl.build_tiny_qwen3_vl(path, qwen3_vl.SPECS[name], architecture=OMNI),
+    prompts={k: qwen3_vl.PROMPTS[k] for k in ("text", "two_images", "image_and_video")},
+    chunked=qwen3_vl.FIXTURE.chunked[1:], prefix_cuts={"page4": qwen3_vl.PREFIX_CUTS["page4"]})
 
 
 # ---------------------------------------------------------------- full checkpoint directory

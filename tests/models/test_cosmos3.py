@@ -38,3 +38,26 @@ def test_missing_vision_config_is_named_before_weights_load(tmp_path):
     (tmp_path / "model.safetensors").unlink()  # nothing may be read past the config
     with pytest.raises(ValueError, match="vision_config is missing; Cosmos3EdgeForConditionalGeneration"):
         ModelConfig.load(tmp_path)
+
+
+def test_int8_weights_match_hf_dequantized(tmp_path, monkeypatch):
+    """--torchao-config int8wo quantizes Edge's decoder linears (the ungated MLP's fc1/fc2 too): our logits on an image
+    and video prompt equal HF's over the same weights dequantized."""
+    from tessera.layers import half_linear
+    from tessera.layers.quantization.int_linear import fake_quantize_
+    from tests.models.cosmos3_testing import Cosmos3EdgeCase
+    from tests.models.family_parity import ATOL, our_logits
+    from tests.models.qwen3_vl_testing import DECODE_PROMPT
+
+    monkeypatch.setattr(half_linear, "_BF16_COMPUTE", False)  # HF multiplies the dequantized weights in float32
+    spec = EDGE_SPECS["gqa"]
+    hf = build_tiny_cosmos3_edge(tmp_path, spec)
+    ours, _ = load_model(tmp_path, torch.float32, torchao_config="int8wo")
+    assert ours.model.layers[0].mlp.fc1.quantized is not None and ours.model.layers[0].mlp.fc2.quantized is not None
+    case = Cosmos3EdgeCase(spec, hf, ours, tmp_path)
+    prompt = case.prompt(DECODE_PROMPT, seed=2)
+    before = case.hf_logits(prompt)
+    assert fake_quantize_(hf, "int8wo", "model.language_model.") == 6 * spec.layers  # q, k, v, o, fc1, fc2
+    ref = case.hf_logits(prompt)
+    assert (ref - before).abs().max() > 1e-3  # the quantization changes the model
+    torch.testing.assert_close(our_logits(case, prompt), ref, atol=ATOL, rtol=0)
