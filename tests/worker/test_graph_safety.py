@@ -39,6 +39,7 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
     from transformers import Qwen2AudioConfig, Qwen2Config, Qwen3Config, WhisperConfig
 
     from tests.models import clip_testing as clip
+    from tests.models import cosmos3_testing as cosmos3
     from tests.models import gemma3_testing as gemma3
     from tests.models import internvl_testing as internvl
     from tests.models import llama4_testing as llama4
@@ -54,6 +55,9 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
         "Qwen2VLForConditionalGeneration": lambda: qwen2_vl.tiny_vl_config(),
         "Qwen2_5_VLForConditionalGeneration": lambda: qwen2_5_vl.tiny_qwen2_5_vl_config(qwen2_5_vl.SPECS["gqa"]),
         "Qwen3VLForConditionalGeneration": lambda: qwen3_vl.tiny_qwen3_vl_config(qwen3_vl.SPECS["gqa"]),
+        "Cosmos3EdgeForConditionalGeneration": lambda: cosmos3.tiny_cosmos3_edge_config(cosmos3.EDGE_SPECS["gqa"]),
+        "Cosmos3OmniForConditionalGeneration": lambda: qwen3_vl.tiny_qwen3_vl_config(qwen3_vl.SPECS["gqa"],
+                                                                                     architecture=cosmos3.OMNI),
         "Qwen2AudioForConditionalGeneration": lambda: Qwen2AudioConfig(
             text_config=_text(model_type="qwen2"), architectures=["Qwen2AudioForConditionalGeneration"],
             audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
