@@ -2,8 +2,9 @@
 checkpoints (tests/speech_llm_testing.py), each window's tokens equal to transformers' `generate` on the prompt its
 processor's `apply_transcription_request` builds.
 
-Three clips (shorter than Qwen3-ASR's minimum length, a few seconds, and longer than GLM-ASR's 10 s window and
-Qwen3-ASR's 2 s attention window), with and without a language; verbose_json, srt, vtt, text and streaming.
+Three clips (shorter than Qwen3-ASR's minimum length, 2 s, and 5 s: longer than the fixtures' GLM-ASR window of
+4 s and Qwen3-ASR's attention window of 2 s), with and without a language, sent together with a text chat request
+(batched with other traffic); verbose_json, srt, vtt, text and streaming.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import base64
 import io
 import json
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
@@ -26,8 +28,8 @@ from tests.audio_testing import RATE, noise, speechlike, tone, wav_bytes
 from tests.server.server_process import ServerProcess
 from tests.speech_llm_testing import build_speech_llm
 
-CLIPS = {"short": lambda: tone(0.4, freq=330), "three_s": lambda: speechlike(3.0, seed=1),
-         "twelve_s": lambda: np.concatenate([noise(1.0, seed=4, amplitude=0.01), speechlike(11.0, seed=5)])}
+CLIPS = {"short": lambda: tone(0.4, freq=330), "two_s": lambda: speechlike(2.0, seed=1),
+         "five_s": lambda: np.concatenate([noise(0.5, seed=4, amplitude=0.01), speechlike(4.5, seed=5)])}
 MAX_TOKENS_PER_SECOND, MIN_TOKENS = 10, 16  # transcriptions.py's budget per window
 
 
@@ -41,16 +43,18 @@ class Served:
         self.hf = getattr(transformers, cls).from_pretrained(path).eval()
         self.client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", timeout=300, max_retries=0)
 
-    def hf_window(self, samples: np.ndarray, language: str | None) -> list[int]:
-        """HF's greedy tokens for one window, with the endpoint's token budget."""
+    def hf_window(self, samples: np.ndarray, language: str | None) -> tuple[list[int], list[float]]:
+        """HF's greedy tokens for one window, with the endpoint's token budget, and each step's top-2 margin."""
         kwargs = {"language": language} if self.family == "qwen3_asr" else {}
         if self.family == "qwen3_asr":
             kwargs["sampling_rate"] = RATE
         inputs = self.processor.apply_transcription_request(samples, **kwargs)
         budget = max(MIN_TOKENS, int(np.ceil(len(samples) / RATE * MAX_TOKENS_PER_SECOND)))
         with torch.inference_mode():
-            out = self.hf.generate(**inputs, max_new_tokens=budget, do_sample=False)
-        return out[0, inputs["input_ids"].shape[1]:].tolist()
+            out = self.hf.generate(**inputs, max_new_tokens=budget, do_sample=False, output_scores=True,
+                                   return_dict_in_generate=True)
+        margins = [float(s[0].topk(2).values.diff().abs()) for s in out.scores]
+        return out.sequences[0, inputs["input_ids"].shape[1]:].tolist(), margins
 
     def transcribe(self, data: bytes, **kw):
         return self.client.audio.transcriptions.create(model="tiny-speech", file=("clip.wav", data, "audio/wav"),
@@ -71,27 +75,46 @@ def _strip_eos(tokens: list[int], served: Served) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in eos else tokens
 
 
+def assert_same_tokens(ours: list[int], ref: list[int], margins: list[float], served: Served, what) -> None:
+    """Equal up to the first step where HF's top-2 logits are within float noise (1e-3) of each other: a random
+    model's near-tie may go either way with a batch's summation order; at least 8 tokens must be compared."""
+    ours, ref = _strip_eos(ours, served), _strip_eos(ref, served)
+    tie = next((i for i, m in enumerate(margins) if m < 1e-3), len(margins))
+    assert ours[:tie] == ref[:tie], what
+    assert tie >= 8 or len(ref) < 8, f"{what}: the fixture ties at step {tie}"
+    if tie == len(margins):
+        assert ours == ref, what
+
+
 @pytest.mark.parametrize("language", [None, "en"])
 def test_transcripts_are_hf_generate_tokens(served, language):
-    for name, make in CLIPS.items():
-        samples = make()
-        kw = {"language": language} if language else {}
-        result = served.transcribe(wav_bytes(samples), response_format="verbose_json", **kw)
+    if served.family == "glmasr" and language:
+        pytest.skip("GLM-ASR's transcription request has no language: the prompt is the one tested without")
+    clips = {name: make() for name, make in CLIPS.items()}
+    kw = {"language": language} if language else {}
+    with ThreadPoolExecutor(len(clips) + 1) as pool:  # the clips and a text chat arrive together
+        chat = pool.submit(served.client.chat.completions.create, model="tiny-speech", max_tokens=8,
+                           messages=[{"role": "user", "content": "Hello there."}])
+        results = dict(zip(clips, pool.map(
+            lambda x: served.transcribe(wav_bytes(x), response_format="verbose_json", **kw), clips.values())))
+        assert chat.result().usage.completion_tokens > 0
+    style = TranscriptionStyle.of(None, served.processor)
+    for name, samples in clips.items():
+        result = results[name]
         windows = split_audio(samples, RATE, float(served.processor.feature_extractor.chunk_length))
         assert len(result.segments) == len(windows), name
-        style = TranscriptionStyle.of(None, served.processor)
         texts, written = [], []
         for segment, w in zip(result.segments, windows):
-            ref = served.hf_window(samples[w.start:w.end], language)
-            assert _strip_eos(segment.tokens, served) == _strip_eos(ref, served), (name, segment.id)
-            text, lang = style.split(served.processor.tokenizer.decode(ref, skip_special_tokens=True), language)
-            texts.append(text)
-            written.append(lang)
+            ref, margins = served.hf_window(samples[w.start:w.end], language)
+            assert_same_tokens(segment.tokens, ref, margins, served, (name, segment.id))
+            texts.append(segment.text)
+            written.append(style.split(served.processor.tokenizer.decode(segment.tokens, skip_special_tokens=True),
+                                       language)[1])
             assert (segment.start, segment.end) == (round(w.seg_start / RATE, 3), round(w.seg_end / RATE, 3))
         assert result.text == " ".join(t for t in texts if t), name
         assert result.duration == pytest.approx(len(samples) / RATE, abs=1e-3)
-        expected_language = next((w for w in written if w), None) or language or "unknown"
-        assert result.language == expected_language, name
+        assert result.language == (next((w for w in written if w), None) or language or "unknown"), name
+    assert served.family == "qwen3_asr" or len(results["five_s"].segments) == 2  # GLM-ASR: two windows
 
 
 def test_a_written_language_is_reported_and_cut_from_the_transcript():
@@ -108,7 +131,7 @@ def test_a_written_language_is_reported_and_cut_from_the_transcript():
 
 
 def test_formats_and_stream_agree(served):
-    data = wav_bytes(CLIPS["twelve_s"]())
+    data = wav_bytes(CLIPS["five_s"]())
     verbose = served.transcribe(data, response_format="verbose_json", language="en")
     assert served.transcribe(data, language="en").text == verbose.text
     assert served.transcribe(data, response_format="text", language="en") == verbose.text + "\n"
@@ -135,7 +158,7 @@ def test_formats_and_stream_agree(served):
 
 
 def test_chat_with_input_audio(served):
-    samples = CLIPS["three_s"]()
+    samples = CLIPS["two_s"]()
     content = [{"type": "input_audio", "input_audio": {"data": base64.b64encode(wav_bytes(samples)).decode(),
                                                        "format": "wav"}}]
     reply = served.client.chat.completions.create(model="tiny-speech", max_tokens=6, temperature=0,
