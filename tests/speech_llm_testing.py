@@ -10,7 +10,7 @@ checks that the logits depend on the audio.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -97,9 +97,10 @@ def _processor(spec: SpeechLLM, path: Path):
     cfg_path.write_text(json.dumps(cfg, indent=2))
     tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
     mel = spec.audio["num_mel_bins"]
-    if spec is QWEN3_ASR:
+    if spec.name == QWEN3_ASR.name:
         extractor = Qwen3ASRFeatureExtractor(feature_size=mel, sampling_rate=RATE, n_window=spec.audio["n_window"])
-        processor = Qwen3ASRProcessor(feature_extractor=extractor, tokenizer=tokenizer, chat_template=spec.chat_template)
+        processor = Qwen3ASRProcessor(feature_extractor=extractor, tokenizer=tokenizer,
+                                      chat_template=spec.chat_template)
     else:
         extractor = WhisperFeatureExtractor(feature_size=mel, sampling_rate=RATE, chunk_length=GLM_CHUNK_SECONDS,
                                             return_attention_mask=True)
@@ -119,7 +120,7 @@ def _config(spec: SpeechLLM, tokenizer):
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, bos_token_id=tid("<|endoftext|>"),
                 eos_token_id=eos, pad_token_id=tid("<|endoftext|>"), **spec.text)
     audio_token = tid(spec.tokens["audio_token"])
-    if spec is QWEN3_ASR:
+    if spec.name == QWEN3_ASR.name:
         return Qwen3ASRConfig(audio_config=spec.audio, text_config=text, audio_token_id=audio_token,
                               eos_token_id=eos, pad_token_id=tid("<|endoftext|>"), tie_word_embeddings=True)
     return GlmAsrConfig(audio_config=spec.audio, text_config=text, audio_token_id=audio_token, tie_word_embeddings=True)
@@ -152,15 +153,18 @@ def _check_audio_matters(model, processor) -> None:
     assert float(top2[0] - top2[1]) > 1e-4, "the fixture's top-2 logits are tied"
 
 
-def build_speech_llm(name: str, path: Path, seed: int = 0) -> Path:
-    """A random checkpoint of family `name` ("qwen3_asr" or "glmasr") at `path`."""
+def build_speech_llm(name: str, path: Path, seed: int = 0, text: dict | None = None,
+                     audio: dict | None = None) -> Path:
+    """A random checkpoint of family `name` ("qwen3_asr" or "glmasr") at `path`; `text` / `audio` override the
+    table's sizes (the transcription benchmark's larger model)."""
     from transformers import GlmAsrForConditionalGeneration, Qwen3ASRForConditionalGeneration
 
     spec = SPEECH_LLMS[name]
+    spec = replace(spec, text={**spec.text, **(text or {})}, audio={**spec.audio, **(audio or {})})
     processor = _processor(spec, path)
     cfg = _config(spec, processor.tokenizer)
     torch.manual_seed(seed)
-    cls = Qwen3ASRForConditionalGeneration if spec is QWEN3_ASR else GlmAsrForConditionalGeneration
+    cls = Qwen3ASRForConditionalGeneration if spec.name == QWEN3_ASR.name else GlmAsrForConditionalGeneration
     model = cls(cfg).eval()
     _randomize(model, projector_scale=0.5)
     _check_audio_matters(model, processor)

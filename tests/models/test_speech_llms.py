@@ -67,7 +67,8 @@ def test_ids_embeddings_and_prefill_logits_match_hf(case, language):
         (item,) = out.mm_inputs.items
         with torch.inference_mode():
             embeds = case.ours.get_audio_feature([item])[0]
-            hf_embeds = case.hf.model.get_audio_features(ref["input_features"], ref["input_features_mask"]).pooler_output
+            hf_embeds = case.hf.model.get_audio_features(ref["input_features"],
+                                                         ref["input_features_mask"]).pooler_output
             torch.testing.assert_close(embeds, hf_embeds, atol=1e-5, rtol=0)
             kv = PagedKV(case.ours.lm_config, page_size=4, num_pages=512, max_context_len=2048)
             ids = torch.tensor(out.input_ids)

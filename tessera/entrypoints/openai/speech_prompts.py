@@ -82,13 +82,16 @@ class TranscriptRequest(TranscriptionStyle):
 
     def prompt(self, language: str | None, prompt: str | None) -> str:
         kwargs = self.request_kwargs(language, prompt)
-        text = self.hf_processor.apply_transcription_request(np.zeros(1, np.float32), tokenize=False, **kwargs)[0]
-        if prompt and "prompt" not in kwargs:
-            # No context slot in this processor's request: the context leads as a system turn.
-            system = self.info.apply_chat_template([{"role": "system", "content": prompt}],
-                                                   add_generation_prompt=False)
-            text = system + text
-        return text
+        silence = np.zeros(1, np.float32)  # not loaded: only the prompt's text is built
+        if not prompt or "prompt" in kwargs:
+            return self.hf_processor.apply_transcription_request(silence, tokenize=False, **kwargs)[0]
+        # GLM-ASR's request has no context slot (its `prompt` is the instruction): the context leads as a system
+        # turn before the request's own user turn.
+        instruction = self.hf_processor.default_transcription_prompt
+        messages = [{"role": "system", "content": [{"type": "text", "text": prompt}]},
+                    {"role": "user", "content": [{"type": "audio", "audio": silence},
+                                                 {"type": "text", "text": instruction}]}]
+        return self.hf_processor.apply_chat_template([messages], tokenize=False, add_generation_prompt=True)[0]
 
 
 class MarkedTranscriptRequest(TranscriptRequest):
