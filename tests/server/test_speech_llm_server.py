@@ -202,3 +202,31 @@ def test_a_language_qwen3_asr_does_not_transcribe_is_a_400(served):
         return
     assert r.status_code == 400 and r.json()["error"]["param"] == "language", r.text
     assert "not 'sw'" in r.json()["error"]["message"]
+
+
+def test_a_stream_holds_back_the_language_prefix():
+    """The deltas of Qwen3-ASR's `language English<asr_text> hello world` are the transcript only, and add up to
+    the done event's text; a window that never writes the marker streams all of its text."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tessera.entrypoints.openai.transcriptions import TranscriptionServing
+
+    windows = [["lang", "uage English", "<asr_", "text> hel", "lo", " world "], ["no marker", " here"]]
+
+    async def generate(req):
+        for i, delta in enumerate(windows[req]):
+            last = i == len(windows[req]) - 1
+            yield {"delta": delta, "meta_info": {"finish_reason": "stop" if last else None, "prompt_tokens": 3,
+                                                 "completion_tokens": i + 1}}
+
+    serving = TranscriptionServing(SimpleNamespace(tm=SimpleNamespace(generate=generate)))
+
+    async def events():
+        return [json.loads(e[len("data: "):]) for e in [x async for x in serving._stream([0, 1], "<asr_text>")]
+                if e != "data: [DONE]\n\n"]
+
+    parsed = asyncio.run(events())
+    deltas = [p["delta"] for p in parsed if p["type"] == "transcript.text.delta"]
+    assert deltas == ["hel", "lo", " world", " no marker here"]
+    assert parsed[-1]["text"] == "hello world no marker here" == "".join(deltas)
