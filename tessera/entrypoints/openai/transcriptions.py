@@ -195,7 +195,7 @@ class TranscriptionServing:
         segments = [_segment(i, r, rate, req.temperature) for i, r in enumerate(results)]
         return render(req.response_format, text, segments, duration, language, "transcribe")
 
-    async def _stream(self, reqs: list[GenerateRequest], marker: str | None) -> AsyncIterator[str]:
+    async def _stream(self, reqs: list[GenerateRequest], marker: str | None = None) -> AsyncIterator[str]:
         """All windows decode concurrently; their deltas are sent in window order (a later window's text
         waits in its queue until the earlier ones are done). The deltas add up to exactly the done event's
         text, join_transcripts of the window texts: whitespace at a window's edges is held back, and one
