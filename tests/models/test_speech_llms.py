@@ -114,3 +114,25 @@ def test_inconsistent_configs_are_refused_by_name(case):
         field = "intermediate_size"
     with pytest.raises(ValueError, match=f"audio_config.{field}"):
         type(case.ours)(ModelConfig.from_hf(hf_config))
+
+
+def test_engine_greedy_tokens_match_hf_generate(case, tmp_path_factory):
+    """Through tessera.Engine, submitted together: a prompt with its clip, the same clip as token ids (one
+    placeholder, expanded by our processor) and a text-only request."""
+    from tessera import Engine
+
+    clip = CLIPS["two_s"]()
+    ref = case.request(clip)
+    with torch.inference_mode():
+        out = case.hf.generate(**ref, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)
+    expected = out[0, ref["input_ids"].shape[1]:].tolist()
+    prompt = case.prompt(clip)
+    ids = case.hf_processor.tokenizer(prompt)["input_ids"]
+    sp = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
+    path = case.hf.name_or_path
+    with Engine(str(path), page_size=4, chunked_prefill_size=32, show_progress=False) as engine:
+        with_prompt, text_only = engine.generate([prompt, "Hello there."], sp, audio_data=[[clip], None])
+        with_ids = engine.generate(input_ids=[ids], sampling_params=sp, audio_data=[[clip]])[0]
+    assert with_prompt["output_ids"] == expected == with_ids["output_ids"]
+    assert len(text_only["output_ids"]) == 8
