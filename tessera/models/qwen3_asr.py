@@ -14,12 +14,23 @@ from typing import Any
 
 import torch
 
+from tessera.layers.attention import BaseAttentionBackend
+from tessera.models.config import ModelConfig
 from tessera.models.speech_llm import MlpProjector, SpeechLLM
 from tessera.multimodal.geometry import qwen3_asr_output_len
 
 
 class Qwen3ASRForConditionalGeneration(SpeechLLM):
     AUDIO_TOWER = "transformers.models.qwen3_asr.modeling_qwen3_asr:Qwen3ASREncoder"
+
+    def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
+                 language_model_only: bool = False):
+        # The original release (Qwen/Qwen3-ASR-1.7B) nests its sizes in `thinker_config`, which transformers'
+        # Qwen3ASRConfig does not read: it would build default-sized towers that no weight fits.
+        if getattr(config.hf_config, "thinker_config", None) is not None:
+            raise ValueError("config.thinker_config: this is the original Qwen3-ASR checkpoint layout; serve the "
+                             "transformers conversion (e.g. Qwen/Qwen3-ASR-1.7B-hf)")
+        super().__init__(config, attn_backend, language_model_only)
 
     def build_projector(self, hf_config: Any) -> MlpProjector:
         audio = hf_config.audio_config

@@ -114,6 +114,11 @@ def test_inconsistent_configs_are_refused_by_name(case):
         field = "intermediate_size"
     with pytest.raises(ValueError, match=f"audio_config.{field}"):
         type(case.ours)(ModelConfig.from_hf(hf_config))
+    if case.family == "qwen3_asr":  # the original release's layout, which transformers reads as defaults
+        original = copy.deepcopy(case.hf.config)
+        original.thinker_config = {"audio_config": {}, "text_config": {}}
+        with pytest.raises(ValueError, match="config.thinker_config"):
+            type(case.ours)(ModelConfig.from_hf(original))
 
 
 def test_engine_greedy_tokens_match_hf_generate(case, tmp_path_factory):
