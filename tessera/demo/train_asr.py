@@ -180,7 +180,8 @@ def evaluate(model, batcher: Batcher, pool: dict, batch_size: int = 64, silence_
 
 
 def save_model(model, out_dir: Path) -> None:
-    save_checkpoint(model, out_dir, build_processor_files)  # the processor files of the current code
+    # the processor files of the current code; the speech grammar is English (tessera/demo/speech.py)
+    save_checkpoint(model, out_dir, build_processor_files, language="en")
 
 
 def main() -> None:

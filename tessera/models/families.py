@@ -88,6 +88,7 @@ def refuse_media(model_name: str, served: frozenset[Modality], given: list[Modal
 
 
 _QWEN_VL_PROCESSOR = "tessera.multimodal.processors.qwen_vl:QwenVLProcessor"
+_SPEECH_PROCESSORS = "tessera.multimodal.processors.speech_llm"
 _QUANT_TESTED = "AWQ, GPTQ, CT, FP8 (tested)"
 _QUANT_MOE = "dense layers (untested); not the MoE experts (stored fused)"
 # Cosmos3's unified checkpoints: the understanding (Reasoner) tower is served, its tensors found in the
@@ -106,6 +107,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "tessera.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
            "tessera.multimodal.processors.qwen_audio:QwenAudioProcessor", frozenset({AUDIO}), "rope",
            model_types=("qwen2_audio",)),
+    Family("Qwen3ASRForConditionalGeneration", "tessera.models.qwen3_asr:Qwen3ASRForConditionalGeneration",
+           f"{_SPEECH_PROCESSORS}:Qwen3ASRProcessor", frozenset({AUDIO}), "rope", model_types=("qwen3_asr",),
+           notes="forced alignment (Qwen3ASRForTokenClassification); word timestamps; the original "
+                 "(non-transformers) checkpoint layout"),
+    Family("GlmAsrForConditionalGeneration", "tessera.models.glm_asr:GlmAsrForConditionalGeneration",
+           f"{_SPEECH_PROCESSORS}:GlmAsrProcessor", frozenset({AUDIO}), "rope", model_types=("glmasr",),
+           notes="language detection (the request's language is reported); word timestamps"),
     Family("LlavaForConditionalGeneration", "tessera.models.llava:LlavaForConditionalGeneration",
            "tessera.multimodal.processors.llava:LlavaProcessor", frozenset({IMAGE}), "rope",
            model_types=("llava",),

@@ -28,6 +28,33 @@ def audio_output_len(num_frames: int) -> int:
     return (after_conv - 2) // 2 + 1
 
 
+SPEECH_MASK_KEY = "input_features_mask"  # Qwen3-ASR / GLM-ASR model_specific_data: which mel frames are real audio
+
+
+def qwen3_asr_output_len(num_frames: int, n_window: int) -> int:
+    """Qwen3-ASR audio tokens for `num_frames` valid mel frames: the frames are cut into chunks of 2 * n_window,
+    each chunk goes through three stride-2 convolutions on its own (a full chunk of 100 frames gives 13 tokens),
+    as transformers' `_get_feat_extract_output_lengths` and Qwen3ASRProcessor count them."""
+    chunk = 2 * n_window
+    full, rest = divmod(num_frames, chunk)
+    for _ in range(3):
+        rest = (rest - 1) // 2 + 1 if rest > 0 else 0
+    tokens_per_chunk = chunk
+    for _ in range(3):
+        tokens_per_chunk = (tokens_per_chunk - 1) // 2 + 1
+    return full * tokens_per_chunk + rest
+
+
+GLM_ASR_MERGE = 4  # GLM-ASR's projector reads four encoder frames as one token
+
+
+def glm_asr_output_len(num_frames: int) -> int:
+    """GLM-ASR audio tokens for one window of `num_frames` valid mel frames: conv1 keeps the length, conv2
+    halves it, then four frames make one token (GlmAsrProcessor's and GlmAsrModel's arithmetic)."""
+    after_conv = (num_frames - 1) // 2 + 1
+    return (after_conv - GLM_ASR_MERGE) // GLM_ASR_MERGE + 1
+
+
 # vision_config.model_type -> (transformers tower class, whether it prepends a CLS token to the patches)
 VISION_TOWERS: dict[str, tuple[str, bool]] = {
     "clip_vision_model": ("transformers.models.clip.modeling_clip:CLIPVisionModel", True),

@@ -81,6 +81,7 @@ def test_long_audio_is_cut_into_windows_and_joined(client):
     assert len(result.segments) == 6 and all(s.end - s.start <= 6.0 for s in result.segments)
     assert [s.text for s in result.segments] == [info["transcript"] for _, info in CASES]
     assert result.text == " ".join(info["transcript"] for _, info in CASES)
+    assert result.language == "en"  # demo-asr cannot tell languages apart: its checkpoint declares its training's
 
 
 def test_the_warm_up_sends_audio_to_an_audio_model(demo_asr_server):

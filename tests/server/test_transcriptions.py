@@ -78,7 +78,7 @@ def test_json_text_and_stream_agree(client, short_wav):
     assert isinstance(prompted.text, str)  # the prompt becomes the system message
 
 
-def test_verbose_json_segments_cover_a_long_clip(client, long_wav):
+def test_verbose_json_segments_cover_a_long_clip(client, long_wav, short_wav):
     result = transcribe(client, long_wav, response_format="verbose_json", timestamp_granularities=["segment"])
     assert result.duration == pytest.approx(LONG_S, abs=1e-3)
     segments = result.segments
@@ -96,7 +96,9 @@ def test_verbose_json_segments_cover_a_long_clip(client, long_wav):
         assert isinstance(s.tokens, list) and all(isinstance(t, int) for t in s.tokens)
         assert s.avg_logprob <= 0 and s.compression_ratio > 0 and s.temperature == 0
     assert result.text == " ".join(s.text for s in segments if s.text)
-    assert result.language == "unknown"
+    assert result.language == "unknown"  # no language detected, named or declared by the checkpoint
+    named = transcribe(client, short_wav, response_format="verbose_json", language="de")
+    assert named.language == "de"
 
 
 def test_srt_and_vtt_of_a_long_clip(client, long_wav):

@@ -1,17 +1,19 @@
-"""POST /v1/audio/transcriptions: OpenAI's speech-to-text endpoint over an audio chat model (Qwen2-Audio).
+"""POST /v1/audio/transcriptions: OpenAI's speech-to-text endpoint over an audio chat model (Qwen2-Audio,
+Qwen3-ASR, GLM-ASR).
 
 A Whisper checkpoint is served by whisper_transcriptions.py (also /v1/audio/translations): the form, the audio
 decoding, the windows and the response formats here are shared.
 
-The model is prompted through the checkpoint's chat template with the audio followed by
-`Transcribe the audio.` (a `prompt` form field becomes the system message). Audio longer than the audio
-encoder's window (the feature extractor's chunk, Whisper's 30 s) is cut at quiet points with a small overlap
+How the model is prompted, where its transcript starts and which language is reported: speech_prompts.py
+(Qwen2-Audio: the chat template with the audio followed by `Transcribe the audio.`; Qwen3-ASR and GLM-ASR: their
+processor's own transcription request). Audio longer than the window (the feature extractor's chunk, Whisper's
+30 s) is cut at quiet points with a small overlap
 (tessera.multimodal.audio_windows); the windows are decoded concurrently as separate requests and their
 transcripts joined with a space, in order. Each window is one segment of verbose_json / srt / vtt.
 Streaming sends OpenAI's `transcript.text.delta` events window after window, then `transcript.text.done`.
 
-Not done for Qwen2-Audio: word timestamps, language detection (`language` is checked and echoed, not used),
-translation (a Whisper checkpoint does both).
+Not done: word timestamps, translation (a Whisper checkpoint does both); language detection where the model
+does not write the language (Qwen3-ASR does).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from starlette.datastructures import UploadFile
 from tessera.entrypoints.openai.errors import APIError
 from tessera.entrypoints.openai.serving import OpenAIServing
 from tessera.entrypoints.openai import request_models as rm
+from tessera.entrypoints.openai.speech_prompts import TranscriptionStyle
 from tessera.entrypoints.openai.transcript_format import (
     TranscriptionRequest,
     WindowResult,
@@ -43,7 +46,6 @@ from tessera.multimodal.audio_windows import AudioWindow, split_audio
 from tessera.multimodal.media import MediaError, load_audio
 from tessera.messages.sampling import SamplingParams
 
-TRANSCRIBE_INSTRUCTION = "Transcribe the audio."
 STREAM_FORMATS = ("json", "text")
 # Output budget per window: generous for speech (~3 words/s), and it bounds a model that never stops.
 MAX_TOKENS_PER_SECOND = 10
@@ -112,6 +114,7 @@ class TranscriptionServing:
     def __init__(self, serving: OpenAIServing):
         self.serving = serving
         self.tm = serving.tm
+        self._style: TranscriptionStyle | None = None
 
     def _check_audio_model(self, model: str) -> None:
         self.serving.check_model(model)
@@ -122,11 +125,12 @@ class TranscriptionServing:
             raise APIError(f"model: {reason}; /v1/audio/transcriptions needs an audio model such as "
                            "Qwen2-Audio (e.g. --model-path demo-asr)", param="model")
 
-    def _prompt_text(self, prompt: str | None) -> str:
-        messages: list[dict] = [{"role": "system", "content": prompt}] if prompt else []
-        messages.append({"role": "user", "content": [{"type": "audio"},
-                                                     {"type": "text", "text": TRANSCRIBE_INSTRUCTION}]})
-        return self.tm.info.apply_chat_template(messages, add_generation_prompt=True)
+    @property
+    def style(self) -> TranscriptionStyle:
+        if self._style is None:
+            processor = self.tm.mm_processor
+            self._style = TranscriptionStyle.of(self.tm.info, getattr(processor, "hf_processor", None))
+        return self._style
 
     async def _decode(self, data: bytes) -> tuple[np.ndarray, int]:
         processor = self.tm.mm_processor
@@ -144,7 +148,7 @@ class TranscriptionServing:
 
     def _requests(self, req: TranscriptionRequest, samples: np.ndarray, rate: int,
                   windows: list[AudioWindow]) -> list[GenerateRequest]:
-        text = self._prompt_text(req.prompt)
+        text = self.style.prompt(req.language, req.prompt)
         out = []
         for w in windows:
             budget = max(MIN_TOKENS_PER_WINDOW, math.ceil((w.end - w.start) / rate * MAX_TOKENS_PER_SECOND))
@@ -175,25 +179,29 @@ class TranscriptionServing:
         reqs = self._requests(req, samples, rate, windows)
         duration = len(samples) / rate
         if req.stream:
-            stream = await self.serving._first_or_error(self._stream(reqs))
+            stream = await self.serving._first_or_error(self._stream(reqs, self.style.marker(req.language)))
             return StreamingResponse(stream, media_type="text/event-stream")
         outs = await self.serving._collect_all(request, reqs)
-        results = [WindowResult(w, out["text"].strip(), list(out["output_ids"]),
+        split = [self.style.split(out["text"], req.language) for out in outs]
+        results = [WindowResult(w, text, list(out["output_ids"]),
                                 [lp for lp, _ in out["meta_info"].get("output_token_logprobs", [])])
-                   for w, out in zip(windows, outs)]
-        return self._render(req, results, rate, duration)
+                   for w, out, (text, _) in zip(windows, outs, split)]
+        language = self.style.reported_language([lang for _, lang in split], req.language)
+        return self._render(req, results, rate, duration, language)
 
-    def _render(self, req: TranscriptionRequest, results: list[WindowResult], rate: int, duration: float) -> Response:
+    def _render(self, req: TranscriptionRequest, results: list[WindowResult], rate: int, duration: float,
+                language: str) -> Response:
         text = join_transcripts([r.text for r in results])
         segments = [_segment(i, r, rate, req.temperature) for i, r in enumerate(results)]
-        return render(req.response_format, text, segments, duration, req.language or "unknown", "transcribe")
+        return render(req.response_format, text, segments, duration, language, "transcribe")
 
-    async def _stream(self, reqs: list[GenerateRequest]) -> AsyncIterator[str]:
+    async def _stream(self, reqs: list[GenerateRequest], marker: str | None = None) -> AsyncIterator[str]:
         """All windows decode concurrently; their deltas are sent in window order (a later window's text
         waits in its queue until the earlier ones are done). The deltas add up to exactly the done event's
         text, join_transcripts of the window texts: whitespace at a window's edges is held back, and one
-        space separates windows. A failure before the first event propagates (an HTTP error, see
-        _first_or_error); a later one becomes an `error` event."""
+        space separates windows; with a `marker`, a window's text up to it is held back and dropped (all of it
+        is the transcript when the marker never comes). A failure before the first event propagates (an HTTP
+        error, see _first_or_error); a later one becomes an `error` event."""
         queues: list[asyncio.Queue] = [asyncio.Queue() for _ in reqs]
         done = object()
 
@@ -212,7 +220,7 @@ class TranscriptionServing:
         started = False
         try:
             for queue in queues:
-                window_text, pending = "", ""
+                window_text, pending, raw = "", "", ""
                 while (item := await queue.get()) is not done:
                     if isinstance(item, Exception):
                         if not started:
@@ -223,7 +231,15 @@ class TranscriptionServing:
                     if meta.get("finish_reason") is not None:
                         input_tokens += meta["prompt_tokens"]
                         output_tokens += meta["completion_tokens"]
-                    combined = pending + item["delta"]
+                    delta = item["delta"]
+                    if marker is not None and raw is not None:  # the transcript starts after the marker
+                        raw += delta
+                        finished = meta.get("finish_reason") is not None
+                        if marker not in raw and not finished:
+                            continue
+                        delta = raw.split(marker, 1)[1] if marker in raw else raw
+                        raw = None
+                    combined = pending + delta
                     if not window_text:
                         combined = combined.lstrip()
                     emit = combined.rstrip()
