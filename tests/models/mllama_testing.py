@@ -223,3 +223,42 @@ class Driver:
             last = list(self.forward([Step(r, torch.tensor([t[-1]]), torch.tensor([self.kv.lens[r]]))
                                       for r, t in zip(rows, tokens)]))
         return tokens, logits
+
+
+# ---------------------------------------------------------------- full checkpoint directory
+
+# A short Llama-3.2-Vision-style template: `<|image|>` for each image part, in place (no BOS: the processor puts
+# it first, as HF's MllamaProcessor does).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}{% if content['type'] == 'image' %}{{ '<|image|>' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+SPECIAL = ("<|begin_of_text|>", "<|image|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+           "<|python_tag|>")
+
+
+def make_tiny_mllama_checkpoint(path: str | Path, seed: int = 0) -> Path:
+    """Writes a complete random Mllama checkpoint to `path` and returns it: demo-vl's tokenizer with Llama-3.2's
+    special tokens (BOS `<|begin_of_text|>`, `<|image|>`), an MllamaImageProcessor of 28-pixel tiles (at most 4)
+    + MllamaProcessor with a chat template, and config + model.safetensors made to be able to fail."""
+    from transformers import AutoTokenizer, GenerationConfig, MllamaProcessor
+
+    from tessera.config import ASSETS_DIR
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(ASSETS_DIR / "demo-vl")
+    tok.add_special_tokens({"bos_token": SPECIAL[0], "extra_special_tokens": list(SPECIAL[1:])})
+    tok.image_token = "<|image|>"  # demo-vl names its own (Qwen's <|image_pad|>); MllamaProcessor reads this one
+    MllamaProcessor(image_processor=image_processor(), tokenizer=tok, chat_template=CHAT_TEMPLATE).save_pretrained(path)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL}
+    eos, pad = ids["<|eot_id|>"], tok.convert_tokens_to_ids("<|endoftext|>")
+    model = build_tiny_mllama(path, seed, vocab_size=(len(tok) + 63) // 64 * 64, image_token_index=ids["<|image|>"],
+                              pad_token_id=pad, bos_token_id=ids["<|begin_of_text|>"], eos_token_id=eos)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    model.generation_config.save_pretrained(path)
+    return path
