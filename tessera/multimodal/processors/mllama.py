@@ -49,6 +49,7 @@ class MllamaProcessor(ImageProcessorCall, BaseMultimodalProcessor):
 
     processor_kwargs_class = "transformers.models.mllama.processing_mllama:MllamaProcessorKwargs"
     hashed_image_settings = ("size", "max_image_tiles", "image_mean", "image_std", "resample", "do_convert_rgb")
+    tokenizes_text = True  # BOS after the leading `<|image|>` tokens, with or without images
 
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
         vision = hf_config.vision_config
