@@ -144,9 +144,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("MllamaForConditionalGeneration", "tessera.models.mllama:MllamaForConditionalGeneration",
            "tessera.multimodal.processors.mllama:MllamaProcessor", frozenset({IMAGE}), "rope",
            model_types=("mllama",),
-           notes="tensor parallelism; LoRA on the vision tower; deferred image preprocessing; cross-attention "
-                 "K/V are per-request pool slots (every tile of every image), not shared between requests",
-           quantization="AWQ, GPTQ, CT, FP8 (untested)"),
+           notes="tensor parallelism; deferred image preprocessing; CUDA graphs (cross-attention K/V are "
+                 "per-request pool slots: every tile of every image); LoRA untested"),
     Family("WhisperForConditionalGeneration", "tessera.models.whisper:WhisperForConditionalGeneration",
            "tessera.multimodal.processors.whisper:WhisperAudioProcessor", frozenset({AUDIO}), "learned",
            model_types=("whisper",), encoder_decoder=True,

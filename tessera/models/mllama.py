@@ -33,7 +33,7 @@ from torch import nn
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.distributed.parallel_state import tp_group
 from tessera.layers.attention import BaseAttentionBackend, get_attention_backend
-from tessera.layers.decoder import DecoderDims, DecoderLayer, DecoderOptions, GatedMLP
+from tessera.layers.decoder import DecoderLayer, DecoderOptions, GatedMLP
 from tessera.layers.forward_batch import ForwardBatch
 from tessera.layers.linear import Linear, MergedLinear, ParallelLMHead, VocabParallelEmbedding
 from tessera.layers.norm import RMSNorm
@@ -204,9 +204,8 @@ class MllamaTextModel(nn.Module):
         self.attn_backend = attn_backend
         tp = tp_group()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size + 8, cfg.hidden_size, tp.rank, tp.size)
-        dims = DecoderDims(**{f: getattr(cfg, f) for f in DecoderDims.__dataclass_fields__})
         self.layers = nn.ModuleList(MllamaCrossLayer(cfg, i) if i in self.cross_ids else
-                                    DecoderLayer(dims, DecoderOptions(), i, attn_backend)
+                                    DecoderLayer(cfg, DecoderOptions(), i, attn_backend)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)

@@ -170,3 +170,27 @@ def test_inconsistent_config_is_refused_before_weights_load(tmp_path):
     cfg = ModelConfig.from_hf(tiny_mllama_config(cross_attention_layers=[1, 7]))
     with pytest.raises(ValueError, match="cross_attention_layers"):
         MllamaForConditionalGeneration(cfg)
+
+
+def test_the_cross_attention_state_counts_in_the_pool_budget():
+    """A request's images take their state rows out of the pool before its tokens: an omitted max_tokens leaves
+    room for them, an explicit one that does not fit is refused naming the field (text-only: no rows)."""
+    from tessera.frontend.prompt_checks import check_lengths
+    from tessera.frontend.request import GenerateRequest
+    from tessera.messages.items import MultimodalInputs
+    from tessera.messages.sampling import SamplingParams
+    from tessera.models.config import ModelConfig
+    from tests.models.mllama_testing import tiny_mllama_config
+
+    config = ModelConfig.from_hf(tiny_mllama_config())
+    prompt = build_prompt(PROMPTS["two_images"], 0)
+    mm, ids = MultimodalInputs(prompt.items), prompt.input_ids.tolist()
+    rows = 2 * 4 * 5  # two images, 4 tiles each, 2 x 2 patches + the class token per tile
+    req = GenerateRequest(input_ids=ids, auto_max_new_tokens=True)
+    check_lengths(req, ids, mm, config, 512, 100)
+    assert req.sampling_params.max_new_tokens == 100 - rows - len(ids)
+    req = GenerateRequest(input_ids=ids, sampling_params=SamplingParams(max_new_tokens=100 - rows - len(ids) + 1))
+    with pytest.raises(ValueError, match=rf"max_new_tokens: .* cross-attention K/V \({rows}\)"):
+        check_lengths(req, ids, mm, config, 512, 100)
+    check_lengths(GenerateRequest(input_ids=ids, sampling_params=SamplingParams(max_new_tokens=100 - len(ids))),
+                  ids, None, config, 512, 100)
