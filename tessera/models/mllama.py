@@ -78,8 +78,10 @@ class MllamaCrossKV(RequestState):
     def fill(self, model: torch.nn.Module, encoder_outputs: list[torch.Tensor], slots: list[torch.Tensor],
              pool: TokenToKVPool) -> None:
         assert isinstance(model, MllamaForConditionalGeneration)
-        for layer in model.model.cross_layers():
-            for states, where in zip(encoder_outputs, slots):
+        like = model.model.embed_tokens.like  # precomputed states arrive in the caller's dtype and device
+        for states, where in zip(encoder_outputs, slots):
+            states = states.to(like.device, like.dtype)
+            for layer in model.model.cross_layers():
                 layer.cross_attn.fill(states, where, pool)
 
     def layout(self, config: ModelConfig, items: Sequence[MultimodalDataItem]) -> list[ImageKeys]:
@@ -109,7 +111,7 @@ class MllamaCrossAttention(nn.Module):
 
     def fill(self, states: torch.Tensor, slots: torch.Tensor, pool: TokenToKVPool) -> None:
         """One request's projected vision states [L, hidden] -> this layer's K/V at its slots [L]."""
-        k, v = self.kv_proj.split(self.kv_proj(states.to(self.q_proj.weight.dtype)))
+        k, v = self.kv_proj.split(self.kv_proj(states))
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
         pool.set_kv(self.layer_id, slots, k, v.reshape(-1, self.num_kv_heads, self.head_dim))
 
