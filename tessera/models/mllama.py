@@ -45,16 +45,10 @@ from tessera.models.hf_towers import build_transformers_tower
 from tessera.models.mm_embed import item_embeddings
 from tessera.models.request_state import RequestState
 from tessera.models.weights import WeightMapping
-from tessera.multimodal.processors.mllama import CROSS_SPAN, RATIO_ID, RATIO_MASK
+from tessera.multimodal.processors.mllama import CROSS_SPAN, RATIO_ID, RATIO_MASK, tile_rows
 
 VISION_TOWER = "transformers.models.mllama.modeling_mllama:MllamaVisionModel"
 UNBOUNDED = 1 << 62  # an image span's end for hi = -1 (the items' model_specific_data, see the processor)
-
-
-def tile_rows(hf_config) -> tuple[int, int]:
-    """(max_num_tiles, rows per tile): a tile's vision states are its patches plus the class token."""
-    vision = hf_config.vision_config
-    return int(vision.max_num_tiles), (int(vision.image_size) // int(vision.patch_size)) ** 2 + 1
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,16 @@ from tessera.multimodal.processors.base import BaseMultimodalProcessor
 from tessera.multimodal.processors.hf_compat import ImageProcessorCall
 from tessera.multimodal.processors.split import embedding_chunks
 
-__all__ = ["MllamaProcessor", "cross_attention_spans"]
+__all__ = ["MllamaProcessor", "cross_attention_spans", "tile_rows"]
 
 # model_specific_data keys (read by tessera/models/mllama.py).
 CROSS_SPAN, RATIO_ID, RATIO_MASK = "cross_attention_span", "aspect_ratio_id", "aspect_ratio_mask"
+
+
+def tile_rows(hf_config: Any) -> tuple[int, int]:
+    """(max_num_tiles, vision states per tile): a tile's are its patches plus the class token."""
+    vision = hf_config.vision_config
+    return int(vision.max_num_tiles), (int(vision.image_size) // int(vision.patch_size)) ** 2 + 1
 
 
 def cross_attention_spans(input_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
@@ -53,9 +59,8 @@ class MllamaProcessor(ImageProcessorCall, BaseMultimodalProcessor):
 
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
         vision = hf_config.vision_config
-        self.max_tiles = int(vision.max_num_tiles)
+        self.max_tiles, self.rows_per_tile = tile_rows(hf_config)
         self.tile_shape = (int(getattr(vision, "num_channels", 3)), int(vision.image_size), int(vision.image_size))
-        self.rows_per_tile = (int(vision.image_size) // int(vision.patch_size)) ** 2 + 1
         self.embed_dim = int(hf_config.get_text_config().hidden_size)
         ip = hf_processor.image_processor
         size = ip.size
