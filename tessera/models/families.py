@@ -145,7 +145,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "tessera.multimodal.processors.mllama:MllamaProcessor", frozenset({IMAGE}), "rope",
            model_types=("mllama",),
            notes="tensor parallelism; deferred image preprocessing; CUDA graphs (cross-attention K/V are "
-                 "per-request pool slots: every tile of every image); LoRA untested"),
+                 "per-request pool slots: every tile of every image)"),
     Family("WhisperForConditionalGeneration", "tessera.models.whisper:WhisperForConditionalGeneration",
            "tessera.multimodal.processors.whisper:WhisperAudioProcessor", frozenset({AUDIO}), "learned",
            model_types=("whisper",), encoder_decoder=True,

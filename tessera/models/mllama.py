@@ -11,8 +11,8 @@ Cross-attention K/V are the family's per-request state (models/request_state.py,
 n images holds n * max_num_tiles * num_patches pool slots (every tile, padding tiles included: transformers'
 vision tower lets real tiles attend to padding ones, and rows that attend to no image read them all), filled
 once from the tower's output when the request is admitted, in the pool entries of the cross-attention layers
-(their self-attention entries are unused), and freed with the request. A text-only request holds none and skips
-the cross-attention layers, as transformers does without images.
+(their self-attention entries are unused), and freed with the request. A text-only request holds none; its rows
+pass the cross-attention layers unchanged (zero attention output, MLP zeroed), as transformers skips them.
 
 Which images a token attends to is transformers' cross_attention_mask: image i from its `<|image|>` token to the
 next image's (consecutive images share the later end; the last one to the end of the prompt and every generated
@@ -35,7 +35,7 @@ from tessera.distributed.parallel_state import tp_group
 from tessera.layers.attention import BaseAttentionBackend, get_attention_backend
 from tessera.layers.decoder import DecoderLayer, DecoderOptions, GatedMLP
 from tessera.layers.forward_batch import ForwardBatch
-from tessera.layers.linear import Linear, MergedLinear, ParallelLMHead, VocabParallelEmbedding
+from tessera.layers.linear import Linear, ParallelLMHead, VocabParallelEmbedding
 from tessera.layers.norm import RMSNorm
 from tessera.layers.rotary import RotaryEmbedding, rope_inv_freq
 from tessera.messages.items import Modality, MultimodalDataItem
@@ -89,7 +89,8 @@ class MllamaCrossKV(RequestState):
 
 
 class MllamaCrossAttention(nn.Module):
-    """q_proj / kv_proj (transformers' k_proj and v_proj) / o_proj, q_norm and k_norm over each head."""
+    """q_proj / k_proj / v_proj / o_proj, q_norm and k_norm over each head (k and v stay apart: they run on a
+    request's vision states under its adapter, as an encoder's single-shard linears: `fill`)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -98,25 +99,26 @@ class MllamaCrossAttention(nn.Module):
         self.scaling = self.head_dim ** -0.5
         kv = self.num_kv_heads * self.head_dim
         self.q_proj = Linear(cfg.hidden_size, self.num_heads * self.head_dim)
-        self.kv_proj = MergedLinear(cfg.hidden_size, {"k": kv, "v": kv})
+        self.k_proj = Linear(cfg.hidden_size, kv)
+        self.v_proj = Linear(cfg.hidden_size, kv)
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def fill(self, states: torch.Tensor, slots: torch.Tensor, pool: TokenToKVPool) -> None:
         """One request's projected vision states [L, hidden] -> this layer's K/V at its slots [L]."""
-        k, v = self.kv_proj.split(self.kv_proj(states))
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
-        pool.set_kv(self.layer_id, slots, k, v.reshape(-1, self.num_kv_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(states).reshape(-1, self.num_kv_heads, self.head_dim))
+        pool.set_kv(self.layer_id, slots, k, self.v_proj(states).reshape(-1, self.num_kv_heads, self.head_dim))
 
     def forward(self, x: torch.Tensor, plan: CrossPlan, pool: TokenToKVPool) -> torch.Tensor:
-        """Rows of the plan's requests only (the others are not attending): [n, hidden] -> [n, hidden]."""
+        """Every row of the step [T, hidden] (a LoRA adapter's rows are the step's); rows of requests without
+        state attend to nothing: their output is o_proj(0) = 0."""
         q = self.q_norm(self.q_proj(x).view(x.shape[0], self.num_heads, self.head_dim))
-        k, v = pool.gather(self.layer_id, plan.slots, dtype=q.dtype)  # [B, L, KVH, D]
+        k, v = pool.gather(self.layer_id, plan.slots, dtype=q.dtype)  # [B', L, KVH, D]
         groups = self.num_heads // self.num_kv_heads
-        k = k.transpose(1, 2).repeat_interleave(groups, dim=1)  # [B, H, L, D]
+        k = k.transpose(1, 2).repeat_interleave(groups, dim=1)  # [B', H, L, D]
         v = v.transpose(1, 2).repeat_interleave(groups, dim=1)
-        out = torch.empty_like(q)
+        out = torch.zeros_like(q)
         for b, (lo, hi) in enumerate(plan.rows):
             qi = q[lo:hi].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             oi = F.scaled_dot_product_attention(qi, k[b:b + 1], v[b:b + 1], attn_mask=plan.masks[b],
@@ -127,11 +129,10 @@ class MllamaCrossAttention(nn.Module):
 
 @dataclass
 class CrossPlan:
-    """A step's cross-attention inputs, shared by every cross layer: the flat token rows of the requests with
-    state (`index`), each one's row range in that selection, pool slots [B', L'] and boolean masks [n, L'], and
-    which rows attend to some image (`attends`, [n', 1]: the MLP output of the others is zeroed)."""
+    """A step's cross-attention inputs, shared by every cross layer: per request with state, its flat token rows
+    [lo, hi), pool slots [B', L'] and boolean masks [1, 1, n, L']; and per flat row whether it attends to some
+    image (`attends` [T, 1]: the cross layers' MLP output of the others is zeroed)."""
 
-    index: torch.Tensor
     rows: list[tuple[int, int]]
     slots: torch.Tensor
     masks: list[torch.Tensor]
@@ -147,28 +148,27 @@ class CrossPlan:
             return None
         width = max(fb.state_lens[b] for b in keep)
         device = fb.state_slots.device
-        index, rows, masks, attends, at = [], [], [], [], 0
+        attends = torch.zeros(int(fb.input_ids.shape[0]), 1, dtype=torch.bool, device=device)
+        key = torch.arange(width, device=device)[None, :]
+        rows, masks = [], []
         for b in keep:
             n, length = ext[b], fb.state_lens[b]
             pos = torch.arange(seq[b] - n, seq[b], device=device)[:, None]  # Mllama positions are token indices
-            key = torch.arange(width, device=device)[None, :]
             mask = torch.zeros(n, width, dtype=torch.bool, device=device)
             for im in fb.state_layouts[b]:
                 mask |= (pos >= im.lo) & (pos < im.hi) & (key >= im.start) & (key < im.start + im.valid)
             some = mask.any(-1, keepdim=True)
             # transformers: a row that attends to no image attends to every row of the state unmasked.
-            mask = torch.where(some, mask, key < length)
-            index.append(torch.arange(starts[b], starts[b] + n, device=device))
-            rows.append((at, at + n))
-            masks.append(mask[None, None])
-            attends.append(some)
-            at += n
-        return cls(torch.cat(index), rows, fb.state_slots[keep, :width], masks, torch.cat(attends))
+            masks.append(torch.where(some, mask, key < length)[None, None])
+            rows.append((starts[b], starts[b] + n))
+            attends[starts[b]:starts[b] + n] = some
+        return cls(rows, fb.state_slots[keep, :width], masks, attends)
 
 
 class MllamaCrossLayer(nn.Module):
-    """x + tanh(attn_gate) * cross_attn(norm(x)), then + tanh(mlp_gate) * mlp(norm(.)) (zeroed on rows that
-    attend to no image)."""
+    """x + tanh(attn_gate) * cross_attn(norm(x)), then + tanh(mlp_gate) * mlp(norm(.)), the MLP zeroed on rows
+    that attend to no image (text before the first image; every row of a request without images, whose attention
+    output is zero too: such rows pass unchanged, as transformers skips the layer for them)."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -180,11 +180,9 @@ class MllamaCrossLayer(nn.Module):
         self.cross_attn_mlp_gate = nn.Parameter(torch.zeros(1))
 
     def forward(self, x: torch.Tensor, plan: CrossPlan, pool: TokenToKVPool) -> torch.Tensor:
-        h = x.index_select(0, plan.index)
-        h = h + self.cross_attn_attn_gate.tanh() * self.cross_attn(self.input_layernorm(h), plan, pool)
-        mlp = self.mlp(self.post_attention_layernorm(h)) * plan.attends
-        h = h + self.cross_attn_mlp_gate.tanh() * mlp
-        return x.index_copy(0, plan.index, h)
+        x = x + self.cross_attn_attn_gate.tanh() * self.cross_attn(self.input_layernorm(x), plan, pool)
+        mlp = self.mlp(self.post_attention_layernorm(x)) * plan.attends
+        return x + self.cross_attn_mlp_gate.tanh() * mlp
 
 
 class MllamaTextModel(nn.Module):
@@ -263,7 +261,6 @@ class MllamaForConditionalGeneration(TesseraModel):
         tower = None if language_model_only else "vision_model."
         projector = None if language_model_only else "multi_modal_projector."
         stacked = tuple((f"self_attn.{p}_proj", "self_attn.qkv_proj", p) for p in "qkv") + \
-            tuple((f"cross_attn.{p}_proj", "cross_attn.kv_proj", p) for p in "kv") + \
             tuple((f"mlp.{p}_proj", "mlp.gate_up_proj", p) for p in ("gate", "up"))
         return WeightMapping(
             prefix_rules=(("model.language_model.", "model."), ("model.vision_model.", tower),
@@ -276,9 +273,9 @@ class MllamaForConditionalGeneration(TesseraModel):
         return {} if self.vision_model is None else {Modality.IMAGE: self.get_image_feature}
 
     def lora_on_token_rows(self, module: str) -> bool:
-        """Cross-attention's K/V projection runs once per request on its vision states (the fill), not on the
-        step's tokens."""
-        return module.startswith("model.") and not module.endswith("cross_attn.kv_proj")
+        """Cross-attention's K/V projections run once per request on its vision states (the fill, under its
+        adapter), not on the step's tokens."""
+        return module.startswith("model.") and not module.endswith(("cross_attn.k_proj", "cross_attn.v_proj"))
 
     def get_image_feature(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
         """Projected vision states [max_num_tiles * rows_per_tile, hidden] per image item, every pixel item in one

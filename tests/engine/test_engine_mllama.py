@@ -18,9 +18,9 @@ def hf_tokens(path, conversations) -> list[list[int]]:
     """HF generate's greedy tokens for each (prompt text, images), one at a time (no padding)."""
     from transformers import AutoProcessor
 
-    from tests.models.mllama_testing import load_hf
+    from tests.models.mllama_testing import load_hf_reference
 
-    processor, model = AutoProcessor.from_pretrained(path), load_hf(path)
+    processor, model = AutoProcessor.from_pretrained(path), load_hf_reference(path)
     out = []
     for text, images in conversations:
         enc = processor(text=[text], images=[images] if images else None, return_tensors="pt")

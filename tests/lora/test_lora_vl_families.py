@@ -36,6 +36,7 @@ FAMILIES = {
     "qwen3_vl": ("qwen3_vl_testing", {}, {}, "model.visual."),
     "gemma3": ("gemma3_testing", {}, {}, "model.vision_tower."),
     "llama4": ("llama4_testing", {}, {}, "vision_model.", {"exclude_modules": ["router"]}),
+    "mllama": ("mllama_testing", {}, {}, "model.vision_model."),
 }
 
 

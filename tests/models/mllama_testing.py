@@ -69,7 +69,7 @@ def build_tiny_mllama(path: Path, seed: int = 0, **config: Any):
                              lambda m: make_fixture_can_fail_(m, seed))
 
 
-def load_hf(path: Path):
+def load_hf_reference(path: Path):
     from transformers import MllamaForConditionalGeneration
 
     return MllamaForConditionalGeneration.from_pretrained(path, dtype=torch.float32,

@@ -16,7 +16,7 @@ import torch
 
 from tessera.models.registry import load_model
 from tests.models.fixture_checks import MIN_MARGIN, check_greedy_depends_on_inputs, top2_margin
-from tests.models.mllama_testing import Driver, build_prompt, build_tiny_mllama, hf_greedy, hf_logits, load_hf
+from tests.models.mllama_testing import Driver, build_prompt, build_tiny_mllama, hf_greedy, hf_logits, load_hf_reference
 
 ATOL = 1e-4
 PROMPTS = {
@@ -36,7 +36,7 @@ def mllama(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-mllama")
     build_tiny_mllama(path)
     ours, _ = load_model(path, torch.float32)
-    return load_hf(path), ours, path
+    return load_hf_reference(path), ours, path
 
 
 def test_fixture_can_fail(mllama):

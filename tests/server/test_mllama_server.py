@@ -8,7 +8,7 @@ import random
 import pytest
 
 from tessera.demo import scenes
-from tests.models.mllama_testing import load_hf, make_tiny_mllama_checkpoint
+from tests.models.mllama_testing import load_hf_reference, make_tiny_mllama_checkpoint
 from tests.server.server_process import ServerProcess
 from tests.server.vlm_chat import check_model_info, hf_reply, served_reply
 
@@ -31,7 +31,7 @@ def test_chat_with_images_matches_hf(mllama_server) -> None:
     answers = []
     for used in ([small], [wide, square]):  # one tile, then two tiled images in one prompt
         reply = served_reply(srv.base_url, path.name, used, QUESTION, MAX_TOKENS)
-        expected = hf_reply(path, load_hf, used, QUESTION, MAX_TOKENS)
+        expected = hf_reply(path, load_hf_reference, used, QUESTION, MAX_TOKENS)
         assert reply.choices[0].message.content == expected
         answers.append(expected)
     assert answers[0] != answers[1], "the answer does not depend on the images"
