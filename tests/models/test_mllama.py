@@ -194,3 +194,25 @@ def test_the_cross_attention_state_counts_in_the_pool_budget():
         check_lengths(req, ids, mm, config, 512, 100)
     check_lengths(GenerateRequest(input_ids=ids, sampling_params=SamplingParams(max_new_tokens=100 - len(ids))),
                   ids, None, config, 512, 100)
+
+
+def test_int8_weights_match_hf_dequantized(mllama, monkeypatch):
+    """--torchao-config int8wo quantizes every language-model linear, cross-attention's included (the tower and
+    the projector stay float): our logits and greedy tokens are HF's over the same weights dequantized. (int4's
+    groups of 32+ do not divide the fixture's widths of 48 and 72.)"""
+    from tessera.layers import half_linear
+    from tessera.layers.quantization.int_linear import fake_quantize_
+
+    monkeypatch.setattr(half_linear, "_BF16_COMPUTE", False)  # HF's products are float32: ours too, on any CPU
+    _, _, path = mllama
+    scheme = "int8wo"
+    ours, _ = load_model(path, torch.float32, torchao_config=scheme)
+    hf = load_hf_reference(path)
+    prompt = build_prompt(DECODE, 0)
+    float_logits = hf_logits(hf, prompt)
+    assert fake_quantize_(hf, scheme, "model.language_model.") == 3 * 7 + 2 * 7  # q k v o gate up down per layer
+    ref = hf_logits(hf, prompt)
+    assert (ref - float_logits).abs().max() > 1e-3, "the quantization must change the model"
+    tokens, [logits] = Driver(ours).greedy([prompt], 6)
+    torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0)
+    assert tokens == [hf_greedy(hf, prompt, 6)[0]]
