@@ -27,8 +27,11 @@ def check_lengths(req: GenerateRequest, input_ids: list[int], mm_inputs: Multimo
     if req.logprob_start_len >= len(input_ids):
         raise ValueError(f"logprob_start_len: {req.logprob_start_len} is not inside the prompt of "
                          f"{len(input_ids)} tokens")
+    # Per-request state (models/request_state.py: cross-attention K/V of the request's media) shares the pool.
+    state = config.family.model_class().request_state
+    cross = state.extra_slots(config, mm_inputs.items if mm_inputs is not None else []) if state is not None else 0
     if req.auto_max_new_tokens:
-        sp.max_new_tokens = max(0, min(context_length, max_total_tokens) - len(input_ids))
+        sp.max_new_tokens = max(0, min(context_length, max_total_tokens - cross) - len(input_ids))
     if len(input_ids) > context_length or len(input_ids) == context_length and req.pooling is None:
         raise ValueError(f"prompt: {len(input_ids)} tokens does not fit the context length {context_length}")
     if len(input_ids) + sp.max_new_tokens > context_length:  # OpenAI and vLLM refuse; never cap silently
@@ -36,7 +39,6 @@ def check_lengths(req: GenerateRequest, input_ids: list[int], mm_inputs: Multimo
             f"max_new_tokens: the context length is {context_length} tokens; the prompt has "
             f"{len(input_ids)} and {sp.max_new_tokens} more were asked for (at most "
             f"{context_length - len(input_ids)} fit)")
-    cross = config.cross_attention_len  # an encoder-decoder request's cross-attention K/V share the pool
     if len(input_ids) + sp.max_new_tokens + cross > max_total_tokens:
         held = f" + cross-attention K/V ({cross})" if cross else ""
         raise ValueError(

@@ -280,8 +280,8 @@ class TokenizerManager:
 
     # ---- requests ---------------------------------------------------------------------------
     def _needs_media_processing(self, req: GenerateRequest) -> bool:
-        return req.has_media or (self.mm_processor is not None and req.text is not None
-                                 and self.mm_processor.has_placeholders(req.text))
+        return req.has_media or (self.mm_processor is not None and req.text is not None and (
+            self.mm_processor.tokenizes_text or self.mm_processor.has_placeholders(req.text)))
 
     def _tokenize(self, req: GenerateRequest, processed=None, ids: list[int] | None = None
                   ) -> messages.TokenizedGenerateReq:

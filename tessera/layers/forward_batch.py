@@ -10,6 +10,7 @@ out_cache_loc (same order as the flat tokens) before attention reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,8 +41,11 @@ class ForwardBatch:
     host_extend_lens: list[int] | None = None
     host_req_pool_indices: list[int] | None = None
     # Families with per-request state (models/request_state.py): each request's slots of it in the pool
-    # [B, extra_slots] (an encoder-decoder's cross-attention K/V). None: the family keeps none.
+    # [B, max extra_slots] (cross-attention K/V of its media), its first state_lens[b] entries (the rest slot 0),
+    # and what RequestState.layout said of its items. None: the family keeps none.
     state_slots: torch.Tensor | None = None
+    state_lens: list[int] | None = None
+    state_layouts: list[Any] | None = None
     # Every request adds one token and attends causally (no custom masks, no media). Set by the CUDA-graph
     # runner, whose batches carry no host copies (a captured graph replays with other values): a backend that
     # supports graphs plans such a batch from its device tensors alone.

@@ -36,6 +36,7 @@ from tessera.layers.decoder import DecoderAttention, DecoderDims, DecoderOptions
 from tessera.layers.linear import VocabParallelEmbedding
 from tessera.layers.moe import SigmoidTopKMoE
 from tessera.layers.norm import RMSNorm
+from tessera.layers.rotary import rope_inv_freq
 from tessera.layers.forward_batch import ForwardBatch
 
 
@@ -195,19 +196,8 @@ class Llama4RotaryEmbedding(nn.Module):
 
     def __init__(self, cfg: DecoderDims):
         super().__init__()
-        self.attention_scaling = 1.0
-        if cfg.rope_type == "default":
-            d = cfg.head_dim
-            inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            if cfg.rope_type not in ROPE_INIT_FUNCTIONS:
-                raise NotImplementedError(f"rope_parameters.rope_type={cfg.rope_type!r} is unknown")
-            if cfg.rope_type == "dynamic":
-                raise NotImplementedError("rope_parameters.rope_type='dynamic' is not supported")
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[cfg.rope_type](cfg.hf_config.get_text_config(), None)
-            self.attention_scaling = float(scaling)
+        inv_freq, self.attention_scaling = rope_inv_freq(cfg.rope_type, cfg.rope_theta, cfg.head_dim,
+                                                         cfg.hf_config.get_text_config())
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def get_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,6 +60,21 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
+def rope_inv_freq(rope_type: str, rope_theta: float, head_dim: int, text_config) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention scaling): theta^(-2i/d) for "default", transformers' own
+    RoPE initialisers for the scaled types (llama3, ...), so the frequencies are HF's exactly."""
+    if rope_type == "default":
+        return 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise NotImplementedError(f"rope_parameters.rope_type={rope_type!r} is unknown")
+    if rope_type == "dynamic":
+        raise NotImplementedError("rope_parameters.rope_type='dynamic' is not supported")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](text_config, None)
+    return inv_freq.float(), float(scaling)
+
+
 def _interleaved_rows(section: list[int]) -> list[int]:
     """Qwen3-VL's interleaved M-RoPE (transformers' Qwen3VLTextRotaryEmbedding.recomposition_frequencies):
     frequency j takes row 1 (h) when j % 3 == 1 and j < 3 * section[1], row 2 (w) when j % 3 == 2 and

@@ -91,6 +91,13 @@ class MultimodalInputs:
         """Every placeholder range of every item, in prompt order."""
         return sorted(r for item in self.items for r in item.offsets)
 
+    def cross_media_salt(self) -> str | None:
+        """Items with no placeholder tokens (media a decoder cross-attends to: Mllama's images) change every
+        token's K/V, the first included: the prefix-cache key's first token is salted with their hashes (None
+        when there are none)."""
+        hashes = [f"{it.hash:x}" for it in self.items if not it.offsets]
+        return "media:" + ",".join(hashes) if hashes else None
+
     def pad_input_ids(self, input_ids: list[int]) -> list[int]:
         """The prefix-cache key: placeholder ids replaced by each item's pad value."""
         key = list(input_ids)

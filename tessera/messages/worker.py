@@ -65,11 +65,11 @@ class MMPlacement:
 @dataclass
 class RequestStateFill:
     """Families with per-request state (models/request_state.py, an encoder-decoder's cross-attention K/V):
-    request `req` of the step gets its state (from `item`'s encoder output) written at `slots` before the
-    step, and keeps it until it is released."""
+    request `req` of the step gets its state (from its `items`' encoder outputs, in order) written at `slots`
+    before the step, and keeps it until it is released."""
 
     req: int
-    item: MultimodalDataItem
+    items: list[MultimodalDataItem]
     slots: torch.Tensor  # [RequestState.extra_slots] int64, host
 
 

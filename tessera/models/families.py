@@ -160,6 +160,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            model_types=("llama4",), backend_needs=frozenset({"custom_mask"}),
            notes="tensor parallelism (MoE layers); rope_type dynamic; chunked attention runs as per-request "
                  "masks (no decode K/V mirror)", quantization=_QUANT_MOE),
+    Family("MllamaForConditionalGeneration", "tessera.models.mllama:MllamaForConditionalGeneration",
+           "tessera.multimodal.processors.mllama:MllamaProcessor", frozenset({IMAGE}), "rope",
+           model_types=("mllama",),
+           notes="tensor parallelism; deferred image preprocessing; CUDA graphs (cross-attention K/V are "
+                 "per-request pool slots: every tile of every image)"),
     Family("WhisperForConditionalGeneration", "tessera.models.whisper:WhisperForConditionalGeneration",
            "tessera.multimodal.processors.whisper:WhisperAudioProcessor", frozenset({AUDIO}), "learned",
            model_types=("whisper",), encoder_decoder=True,

@@ -17,6 +17,8 @@ extractor's padded window) and has no padding mask, as in transformers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -125,7 +127,7 @@ class WhisperDecoder(nn.Module):
 class WhisperCrossKV(RequestState):
     """Each request's cross-attention K/V: one entry per encoder output row and decoder layer."""
 
-    def extra_slots(self, config: ModelConfig) -> int:
+    def extra_slots(self, config: ModelConfig, items: Sequence[MultimodalDataItem]) -> int:
         return config.cross_attention_len
 
     def fill(self, model: TesseraModel, encoder_outputs: list[torch.Tensor], slots: list[torch.Tensor],

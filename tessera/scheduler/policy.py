@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from collections.abc import Callable
 
 import torch
 
@@ -40,10 +41,10 @@ class KVManager:
     """
 
     def __init__(self, req_pool: ReqToTokenPool, allocator: PagedTokenAllocator, tree: RadixCache, page_size: int,
-                 extra_slots: int = 0):
+                 extra_slots: Callable[[Req], int] | None = None):
         self.req_pool, self.allocator, self.tree, self.page_size = req_pool, allocator, tree, page_size
-        # Every admitted request also holds this many slots for its family's per-request state
-        # (RequestState.extra_slots: an encoder-decoder's cross-attention K/V); 0 for most families.
+        # Slots an admitted request also holds for its family's per-request state (RequestState.extra_slots:
+        # cross-attention K/V of its media); None for most families.
         self.extra_slots = extra_slots
         self.state_tokens = 0  # slots held for per-request state now (a /metrics gauge)
         self.prefix_hit_tokens = 0
@@ -69,13 +70,14 @@ class KVManager:
         row = self.req_pool.alloc()
         if row is None:
             return False
-        if self.extra_slots:
+        extra = self.extra_slots(req) if self.extra_slots is not None else 0
+        if extra:
             # Taken at admission, whole pages of their own (a virtual sequence from 0): the pool budget covers
             # them like any KV, and a request that cannot get them waits.
-            state = self.allocator.alloc_extend(0, 0, self.extra_slots)
+            state = self.allocator.alloc_extend(0, 0, extra)
             if state is None:
-                self.tree.evict(self.extra_slots + self.page_size)
-                state = self.allocator.alloc_extend(0, 0, self.extra_slots)
+                self.tree.evict(extra + self.page_size)
+                state = self.allocator.alloc_extend(0, 0, extra)
             if state is None:
                 self.req_pool.free(row)
                 return False

@@ -118,6 +118,9 @@ class Req:
             self._padded_prompt = self.mm_inputs.pad_input_ids(ids) if self.mm_inputs else list(ids)
             # An adapter's K/V differ from the base model's and every other adapter's: its own radix path.
             salt = self.cache_salt if self.lora_name is None else f"{self.cache_salt or ''}\0lora:{self.lora_name}"
+            media = self.mm_inputs.cross_media_salt() if self.mm_inputs else None
+            if media is not None:
+                salt = f"{salt or ''}\0{media}"
             if salt is not None and self._padded_prompt:
                 self._padded_prompt[0] = salted_key(salt, self._padded_prompt[0])
         return self._padded_prompt + self.output_ids

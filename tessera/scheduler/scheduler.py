@@ -75,8 +75,8 @@ class Scheduler:
         prefix_cache = self.config.family.prefix_cache and not args.disable_radix_cache
         self.tree = RadixCache(allocator, args.page_size, disable=not prefix_cache)
         state = self.model_cls.request_state
-        kv = KVManager(req_pool, allocator, self.tree, args.page_size,
-                       state.extra_slots(self.config) if state is not None else 0)
+        kv = KVManager(req_pool, allocator, self.tree, args.page_size, None if state is None else (
+            lambda req: state.extra_slots(self.config, req.mm_inputs.items if req.mm_inputs is not None else [])))
         self.speculator = make_speculator(args, info.context_length, getattr(self.worker, "draft_proposer", None))
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy,
                                      self.speculator)

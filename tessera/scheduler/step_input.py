@@ -98,9 +98,9 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         if s.samples or pending is not None:  # a pending row reaches one past the tokens the host knows
             logits_rows.append(flat - 1)
             _add_sampling(sampling, grammars, req, model_cls, [] if pending is None else [-1])
-        # A request's state comes from its one media item (the frontend admits exactly one for such families).
+        # A request's state comes from its media items (Whisper's one clip, Mllama's images), all of them at once.
         if req.state_slots is not None and not req.state_filled:
-            state_fills.append(RequestStateFill(r, req.mm_inputs.items[0], req.state_slots))  # type: ignore[union-attr]
+            state_fills.append(RequestStateFill(r, list(req.mm_inputs.items), req.state_slots))  # type: ignore[union-attr]
     writes, released = kv.take_pending()
     for s, *_ in rows:
         if s.req.state_slots is not None:

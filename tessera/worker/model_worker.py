@@ -13,6 +13,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -121,7 +122,7 @@ class ModelWorker:
         # The family's per-request state (models/request_state.py; None: it keeps none), and each request's
         # slots of it (device): rid -> slots, from fill to release.
         self.request_state = type(self.model).request_state
-        self._state_slots: dict[str, torch.Tensor] = {}
+        self._state_slots: dict[str, tuple[torch.Tensor, Any]] = {}  # rid -> (slots, RequestState.layout)
         # STANDALONE speculative decoding's draft model (rank 0 proposes; scheduler/speculative.py verifies).
         self.draft_proposer: DraftModel | None = None
         if args.speculative_algorithm == "STANDALONE" and self.tp.rank == 0:
@@ -296,24 +297,23 @@ class ModelWorker:
         """Cores this worker's own background work holds now (the thread policy leaves them free)."""
         return 1 if self.ahead is not None and self.ahead.busy else 0
 
-    def _fill_request_state(self, fi: ForwardInput) -> torch.Tensor | None:
+    def _fill_request_state(self, fi: ForwardInput) -> tuple[torch.Tensor, list[int], list] | None:
         """Writes the per-request state of newly admitted requests (from their items' encoder outputs: the
-        encoder cache, or one encoder call per modality for the misses) and returns every request's state
-        slots [B, extra_slots]; None when the family keeps no such state."""
+        encoder cache, or one encoder call per modality for the misses) and returns every request's state:
+        (slots [B, max extra_slots], padded with slot 0; each request's count; each request's layout). A request
+        that keeps no state (count 0) attends to nothing. None when the family keeps no such state."""
         if self.request_state is None:
             return None
         if fi.state_fills:
             outputs: dict[int, torch.Tensor] = {}
             misses: dict[int, MultimodalDataItem] = {}
-            for fill in fi.state_fills:
-                item = fill.item
+            for item in (it for fill in fi.state_fills for it in fill.items):
                 cached = item.precomputed_embedding if item.precomputed_embedding is not None else \
                     self.encoder_cache.get(item.hash)
                 if cached is None:
                     misses.setdefault(item.hash, item)
                 else:
                     outputs[item.hash] = cached
-            rows = self.request_state.extra_slots(self.config)
             by_modality: dict[Modality, list[MultimodalDataItem]] = {}
             for item in misses.values():
                 by_modality.setdefault(item.modality, []).append(item)
@@ -321,20 +321,34 @@ class ModelWorker:
                 with self._encoder_lock:  # the encoders' current adapter is shared with the encode-ahead thread
                     embeds = encode_by_adapter(self.lora, items, self.encoders[modality])
                 for item, out in zip(items, embeds):
-                    if out.shape[0] != rows:
-                        raise EmbeddingCountError(f"{modality.value}: encoder output has {out.shape[0]} rows, the "
-                                                  f"model's per-request state takes {rows}")
                     self.encoder_cache.put(item.hash, out)
                     outputs[item.hash] = out
-            slots = [fill.slots.to(self.device) for fill in fi.state_fills]
             fills = fi.state_fills
+            states = [torch.cat([outputs[it.hash] for it in f.items]) if len(f.items) > 1 else outputs[f.items[0].hash]
+                      for f in fills]
+            for f, out in zip(fills, states):
+                rows = self.request_state.extra_slots(self.config, f.items)
+                if out.shape[0] != rows:
+                    raise EmbeddingCountError(f"encoder outputs have {out.shape[0]} rows, the model's per-request "
+                                              f"state takes {rows}")
+            slots = [fill.slots.to(self.device) for fill in fills]
             # An adapter on cross-attention's K/V projections (Whisper's) applies to its own requests' fills.
             with self._encoder_lock:
-                by_adapter(self.lora, [f.item.lora_name for f in fills], lambda idx: self.request_state.fill(
-                    self.model, [outputs[fills[i].item.hash] for i in idx], [slots[i] for i in idx], self.kv_pool))
-            for fill, s in zip(fi.state_fills, slots):
-                self._state_slots[fi.rids[fill.req]] = s
-        return torch.stack([self._state_slots[rid] for rid in fi.rids])
+                by_adapter(self.lora, [f.items[0].lora_name for f in fills], lambda idx: self.request_state.fill(
+                    self.model, [states[i] for i in idx], [slots[i] for i in idx], self.kv_pool))
+            for fill, s in zip(fills, slots):
+                self._state_slots[fi.rids[fill.req]] = (s, self.request_state.layout(self.config, fill.items))
+        empty = (torch.zeros(0, dtype=torch.int64, device=self.device), None)
+        held = [self._state_slots.get(rid, empty) for rid in fi.rids]
+        lens = [int(s.shape[0]) for s, _ in held]
+        width = max(lens, default=0)
+        if all(n == width for n in lens):
+            table = torch.stack([s for s, _ in held]) if held else torch.zeros(0, 0, dtype=torch.int64)
+        else:
+            table = torch.zeros(len(held), width, dtype=torch.int64, device=self.device)
+            for b, (s, _) in enumerate(held):
+                table[b, :s.shape[0]] = s
+        return table, lens, [layout for _, layout in held]
 
     def _custom_masks(self, fi: ForwardInput) -> list[torch.Tensor | None] | None:
         if fi.bidirectional_spans is None:
@@ -372,7 +386,7 @@ class ModelWorker:
         apply_slot_writes(self.req_to_token, fi, staged_writes)
         masks = self._custom_masks(fi)
         mm_rows, mm_embeds = self._mm_embeds(fi)
-        state_slots = self._fill_request_state(fi)
+        state = self._fill_request_state(fi)
         if mm_embeds is not None and self.between_phases is not None:
             self.between_phases()
         for rid in fi.prompt_done:  # embeddings are only needed until the prompt's KV exists
@@ -391,7 +405,8 @@ class ModelWorker:
             req_generations=fi.req_generations if self.use_decode_mirror and
             len(set(fi.req_pool_indices)) == len(fi.req_pool_indices) else None,
             host_seq_lens=fi.seq_lens, host_extend_lens=fi.extend_lens, host_req_pool_indices=fi.req_pool_indices,
-            state_slots=state_slots, lora_rows=lora_active(self.lora),
+            state_slots=None if state is None else state[0], state_lens=None if state is None else state[1],
+            state_layouts=None if state is None else state[2], lora_rows=lora_active(self.lora),
             hidden_indices=_int64(hidden_rows(fi.pooling_rows)).to(self.device) if fi.pooling_rows else None,
         )
         logits = self.model(fb, self.kv_pool)

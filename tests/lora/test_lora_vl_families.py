@@ -37,6 +37,7 @@ FAMILIES = {
     "gemma3": ("gemma3_testing", {}, {}, "model.vision_tower."),
     "llama4": ("llama4_testing", {}, {}, "vision_model.", {"exclude_modules": ["router"]}),
     "cosmos3_edge": ("cosmos3_testing", {}, {}, "model.visual."),
+    "mllama": ("mllama_testing", {}, {}, "model.vision_model."),
 }
 
 

@@ -24,10 +24,11 @@ def test_every_family_row_resolves(name: str) -> None:
     arch = family.architecture
     assert issubclass(family.model_class(), TesseraModel)
     assert family.positions in ("rope", "mrope", "learned")
-    # An encoder-decoder row's model declares its cross-attention state, and its prefix cache is off (as an
-    # embedding-only dual encoder's, whose towers do not use the paged KV).
+    # An encoder-decoder row's model declares its cross-attention state (so does Mllama's, whose images salt the
+    # prefix-cache key instead), and its prefix cache is off (as an embedding-only dual encoder's, whose towers
+    # do not use the paged KV).
     has_state = family.model_class().request_state is not None
-    assert has_state == family.encoder_decoder
+    assert has_state == (family.encoder_decoder or arch == "MllamaForConditionalGeneration")
     assert family.prefix_cache == (not family.encoder_decoder and not family.embedding_only)
     if family.modalities:
         assert family.processor_class() is not None

@@ -75,7 +75,7 @@ def test_prefill_logits_match_hf(whisper, page_size):
         torch.testing.assert_close(torch.stack(enc), hf.model.encoder(feats).last_hidden_state, atol=ATOL, rtol=0)
         cross_rows = [kv.new_request() for _ in prompts]
         state = type(ours).request_state  # the engine's path: the family's hook, as the worker calls it
-        cross = [kv.extend(r, state.extra_slots(config)) for r in cross_rows]
+        cross = [kv.extend(r, state.extra_slots(config, [])) for r in cross_rows]
         state.fill(ours, enc, cross, kv.pool)
         rows = [kv.new_request() for _ in prompts]
         # Prefill all but the last token, then one decode step each: both cross-attention paths.

@@ -19,7 +19,8 @@ def make_policy(pool_tokens: int, page_size: int = 1, chunk: int = 16, max_runni
                 disable_cache: bool = False, extra_slots: int = 0) -> SchedulePolicy:
     alloc = PagedTokenAllocator(pool_tokens, page_size)
     tree = RadixCache(alloc, page_size, disable=disable_cache)
-    kv = KVManager(ReqToTokenPool(max_running + 1, 512), alloc, tree, page_size, extra_slots)
+    kv = KVManager(ReqToTokenPool(max_running + 1, 512), alloc, tree, page_size,
+                   (lambda req: extra_slots) if extra_slots else None)
     return SchedulePolicy(kv, max_running, chunk)
 
 

@@ -71,6 +71,9 @@ class BaseMultimodalProcessor(abc.ABC):
     `split_preprocessed`), and may post-process (`finalize`, e.g. M-RoPE positions)."""
 
     supported_modalities: ClassVar[frozenset[Modality]] = frozenset()
+    # The HF processor writes a text-only prompt its own way (Mllama's puts BOS in): the frontend tokenizes text
+    # prompts without media through `process` too, not with the bare tokenizer.
+    tokenizes_text: ClassVar[bool] = False
 
     def __init__(self, hf_processor: Any, hf_config: Any, mm_process_config: Mapping[str, Any] | None = None,
                  limits: MediaLimits | None = None, limit_mm_per_request: Mapping[str, int] | None = None, *,
