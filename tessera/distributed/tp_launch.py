@@ -56,6 +56,7 @@ class TPGroupHandle:
 
     def __init__(self, args: ServerArgs):
         self.size = args.tp_size
+        self.broken = False  # a broadcast failed: some rank (maybe on another node) is gone
         init_method = rendezvous(args)
         # Node 0 starts its own ranks 1..per_node-1; the other nodes start theirs (run_node).
         self.procs = spawn_ranks(args, range(1, args.tp_size // args.nnodes), init_method)
@@ -63,13 +64,27 @@ class TPGroupHandle:
 
     @property
     def alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
+        """Every rank is there: this node's processes are running, and the group still carries a message. The
+        ranks on other nodes are no processes of ours: a dead one shows only as a collective that fails
+        (gloo/NCCL: connection closed), so after a failed step (the only time the scheduler asks) one ping
+        goes round; a group that cannot carry it is gone for good."""
+        if self.broken or not all(p.poll() is None for p in self.procs):
+            return False
+        try:
+            self.broadcast(("ping",))
+        except Exception:  # noqa: BLE001 - whatever the backend raises, the group is unusable
+            return False
+        return True
 
     def broadcast(self, msg: tuple) -> None:
         dead = [p.pid for p in self.procs if p.poll() is not None]
         if dead:
             raise RuntimeError(f"tensor-parallel rank process(es) {dead} exited; restart the server")
-        broadcast_object(msg)
+        try:
+            broadcast_object(msg)
+        except Exception:
+            self.broken = True  # a remote rank went away (or the link did): no collective can be trusted again
+            raise
 
     def stop(self) -> None:
         try:

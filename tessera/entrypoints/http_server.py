@@ -307,6 +307,15 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
         tm = serving().tm
         return {**tm.server_info(), "stats": (await tm.get_stats()).report()}
 
+    @app.get("/get_load")
+    async def get_load():
+        """SGLang's load report, one entry per data-parallel replica: what sglang-router's load-aware policies
+        (power_of_two, cache_aware's balancing) poll; num_tokens is the KV the replica holds."""
+        tm = serving().tm
+        await tm.get_stats()
+        return [{"dp_rank": s.dp_rank, "num_reqs": s.num_running + s.num_waiting, "num_waiting_reqs": s.num_waiting,
+                 "num_tokens": s.kv_used_tokens} for s in tm.replica_stats]
+
     @app.get("/flush_cache", operation_id="flush_cache_get")  # SGLang's clients use both methods
     @app.post("/flush_cache", operation_id="flush_cache_post")
     async def flush_cache():

@@ -1,8 +1,9 @@
 """`python -m tessera.entrypoints.tp_rank RANK INIT_METHOD` (settings on stdin): a tensor-parallel rank > 0.
 
 Started by rank 0's TPGroupHandle or by `tessera serve --node-rank k` (distributed/tp_launch.py). It joins the
-group, loads its shard of the model, then follows rank 0's broadcasts: ("step", ForwardInput), ("flush",) or
-("stop",). All ranks run the same forward (their collectives meet); only rank 0 samples and answers.
+group, loads its shard of the model, then follows rank 0's broadcasts: ("step", ForwardInput), ("flush",),
+("lora", ...), ("ping",) or ("stop",). All ranks run the same forward (their collectives meet); only rank 0
+samples and answers.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ def rank_main(args: ServerArgs, rank: int, init_method: str) -> None:
         kind = msg[0]
         if kind == "stop":
             return
+        if kind == "ping":  # rank 0 checking that the group is whole (TPGroupHandle.alive)
+            continue
         if kind == "flush":
             worker.flush_cache()
         elif kind == "lora":  # rank 0 answers the frontend with its own result; the ranks load the same files

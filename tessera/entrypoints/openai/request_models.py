@@ -129,6 +129,8 @@ class _CompletionFields(_Sampling):
 class _GenerateFields(_Body):
     """SGLang's native /generate (its GenerateReqInput)."""
 
+    model: str | None = Field(None, description="The served model's name, as routers add it (null: the served model; "
+                                                "'base:adapter' runs a LoRA adapter); optional.")
     text: str | list[str] | None = Field(None, description="The prompt, or a batch of prompts.")
     input_ids: list[int] | list[list[int]] | None = Field(None, description="Token ids instead of text.")
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = Field(
