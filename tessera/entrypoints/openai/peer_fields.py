@@ -25,8 +25,17 @@ _NO_CUSTOM = "custom logit processors and parameters are not supported"
 _NO_TOKENS_OUT = "token ids and offsets are returned through logprobs only"
 _NO_PRIORITY = "requests are scheduled first come, first served (no priorities)"
 
-# Fields of both OpenAI endpoints (chat and completions), from SGLang's and vLLM's request models.
+# Fields of both OpenAI endpoints (chat and completions), from OpenAI's, SGLang's and vLLM's request models.
 OPENAI_NOOPS: dict[str, tuple[tuple[Any, ...], str]] = {
+    # OpenAI's own, sent by its SDK and the libraries over it (metadata, prompt_cache_key and safety_identifier
+    # take any value: request_models declares them).
+    "store": ((False,), "chat completions are not stored (no GET /v1/chat/completions/{id}); /v1/responses "
+                        "stores its responses"),
+    "service_tier": (("auto", "default"), "there is one service tier"),
+    "verbosity": (("medium",), "the answer's length follows the prompt and max_tokens; no verbosity control"),
+    "modalities": ((["text"],), "the answer is text only (no audio output)"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "audio": ((), "the answer is text only (no audio output)"),
     # SGLang
     "return_hidden_states": ((False,), _NO_HIDDEN),
     "return_routed_experts": ((False,), _NO_HIDDEN),
