@@ -28,12 +28,15 @@ from tessera.entrypoints.openai.chat import create_chat_completion
 from tessera.entrypoints.openai.completions import create_completion
 from tessera.entrypoints.openai.embeddings import create_embedding
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
+from tessera.entrypoints.openai.reasoning import check_reasoning_parser
 from tessera.entrypoints.openai.request_models import parse_json_body, route_docs
+from tessera.entrypoints.openai.tool_parsers import check_tool_call_parser
 from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
 from tessera.entrypoints.warmup import WarmupError, warm_up
 from tessera.entrypoints.openai.transcriptions import TranscriptionServing
 from tessera.entrypoints.lora_routes import adapter_cards, add_lora_routes
 from tessera.entrypoints.playground import add_playground_routes
+from tessera.entrypoints.router_routes import add_router_routes
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import TokenizerManager
 from tessera.messages.sampling import SamplingParams
@@ -301,26 +304,7 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
         in_frontend = len(state.tm.states) if state.tm is not None else None
         return Response(state.metrics.render(stats, frontend, replicas, in_frontend), media_type="text/plain; version=0.0.4")
 
-    @app.get("/server_info")  # SGLang's current name
-    @app.get("/get_server_info")
-    async def server_info():
-        tm = serving().tm
-        return {**tm.server_info(), "stats": (await tm.get_stats()).report()}
-
-    @app.get("/get_load")
-    async def get_load():
-        """SGLang's load report, one entry per data-parallel replica: what sglang-router's load-aware policies
-        (power_of_two, cache_aware's balancing) poll; num_tokens is the KV the replica holds."""
-        tm = serving().tm
-        await tm.get_stats()
-        return [{"dp_rank": s.dp_rank, "num_reqs": s.num_running + s.num_waiting, "num_waiting_reqs": s.num_waiting,
-                 "num_tokens": s.kv_used_tokens} for s in tm.replica_stats]
-
-    @app.get("/flush_cache", operation_id="flush_cache_get")  # SGLang's clients use both methods
-    @app.post("/flush_cache", operation_id="flush_cache_post")
-    async def flush_cache():
-        await serving().tm.flush_cache()
-        return {"status": "ok"}
+    add_router_routes(app, serving)
 
     @app.post("/v1/chat/completions", **route_docs("/v1/chat/completions"))
     async def chat(request: Request):
@@ -361,6 +345,8 @@ def launch_server(args: ServerArgs) -> int:
         # logs each warm-up request.
         logging.getLogger("httpx").setLevel(logging.WARNING)
     api_key_of(args.api_key, args.api_key_file)  # an unreadable key file is a one-line error before the model loads
+    check_reasoning_parser(args.reasoning_parser)
+    check_tool_call_parser(args.tool_call_parser)
     config = ModelConfig.load(args.model_path)  # an unsupported architecture is a one-line error now, not a 503 later
     return asyncio.run(_serve(args, config))
 

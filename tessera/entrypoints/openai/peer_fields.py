@@ -18,7 +18,8 @@ from typing import Any
 _NO_LORA = "name the LoRA adapter with lora_path"
 _NO_DISAGG = "prefill/decode disaggregation is not supported"
 _NO_DP_ROUTE = "a request cannot pick its data-parallel replica (--load-balance-method decides)"
-_NO_REASONING = "no reasoning parser is configured: the model's text is returned as it is"
+_NO_REASONING = ("thinking is the model's own: --reasoning-parser splits it out, chat_template_kwargs "
+                 "{\"enable_thinking\": false} turns it off where the template does")
 _NO_HIDDEN = "hidden states, routed experts and indexer top-k are not returned"
 _NO_SESSION = "sessions (continued prompts kept by the server) are not supported; the radix cache reuses prefixes"
 _NO_CUSTOM = "custom logit processors and parameters are not supported"
@@ -46,7 +47,7 @@ OPENAI_NOOPS: dict[str, tuple[tuple[Any, ...], str]] = {
     "return_token_ids": ((False,), _NO_TOKENS_OUT),
     "return_meta_info": ((False,), "SGLang's meta_info is returned by /generate only"),
     "reasoning_effort": ((), _NO_REASONING),
-    "separate_reasoning": ((True, False), _NO_REASONING),
+    "separate_reasoning": ((True, False), "honoured by the chat endpoint: false returns the text as it is"),
     "stream_reasoning": ((True, False), _NO_REASONING),
     "task": ((), "the task is the endpoint's"),
     "stop_regex": ((), "stop strings are literal; regex stops are not supported"),
