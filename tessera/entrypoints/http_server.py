@@ -30,6 +30,7 @@ from tessera.entrypoints.openai.embeddings import create_embedding
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
 from tessera.entrypoints.openai.reasoning import check_reasoning_parser
 from tessera.entrypoints.openai.request_models import parse_json_body, route_docs
+from tessera.entrypoints.openai.responses import create_response, get_response
 from tessera.entrypoints.openai.tool_parsers import check_tool_call_parser
 from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
 from tessera.entrypoints.warmup import WarmupError, warm_up
@@ -309,6 +310,14 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
     @app.post("/v1/chat/completions", **route_docs("/v1/chat/completions"))
     async def chat(request: Request):
         return await create_chat_completion(serving(), request, await body_of(request, "/v1/chat/completions"))
+
+    @app.post("/v1/responses", **route_docs("/v1/responses"))
+    async def responses(request: Request):
+        return await create_response(serving(), request, await body_of(request, "/v1/responses"))
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str):
+        return get_response(response_id)
 
     @app.post("/v1/completions", **route_docs("/v1/completions"))
     async def completions(request: Request):
