@@ -375,7 +375,7 @@ def check_port_free(host: str, port: int) -> None:
             sock.bind(sockaddr)
         except OSError as e:
             raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror}); pick another with "
-                             f"--port") from None
+                             f"--port (PORT=N with make serve)") from None
 
 
 async def _serve(args: ServerArgs, config: ModelConfig) -> int:

@@ -94,7 +94,8 @@ def _requests(serving: OpenAIServing, req: rm.GenerateRequest) -> tuple[list[Gen
 async def generate(serving: OpenAIServing, request: Request, req: rm.GenerateRequest):
     reqs, batch = _requests(serving, req)
     stream, with_text = bool(req.stream), bool(req.return_text_in_logprobs)
-    tokenized = await serving.prepare(reqs, {})
+    media = next((f for f in ("image_data", "video_data", "audio_data") if getattr(req, f) is not None), None)
+    tokenized = await serving.prepare(reqs, {}, media_param=media)
 
     def shaped(out: dict, index: int) -> dict:
         meta = dict(out["meta_info"])

@@ -108,11 +108,12 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, req: 
                 video_kwargs=(video.model_dump(exclude_none=True) or None) if video is not None else None,
                 lora_path=lora)
     reqs = serving.fan_out(base, sp)
-    tokenized = await serving.prepare(reqs, user_names(req))
+    tokenized = await serving.prepare(reqs, user_names(req), media_param="messages")
     rid, created = response_id("chatcmpl", request), int(time.time())
+    model = serving.answer_model(lora, req.model)
     if opts.stream:
         return event_stream(_chat_stream(serving, reqs, tokenized, rid, created, opts, plan, echo_text,
-                                         lambda: splitter_for(reasoning_parser, req)))
+                                         lambda: splitter_for(reasoning_parser, req), model))
     outs = await serving.collect_all(request, reqs, tokenized)
     extra = {}
     if prompt_k is not None:  # one list for the request: its choices share the prompt (vLLM's shape)
@@ -134,7 +135,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, req: 
         choices.append({"index": i, "message": message,
                         "logprobs": _chat_logprobs(serving, out) if sp.logprobs else None,
                         "finish_reason": finish, "matched_stop": matched_stop(meta)})
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": serving.model_name,
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                          "choices": choices, "usage": usage_of([o["meta_info"] for o in outs]), **extra})
 
 
@@ -151,8 +152,8 @@ def _chat_logprobs(serving: OpenAIServing, out: dict, start: int = 0) -> dict:
 
 
 async def _chat_stream(serving: OpenAIServing, reqs, tokenized, rid: str, created: int, opts: StreamOptions,
-                       plan: ToolPlan | None, echo_text: str, new_splitter) -> AsyncIterator[str]:
-    writer = ChunkWriter(rid, created, serving.model_name, "chat.completion.chunk", opts,
+                       plan: ToolPlan | None, echo_text: str, new_splitter, model: str) -> AsyncIterator[str]:
+    writer = ChunkWriter(rid, created, model, "chat.completion.chunk", opts,
                          [len(t.input_ids) for t in tokenized])
 
     def chunk(i: int, delta: dict, finish: str | None = None, logprobs=None, meta: dict | None = None) -> str:

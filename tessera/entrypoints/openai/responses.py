@@ -147,7 +147,7 @@ async def create_response(serving: OpenAIServing, request: Request, req: Respons
     chat_req = _chat_request(req, messages)
     rid, created = new_id("resp"), int(time.time())
     answer = await create_chat_completion(serving, request, chat_req)
-    model = chat_req.model or serving.model_name
+    model = serving.answer_model(serving.check_model(chat_req.model, chat_req.lora_path), chat_req.model)
     if req.stream:
         return event_stream(_events(req, answer.body_iterator, rid, created, model, messages))
     chat = json.loads(answer.body)
