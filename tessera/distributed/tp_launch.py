@@ -12,6 +12,7 @@ import socket
 import subprocess
 
 from tessera.config import ServerArgs
+from tessera.distributed.heartbeat import watch_ranks
 from tessera.distributed.parallel_state import broadcast_object, init_tensor_parallel
 from tessera.platform.device import resolve_device
 from tessera.platform.launch import spawn
@@ -61,6 +62,8 @@ class TPGroupHandle:
         # Node 0 starts its own ranks 1..per_node-1; the other nodes start theirs (run_node).
         self.procs = spawn_ranks(args, range(1, args.tp_size // args.nnodes), init_method)
         init_tensor_parallel(0, self.size, init_method, resolve_device(args.device))
+        self.stopping = False
+        watch_ranks(range(args.tp_size // args.nnodes, args.tp_size), lambda: self.stopping)
 
     @property
     def alive(self) -> bool:
@@ -87,6 +90,7 @@ class TPGroupHandle:
             raise
 
     def stop(self) -> None:
+        self.stopping = True  # the ranks on other nodes go quiet now: that is no failure
         try:
             self.broadcast(("stop",))
         except Exception:  # a dead rank: nothing to tell it

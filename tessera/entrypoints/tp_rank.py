@@ -21,6 +21,7 @@ logger = logging.getLogger("tessera.tp")
 def rank_main(args: ServerArgs, rank: int, init_method: str) -> None:
     import torch
 
+    from tessera.distributed.heartbeat import start_beating
     from tessera.distributed.parallel_state import broadcast_object, init_tensor_parallel
     from tessera.platform.device import resolve_device
     from tessera.worker.model_worker import ModelWorker
@@ -28,6 +29,8 @@ def rank_main(args: ServerArgs, rank: int, init_method: str) -> None:
     torch.manual_seed(args.random_seed)
     torch.set_num_threads(args.worker_threads)
     init_tensor_parallel(rank, args.tp_size, init_method, resolve_device(args.device))
+    if rank >= args.tp_size // args.nnodes:  # on another node than rank 0: node 0 watches its heartbeat
+        start_beating(rank)
     worker = ModelWorker(args, set())
     while True:
         try:
