@@ -25,6 +25,12 @@ def _check_media_before_loading(args: ServerArgs, given: dict[str, list[str]]) -
         for item in items:
             if "://" not in item and not item.startswith("data:") and not os.path.isfile(item):
                 raise ValueError(f"--{name} {item}: no such file")
+            if name == "image" and os.path.isfile(item):
+                from tessera.multimodal.media import looks_like_video
+
+                with open(item, "rb") as f:
+                    if looks_like_video(f.read(16)):
+                        raise ValueError(f"--image {item}: it looks like a video; pass it with --video")
     served = ModelConfig.load(args.model_path).family.served_modalities(args.language_model_only)
     refuse_media(args.model_name, served, [Modality(name) for name, items in given.items() if items],
                  args.language_model_only)

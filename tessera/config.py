@@ -76,6 +76,8 @@ class ServerArgs:
     tokenizer_path: str | None = None
     served_model_name: str | None = None
     chat_template: str | None = None
+    reasoning_parser: str | None = None  # SGLang's names (entrypoints/openai/reasoning.py)
+    tool_call_parser: str | None = None  # SGLang's names (entrypoints/openai/tool_parsers.py); None: the template's
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: str | None = None

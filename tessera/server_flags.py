@@ -21,6 +21,12 @@ FLAGS: dict[str, tuple[str, str]] = {
     "tokenizer_path": ("model", "tokenizer/processor directory, if not the model's"),
     "served_model_name": ("model", "model name the API reports and accepts (default: the directory's name)"),
     "chat_template": ("model", "Jinja chat template (a file or the template text) replacing the checkpoint's"),
+    "reasoning_parser": ("model", "split a thinking model's reasoning into reasoning_content (SGLang's names: "
+                                  "qwen3, qwen3-thinking, deepseek-r1, deepseek-v3, glm45, kimi, step3, minimax, "
+                                  "mistral)"),
+    "tool_call_parser": ("model", "how tool calls are read from the model's text (SGLang's names: qwen25, hermes, "
+                                  "llama3, llama4, pythonic, mistral, gemma, internlm, glm45; default: chosen "
+                                  "from the chat template)"),
     "context_length": ("model", "longest prompt + output in tokens (default: the model's max_position_embeddings)"),
     "language_model_only": ("model", "skip the vision/audio encoders: text only, less memory"),
     "model_type": ("model", "auto (what config.json describes) or llm: serve the understanding (LLM) tower of a "

@@ -64,6 +64,51 @@ CHAT_TEMPLATE = media_first_chat_template(
     "<|vision_start|><|video_pad|><|vision_end|>{% endif %}"
 )
 
+# What demo-vl ships: CHAT_TEMPLATE for a request without tools (the same text, character for character), and
+# with tools Qwen2.5's tool block and <tool_call> format, so clients that send tools by default (openai-agents,
+# pydantic-ai, LangChain's bind_tools) are served (issue 63).
+CHAT_TEMPLATE_WITH_TOOLS = (
+    '{%- if tools %}<|im_start|>system\n'
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% else %}You are a helpful assi"
+    'stant.{% endif %}\n'
+    '\n'
+    '# Tools\n'
+    '\n'
+    'You may call one or more functions to assist with the user query.\n'
+    '\n'
+    'You are provided with function signatures within <tools></tools> XML tags:\n'
+    '<tools>{% for tool in tools %}\n'
+    '{{ tool | tojson }}{% endfor %}\n'
+    '</tools>\n'
+    '\n'
+    'For each function call, return a json object with function name and arguments within <tool_call></to'
+    'ol_call> XML tags:\n'
+    '<tool_call>\n'
+    '{"name": <function-name>, "arguments": <args-json-object>}\n'
+    '</tool_call><|im_end|>\n'
+    "{% endif %}{% for message in messages %}{% if tools and loop.first and message['role'] == 'system' %"
+    "}{% elif message['role'] == 'tool' %}<|im_start|>user\n"
+    '<tool_response>\n'
+    "{{ message['content'] }}\n"
+    '</tool_response><|im_end|>\n'
+    "{% else %}{% if not tools and loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    'You are a helpful assistant.<|im_end|>\n'
+    "{% endif %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for content in message['co"
+    "ntent'] %}{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}<|visio"
+    "n_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'video' or 'video' in content or 'vid"
+    "eo_url' in content %}<|vision_start|><|video_pad|><|vision_end|>{% endif %}{% endfor %}{% for conten"
+    "t in message['content'] %}{% if content['type'] == 'text' %}{{ content['text'] }}{% endif %}{% endfo"
+    "r %}{% endif %}{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}\n"
+    '<tool_call>\n'
+    '{"name": "{{ call[\'function\'][\'name\'] }}", "arguments": {{ call[\'function\'][\'arguments\'] | tojson }}'
+    '}\n'
+    '</tool_call>{% endfor %}{% endif %}<|im_end|>\n'
+    '{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n'
+    '{% endif %}\n'
+)
+
+
 GENERIC_TEXT = """\
 You are a helpful assistant. What is shown here? Please describe the picture in detail.
 The quick brown fox jumps over the lazy dog. Hello, world! How are you today?
@@ -162,7 +207,7 @@ def build_processor_files(out_dir: Path) -> None:
     video_cfg["cap_pixels_per_frame"] = False
     (out_dir / "preprocessor_config.json").write_text(json.dumps(image_cfg, indent=2))
     (out_dir / "video_preprocessor_config.json").write_text(json.dumps(video_cfg, indent=2))
-    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    (out_dir / "chat_template.jinja").write_text(CHAT_TEMPLATE_WITH_TOOLS)
     (out_dir / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}, indent=2))
 
 

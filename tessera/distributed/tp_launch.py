@@ -12,6 +12,7 @@ import socket
 import subprocess
 
 from tessera.config import ServerArgs
+from tessera.distributed.heartbeat import watch_ranks
 from tessera.distributed.parallel_state import broadcast_object, init_tensor_parallel
 from tessera.platform.device import resolve_device
 from tessera.platform.launch import spawn
@@ -56,22 +57,40 @@ class TPGroupHandle:
 
     def __init__(self, args: ServerArgs):
         self.size = args.tp_size
+        self.broken = False  # a broadcast failed: some rank (maybe on another node) is gone
         init_method = rendezvous(args)
         # Node 0 starts its own ranks 1..per_node-1; the other nodes start theirs (run_node).
         self.procs = spawn_ranks(args, range(1, args.tp_size // args.nnodes), init_method)
         init_tensor_parallel(0, self.size, init_method, resolve_device(args.device))
+        self.stopping = False
+        watch_ranks(range(args.tp_size // args.nnodes, args.tp_size), lambda: self.stopping)
 
     @property
     def alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
+        """Every rank is there: this node's processes are running, and the group still carries a message. The
+        ranks on other nodes are no processes of ours: a dead one shows only as a collective that fails
+        (gloo/NCCL: connection closed), so after a failed step (the only time the scheduler asks) one ping
+        goes round; a group that cannot carry it is gone for good."""
+        if self.broken or not all(p.poll() is None for p in self.procs):
+            return False
+        try:
+            self.broadcast(("ping",))
+        except Exception:  # noqa: BLE001 - whatever the backend raises, the group is unusable
+            return False
+        return True
 
     def broadcast(self, msg: tuple) -> None:
         dead = [p.pid for p in self.procs if p.poll() is not None]
         if dead:
             raise RuntimeError(f"tensor-parallel rank process(es) {dead} exited; restart the server")
-        broadcast_object(msg)
+        try:
+            broadcast_object(msg)
+        except Exception:
+            self.broken = True  # a remote rank went away (or the link did): no collective can be trusted again
+            raise
 
     def stop(self) -> None:
+        self.stopping = True  # the ranks on other nodes go quiet now: that is no failure
         try:
             self.broadcast(("stop",))
         except Exception:  # a dead rank: nothing to tell it

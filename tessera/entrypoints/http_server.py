@@ -28,12 +28,16 @@ from tessera.entrypoints.openai.chat import create_chat_completion
 from tessera.entrypoints.openai.completions import create_completion
 from tessera.entrypoints.openai.embeddings import create_embedding
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
+from tessera.entrypoints.openai.reasoning import check_reasoning_parser
 from tessera.entrypoints.openai.request_models import parse_json_body, route_docs
+from tessera.entrypoints.openai.responses import create_response, get_response
+from tessera.entrypoints.openai.tool_parsers import check_tool_call_parser
 from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
 from tessera.entrypoints.warmup import WarmupError, warm_up
 from tessera.entrypoints.openai.transcriptions import TranscriptionServing
 from tessera.entrypoints.lora_routes import adapter_cards, add_lora_routes
 from tessera.entrypoints.playground import add_playground_routes
+from tessera.entrypoints.router_routes import add_router_routes
 from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import TokenizerManager
 from tessera.messages.sampling import SamplingParams
@@ -301,21 +305,19 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
         in_frontend = len(state.tm.states) if state.tm is not None else None
         return Response(state.metrics.render(stats, frontend, replicas, in_frontend), media_type="text/plain; version=0.0.4")
 
-    @app.get("/server_info")  # SGLang's current name
-    @app.get("/get_server_info")
-    async def server_info():
-        tm = serving().tm
-        return {**tm.server_info(), "stats": (await tm.get_stats()).report()}
-
-    @app.get("/flush_cache", operation_id="flush_cache_get")  # SGLang's clients use both methods
-    @app.post("/flush_cache", operation_id="flush_cache_post")
-    async def flush_cache():
-        await serving().tm.flush_cache()
-        return {"status": "ok"}
+    add_router_routes(app, serving)
 
     @app.post("/v1/chat/completions", **route_docs("/v1/chat/completions"))
     async def chat(request: Request):
         return await create_chat_completion(serving(), request, await body_of(request, "/v1/chat/completions"))
+
+    @app.post("/v1/responses", **route_docs("/v1/responses"))
+    async def responses(request: Request):
+        return await create_response(serving(), request, await body_of(request, "/v1/responses"))
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str):
+        return get_response(response_id)
 
     @app.post("/v1/completions", **route_docs("/v1/completions"))
     async def completions(request: Request):
@@ -352,6 +354,8 @@ def launch_server(args: ServerArgs) -> int:
         # logs each warm-up request.
         logging.getLogger("httpx").setLevel(logging.WARNING)
     api_key_of(args.api_key, args.api_key_file)  # an unreadable key file is a one-line error before the model loads
+    check_reasoning_parser(args.reasoning_parser)
+    check_tool_call_parser(args.tool_call_parser)
     config = ModelConfig.load(args.model_path)  # an unsupported architecture is a one-line error now, not a 503 later
     return asyncio.run(_serve(args, config))
 
@@ -371,7 +375,7 @@ def check_port_free(host: str, port: int) -> None:
             sock.bind(sockaddr)
         except OSError as e:
             raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror}); pick another with "
-                             f"--port") from None
+                             f"--port (PORT=N with make serve)") from None
 
 
 async def _serve(args: ServerArgs, config: ModelConfig) -> int:

@@ -58,6 +58,8 @@ def _per_prompt(req: rm.GenerateRequest, name: str, n: int, batch: bool) -> list
 def _requests(serving: OpenAIServing, req: rm.GenerateRequest) -> tuple[list[GenerateRequest], bool]:
     """The one mapping of a /generate request to the engine's requests (n of each prompt); whether a batch."""
     prompts, batch = _batch(req)
+    # sglang-router adds "model" (null, or the name it knows the worker by); "base:adapter" picks an adapter.
+    model_adapter = serving.check_model(req.model)
     check_batch(len(prompts), "text" if req.text is not None else "input_ids")
     columns = {name: _per_prompt(req, name, len(prompts), batch) for name in _PER_PROMPT}
     reqs: list[GenerateRequest] = []
@@ -75,7 +77,8 @@ def _requests(serving: OpenAIServing, req: rm.GenerateRequest) -> tuple[list[Gen
             raise APIError(f"logprob_start_len: must be an integer >= -1, got {start!r}", param="logprob_start_len")
         base = dict(**prompt, image_data=columns["image_data"][k], video_data=columns["video_data"][k],
                     audio_data=columns["audio_data"][k], stream=bool(req.stream), cache_salt=req.cache_salt,
-                    lora_path=serving.tm.lora.resolve(columns["lora_path"][k]),
+                    lora_path=(serving.tm.lora.resolve(columns["lora_path"][k]) if columns["lora_path"][k] is not None
+                               else model_adapter),
                     return_logprob=return_logprob,
                     logprob_start_len=start if return_logprob and start is not None else -1)
         reqs += serving.fan_out(base, sp)
@@ -91,7 +94,8 @@ def _requests(serving: OpenAIServing, req: rm.GenerateRequest) -> tuple[list[Gen
 async def generate(serving: OpenAIServing, request: Request, req: rm.GenerateRequest):
     reqs, batch = _requests(serving, req)
     stream, with_text = bool(req.stream), bool(req.return_text_in_logprobs)
-    tokenized = await serving.prepare(reqs, {})
+    media = next((f for f in ("image_data", "video_data", "audio_data") if getattr(req, f) is not None), None)
+    tokenized = await serving.prepare(reqs, {}, media_param=media)
 
     def shaped(out: dict, index: int) -> dict:
         meta = dict(out["meta_info"])

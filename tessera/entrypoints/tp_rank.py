@@ -1,8 +1,9 @@
 """`python -m tessera.entrypoints.tp_rank RANK INIT_METHOD` (settings on stdin): a tensor-parallel rank > 0.
 
 Started by rank 0's TPGroupHandle or by `tessera serve --node-rank k` (distributed/tp_launch.py). It joins the
-group, loads its shard of the model, then follows rank 0's broadcasts: ("step", ForwardInput), ("flush",) or
-("stop",). All ranks run the same forward (their collectives meet); only rank 0 samples and answers.
+group, loads its shard of the model, then follows rank 0's broadcasts: ("step", ForwardInput), ("flush",),
+("lora", ...), ("ping",) or ("stop",). All ranks run the same forward (their collectives meet); only rank 0
+samples and answers.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ logger = logging.getLogger("tessera.tp")
 def rank_main(args: ServerArgs, rank: int, init_method: str) -> None:
     import torch
 
+    from tessera.distributed.heartbeat import start_beating
     from tessera.distributed.parallel_state import broadcast_object, init_tensor_parallel
     from tessera.platform.device import resolve_device
     from tessera.worker.model_worker import ModelWorker
@@ -27,6 +29,8 @@ def rank_main(args: ServerArgs, rank: int, init_method: str) -> None:
     torch.manual_seed(args.random_seed)
     torch.set_num_threads(args.worker_threads)
     init_tensor_parallel(rank, args.tp_size, init_method, resolve_device(args.device))
+    if rank >= args.tp_size // args.nnodes:  # on another node than rank 0: node 0 watches its heartbeat
+        start_beating(rank)
     worker = ModelWorker(args, set())
     while True:
         try:
@@ -37,6 +41,8 @@ def rank_main(args: ServerArgs, rank: int, init_method: str) -> None:
         kind = msg[0]
         if kind == "stop":
             return
+        if kind == "ping":  # rank 0 checking that the group is whole (TPGroupHandle.alive)
+            continue
         if kind == "flush":
             worker.flush_cache()
         elif kind == "lora":  # rank 0 answers the frontend with its own result; the ranks load the same files

@@ -68,7 +68,9 @@ class LoraRegistry:
 
     def model_adapter(self, model: str | None, base_names: Sequence[str]) -> str | None:
         """The adapter an OpenAI `model` names: "base:adapter" or an adapter's own name (None: the base model)."""
-        if model in (None, "", "default", *base_names):
+        # The base model: no name, the served name or path, and the placeholders routers fill in for a request
+        # that named none (sglang-router: "unknown"; OpenAI clients: "default").
+        if model in (None, "", "default", "unknown", *base_names):
             return None
         if isinstance(model, str) and model in self.paths:
             return model

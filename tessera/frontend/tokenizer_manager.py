@@ -165,7 +165,12 @@ class TokenizerManager:
                                               "attention_backend") if k in effective}
         replicas = [dict(dataclasses.asdict(w), dp_rank=i, alive=self.dispatcher.alive[i],
                          in_flight=self.dispatcher.in_flight[i]) for i, w in enumerate(self.worker_infos)]
-        return {**given, **resolved, "max_total_num_tokens": effective.get("max_total_tokens"),
+        # What sglang-router reads to register a worker: the model's name (else it files the worker under its
+        # path), the tokenizer's directory, and the capacity figures its load-aware policies use.
+        router = {"served_model_name": self.args.model_name,
+                  "tokenizer_path": self.args.tokenizer_path or self.args.model_path,
+                  "max_req_input_len": self.context_length - 1}
+        return {**given, **resolved, **router, "max_total_num_tokens": effective.get("max_total_tokens"),
                 "server_args": given, "effective": effective, "replicas": replicas, "version": tessera_version,
                 "lora_adapters": self.lora.cards()}
 

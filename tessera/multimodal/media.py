@@ -118,7 +118,9 @@ def _decode_image_bytes(data: bytes, limits: MediaLimits) -> Image.Image:
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             img = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # lazy: reads the header only
     except Image.UnidentifiedImageError as e:
-        raise MediaError(f"data is not a recognised image (supported: {', '.join(IMAGE_FORMATS)})") from e
+        video = looks_like_video(data)
+        hint = f" ({video}: send it as a video_url part, or as video_data)" if video else ""
+        raise MediaError(f"data is not a recognised image (supported: {', '.join(IMAGE_FORMATS)}){hint}") from e
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as e:
         # PIL's own header check fired first (its MAX_IMAGE_PIXELS is a second, global cap).
         raise MediaError(f"image size is over the limit of {limits.max_image_pixels} pixels (the server's "
@@ -238,6 +240,14 @@ def _first_stream(data: bytes, kind: str, containers: str, purpose: str) -> Iter
             raise MediaError(f"corrupt, truncated or unsupported {kind} data: not readable as any of "
                              f"{containers.replace(',', ', ')}") from e
         raise MediaError(f"corrupt, truncated or unsupported {kind} data: {type(e).__name__}: {e}") from e
+
+
+def looks_like_video(data: bytes) -> str:
+    """"it looks like a video" for the containers a video usually comes in (MP4/MOV, WebM/MKV, AVI), else "":
+    the hint an image that is not one gets."""
+    if data[4:8] == b"ftyp" or data[:4] == b"\x1a\x45\xdf\xa3" or (data[:4] == b"RIFF" and data[8:12] == b"AVI "):
+        return "it looks like a video"
+    return ""
 
 
 def _image_kind(data: bytes) -> str:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import httpx
+import pytest
 
 from tessera.config import ASSETS_DIR
 from tests.server.server_process import ServerProcess, free_port
@@ -45,3 +46,42 @@ def test_bad_node_settings_are_one_line_errors() -> None:
     out = subprocess.run([sys.executable, "-m", "tessera", "serve", "--nnodes", "2", "--tp-size", "2"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "dist_init_addr" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_a_dead_remote_rank_fails_health_and_stops_node_0() -> None:
+    """Node 1's rank is killed while node 0 is idle: node 0 cannot see its process, only its heartbeat stop
+    (distributed/heartbeat.py). Within seconds, without any request, /health stops answering 200 and node 0 exits
+    1, as when one of its own ranks dies (was: /health 200 for good, every request a 500)."""
+    import os
+    import signal
+    import time
+
+    from tests.server.server_process import children_of
+
+    addr = f"127.0.0.1:{free_port()}"
+    common = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, "--max-total-tokens", "4096"]
+    node1 = subprocess.Popen([sys.executable, "-m", "tessera", "serve", "--model-path", "demo-vl", "--node-rank", "1",
+                              *common], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    srv = None
+    try:
+        srv = ServerProcess("--model-path", "demo-vl", "--node-rank", "0", *common)
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        assert httpx.post(f"{srv.base_url}/v1/chat/completions", json=body, timeout=60).status_code == 200
+        time.sleep(2 * 0.5 * 10)  # longer than the heartbeat timeout: an idle, healthy group stays up
+        assert httpx.get(f"{srv.base_url}/health", timeout=5).status_code == 200
+        for pid in children_of(node1.pid):
+            os.kill(pid, signal.SIGKILL)
+        node1.kill()
+        node1.wait(timeout=30)
+        killed = time.monotonic()
+        while srv.proc.poll() is None and time.monotonic() < killed + 60:
+            time.sleep(0.2)
+        assert srv.proc.poll() == 1, srv.output()[-2000:]
+        assert time.monotonic() - killed < 20
+        assert "stopped answering" in srv.output()
+    finally:
+        if srv is not None:
+            srv.stop()
+        if node1.poll() is None:
+            node1.kill()

@@ -1,6 +1,7 @@
 """The real ASGI app over demo-vl's real frontend (tokenizer, processors, limits, validation) with a stand-in for
-the scheduler: every request that passes validation finishes at once with one token ("ok", id 11). For tests
-of the request paths that need no model run (tests/server/test_fuzz.py, test_request_models.py)."""
+the scheduler: every request that passes validation finishes at once with one token ("ok", id 11), or with a
+scripted reply streamed piece by piece (`reply`). For tests of the request paths that need no model run
+(tests/server/test_fuzz.py, test_request_models.py) and of the parsers over a model's text (test_tool_formats.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from contextlib import contextmanager
 
 
 @contextmanager
-def stub_client() -> Iterator:
+def stub_client(reply: list[str] | None = None, **server_args) -> Iterator:
+    """reply: the pieces (tokens) of every answer, each one output step; server_args: ServerArgs fields."""
     from fastapi.testclient import TestClient
 
     from tessera.config import ServerArgs
@@ -30,9 +32,19 @@ def stub_client() -> Iterator:
             if req.return_logprob:
                 meta["output_token_logprobs"] = [(-0.5, 11)]
                 meta["output_top_logprobs"] = [[(-0.5, 11)]]
-            yield {"text": "ok", "delta": "ok", "output_ids": [11], "meta_info": meta}
+            if reply is None:
+                yield {"text": "ok", "delta": "ok", "output_ids": [11], "meta_info": meta}
+                return
+            text = ""
+            for k, piece in enumerate(reply):
+                text += piece
+                last = k == len(reply) - 1
+                done = {**meta, "finish_reason": {"type": "stop"}, "completion_tokens": len(reply)}
+                if last or req.stream:
+                    yield {"text": text, "delta": piece, "output_ids": [11] * (k + 1),
+                           "meta_info": done if last else {**meta, "finish_reason": None}}
 
-    args = ServerArgs(model_path="demo-vl", max_total_tokens=65536)
+    args = ServerArgs(model_path="demo-vl", max_total_tokens=65536, **server_args)
     app = create_app(args)
     state = app.state.tessera
     tm = NoScheduler(args)

@@ -113,7 +113,8 @@ def test_models_routes_unknown_routes_and_flush_cache(base, client):
     assert model.id == "demo-vl" and model.root == "demo-vl"
     with pytest.raises(openai.NotFoundError):
         client.models.retrieve("gpt-9")
-    for method, path in (("POST", "/v1/responses"), ("POST", "/v1/no/such/route"), ("GET", "/v1/chat/completions")):
+    for method, path in (("POST", "/v1/images/generations"), ("POST", "/v1/no/such/route"),
+                         ("GET", "/v1/chat/completions")):
         r = httpx.request(method, f"{base}{path}", json={}, timeout=30)
         assert r.status_code in (404, 405) and r.json()["error"]["code"] == r.status_code, r.text
     assert httpx.get(f"{base}/flush_cache", timeout=30).status_code == 200

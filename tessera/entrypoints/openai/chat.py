@@ -26,6 +26,7 @@ from tessera.entrypoints.openai.protocol import (
     stream_options,
     user_names,
 )
+from tessera.entrypoints.openai.reasoning import reasoning_fields, split_reasoning, splitter_for
 from tessera.entrypoints.openai.request_models import ChatCompletionRequest, TokenizeRequest
 from tessera.entrypoints.openai.serving import OpenAIServing, response_id
 from tessera.entrypoints.openai.streaming import (
@@ -76,8 +77,10 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, req: 
     lora = serving.check_model(req.model, req.lora_path)
     opts = stream_options(req)
     messages, images, videos, audios = parse_chat_messages(req.messages)
-    plan = plan_tools(req, serving.chat_template)
+    plan = plan_tools(req, serving.chat_template, serving.tm.args.tool_call_parser)
     prompt = chat_prompt(serving, messages, req, plan)
+    # A forced call starts the answer inside the call: no thinking to split off.
+    reasoning_parser = None if plan is not None and plan.forced_prefix else serving.tm.args.reasoning_parser
     # vLLM's chat echo: the reply starts with the last message when that one is the assistant's own.
     last = messages[-1]
     echo_text = ""
@@ -105,10 +108,12 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, req: 
                 video_kwargs=(video.model_dump(exclude_none=True) or None) if video is not None else None,
                 lora_path=lora)
     reqs = serving.fan_out(base, sp)
-    tokenized = await serving.prepare(reqs, user_names(req))
+    tokenized = await serving.prepare(reqs, user_names(req), media_param="messages")
     rid, created = response_id("chatcmpl", request), int(time.time())
+    model = serving.answer_model(lora, req.model)
     if opts.stream:
-        return event_stream(_chat_stream(serving, reqs, tokenized, rid, created, opts, plan, echo_text))
+        return event_stream(_chat_stream(serving, reqs, tokenized, rid, created, opts, plan, echo_text,
+                                         lambda: splitter_for(reasoning_parser, req), model))
     outs = await serving.collect_all(request, reqs, tokenized)
     extra = {}
     if prompt_k is not None:  # one list for the request: its choices share the prompt (vLLM's shape)
@@ -117,10 +122,11 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, req: 
     choices = []
     for i, out in enumerate(outs):
         meta = out["meta_info"]
-        message: dict = {"role": "assistant", "content": echo_text + out["text"]}
+        reasoning, text = split_reasoning(splitter_for(reasoning_parser, req), out["text"])
+        message: dict = {"role": "assistant", "content": echo_text + text, **reasoning_fields(reasoning)}
         finish = finish_reason(meta)
         if plan is not None:
-            content, calls = parse_tool_calls(plan.forced_prefix + out["text"], plan)
+            content, calls = parse_tool_calls(plan.forced_prefix + text, plan)
             message["content"] = (echo_text + content) if content is not None else (echo_text or None)
             if calls:
                 message["tool_calls"] = calls
@@ -129,7 +135,7 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, req: 
         choices.append({"index": i, "message": message,
                         "logprobs": _chat_logprobs(serving, out) if sp.logprobs else None,
                         "finish_reason": finish, "matched_stop": matched_stop(meta)})
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": serving.model_name,
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
                          "choices": choices, "usage": usage_of([o["meta_info"] for o in outs]), **extra})
 
 
@@ -146,21 +152,22 @@ def _chat_logprobs(serving: OpenAIServing, out: dict, start: int = 0) -> dict:
 
 
 async def _chat_stream(serving: OpenAIServing, reqs, tokenized, rid: str, created: int, opts: StreamOptions,
-                       plan: ToolPlan | None, echo_text: str) -> AsyncIterator[str]:
-    writer = ChunkWriter(rid, created, serving.model_name, "chat.completion.chunk", opts,
+                       plan: ToolPlan | None, echo_text: str, new_splitter, model: str) -> AsyncIterator[str]:
+    writer = ChunkWriter(rid, created, model, "chat.completion.chunk", opts,
                          [len(t.input_ids) for t in tokenized])
 
     def chunk(i: int, delta: dict, finish: str | None = None, logprobs=None, meta: dict | None = None) -> str:
         return writer(i, {"delta": delta}, finish, logprobs, meta)
 
-    parsers = {}
+    parsers, splitters = {}, {}
     for i in range(len(reqs)):
         yield chunk(i, {"role": "assistant", "content": ""})
         if echo_text:
             yield chunk(i, {"content": echo_text})
         if plan is not None:
-            parsers[i] = ToolCallParser()
+            parsers[i] = ToolCallParser(plan.fmt)
             parsers[i].feed(plan.forced_prefix)
+        splitters[i] = new_splitter()
     metas: dict[int, dict] = {}
     sent_tokens: dict[int, int] = {}
     num_calls: dict[int, int] = {}
@@ -173,7 +180,12 @@ async def _chat_stream(serving: OpenAIServing, reqs, tokenized, rid: str, create
             held.setdefault(i, []).extend(_chat_logprobs(serving, out, sent_tokens.get(i, 0))["content"])
             sent_tokens[i] = len(meta.get("output_token_logprobs", []))
         finish = finish_reason(meta)
-        content, calls = out["delta"], []
+        content, calls, reasoning = out["delta"], [], ""
+        if splitters[i] is not None:
+            reasoning, content = splitters[i].feed(content)
+            if finish is not None:
+                more_reasoning, more_content = splitters[i].finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
         if plan is not None:
             content, calls = parsers[i].feed(content)
             if finish is not None:
@@ -183,7 +195,7 @@ async def _chat_stream(serving: OpenAIServing, reqs, tokenized, rid: str, create
                 content, calls = (content, forced) if forced else (content + tail, calls + more)
                 if not plan.parallel:
                     calls = calls[:max(0, 1 - num_calls.get(i, 0))]
-        delta: dict = {}
+        delta: dict = reasoning_fields(reasoning)
         if content:
             delta["content"] = content
         if calls:

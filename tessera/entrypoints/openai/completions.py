@@ -67,7 +67,8 @@ async def create_completion(serving: OpenAIServing, request: Request, req: Compl
     tokenized = await serving.prepare(reqs, user_names(req))
     rid, created = response_id("cmpl", request), int(time.time())
     if opts.stream:
-        return event_stream(_completion_stream(serving, reqs, tokenized, rid, created, opts, echoes, len(prompts)))
+        return event_stream(_completion_stream(serving, reqs, tokenized, rid, created, opts, echoes, len(prompts),
+                                               serving.answer_model(lora, req.model)))
     outs = await serving.collect_all(request, reqs, tokenized)
     choices = []
     for i, out in enumerate(outs):
@@ -82,7 +83,8 @@ async def create_completion(serving: OpenAIServing, request: Request, req: Compl
         choices.append({"index": i, "text": echoes[i] + out["text"], "logprobs": lp,
                         "finish_reason": finish_reason(out["meta_info"]),
                         "matched_stop": matched_stop(out["meta_info"]), **extra})
-    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": serving.model_name,
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                         "model": serving.answer_model(lora, req.model),
                          "choices": choices, "usage": usage_of([o["meta_info"] for o in outs], len(prompts))})
 
 
@@ -120,8 +122,9 @@ def _legacy_logprobs(serving: OpenAIServing, pairs: list, tops: list, offset: in
 
 
 async def _completion_stream(serving: OpenAIServing, reqs, tokenized, rid: str, created: int,
-                             opts: StreamOptions, echoes: list[str], num_prompts: int) -> AsyncIterator[str]:
-    writer = ChunkWriter(rid, created, serving.model_name, "text_completion", opts,
+                             opts: StreamOptions, echoes: list[str], num_prompts: int,
+                             model: str) -> AsyncIterator[str]:
+    writer = ChunkWriter(rid, created, model, "text_completion", opts,
                          [len(t.input_ids) for t in tokenized])
 
     def chunk(i: int, text: str, finish: str | None = None, logprobs=None, meta: dict | None = None) -> str:

@@ -18,15 +18,25 @@ from typing import Any
 _NO_LORA = "name the LoRA adapter with lora_path"
 _NO_DISAGG = "prefill/decode disaggregation is not supported"
 _NO_DP_ROUTE = "a request cannot pick its data-parallel replica (--load-balance-method decides)"
-_NO_REASONING = "no reasoning parser is configured: the model's text is returned as it is"
+_NO_REASONING = ("thinking is the model's own: --reasoning-parser splits it out, chat_template_kwargs "
+                 "{\"enable_thinking\": false} turns it off where the template does")
 _NO_HIDDEN = "hidden states, routed experts and indexer top-k are not returned"
 _NO_SESSION = "sessions (continued prompts kept by the server) are not supported; the radix cache reuses prefixes"
 _NO_CUSTOM = "custom logit processors and parameters are not supported"
 _NO_TOKENS_OUT = "token ids and offsets are returned through logprobs only"
 _NO_PRIORITY = "requests are scheduled first come, first served (no priorities)"
 
-# Fields of both OpenAI endpoints (chat and completions), from SGLang's and vLLM's request models.
+# Fields of both OpenAI endpoints (chat and completions), from OpenAI's, SGLang's and vLLM's request models.
 OPENAI_NOOPS: dict[str, tuple[tuple[Any, ...], str]] = {
+    # OpenAI's own, sent by its SDK and the libraries over it (metadata, prompt_cache_key and safety_identifier
+    # take any value: request_models declares them).
+    "store": ((False,), "chat completions are not stored (no GET /v1/chat/completions/{id}); /v1/responses "
+                        "stores its responses"),
+    "service_tier": (("auto", "default"), "there is one service tier"),
+    "verbosity": (("medium",), "the answer's length follows the prompt and max_tokens; no verbosity control"),
+    "modalities": ((["text"],), "the answer is text only (no audio output)"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "audio": ((), "the answer is text only (no audio output)"),
     # SGLang
     "return_hidden_states": ((False,), _NO_HIDDEN),
     "return_routed_experts": ((False,), _NO_HIDDEN),
@@ -37,7 +47,7 @@ OPENAI_NOOPS: dict[str, tuple[tuple[Any, ...], str]] = {
     "return_token_ids": ((False,), _NO_TOKENS_OUT),
     "return_meta_info": ((False,), "SGLang's meta_info is returned by /generate only"),
     "reasoning_effort": ((), _NO_REASONING),
-    "separate_reasoning": ((True, False), _NO_REASONING),
+    "separate_reasoning": ((True, False), "honoured by the chat endpoint: false returns the text as it is"),
     "stream_reasoning": ((True, False), _NO_REASONING),
     "task": ((), "the task is the endpoint's"),
     "stop_regex": ((), "stop strings are literal; regex stops are not supported"),

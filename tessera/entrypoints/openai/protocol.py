@@ -228,8 +228,7 @@ def _tool_fields(msg: dict, i: int) -> dict:
                 try:
                     args = json.loads(args or "{}")
                 except json.JSONDecodeError:
-                    raise APIError(f"messages[{i}].tool_calls[{k}].function.arguments: not valid JSON",
-                                   param="messages") from None
+                    pass  # a call max_tokens cut short, sent back as the client got it: rendered as written
             rendered.append({"id": call.get("id"), "type": "function",
                              "function": {"name": fn["name"], "arguments": args}})
         extra["tool_calls"] = rendered

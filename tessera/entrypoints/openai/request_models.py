@@ -56,6 +56,13 @@ class _Sampling(_Body):
     stream: bool | None = Field(False, description="Stream the answer as server-sent events, ending with [DONE].")
     stream_options: _StreamOptions | None = Field(None, description="With stream: what the chunks report.")
     user: str | None = Field(None, description="OpenAI's end-user id; accepted, changes nothing.")
+    safety_identifier: str | None = Field(None, description="OpenAI's end-user id (user's successor); accepted, "
+                                                            "changes nothing.")
+    metadata: dict[str, str] | None = Field(None, description="OpenAI's tags for stored completions; accepted, "
+                                                              "changes nothing (nothing is stored).")
+    prompt_cache_key: str | None = Field(None, description="OpenAI's prompt-cache routing hint; accepted: the radix "
+                                                           "cache reuses any shared prefix, and sglang-router's "
+                                                           "cache-aware policy routes on the prompt itself.")
     max_tokens: int | None = Field(None, description="Most new tokens (default: what fits the context).")
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens.")
     n: int | None = Field(1, description="Choices to sample for the prompt.")
@@ -129,6 +136,8 @@ class _CompletionFields(_Sampling):
 class _GenerateFields(_Body):
     """SGLang's native /generate (its GenerateReqInput)."""
 
+    model: str | None = Field(None, description="The served model's name, as routers add it (null: the served model; "
+                                                "'base:adapter' runs a LoRA adapter); optional.")
     text: str | list[str] | None = Field(None, description="The prompt, or a batch of prompts.")
     input_ids: list[int] | list[list[int]] | None = Field(None, description="Token ids instead of text.")
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = Field(

@@ -24,6 +24,7 @@ from tessera.frontend.request import GenerateRequest
 from tessera.frontend.tokenizer_manager import TokenizerManager
 from tessera.messages.sampling import SamplingParams
 from tessera.messages import TokenizedGenerateReq
+from tessera.multimodal.media_limits import MediaError
 
 MAX_N = 128  # choices per request, as OpenAI's API allows
 MAX_BATCH = 1024  # prompts in one batched request (/v1/completions, /generate): each becomes a request
@@ -66,6 +67,13 @@ class OpenAIServing:
             raise APIError(str(e), status=404, param="model") from None
         return self.tm.lora.resolve(lora_path) if lora_path is not None else adapter
 
+    def answer_model(self, adapter: str | None, requested: str | None) -> str:
+        """The `model` an answer reports: the served name, or for a LoRA adapter's answer the name the request
+        gave it ("base:adapter" or the adapter's own), else the adapter's."""
+        if adapter is None:
+            return self.model_name
+        return requested if requested not in (None, "", self.model_name) else adapter
+
     def fan_out(self, base: dict, sp: SamplingParams) -> list[GenerateRequest]:
         # n is checked before it sizes anything: a huge n would otherwise build that many requests first.
         if isinstance(sp.n, bool) or not isinstance(sp.n, int) or not 1 <= sp.n <= MAX_N:
@@ -78,10 +86,11 @@ class OpenAIServing:
             reqs.append(GenerateRequest(sampling_params=params, **base))
         return reqs
 
-    async def prepare(self, reqs: list[GenerateRequest], names: dict[str, str],
-                      batched: bool = False) -> list[TokenizedGenerateReq]:
+    async def prepare(self, reqs: list[GenerateRequest], names: dict[str, str], batched: bool = False,
+                      media_param: str | None = None) -> list[TokenizedGenerateReq]:
         """Validates and tokenizes every request before anything is sent (or any byte answered). batched:
-        embedding requests, their texts tokenized in one call (frontend/embed_batch.py)."""
+        embedding requests, their texts tokenized in one call (frontend/embed_batch.py). media_param: the field
+        a media error names (the request's media came in it: chat's "messages", /generate's "image_data")."""
         self._admit(len(reqs))
         self.preparing += len(reqs)
         try:
@@ -90,7 +99,10 @@ class OpenAIServing:
             else:
                 tokenized = list(await asyncio.gather(*(self.tm.tokenize(r) for r in reqs)))
         except ValueError as e:
-            raise renamed_error(e, names) from None
+            err = renamed_error(e, names)
+            if err.param is None and isinstance(e, MediaError):
+                err.param = media_param
+            raise err from None
         finally:
             self.preparing -= len(reqs)
         now = time.monotonic()

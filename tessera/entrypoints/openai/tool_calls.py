@@ -1,32 +1,66 @@
-"""Tool calling for chat templates in the Hermes/Qwen format: tools go to the template, the model
-answers `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and the parser turns that into
-OpenAI `tool_calls` (whole, or as streamed deltas).
+"""Tool calling: tools go to the chat template, the model answers in its family's call format
+(tool_parsers.py: Hermes/Qwen `<tool_call>{...}</tool_call>`, Llama JSON or pythonic, Mistral `[TOOL_CALLS]`,
+Gemma tool_code, InternLM, GLM), and the parser turns that into OpenAI `tool_calls` (whole, or streamed).
 
 tool_choice: "none" renders no tools (the model cannot call one); "auto" lets the model choose;
-"required" and a named function start the assistant turn with "<tool_call>" and constrain what follows
-(constrained decoding, a JSON schema) to {"name": one of the tools (or the named one), "arguments": that
-function's parameters}, so the answer is a valid call. Templates without tool support, or whose call
-format is not this one, get a 400 naming `tools`.
+"required" and a named function start the assistant turn with the format's call opener and constrain what
+follows (constrained decoding, a JSON schema) to {"name": one of the tools (or the named one), "arguments": that
+function's parameters}, with every number bounded (`bounded_numbers`), so the answer is a valid call that
+closes. Templates without tool support get a 400 naming `tools`.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tessera.entrypoints.openai.errors import APIError
+from tessera.entrypoints.openai.tool_parsers import (
+    FORMATS,
+    HERMES,
+    ToolCallParser,
+    ToolFormat,
+    format_of_template,
+    new_call,
+)
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+__all__ = ["ToolCallParser", "ToolPlan", "bounded_numbers", "forced_calls", "parse_tool_calls", "plan_tools",
+           "stream_deltas"]
+
+# Forced calls (required / named): the text that opens the call in each JSON format, the arguments' key, and
+# whether the call is a one-item list. Formats that are not JSON (pythonic, Gemma, GLM) take tool_choice auto.
+_FORCED = {"hermes": ("<tool_call>\n", "arguments", False),
+           "internlm": ("<|action_start|><|plugin|>\n", "parameters", False),
+           "llama3": ("", "parameters", False), "llama4": ("", "parameters", False),
+           "mistral": ("[TOOL_CALLS]", "arguments", True)}
+# JSON numbers a forced call's grammar allows: 15 integer digits, 6 decimals. Unbounded, a small model wrote
+# {"n": 555555550000... until max_tokens; bounded, the grammar itself closes the number (issue 63).
+INT_BOUND, DECIMALS = 10**15 - 1, 6
 
 
-def template_supports_tools(template: Any) -> bool:
-    """True for a chat template that renders `tools` and uses the <tool_call> format."""
-    if isinstance(template, dict):  # named templates: the one that renders tools
-        template = template.get("tool_use") or template.get("default")
-    return isinstance(template, str) and "tools" in template and OPEN in template
+def bounded_numbers(schema):
+    """A copy of a JSON schema whose integers and numbers have bounds (and numbers a decimal step) where it
+    gives none, so a grammar built from it cannot write digits without end. Every value it allows is valid
+    against the original."""
+    if isinstance(schema, list):
+        return [bounded_numbers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: bounded_numbers(v) if isinstance(v, (dict, list)) and k not in ("enum", "const", "required",
+                                                                             "default", "examples") else v
+           for k, v in schema.items()}
+    types = schema.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "integer" in types or "number" in types:
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            out["minimum"] = -INT_BOUND
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            out["maximum"] = INT_BOUND
+    if "number" in types and "integer" not in types and "multipleOf" not in schema:
+        out["multipleOf"] = 10 ** -DECIMALS
+    return out
 
 
 @dataclass(frozen=True)
@@ -35,28 +69,32 @@ class ToolPlan:
     choice: str  # "auto" | "required" | "named"
     name: str | None = None  # the forced function (choice == "named")
     parallel: bool = True
+    fmt: ToolFormat = HERMES  # how the model writes calls
 
     @property
     def forced_prefix(self) -> str:
         """Text that opens the assistant turn (it is part of the prompt, and of the parsed answer)."""
-        return f"{OPEN}\n" if self.choice in ("required", "named") else ""
+        return _FORCED[self.fmt.name][0] if self.choice in ("required", "named") else ""
 
     def call_schema(self) -> str | None:
         """The JSON schema the answer must follow after forced_prefix (None for "auto")."""
         if self.choice == "auto":
             return None
+        _, key, listed = _FORCED[self.fmt.name]
         options = []
         for tool in self.tools:
             fn = tool["function"]
             if self.choice == "named" and fn["name"] != self.name:
                 continue
-            options.append({"type": "object", "required": ["name", "arguments"], "properties": {
-                "name": {"const": fn["name"]}, "arguments": fn.get("parameters") or {"type": "object"}}})
-        return json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
+            options.append({"type": "object", "required": ["name", key], "properties": {
+                "name": {"const": fn["name"]}, key: bounded_numbers(fn.get("parameters") or {"type": "object"})}})
+        one = options[0] if len(options) == 1 else {"anyOf": options}
+        return json.dumps({"type": "array", "items": one, "minItems": 1, "maxItems": 1} if listed else one)
 
 
-def plan_tools(req, template: Any) -> ToolPlan | None:
-    """The chat request's tools and tool_choice, validated; None when no tool may be called."""
+def plan_tools(req, template: Any, parser: str | None = None) -> ToolPlan | None:
+    """The chat request's tools and tool_choice, validated; None when no tool may be called. parser: the
+    server's --tool-call-parser (None: the template's format)."""
     tools, choice = req.tools, req.tool_choice
     if tools is None:
         if choice not in (None, "none", "auto"):
@@ -90,92 +128,31 @@ def plan_tools(req, template: Any) -> ToolPlan | None:
                        param="tool_choice")
     if choice == "none":
         return None
-    if not template_supports_tools(template):
-        raise APIError("tools: this model's chat template has no tool support in the <tool_call> format "
-                       "(pass --chat-template with one, or send tool_choice \"none\")", param="tools")
+    fmt = format_of_template(template) if parser is None else FORMATS[parser]
+    if fmt is None:
+        raise APIError("tools: this model's chat template renders no tools (pass --chat-template with one that "
+                       "does, or send tool_choice \"none\")", param="tools")
+    if choice != "auto" and fmt.name not in _FORCED:
+        raise APIError(f"tool_choice: {choice if choice != 'named' else 'a named function'} is constrained for "
+                       f"JSON call formats; this model's calls are {fmt.name} (send tool_choice auto)",
+                       param="tool_choice")
     return ToolPlan([t if "type" in t else {"type": "function", **t} for t in tools], choice, name,
-                    req.parallel_tool_calls is not False)
-
-
-def _call(payload: str) -> dict | None:
-    """An OpenAI tool call from the JSON inside <tool_call>...</tool_call>; None if it is not one."""
-    try:
-        obj = json.loads(payload)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": obj["name"],
-                         "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
-
-
-@dataclass
-class ToolCallParser:
-    """Splits model text into content and tool calls, incrementally.
-
-    `feed(delta)` returns (content delta, calls completed by it); `finish()` flushes the rest: a call
-    left open at the end (EOS right after its JSON) is parsed if it is valid, else returned as content.
-    Content that could be the start of "<tool_call>" is held back until it cannot be.
-    """
-
-    buffer: str = ""
-    in_call: bool = False
-    calls: list[dict] = field(default_factory=list)
-
-    def feed(self, delta: str) -> tuple[str, list[dict]]:
-        self.buffer += delta
-        content, done = "", []
-        while True:
-            if self.in_call:
-                end = self.buffer.find(CLOSE)
-                if end < 0:
-                    break
-                payload, self.buffer, self.in_call = self.buffer[:end], self.buffer[end + len(CLOSE):], False
-                call = _call(payload.strip())
-                if call is None:  # not a call after all: the model's text, as written
-                    content += OPEN + payload + CLOSE
-                else:
-                    done.append(call)
-            else:
-                start = self.buffer.find(OPEN)
-                if start < 0:
-                    keep = next((k for k in range(min(len(OPEN) - 1, len(self.buffer)), 0, -1)
-                                 if self.buffer.endswith(OPEN[:k])), 0)
-                    content += self.buffer[:len(self.buffer) - keep]
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
-                    break
-                content += self.buffer[:start]
-                self.buffer, self.in_call = self.buffer[start + len(OPEN):], True
-        self.calls += done
-        return content, done
-
-    def finish(self) -> tuple[str, list[dict]]:
-        rest, self.buffer = self.buffer, ""
-        if not self.in_call:
-            return rest, []
-        self.in_call = False
-        call = _call(rest.strip())
-        if call is None:
-            return OPEN + rest, []
-        self.calls.append(call)
-        return "", [call]
+                    req.parallel_tool_calls is not False, fmt)
 
 
 def fallback_call(plan: ToolPlan, generated: str) -> dict | None:
     """A forced call (required/named) that max_tokens cut short: the function's name (the named one, or the
     one the model had written) and, as arguments, what the model wrote of them. The answer is a call either
     way; finish_reason "length" tells the client it is incomplete. None when not even the name was written."""
-    text = generated.split(CLOSE, 1)[0]
+    text = generated.split(plan.fmt.end, 1)[0] if plan.fmt.end else generated
     name = plan.name
     if name is None:
         found = re.search(r'"name"\s*:\s*"([^"]+)"', text)
         name = found.group(1) if found else None
     if name is None:
         return None
-    args = text.split('"arguments":', 1)[1].strip() if '"arguments":' in text else ""
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}
+    key = f'"{_FORCED[plan.fmt.name][1]}":'
+    return new_call(name, text.split(key, 1)[1].strip() if key in text else "")
 
 
 def forced_calls(plan: ToolPlan, parser: ToolCallParser, generated: str) -> list[dict]:
@@ -190,7 +167,7 @@ def forced_calls(plan: ToolPlan, parser: ToolCallParser, generated: str) -> list
 
 def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[dict]]:
     """(content, tool calls) of a whole answer; text starts with the plan's forced prefix."""
-    parser = ToolCallParser()
+    parser = ToolCallParser(plan.fmt)
     content, _ = parser.feed(text)
     tail, _ = parser.finish()
     calls = parser.calls if plan.parallel else parser.calls[:1]
