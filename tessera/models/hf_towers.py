@@ -25,6 +25,16 @@ def build_transformers_tower(target: str, sub_config: Any) -> torch.nn.Module:
     return tower.eval()
 
 
+def buffers_as_parameters(tower: torch.nn.Module) -> None:
+    """Re-registers the tower's persistent buffers as (frozen) parameters: transformers saves them with the
+    weights (Gemma 4's standardize bias/scale, clipped linears' bounds) and our loader fills parameters."""
+    for module in tower.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                del module._buffers[name]
+                module.register_parameter(name, torch.nn.Parameter(buf, requires_grad=False))
+
+
 class PatchMatmul(torch.nn.Module):
     """A patch embed's Conv3d as one matrix multiply, for inputs that are exactly one kernel each.
 
