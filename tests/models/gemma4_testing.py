@@ -260,3 +260,63 @@ FIXTURE = FamilyFixture(
     prefix_cuts={"page1": (1, lambda case, a: len(a) - 6), "page4-at-image": (4, lambda case, a: spans_of(a)[0][0])},
     tower=(Seeded([2, ("image", (6, 6)), 1, ("image", (2, 4))], 2),),
 )
+
+
+# ---------------------------------------------------------------- full checkpoint directory
+
+CHAT_TEMPLATE = (
+    "{{ bos_token or '' }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<|im_start|>{{ role }}\n"
+    "{% if message['content'] is string %}{{ message['content'] | trim }}"
+    "{% else %}{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}<|image|>{% elif item['type'] == 'video' %}<|video|>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>model\n{% endif %}"
+)
+
+
+def make_tiny_gemma4_checkpoint(path: str | Path, spec: TinySpec | None = None, *, seed: int = 0) -> Path:
+    """A complete random Gemma 4 checkpoint in `path`: demo-vl's tokenizer with Gemma 4's media tokens, a
+    Gemma-style chat template, a Gemma4Processor (70 soft tokens per image and per video frame, 3-pixel patches
+    pooled 2 x 2), config + weights of `spec` (default SPECS["shared_kv"]) made able to fail. Same arguments ->
+    same bytes."""
+    from transformers import (
+        AutoTokenizer,
+        Gemma4AudioFeatureExtractor,
+        Gemma4ForConditionalGeneration,
+        Gemma4ImageProcessor,
+        Gemma4Processor,
+        Gemma4VideoProcessor,
+    )
+
+    from tessera.config import ASSETS_DIR
+
+    spec = spec or SPECS["shared_kv"]
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(ASSETS_DIR / "demo-vl", extra_special_tokens={
+        "boi_token": "<|image>", "eoi_token": "<image|>", "image_token": "<|image|>", "audio_token": "<|audio|>",
+        "boa_token": "<|audio>", "eoa_token": "<audio|>"})
+    media = dict(patch_size=PATCH, pooling_kernel_size=POOL, max_soft_tokens=70)
+    processor = Gemma4Processor(feature_extractor=Gemma4AudioFeatureExtractor(),
+                                image_processor=Gemma4ImageProcessor(**media),
+                                video_processor=Gemma4VideoProcessor(**media, num_frames=4),
+                                tokenizer=tok, chat_template=CHAT_TEMPLATE, image_seq_length=70)
+    processor.save_pretrained(path)
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    ids = tuple(tok.convert_tokens_to_ids(t) for t in ("<|image>", "<image|>", "<|image|>", "<|video|>", "<|audio|>"))
+    cfg = tiny_gemma4_config(spec, vocab_size=(len(tok) + 63) // 64 * 64, ids=ids, eos_token_id=eos,
+                             pad_token_id=pad, bos_token_id=None, vocab_size_per_layer_input=(len(tok) + 63) // 64 * 64)
+    cfg.vision_config.position_embedding_size = 256  # a 70-token image is up to 140 patches wide
+    save_random_model(path, Gemma4ForConditionalGeneration, cfg, seed, lambda m: make_fixture_can_fail_(m, seed),
+                      None, eos, pad)
+    return path
+
+
+def load_hf_reference(path: str | Path) -> Any:
+    from transformers import Gemma4ForConditionalGeneration
+
+    return Gemma4ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
