@@ -1,0 +1,58 @@
+"""Gemma 4 beyond the family parity suite (test_family_parity.py runs prefill, decode, batches, span-keeping
+chunks, prefix hits, the tower and the language model alone for both gemma4_testing.SPECS): the text-only
+Gemma4ForCausalLM with a soft-capped head, and the settings refused before weights load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixture_checks import MIN_MARGIN, top2_margin
+from gemma4_testing import SPECS, tiny_gemma4_config
+from paged_driver import check_text_prefill_and_decode
+
+from tessera.models.config import ModelConfig
+from tessera.models.registry import load_model
+
+
+def test_text_only_gemma4_for_causal_lm_matches_hf(tmp_path):
+    """Gemma4ForCausalLM (model_type gemma4_text): per-layer embeddings, KV-shared layers, wider full-layer heads
+    with k_eq_v, proportional RoPE, and the soft-capped logits this class applies."""
+    from transformers import Gemma4ForCausalLM as HFGemma4ForCausalLM
+
+    from tessera.models.gemma4 import Gemma4ForCausalLM
+
+    text_config = tiny_gemma4_config(SPECS["shared_kv"], final_logit_softcapping=2.0).text_config
+    text_config.architectures = ["Gemma4ForCausalLM"]
+    torch.manual_seed(3)
+    hf = HFGemma4ForCausalLM._from_config(text_config, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+        hf.model.embed_tokens.weight.mul_(0.25)
+    hf.save_pretrained(tmp_path)
+    ours, config = load_model(tmp_path, torch.float32)
+    assert isinstance(ours, Gemma4ForCausalLM) and config.final_logit_softcap == 2.0
+    ids = torch.randint(0, 240, (15,), generator=g)
+    ref, _ = check_text_prefill_and_decode(hf, ours, ids, 6, page_size=2)
+    assert 1.0 < float(ref.abs().max()) <= 2.0 and top2_margin(ref[-1]) > MIN_MARGIN  # the cap bends them
+
+
+@pytest.mark.parametrize("setting,match", [
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8}, "enable_moe_block"),
+    ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+])
+def test_unsupported_settings_are_refused_naming_them(setting, match):
+    from tessera.models.gemma4 import Gemma4ForConditionalGeneration
+
+    config = ModelConfig.from_hf(tiny_gemma4_config(SPECS["plain"], **setting))
+    with pytest.raises(NotImplementedError, match=match):
+        Gemma4ForConditionalGeneration(config)
+
+
+def test_pool_holds_every_layer_in_the_widest_shape():
+    """Full layers' own head_dim / KV heads (per_layer_config) size the KV pool; uniform configs keep theirs."""
+    config = ModelConfig.from_hf(tiny_gemma4_config(SPECS["shared_kv"]))
+    assert (config.num_kv_heads, config.head_dim) == (2, 10) and config.kv_widest == (2, 14)
+    assert (config.kv_layout.num_kv_heads, config.kv_layout.head_dim) == (2, 14)
