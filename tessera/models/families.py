@@ -119,11 +119,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            backend_needs=frozenset({"custom_mask", "sliding_window"}),
            notes="attn_logit_softcapping; use_bidirectional_attention; RoPE scaling other than linear"),
     Family("Gemma4ForConditionalGeneration", "tessera.models.gemma4:Gemma4ForConditionalGeneration",
-           "tessera.multimodal.processors.gemma4:Gemma4Processor", frozenset({IMAGE, VIDEO}), "rope",
+           "tessera.multimodal.processors.gemma4:Gemma4Processor", frozenset({IMAGE, VIDEO, AUDIO}), "rope",
            model_types=("gemma4",), bidirectional_mm_spans=True,
            backend_needs=frozenset({"custom_mask", "sliding_window"}),
-           notes="audio input (the audio tower's weights are skipped); MoE layers (enable_moe_block); "
-                 "use_bidirectional_attention all; tensor parallelism"),
+           notes="MoE layers (enable_moe_block); use_bidirectional_attention all; tensor parallelism; audio is "
+                 "refused for checkpoints without an audio tower"),
     Family("Gemma4ForCausalLM", "tessera.models.gemma4:Gemma4ForCausalLM", None, frozenset(), "rope",
            model_types=("gemma4_text",), backend_needs=frozenset({"sliding_window"}),
            notes="MoE layers (enable_moe_block); tensor parallelism"),

@@ -10,12 +10,19 @@ embedder RMS-normalises the tower output (no scale) and projects it to the text 
 
 Media spans attend bidirectionally in sliding layers during prefill when the text config's
 use_bidirectional_attention is "vision" (the family row keeps spans whole in prefill chunks; the decoder
-leaves full layers causal). Audio (the E2B/E4B checkpoints' audio tower) is not served yet: its weights are
-skipped and the family takes images and video only.
+leaves full layers causal).
+
+Audio, where the checkpoint has an audio tower (E2B / E4B): transformers' Gemma4AudioModel (a conformer over the
+feature extractor's log-mel frames, subsampled 4x) and our embedder. An audio item's `feature` is its valid mel
+frames [frames, bins]; the audios of a call are padded to the longest with masked frames (the tower zeroes masked
+frames before each subsampling conv, its convolutions look left only and its attention masks them, so the valid
+tokens do not depend on the padding). Audio spans are causal, as in transformers (only image and video tokens
+form bidirectional blocks).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -28,7 +35,7 @@ from tessera.layers.gemma4_decoder import Gemma4TextModel
 from tessera.layers.gemma_decoder import rms_normalize
 from tessera.layers.linear import Linear
 from tessera.messages.items import Modality, MultimodalDataItem
-from tessera.models.base import Encoder
+from tessera.models.base import Encoder, StepLayout, StepSegment
 from tessera.models.causal_lm import CausalLM
 from tessera.models.config import KVLayout, ModelConfig
 from tessera.models.hf_towers import build_transformers_tower, buffers_as_parameters
@@ -74,6 +81,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     its encoder cache) and puts the embedding rows of this step's media tokens into fb.mm_embed_rows/mm_embeds."""
 
     vision_tower_class: ClassVar[str] = "transformers.models.gemma4.modeling_gemma4:Gemma4VisionModel"
+    audio_tower_class: ClassVar[str] = "transformers.models.gemma4.modeling_gemma4:Gemma4AudioModel"
 
     def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
                  language_model_only: bool = False):
@@ -92,21 +100,32 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
             self.embed_vision = Gemma4MultimodalEmbedder(int(vision.hidden_size), config.hidden_size,
                                                          float(vision.rms_norm_eps))
             self.pooling = int(vision.pooling_kernel_size)
+        self.audio_tower: nn.Module | None = None
+        self.embed_audio: Gemma4MultimodalEmbedder | None = None
+        if not language_model_only and getattr(hf, "audio_config", None) is not None:
+            audio = hf.audio_config
+            # transformers implements its chunked local attention in eager only
+            self.audio_tower = build_transformers_tower(self.audio_tower_class, audio, attn_implementation="eager")
+            buffers_as_parameters(self.audio_tower)  # clipped linears' bounds are checkpoint tensors
+            self.embed_audio = Gemma4MultimodalEmbedder(int(audio.output_proj_dims), config.hidden_size,
+                                                        float(audio.rms_norm_eps))
 
     @classmethod
     def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
-        """transformers' names (`model.language_model.*`, `model.vision_tower.*`, `model.embed_vision.*`); the
-        audio tower's and its embedder's are skipped (audio is not served yet)."""
+        """transformers' names (`model.language_model.*`, `model.vision_tower.*`, `model.embed_vision.*`,
+        `model.audio_tower.*`, `model.embed_audio.*`)."""
         vision = None if language_model_only else "vision_tower."
         embed = None if language_model_only else "embed_vision."
+        audio = None if language_model_only else "audio_tower."
+        embed_audio = None if language_model_only else "embed_audio."
         lm_head = None if config.tie_word_embeddings else "lm_head."
         return WeightMapping(
             prefix_rules=(
                 ("model.language_model.", "model."),
                 ("model.vision_tower.", vision),
                 ("model.embed_vision.", embed),
-                ("model.audio_tower.", None),
-                ("model.embed_audio.", None),
+                ("model.audio_tower.", audio),
+                ("model.embed_audio.", embed_audio),
                 ("lm_head.", lm_head),
             ),
             stacked=STACKED_PARAMS,
@@ -114,9 +133,22 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         )
 
     def encoders(self) -> dict[Modality, Encoder]:
-        if self.vision_tower is None:
-            return {}
-        return {Modality.IMAGE: self.get_image_feature, Modality.VIDEO: self.get_video_feature}
+        out: dict[Modality, Encoder] = {}
+        if self.vision_tower is not None:
+            out.update({Modality.IMAGE: self.get_image_feature, Modality.VIDEO: self.get_video_feature})
+        if self.audio_tower is not None:
+            out[Modality.AUDIO] = self.get_audio_feature
+        return out
+
+    @classmethod
+    def prepare_step(cls, config: ModelConfig, segments: Sequence[StepSegment]) -> StepLayout:
+        """As the base, but only image and video spans are bidirectional (transformers' block ids)."""
+        layout = super().prepare_step(config, segments)
+        if layout.bidirectional_spans is not None:
+            layout.bidirectional_spans = [
+                sorted(r for item in s.mm_inputs.items if item.modality is not Modality.AUDIO for r in item.offsets)
+                if s.mm_inputs is not None else [] for s in segments]
+        return layout
 
     def embed(self, fb: ForwardBatch) -> torch.Tensor:
         """As CausalLM.embed, media placeholders looking up the pad token's row (replaced after), as in
@@ -174,3 +206,28 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
             positions[j, : p.shape[0]] = pos
         tokens = self.vision_tower(pixel_values=pixels, pixel_position_ids=positions, return_dict=True)
         return self.embed_vision(tokens.last_hidden_state).to(weight.dtype)
+
+    def get_audio_feature(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
+        """One embedding [tokens, hidden] per audio item (its valid frames subsampled 4x); all audios of the call
+        in one tower call. An item's `feature` is its log-mel frames [frames, bins]."""
+        for i, item in enumerate(items):
+            if item.precomputed_embedding is None and (item.feature is None or item.feature.ndim != 2):
+                raise ValueError(f"audio item {i}: feature must be log-mel frames [frames, bins], got "
+                                 f"{None if item.feature is None else tuple(item.feature.shape)}")
+
+        def encode(todo: list[int]) -> list[torch.Tensor]:
+            if self.audio_tower is None or self.embed_audio is None:
+                raise RuntimeError("this model has no audio tower (no audio_config, or language_model_only=True)")
+            weight = self.model.embed_tokens.like
+            mels = [items[i].feature for i in todo]
+            longest = max(int(m.shape[0]) for m in mels)
+            dtype = next(self.audio_tower.parameters()).dtype
+            batch = torch.zeros(len(mels), longest, mels[0].shape[-1], dtype=dtype, device=weight.device)
+            mask = torch.zeros(len(mels), longest, dtype=torch.bool, device=weight.device)
+            for j, m in enumerate(mels):
+                batch[j, : m.shape[0]], mask[j, : m.shape[0]] = m, True
+            out = self.audio_tower(batch, mask, return_dict=True)
+            embeds = self.embed_audio(out.last_hidden_state).to(weight.dtype)
+            return [e[valid] for e, valid in zip(embeds, out.attention_mask)]
+
+        return self.encode_items(items, encode)

@@ -29,8 +29,9 @@ from tests.models.family_parity import ATOL, Chunked, FamilyCase, FamilyFixture,
 from tests.models.fixture_checks import grown_mask, hf_generate, save_random_model
 from tests.models.gemma3_testing import atomic_chunks, spans_of
 
-VOCAB, BOI_ID, EOI_ID, IMAGE_ID, VIDEO_ID, AUDIO_ID = 256, 250, 251, 252, 253, 254
+VOCAB, BOI_ID, EOI_ID, IMAGE_ID, VIDEO_ID, AUDIO_ID, BOA_ID, EOA_ID = 256, 250, 251, 252, 253, 254, 248, 249
 PATCH, POOL = 3, 2  # 3-pixel patches; 2 x 2 patches pool into one soft token
+MEL_BINS = 128  # the feature extractor's; the tower's first subsampling conv has as many channels
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,15 @@ class TinySpec:
     seed: int
     vision_hidden: int = 24
     vision_layers: int = 2
+    audio: bool = False  # an audio tower (E2B / E4B have one)
 
 
 SPECS = {
     "shared_kv": TinySpec(
-        "shared_kv", hidden=40, layers=5, heads=4, kv_heads=2, head_dim=10, global_head_dim=14,
+        "shared_kv", hidden=40, layers=5, heads=4, kv_heads=2, head_dim=10, global_head_dim=14, audio=True,
         layer_types=("sliding_attention", "full_attention", "sliding_attention", "sliding_attention",
                      "full_attention"),
-        sliding_window=5, tie=True, seed=4,
+        sliding_window=5, tie=True, seed=6,
         text_extra=dict(hidden_size_per_layer_input=6, vocab_size_per_layer_input=VOCAB, num_kv_shared_layers=2,
                         attention_k_eq_v=True, num_global_key_value_heads=1, use_double_wide_mlp=True,
                         use_bidirectional_attention="vision",
@@ -77,7 +79,7 @@ def tiny_gemma4_config(spec: TinySpec, vocab_size: int = VOCAB, ids: tuple[int, 
                        **text_extra: Any):
     from transformers import Gemma4Config
 
-    boi, eoi, image, video, audio = ids or (BOI_ID, EOI_ID, IMAGE_ID, VIDEO_ID, AUDIO_ID)
+    boi, eoi, image, video, audio, boa, eoa = ids or (BOI_ID, EOI_ID, IMAGE_ID, VIDEO_ID, AUDIO_ID, BOA_ID, EOA_ID)
     text = dict(vocab_size=vocab_size, hidden_size=spec.hidden, intermediate_size=2 * spec.hidden + 2,
                 num_hidden_layers=spec.layers, num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
                 head_dim=spec.head_dim, global_head_dim=spec.global_head_dim, layer_types=list(spec.layer_types),
@@ -87,8 +89,12 @@ def tiny_gemma4_config(spec: TinySpec, vocab_size: int = VOCAB, ids: tuple[int, 
                   num_hidden_layers=spec.vision_layers, num_attention_heads=2, num_key_value_heads=2,
                   head_dim=spec.vision_hidden // 2, patch_size=PATCH, pooling_kernel_size=POOL,
                   position_embedding_size=64)
-    return Gemma4Config(text_config=text, vision_config=vision, boi_token_id=boi, eoi_token_id=eoi,
-                        image_token_id=image, video_token_id=video, audio_token_id=audio, tie_word_embeddings=spec.tie,
+    audio_config = dict(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, subsampling_conv_channels=[
+        MEL_BINS, 4], conv_kernel_size=3, attention_chunk_size=4, attention_context_left=5, output_proj_dims=20,
+                        use_clipped_linears=False) if spec.audio else None
+    return Gemma4Config(text_config=text, vision_config=vision, audio_config=audio_config, boi_token_id=boi,
+                        eoi_token_id=eoi, image_token_id=image, video_token_id=video, audio_token_id=audio,
+                        boa_token_id=boa, eoa_token_index=eoa, tie_word_embeddings=spec.tie,
                         architectures=["Gemma4ForConditionalGeneration"])
 
 
@@ -112,6 +118,12 @@ def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
         image = hf.model.get_image_features(pixels[None], positions[None]).pooler_output[0]
         text = hf.get_input_embeddings()(torch.arange(min(200, hf.config.text_config.vocab_size)))
         proj.mul_(float(text.pow(2).mean().sqrt() / image.pow(2).mean().sqrt()))
+        if hf.model.embed_audio is not None:
+            proj = hf.model.embed_audio.embedding_projection.weight
+            proj.copy_(torch.randn(proj.shape, generator=g))
+            mel = torch.randn(1, 40, MEL_BINS, generator=g)
+            audio = hf.model.get_audio_features(mel, torch.ones(1, 40, dtype=torch.bool)).pooler_output
+            proj.mul_(float(text.pow(2).mean().sqrt() / audio.pow(2).mean().sqrt()))
 
 
 def build_tiny_gemma4(path: str | Path, spec: TinySpec, attn_implementation: str = "eager"):
@@ -154,7 +166,7 @@ class Prompt:
 
     def hf_inputs(self) -> dict:
         ids = self.input_ids
-        types = (ids == IMAGE_ID).long() + 2 * (ids == VIDEO_ID).long()
+        types = (ids == IMAGE_ID).long() + 2 * (ids == VIDEO_ID).long() + 3 * (ids == AUDIO_ID).long()
         inputs: dict[str, Any] = dict(input_ids=ids[None], attention_mask=torch.ones(1, len(self), dtype=torch.long),
                                       mm_token_type_ids=types[None])
         if (image := self._padded(Modality.IMAGE)) is not None:
@@ -163,16 +175,32 @@ class Prompt:
             inputs["pixel_values_videos"], inputs["video_position_ids"] = video
             inputs["num_frames_per_video"] = torch.tensor([int(it.feature.shape[0]) for it in self.items
                                                            if it.modality == Modality.VIDEO])
+        mels = [it.feature for it in self.items if it.modality == Modality.AUDIO]
+        if mels:  # the feature extractor's layout: padded to the longest, with a mask
+            longest = max(m.shape[0] for m in mels)
+            inputs["input_features"] = torch.zeros(len(mels), longest, MEL_BINS)
+            inputs["input_features_mask"] = torch.zeros(len(mels), longest, dtype=torch.bool)
+            for j, m in enumerate(mels):
+                inputs["input_features"][j, : m.shape[0]], inputs["input_features_mask"][j, : m.shape[0]] = m, True
         return inputs
 
 
 def build_prompt(parts: list, seed: int = 0) -> Prompt:
     """parts: int n = n random text tokens (ids < 240); ("image", (rows, cols)) = <boi> + rows*cols/POOL^2 image
     tokens + <eoi> of a random image of that patch grid; ("video", frames, (rows, cols)) = per frame two text
-    tokens (its timestamp) + <boi> + that frame's video tokens + <eoi>."""
+    tokens (its timestamp) + <boi> + that frame's video tokens + <eoi>; ("audio", frames) = <boa> + the audio
+    tokens of that many random log-mel frames (a quarter of them, rounded up) + <eoa>."""
     ids: list[int] = []
     items = []
     for part, g in media_parts(parts, seed, ids, text_below=240):
+        if part[0] == "audio":
+            frames = part[1]
+            n = -(-(-(-frames // 2)) // 2)  # two stride-2 subsamplings
+            ids.append(BOA_ID)
+            items.append(MultimodalDataItem(modality=Modality.AUDIO, hash=len(items), offsets=[(len(ids), len(ids) + n)],
+                                            feature=torch.randn(frames, MEL_BINS, generator=g)))
+            ids += [AUDIO_ID] * n + [EOA_ID]
+            continue
         kind, grid = part[0], part[-1]
         frames = part[1] if kind == "video" else 1
         token = VIDEO_ID if kind == "video" else IMAGE_ID
@@ -216,7 +244,8 @@ class Gemma4Case(FamilyCase):
     def custom_mask(self, prompt: Prompt, lo: int, hi: int) -> torch.Tensor | None:
         from tessera.worker.masks import span_mask
 
-        return span_mask(spans_of(prompt), lo, hi)
+        visual = sorted(r for it in prompt.items if it.modality != Modality.AUDIO for r in it.offsets)
+        return span_mask(visual, lo, hi)  # audio spans stay causal (models/gemma4.py prepare_step)
 
     def chunks(self, prompt: Prompt, chunk: int) -> list[tuple[int, int]]:
         return atomic_chunks(len(prompt), chunk, spans_of(prompt))
@@ -228,6 +257,10 @@ PROMPTS = {
     "tall_image": [3, ("image", (8, 2)), 2],  # 4 tokens
     "two_images": [3, ("image", (6, 6)), 2, ("image", (2, 4)), 3],  # 9 and 2 tokens
     "video": [2, ("video", 3, (4, 4)), 3],  # 3 frames of 4 tokens
+}
+AUDIO_PROMPTS = {  # the spec with an audio tower
+    "audio": [3, ("audio", 37), 2],  # 10 tokens
+    "audio_and_image": [2, ("image", (4, 4)), 2, ("audio", 21), 1, ("audio", 9), 2],
 }
 DECODE_PROMPT = [3, ("image", (6, 4)), 4]
 CHUNKED_PROMPT = [4, ("image", (6, 4)), 3, ("image", (4, 4)), 4]
@@ -250,6 +283,32 @@ def load_case(name: str, path: Path) -> Gemma4Case:
     return case
 
 
+def check_audio_matches_hf(case: Gemma4Case, monkeypatch) -> None:
+    """With an audio tower: prefill logits of audio prompts (alone, and two audios of other lengths beside an image,
+    their spans causal) and greedy tokens equal HF's. Without one: the model takes no audio."""
+    from tests.models.family_parity import our_greedy, our_logits
+
+    if not case.spec.audio:
+        assert Modality.AUDIO not in case.ours.encoders() and case.ours.audio_tower is None
+        return
+    from tessera.messages.items import MultimodalInputs
+    from tessera.models.base import StepSegment
+
+    for parts in AUDIO_PROMPTS.values():
+        prompt = case.prompt(parts, seed=2)
+        segment = StepSegment(0, len(prompt), len(prompt), MultimodalInputs(items=prompt.items))
+        spans = type(case.ours).prepare_step(case.ours.config, [segment]).bidirectional_spans
+        assert spans == [[r for it in prompt.items if it.modality != Modality.AUDIO for r in it.offsets]]
+        torch.testing.assert_close(our_logits(case, prompt, page_size=2, chunk=6), case.hf_logits(prompt),
+                                   atol=ATOL, rtol=0)
+    prompt = case.prompt(AUDIO_PROMPTS["audio"], seed=3)
+    tokens, margin = case.hf_greedy(prompt, 6)
+    assert margin > 1e-3 and our_greedy(case, [prompt], 6, page_size=4)[0] == [tokens]
+    other = case.prompt(AUDIO_PROMPTS["audio"], seed=3)
+    other.items[0].feature = torch.randn(other.items[0].feature.shape, generator=torch.Generator().manual_seed(1))
+    assert case.hf_greedy(other, 6)[0] != tokens, "the audio must change HF's tokens"
+
+
 FIXTURE = FamilyFixture(
     specs=tuple(SPECS), load_case=load_case, build=lambda path, name: build_tiny_gemma4(path, SPECS[name]),
     bytes_spec="plain", prompts=PROMPTS, text=Seeded([10], 9), decode=Seeded(DECODE_PROMPT, 0),
@@ -259,6 +318,7 @@ FIXTURE = FamilyFixture(
     prefix=Seeded([3, ("image", (4, 4)), 8], 8),
     prefix_cuts={"page1": (1, lambda case, a: len(a) - 6), "page4-at-image": (4, lambda case, a: spans_of(a)[0][0])},
     tower=(Seeded([2, ("image", (6, 6)), 1, ("image", (2, 4))], 2),),
+    checks={"audio_matches_hf": check_audio_matches_hf},
 )
 
 
@@ -306,7 +366,8 @@ def make_tiny_gemma4_checkpoint(path: str | Path, spec: TinySpec | None = None, 
                                 tokenizer=tok, chat_template=CHAT_TEMPLATE, image_seq_length=70)
     processor.save_pretrained(path)
     eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
-    ids = tuple(tok.convert_tokens_to_ids(t) for t in ("<|image>", "<image|>", "<|image|>", "<|video|>", "<|audio|>"))
+    ids = tuple(tok.convert_tokens_to_ids(t) for t in ("<|image>", "<image|>", "<|image|>", "<|video|>", "<|audio|>",
+                                                       "<|audio>", "<audio|>"))
     cfg = tiny_gemma4_config(spec, vocab_size=(len(tok) + 63) // 64 * 64, ids=ids, eos_token_id=eos,
                              pad_token_id=pad, bos_token_id=None, vocab_size_per_layer_input=(len(tok) + 63) // 64 * 64)
     cfg.vision_config.position_embedding_size = 256  # a 70-token image is up to 140 patches wide
