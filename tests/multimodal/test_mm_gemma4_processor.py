@@ -149,3 +149,30 @@ def test_missing_vision_config_is_one_clear_error(checkpoint, tmp_path):
     (broken / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="vision_config"):
         load_model(broken, torch.float32)
+
+
+def test_audio_parity_with_hf_and_the_model_on_it(checkpoint, hf_processor, make):
+    """Two audios of other lengths and an image: our ids, item runs and log-mel frames equal HF's processor's, and
+    our model on our output gives HF's logits and greedy tokens on HF's (the audio spans causal)."""
+    from tests.models.family_parity import check_processed_prompt_matches_hf, load_real_processor
+    from tests.models.gemma4_testing import Gemma4Case, Prompt, load_hf_reference
+
+    rng = np.random.default_rng(3)
+    audios = [rng.standard_normal(n).astype(np.float32) * 0.1 for n in (11_000, 5_200)]
+    images = [image(40, 70, 4)]
+    text = chat_text(hf_processor, ["Listen: <|audio|> and <|image|> then <|audio|> What do you hear?"])
+    ref = hf_processor(text=[text], images=images, audio=audios, return_tensors="pt")
+    proc = make(cache_size_bytes=1 << 26)
+    for _ in range(2):  # the HF call, then features from the preprocessing cache
+        out = proc.process(prompt=text, image_data=images, audio_data=audios)
+        assert out.input_ids == ref["input_ids"][0].tolist()
+        sounds = [i for i in out.mm_inputs.items if i.modality.value == "audio"]
+        for j, item in enumerate(sounds):
+            frames = int(ref["input_features_mask"][j].sum())
+            assert torch.equal(item.feature, ref["input_features"][j, :frames])
+        covered = sorted(p for item in out.mm_inputs.items for s, e in item.offsets for p in range(s, e))
+        assert covered == torch.nonzero(ref["mm_token_type_ids"][0]).flatten().tolist()
+    case, processor, _ = load_real_processor(checkpoint, load_hf_reference, Gemma4Case)
+    ours = processor.process(prompt=text, image_data=images, audio_data=audios)
+    processor.close()
+    check_processed_prompt_matches_hf(case, Prompt(torch.tensor(ours.input_ids), ours.mm_inputs.items), dict(ref))

@@ -1,6 +1,6 @@
 """Gemma 4 served end to end: the OpenAI API on a tiny random checkpoint answers exactly as HF generate (one
-image, then two of other aspect ratios; prefill chunks smaller than an image), and /model_info reports image and
-video input."""
+image, then two of other aspect ratios; prefill chunks smaller than an image), and /model_info reports image, video
+and audio input (the checkpoint has an audio tower)."""
 
 from __future__ import annotations
 
@@ -38,4 +38,4 @@ def test_chat_with_images_matches_hf(gemma4_server) -> None:
 
 def test_model_info(gemma4_server) -> None:
     srv, _ = gemma4_server
-    check_model_info(srv.base_url, "Gemma4ForConditionalGeneration", video=True)
+    check_model_info(srv.base_url, "Gemma4ForConditionalGeneration", video=True, audio=True)

@@ -12,7 +12,11 @@ tokenizes the whole prompt: an image by <boi> + <|image|> x n + <eoi>, a video b
 per frame, joined by spaces (timestamps from the clip's frame indices and fps). This processor runs the two
 halves as HF does (image / video processor, then the tokenizer over the prompt with each item's text in place),
 also when the preprocessing cache spares the first half; given input_ids are expanded token-wise. A video's
-frame times are kept in model_specific_data["timestamps"] for that. Audio is not served yet.
+frame times are kept in model_specific_data["timestamps"] for that.
+
+Audio, for checkpoints with an audio tower (audio_config): the feature extractor's log-mel frames, the item
+keeping its valid ones [frames, bins]; `<|audio|>` becomes <boa> + <|audio|> x n + <eoa>, n the valid frames
+subsampled twice by 2 (HF's replace_audio_token). Without an audio tower audio is refused.
 """
 
 from __future__ import annotations
@@ -48,17 +52,21 @@ def _mmss(seconds: float) -> str:
 class Gemma4Processor(BaseMultimodalProcessor):
     """Gemma4ForConditionalGeneration (images, video)."""
 
-    supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.IMAGE, Modality.VIDEO})
+    supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.IMAGE, Modality.VIDEO, Modality.AUDIO})
 
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(hf_config, "audio_config", None) is None or getattr(hf_processor, "audio_token", None) is None:
+            self.supported_modalities = frozenset({Modality.IMAGE, Modality.VIDEO})  # no audio tower: refused
         self.boi, self.eoi = hf_processor.boi_token, hf_processor.eoi_token
+        self.boa, self.eoa = getattr(hf_processor, "boa_token", None), getattr(hf_processor, "eoa_token", None)
         self.pooling = int(hf_config.vision_config.pooling_kernel_size)
         self.embed_dim = int(hf_config.get_text_config().hidden_size)
         super().__init__(hf_processor, hf_config, *args, **kwargs)
 
     def build_special_tokens(self) -> MultimodalSpecialTokens:
         p = self.hf_processor
-        return MultimodalSpecialTokens(image_token=p.image_token, video_token=p.video_token)
+        audio = p.audio_token if Modality.AUDIO in self.supported_modalities else None
+        return MultimodalSpecialTokens(image_token=p.image_token, video_token=p.video_token, audio_token=audio)
 
     # ------------------------------------------------------------ expansion
 
@@ -67,6 +75,8 @@ class Gemma4Processor(BaseMultimodalProcessor):
         token = self.special_tokens.tokens(feature.modality)[0]
         if feature.modality is Modality.IMAGE:
             return f"{self.boi}{token * feature.num_tokens}{self.eoi}"
+        if feature.modality is Modality.AUDIO:
+            return f"{self.boa}{token * feature.num_tokens}{self.eoa}"
         stamps = feature.model_specific_data[TIMESTAMPS].tolist()
         per_frame = feature.num_tokens // len(stamps)
         return " ".join(f"{_mmss(t)} {self.boi}{token * per_frame}{self.eoi}" for t in stamps)
@@ -118,7 +128,7 @@ class Gemma4Processor(BaseMultimodalProcessor):
     # ------------------------------------------------------------ the HF processor's halves
 
     def _kwargs(self, modality: Modality) -> dict[str, Any]:
-        key = "images_kwargs" if modality is Modality.IMAGE else "videos_kwargs"
+        key = {Modality.IMAGE: "images_kwargs", Modality.VIDEO: "videos_kwargs", Modality.AUDIO: "audio_kwargs"}[modality]
         merged = merge_processor_kwargs(self.hf_processor, _KWARGS_CLASS, **{key: self.hf_kwargs(modality)})
         return {**merged[key], "return_tensors": "pt"}
 
@@ -137,6 +147,8 @@ class Gemma4Processor(BaseMultimodalProcessor):
             out.update(self.hf_processor.video_processor(
                 videos=[clip.frames for clip in loaded.videos],
                 **{**self._kwargs(Modality.VIDEO), **self.video_call_kwargs(loaded.videos)}))
+        if loaded.audios:
+            out.update(self.hf_processor.feature_extractor(loaded.audios, **self._kwargs(Modality.AUDIO)))
         if prompt is not None:
             out["input_ids"] = torch.tensor([self.tokenize(self.expand_prompt(prompt, self.split_hf_output(
                 out, loaded)))])
@@ -197,11 +209,25 @@ class Gemma4Processor(BaseMultimodalProcessor):
                                         model_specific_data={POSITION_IDS: torch.stack([r[1] for r in rows]),
                                                              TIMESTAMPS: torch.tensor(stamps, dtype=torch.float64)}))
                 start += count
+        if data.get("input_features") is not None:
+            mels = _tensor(data["input_features"], "input_features")
+            if mels.ndim == 2:
+                mels = mels[None]
+            mask = data.get("input_features_mask")
+            mask = torch.ones(mels.shape[:2], dtype=torch.bool) if mask is None else \
+                _tensor(mask, "input_features_mask").reshape(mels.shape[:2]).bool()
+            for mel, valid in zip(mels, mask):
+                frames = int(valid.sum())
+                if not mels.is_floating_point() or frames == 0 or not bool(valid[:frames].all()):
+                    raise ValueError(f"{what}: input_features {tuple(mels.shape)} need floating-point log-mel frames "
+                                     "and an input_features_mask that marks a non-empty prefix of each")
+                tokens = -(-(-(-frames // 2)) // 2)  # the tower's two stride-2 subsamplings
+                out.append(ItemFeatures(Modality.AUDIO, tokens, feature=mel[:frames].clone()))
         return out
 
     def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
         features = self.split_fields(hf_output, "the HF processor's output")
-        assert len(features) == len(loaded.images) + len(loaded.videos), "one item per image and video"
+        assert len(features) == len(loaded.images) + len(loaded.videos) + len(loaded.audios), "one item per medium"
         return features
 
     def split_preprocessed(self, modality: Modality, data: Mapping[str, Any],
@@ -212,5 +238,6 @@ class Gemma4Processor(BaseMultimodalProcessor):
         features = [f for f in self.split_fields(data, input_format.value) if f.modality is modality]
         if not features:
             raise ValueError(f"{input_format.value} {modality.value} data needs the HF processor's fields "
-                             "(pixel_values, image_position_ids, num_soft_tokens_per_image; or the video ones)")
+                             "(pixel_values, image_position_ids, num_soft_tokens_per_image; the video ones; "
+                             "input_features and input_features_mask)")
         return features
