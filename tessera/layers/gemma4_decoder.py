@@ -11,7 +11,8 @@ What differs from Gemma-3, as transformers' Gemma4TextModel does it:
   its type (kv_sharing_modes);
 - per-layer embeddings (PLE): a second token table [vocab, layers x P] plus a projection of the input
   embeddings give every layer a P-wide input, gated into the residual after its MLP;
-- every layer's output is multiplied by its layer_scalar; shared-KV layers may have a doubled MLP.
+- every layer's output is multiplied by its layer_scalar; shared-KV layers may have a doubled MLP;
+- with enable_moe_block, a sparse block (Gemma4Router, Gemma4Experts) beside the dense MLP on the same input.
 
 The KV pool has one shape for all layers (ModelConfig.kv_widest): a layer with fewer KV heads or a narrower
 head stores its K/V zero-padded to the widest head and its heads repeated. Zero columns add nothing to
@@ -107,6 +108,48 @@ class Gemma4Attention(nn.Module):
         return self.o_proj(o)
 
 
+class Gemma4Router(nn.Module):
+    """Gemma 4's MoE router (transformers' Gemma4TextRouter, same parameter names): scores of RMS-normed (no
+    weight) x * scale / sqrt(hidden), the softmax's top-k renormalised, times each chosen expert's
+    per_expert_scale. forward(x [T, H]) -> (weights [T, k] float32, experts [T, k])."""
+
+    def __init__(self, cfg: DecoderDims, text: Any):
+        super().__init__()
+        experts, h = int(text.num_experts), cfg.hidden_size
+        self.top_k, self.eps, self.root = int(text.top_k_experts), cfg.rms_norm_eps, h ** -0.5
+        if not 1 <= self.top_k <= experts:
+            raise ValueError(f"top_k_experts={self.top_k} must be between 1 and num_experts={experts}")
+        self.proj = Linear(h, experts)
+        self.proj.lora_refusal = "LoRA on the MoE router is not supported"  # it changes which experts run
+        self.scale = nn.Parameter(torch.empty(h))
+        self.per_expert_scale = nn.Parameter(torch.empty(experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.proj(rms_normalize(x, self.eps).to(x.dtype) * self.scale * self.root)
+        weights, chosen = torch.topk(torch.softmax(scores.float(), dim=-1), self.top_k, dim=-1)
+        return (weights / weights.sum(-1, keepdim=True)) * self.per_expert_scale[chosen], chosen
+
+
+class Gemma4Experts(nn.Module):
+    """E gated MLPs in transformers' stacked layout (gate_up_proj [E, 2I, H], down_proj [E, H, I]); each runs on
+    the tokens routed to it only (one gather and two products per expert that has tokens)."""
+
+    def __init__(self, cfg: DecoderDims, text: Any):
+        super().__init__()
+        experts, inter, h = int(text.num_experts), int(text.moe_intermediate_size), cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inter, h))
+        self.down_proj = nn.Parameter(torch.empty(experts, h, inter))
+        self.act = GatedActivation(cfg.hidden_act)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in torch.unique(chosen).tolist():
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+            h = self.act(x[rows] @ self.gate_up_proj[e].t()) @ self.down_proj[e].t()
+            out.index_add_(0, rows, (h * weights[rows, slot, None]).to(x.dtype))
+        return out
+
+
 class Gemma4DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderDims, text: Any, shape: _LayerShape, layer_id: int,
                  attn_backend: BaseAttentionBackend, pool_heads: int, pool_dim: int):
@@ -119,6 +162,11 @@ class Gemma4DecoderLayer(nn.Module):
         self.input_layernorm, self.post_attention_layernorm = _norm(h, eps), _norm(h, eps)
         self.pre_feedforward_layernorm, self.post_feedforward_layernorm = _norm(h, eps), _norm(h, eps)
         self.layer_scalar = nn.Parameter(torch.empty(1))  # a buffer in transformers, saved in checkpoints
+        self.moe = bool(text.enable_moe_block)
+        if self.moe:  # a sparse block beside the dense MLP: their outputs are normed apart, then summed
+            self.router, self.experts = Gemma4Router(cfg, text), Gemma4Experts(cfg, text)
+            self.post_feedforward_layernorm_1, self.post_feedforward_layernorm_2 = _norm(h, eps), _norm(h, eps)
+            self.pre_feedforward_layernorm_2 = _norm(h, eps)
         self.per_layer = int(text.hidden_size_per_layer_input or 0)
         if self.per_layer:
             self.per_layer_input_gate = Linear(h, self.per_layer)
@@ -130,7 +178,11 @@ class Gemma4DecoderLayer(nn.Module):
                 fb: ForwardBatch, pool: TokenToKVPool, backend: BaseAttentionBackend | None = None) -> torch.Tensor:
         attn = self.self_attn(self.input_layernorm(x), cos, sin, fb, pool, backend)
         x = x + self.post_attention_layernorm(attn)
-        x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        ff = self.mlp(self.pre_feedforward_layernorm(x))
+        if self.moe:
+            sparse = self.experts(self.pre_feedforward_layernorm_2(x), *self.router(x))
+            ff = self.post_feedforward_layernorm_1(ff) + self.post_feedforward_layernorm_2(sparse)
+        x = x + self.post_feedforward_layernorm(ff)
         if per_layer_input is not None:
             gated = self.gated(torch.cat((self.per_layer_input_gate(x), per_layer_input), dim=-1))
             x = x + self.post_per_layer_input_norm(self.per_layer_projection(gated))
@@ -179,8 +231,6 @@ def check_supported(text: Any) -> None:
     if text.use_bidirectional_attention == "all":
         raise NotImplementedError("use_bidirectional_attention='all' (all-bidirectional text attention) is not "
                                   "supported")
-    if text.enable_moe_block:
-        raise NotImplementedError("enable_moe_block (Gemma 4's MoE layers, 26B-A4B) is not supported yet")
     unknown = sorted(set(text.layer_types) - set(_LAYER_TYPES))
     if unknown:
         raise NotImplementedError(f"layer_types {unknown}: Gemma 4 layers are {list(_LAYER_TYPES)}")

@@ -122,11 +122,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "tessera.multimodal.processors.gemma4:Gemma4Processor", frozenset({IMAGE, VIDEO, AUDIO}), "rope",
            model_types=("gemma4",), bidirectional_mm_spans=True,
            backend_needs=frozenset({"custom_mask", "sliding_window"}),
-           notes="MoE layers (enable_moe_block); use_bidirectional_attention all; tensor parallelism; audio is "
-                 "refused for checkpoints without an audio tower"),
+           notes="use_bidirectional_attention all; tensor parallelism; audio is refused for checkpoints without an "
+                 "audio tower", quantization=_QUANT_MOE),
     Family("Gemma4ForCausalLM", "tessera.models.gemma4:Gemma4ForCausalLM", None, frozenset(), "rope",
            model_types=("gemma4_text",), backend_needs=frozenset({"sliding_window"}),
-           notes="MoE layers (enable_moe_block); tensor parallelism"),
+           notes="tensor parallelism", quantization=_QUANT_MOE),
     Family("Gemma3ForCausalLM", "tessera.models.gemma3:Gemma3ForCausalLM", None, frozenset(), "rope",
            model_types=("gemma3_text",), backend_needs=frozenset({"sliding_window"}),
            notes="attn_logit_softcapping; use_bidirectional_attention; RoPE scaling other than linear"),

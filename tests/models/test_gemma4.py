@@ -1,6 +1,7 @@
 """Gemma 4 beyond the family parity suite (test_family_parity.py runs prefill, decode, batches, span-keeping
 chunks, prefix hits, the tower and the language model alone for both gemma4_testing.SPECS): the text-only
-Gemma4ForCausalLM with a soft-capped head, and the settings refused before weights load."""
+Gemma4ForCausalLM with a soft-capped head (E2B's layout, and the MoE block of 26B-A4B), and the settings refused
+before weights load."""
 
 from __future__ import annotations
 
@@ -14,22 +15,30 @@ from tessera.models.config import ModelConfig
 from tessera.models.registry import load_model
 
 
-def test_text_only_gemma4_for_causal_lm_matches_hf(tmp_path):
+MOE = {"enable_moe_block": True, "num_experts": 5, "top_k_experts": 2, "moe_intermediate_size": 12}  # HF's grouped_mm wants 16-byte rows
+
+
+@pytest.mark.parametrize("spec,extra", [("shared_kv", {}), ("plain", MOE)], ids=["shared_kv", "moe"])
+def test_text_only_gemma4_for_causal_lm_matches_hf(tmp_path, spec, extra):
     """Gemma4ForCausalLM (model_type gemma4_text): per-layer embeddings, KV-shared layers, wider full-layer heads
-    with k_eq_v, proportional RoPE, and the soft-capped logits this class applies."""
+    with k_eq_v, proportional RoPE; or the MoE block beside each dense MLP (26B-A4B's layout, router and expert
+    weights random); and the soft-capped logits this class applies."""
     from transformers import Gemma4ForCausalLM as HFGemma4ForCausalLM
 
     from tessera.models.gemma4 import Gemma4ForCausalLM
 
-    text_config = tiny_gemma4_config(SPECS["shared_kv"], final_logit_softcapping=2.0).text_config
+    text_config = tiny_gemma4_config(SPECS[spec], final_logit_softcapping=2.0, **extra).text_config
     text_config.architectures = ["Gemma4ForCausalLM"]
     torch.manual_seed(3)
     hf = HFGemma4ForCausalLM._from_config(text_config, attn_implementation="eager").eval()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in hf.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight") or "router.scale" in name \
+                    or "per_expert_scale" in name:
                 p.copy_(0.5 + torch.rand(p.shape, generator=g))
+            elif "experts." in name:
+                p.normal_(0.0, 0.3, generator=g)
         hf.model.embed_tokens.weight.mul_(0.25)
     hf.save_pretrained(tmp_path)
     ours, config = load_model(tmp_path, torch.float32)
@@ -40,14 +49,14 @@ def test_text_only_gemma4_for_causal_lm_matches_hf(tmp_path):
 
 
 @pytest.mark.parametrize("setting,match", [
-    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 2, "moe_intermediate_size": 8}, "enable_moe_block"),
     ({"use_bidirectional_attention": "all"}, "use_bidirectional_attention"),
+    ({"enable_moe_block": True, "num_experts": 4, "top_k_experts": 5, "moe_intermediate_size": 8}, "top_k_experts"),
 ])
 def test_unsupported_settings_are_refused_naming_them(setting, match):
     from tessera.models.gemma4 import Gemma4ForConditionalGeneration
 
     config = ModelConfig.from_hf(tiny_gemma4_config(SPECS["plain"], **setting))
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises((NotImplementedError, ValueError), match=match):
         Gemma4ForConditionalGeneration(config)
 
 
