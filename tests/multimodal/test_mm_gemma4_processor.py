@@ -78,6 +78,19 @@ def test_image_parity_with_hf(make, hf_processor, sizes):
     assert_matches_hf(from_ids, ref, hf_processor)
 
 
+def test_mm_process_config_sets_the_soft_token_budget(make, hf_processor):
+    """--mm-process-config {"image": {"max_soft_tokens": 140}}: twice the checkpoint's budget, as HF's
+    images_kwargs give it; the budget is part of the item's hash (the cache never mixes budgets)."""
+    images = [image(40, 120, 1)]
+    text = chat_text(hf_processor, ["image", "What is this?"])
+    ref = hf_processor(text=[text], images=images, return_tensors="pt", images_kwargs={"max_soft_tokens": 140})
+    small = make().process(prompt=text, image_data=images)
+    large = make(mm_process_config={"image": {"max_soft_tokens": 140}}).process(prompt=text, image_data=images)
+    assert_matches_hf(large, ref, hf_processor)
+    assert large.mm_inputs.items[0].num_tokens > 70 >= small.mm_inputs.items[0].num_tokens
+    assert large.mm_inputs.items[0].hash != small.mm_inputs.items[0].hash
+
+
 def test_video_parity_with_hf(make, hf_processor):
     from tessera.multimodal.media import VideoClip
 
