@@ -62,7 +62,9 @@ class Gemma4ForCausalLM(CausalLM):
     Soft-caps the final logits where the config says so, as transformers does."""
 
     decoder_model_class = Gemma4TextModel
-    cuda_graph_decode = False  # not yet checked under CUDA graphs (two backends in masked steps)
+    # MoE layers read each step's routing back on the host (the expert loop); dense configs are not captured yet
+    # either (one flag per class).
+    cuda_graph_decode = False
 
     @property
     def kv_layout(self) -> KVLayout:

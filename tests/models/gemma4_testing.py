@@ -75,6 +75,10 @@ SPECS = {
 }
 
 
+# 26B-A4B's sparse block beside each dense MLP (tiny); HF's grouped_mm wants 16-byte expert rows.
+MOE = {"enable_moe_block": True, "num_experts": 5, "top_k_experts": 2, "moe_intermediate_size": 12}
+
+
 def tiny_gemma4_config(spec: TinySpec, vocab_size: int = VOCAB, ids: tuple[int, ...] | None = None,
                        **text_extra: Any):
     from transformers import Gemma4Config
