@@ -1,6 +1,6 @@
 """Gemma4Processor against HF's Gemma4Processor: input_ids, soft-token runs, patch rows and positions of images
 of several aspect ratios and of a video, from the HF call, from the preprocessing cache and from given input_ids;
-the processor_output format; refusals; and our model on our processor's output against HF's model on HF's."""
+the processor_output and precomputed_embedding formats; refusals; and our model on our processor's output against HF's model on HF's."""
 
 from __future__ import annotations
 
@@ -122,13 +122,20 @@ def test_text_only_and_other_formats(make, hf_processor):
     fields = dict(hf_processor.image_processor(images, return_tensors="pt"))
     as_output = proc.process(prompt=text, image_data=[{"format": "processor_output", **fields}])
     assert_matches_hf(as_output, ref, hf_processor)
+    tokens = fields["num_soft_tokens_per_image"].tolist()
+    hidden = proc.embed_dim
+    feature = torch.randn(sum(tokens), hidden)
+    for given in ({"feature": feature, "num_soft_tokens_per_image": tokens}, {"feature": list(feature.split(tokens))}):
+        as_embedding = proc.process(prompt=text, image_data=[{"format": "precomputed_embedding", **given}])
+        assert as_embedding.input_ids == ref["input_ids"][0].tolist()
+        assert torch.equal(torch.cat([i.precomputed_embedding for i in as_embedding.mm_inputs.items]), feature)
 
 
 def test_refusals(make, hf_processor):
     proc = make()
     with pytest.raises(ValueError, match="image"):
         proc.process(prompt=chat_text(hf_processor, ["image", "image", "x"]), image_data=[image(40, 40)])
-    with pytest.raises(ValueError, match="precomputed_embedding"):
+    with pytest.raises(ValueError, match="precomputed"):  # rows of the wrong width
         proc.process(prompt=chat_text(hf_processor, ["image", "x"]),
                      image_data=[{"format": "precomputed_embedding", "feature": torch.zeros(5, 8)}])
     with pytest.raises(ValueError, match="pixel_values"):

@@ -37,6 +37,7 @@ from tessera.multimodal.processors.base import (
     LoadedMultimodalData,
 )
 from tessera.multimodal.processors.hf_compat import merge_processor_kwargs
+from tessera.multimodal.processors.split import embedding_chunks
 from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 __all__ = ["Gemma4Processor"]
@@ -225,6 +226,24 @@ class Gemma4Processor(BaseMultimodalProcessor):
                 out.append(ItemFeatures(Modality.AUDIO, tokens, feature=mel[:frames].clone()))
         return out
 
+    def _split_embeddings(self, modality: Modality, data: Mapping[str, Any]) -> list[ItemFeatures]:
+        """Images' embedder outputs: `feature` a list of [tokens, hidden] (one per image), or all images' rows in
+        one tensor with `num_soft_tokens_per_image` to split them."""
+        if modality is not Modality.IMAGE:
+            raise ValueError(f"precomputed_embedding {modality.value} data is not supported for Gemma 4 (images "
+                             "only); send raw media or format='processor_output'")
+        feature = data.get("feature")
+        if isinstance(feature, (list, tuple)):
+            tokens = [int(_tensor(f, "feature").shape[0]) for f in feature]
+        elif data.get("num_soft_tokens_per_image") is not None:
+            tokens = [int(n) for n in _tensor(data["num_soft_tokens_per_image"], "num_soft_tokens_per_image")
+                      .reshape(-1).tolist()]
+        else:
+            tokens = [int(_tensor(feature, "feature").shape[0])] if feature is not None else []
+        chunks = embedding_chunks(data, tokens, self.embed_dim, "num_soft_tokens_per_image",
+                                  "the embedder's output rows")
+        return [ItemFeatures(Modality.IMAGE, n, precomputed_embedding=c) for c, n in zip(chunks, tokens)]
+
     def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
         features = self.split_fields(hf_output, "the HF processor's output")
         assert len(features) == len(loaded.images) + len(loaded.videos) + len(loaded.audios), "one item per medium"
@@ -233,8 +252,7 @@ class Gemma4Processor(BaseMultimodalProcessor):
     def split_preprocessed(self, modality: Modality, data: Mapping[str, Any],
                            input_format: InputFormat) -> list[ItemFeatures]:
         if input_format is InputFormat.PRECOMPUTED_EMBEDDING:
-            raise ValueError("precomputed_embedding media are not supported for Gemma 4 yet; send "
-                             "format='processor_output' (the HF processor's fields) or raw media")
+            return self._split_embeddings(modality, data)
         features = [f for f in self.split_fields(data, input_format.value) if f.modality is modality]
         if not features:
             raise ValueError(f"{input_format.value} {modality.value} data needs the HF processor's fields "
