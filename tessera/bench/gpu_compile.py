@@ -175,7 +175,8 @@ def shapes() -> list[Shape]:
     for source, hf_config in [*family_configs(), *shipped_configs()]:
         cfg = ModelConfig.from_hf(hf_config)
         masks = cfg.family.bidirectional_mm_spans or "custom_mask" in cfg.family.backend_needs
-        key = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        kv = cfg.kv_layout  # the pool's shape: the widest layer's where layers differ (Gemma 4's full layers)
+        key = (cfg.num_heads, kv.num_kv_heads, kv.head_dim,
                tuple(sorted(set(cfg.sliding_windows), key=lambda w: w or 0)), masks,
                min(cfg.max_position_embeddings, MAX_CONTEXT))
         by_shape.setdefault(key, []).append(source)

@@ -34,21 +34,32 @@ _LAYER_TYPES = ("sliding_attention", "full_attention")
 
 class GemmaRMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * (1 + weight), computed in float32 and cast back to x's dtype at the
-    end (transformers' Gemma3RMSNorm; a checkpoint's zero weight is the identity scale)."""
+    end (transformers' Gemma3RMSNorm; a checkpoint's zero weight is the identity scale).
+
+    unit_offset=False scales by the weight itself (Gemma 4's RMSNorm: a checkpoint's one is the identity)."""
 
     fused_kind = "gemma"  # see layers/triton_ops.py
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, unit_offset: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(hidden_size))
         self.eps = eps
+        self.unit_offset = unit_offset
+        if not unit_offset:
+            self.fused_kind = None  # the fused kernels scale by 1 + weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused.active(x) and (out := fused.ops().rmsnorm(x, None, self.weight, self.eps, gemma=True)) is not None:
+        if self.unit_offset and fused.active(x) and (
+                out := fused.ops().rmsnorm(x, None, self.weight, self.eps, gemma=True)) is not None:
             return out
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        scale = 1.0 + self.weight.float() if self.unit_offset else self.weight.float()
+        return (rms_normalize(x, self.eps) * scale).to(x.dtype)
+
+
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) in float32 (Gemma's norms without a scale: Gemma 4's v_norm, its router's)."""
+    h = x.float()
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
 
 
 class ScaledEmbedding(VocabParallelEmbedding):
@@ -56,13 +67,13 @@ class ScaledEmbedding(VocabParallelEmbedding):
     models get transformers' 55.5 for sqrt(3072), not 55.4256; 16-bit tables under float32 activations, on a
     CPU, keep float32's, as transformers does over the upcast weights)."""
 
-    def __init__(self, vocab_size: int, hidden_size: int):
+    def __init__(self, vocab_size: int, hidden_size: int, scale: float | None = None):
         tp = tp_group()
         super().__init__(vocab_size, hidden_size, tp.rank, tp.size)
         # A float32 buffer, as transformers keeps it, cast to the activations' dtype in forward: a device tensor,
         # so a CUDA graph captures the multiply (a tensor made from the float there would be a host copy).
-        self.register_buffer("embed_scale", torch.tensor(float(hidden_size) ** 0.5, dtype=torch.float32),
-                             persistent=False)
+        scale = float(hidden_size) ** 0.5 if scale is None else scale  # Gemma 4's per-layer table: its own
+        self.register_buffer("embed_scale", torch.tensor(scale, dtype=torch.float32), persistent=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().forward(input_ids) * self.embed_scale.to(self.like.dtype)

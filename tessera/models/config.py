@@ -64,6 +64,9 @@ class ModelConfig(DecoderDims):
     generation_config: dict = field(default_factory=dict)
     # A pre-quantized checkpoint's quantization_config (None: float weights); unsupported schemes refused here.
     quant: QuantConfig | None = None
+    # (KV heads, head dim) of the widest layer where the text config's per_layer_config gives some layers their
+    # own (Gemma 4's full-attention layers); the pool holds every layer's K/V in that shape. None: uniform layers.
+    kv_widest: tuple[int, int] | None = None
 
     @property
     def positions(self) -> str:
@@ -71,7 +74,8 @@ class ModelConfig(DecoderDims):
 
     @property
     def kv_layout(self) -> KVLayout:
-        return KVLayout(self.num_layers, self.num_kv_heads, self.head_dim)
+        heads, dim = self.kv_widest or (self.num_kv_heads, self.head_dim)
+        return KVLayout(self.num_layers, heads, dim)
 
     @property
     def embedding_size(self) -> int:
@@ -114,10 +118,10 @@ class ModelConfig(DecoderDims):
             return cls._encoder_decoder(hf_config, family)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         num_heads = int(text.num_attention_heads)
-        num_kv_heads = int(getattr(text, "num_key_value_heads", None) or num_heads)
+        num_kv_heads = int(_global_attr(text, "num_key_value_heads") or num_heads)
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
-        head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // num_heads)
+        head_dim = int(_global_attr(text, "head_dim") or text.hidden_size // num_heads)
         rope = dict(getattr(text, "rope_parameters", None) or {})
         mrope = None
         if family.positions == "mrope":
@@ -152,6 +156,7 @@ class ModelConfig(DecoderDims):
             audio_token_id=_token_id(hf_config, "audio_token_id", "audio_token_index"),
             hf_config=hf_config,
             quant=QuantConfig.from_hf(hf_config),
+            kv_widest=_widest_kv_layer(text, num_kv_heads, head_dim),
         )
 
     @classmethod
@@ -174,6 +179,27 @@ class ModelConfig(DecoderDims):
             image_token_id=None, video_token_id=None, audio_token_id=None, hf_config=hf_config,
             cross_attention_len=int(hf_config.max_source_positions),
         )
+
+
+def _global_attr(text: Any, name: str) -> Any:
+    """A text config's value for all layers that do not override it: a heterogeneous config (per_layer_config)
+    refuses plain reads of per-layer attributes, so its stored global is read directly."""
+    if getattr(text, "is_heterogeneous", False):
+        return vars(text).get(name)
+    return getattr(text, name, None)
+
+
+def _widest_kv_layer(text: Any, num_kv_heads: int, head_dim: int) -> tuple[int, int] | None:
+    """(KV heads, head dim) covering every layer of a heterogeneous text config (transformers' per_layer_config
+    overrides), None when no layer overrides them."""
+    if not getattr(text, "is_heterogeneous", False):
+        return None
+    layers = [text.per_layer_config[i] for i in range(int(text.num_hidden_layers))]
+    heads = [int(getattr(c, "num_key_value_heads", None) or num_kv_heads) for c in layers]
+    dims = [int(getattr(c, "head_dim", None) or head_dim) for c in layers]
+    if set(heads) == {num_kv_heads} and set(dims) == {head_dim}:
+        return None
+    return max(heads), max(dims)
 
 
 def _sliding_windows(text: Any) -> tuple[int | None, ...]:

@@ -11,9 +11,9 @@ import torch
 from tessera.layers.linear import linear
 
 
-def build_transformers_tower(target: str, sub_config: Any) -> torch.nn.Module:
+def build_transformers_tower(target: str, sub_config: Any, attn_implementation: str = "sdpa") -> torch.nn.Module:
     """transformers' encoder `module:Class` on the current default device/dtype, parameters uninitialised
-    (the checkpoint fills them), SDPA attention."""
+    (the checkpoint fills them), SDPA attention (or the one named, for towers without SDPA)."""
     from transformers.initialization import no_init_weights
 
     module_name, class_name = target.split(":")
@@ -21,8 +21,18 @@ def build_transformers_tower(target: str, sub_config: Any) -> torch.nn.Module:
     # _from_config writes dtype/attn settings into the config it gets; keep the caller's config untouched.
     cfg = copy.deepcopy(sub_config)
     with no_init_weights():
-        tower = tower_cls._from_config(cfg, dtype=torch.get_default_dtype(), attn_implementation="sdpa")
+        tower = tower_cls._from_config(cfg, dtype=torch.get_default_dtype(), attn_implementation=attn_implementation)
     return tower.eval()
+
+
+def buffers_as_parameters(tower: torch.nn.Module) -> None:
+    """Re-registers the tower's persistent buffers as (frozen) parameters: transformers saves them with the
+    weights (Gemma 4's standardize bias/scale, clipped linears' bounds) and our loader fills parameters."""
+    for module in tower.modules():
+        for name, buf in list(module._buffers.items()):
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                del module._buffers[name]
+                module.register_parameter(name, torch.nn.Parameter(buf, requires_grad=False))
 
 
 class PatchMatmul(torch.nn.Module):

@@ -35,6 +35,7 @@ FAMILIES = {
     "qwen2_5_vl": ("qwen2_5_vl_testing", {}, {}, "model.visual."),
     "qwen3_vl": ("qwen3_vl_testing", {}, {}, "model.visual."),
     "gemma3": ("gemma3_testing", {}, {}, "model.vision_tower."),
+    "gemma4": ("gemma4_testing", {}, {}, "model.vision_tower."),
     "llama4": ("llama4_testing", {}, {}, "vision_model.", {"exclude_modules": ["router"]}),
     "cosmos3_edge": ("cosmos3_testing", {}, {}, "model.visual."),
     "mllama": ("mllama_testing", {}, {}, "model.vision_model."),

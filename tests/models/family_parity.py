@@ -55,9 +55,11 @@ def prompt_key(prompt: Any) -> tuple:
 
 
 def media_embeds(model, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
-    """Our embeddings of `items`, per item in their order: all images in one encoder call, all videos in one."""
+    """Our embeddings of `items`, per item in their order: all images in one encoder call, all videos in one,
+    all audios in one."""
     by_item: dict[int, torch.Tensor] = {}
-    for modality, fn in ((Modality.IMAGE, "get_image_feature"), (Modality.VIDEO, "get_video_feature")):
+    for modality, fn in ((Modality.IMAGE, "get_image_feature"), (Modality.VIDEO, "get_video_feature"),
+                         (Modality.AUDIO, "get_audio_feature")):
         idx = [i for i, it in enumerate(items) if it.modality == modality]
         if idx:
             by_item.update(zip(idx, getattr(model, fn)([items[i] for i in idx])))

@@ -22,8 +22,9 @@ class PagedKV:
                  device: str | torch.device = "cpu"):
         self.page_size = page_size
         self.device = torch.device(device)
+        layout = lm_config.kv_layout
         self.pool = TokenToKVPool(
-            num_pages * page_size, lm_config.num_layers, lm_config.num_kv_heads, lm_config.head_dim, dtype, device
+            num_pages * page_size, layout.num_layers, layout.num_kv_heads, layout.head_dim, dtype, device
         )
         self.req_pool = ReqToTokenPool(max_reqs, max_context_len, device)
         pages = list(range(num_pages))

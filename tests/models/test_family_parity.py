@@ -19,6 +19,7 @@ from tessera.models.registry import load_model
 from tests.models import (
     cosmos3_testing,
     gemma3_testing,
+    gemma4_testing,
     internvl_testing,
     llama4_testing,
     llava_next_testing,
@@ -35,6 +36,7 @@ FAMILIES: dict[str, FamilyFixture] = {
     "cosmos3_edge": cosmos3_testing.EDGE_FIXTURE,
     "cosmos3_omni": cosmos3_testing.OMNI_FIXTURE,
     "gemma3": gemma3_testing.FIXTURE,
+    "gemma4": gemma4_testing.FIXTURE,
     "internvl": internvl_testing.FIXTURE,
     "llama4": llama4_testing.FIXTURE,
     "llava": llava_testing.FIXTURE,

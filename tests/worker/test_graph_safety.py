@@ -41,6 +41,7 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
     from tests.models import clip_testing as clip
     from tests.models import cosmos3_testing as cosmos3
     from tests.models import gemma3_testing as gemma3
+    from tests.models import gemma4_testing as gemma4
     from tests.models import internvl_testing as internvl
     from tests.models import llama4_testing as llama4
     from tests.models import llava_testing as llava
@@ -68,6 +69,9 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
             pixtral.SPECS["mistral_gqa"]),
         "Gemma3ForConditionalGeneration": lambda: gemma3.tiny_gemma3_config(gemma3.SPECS["gqa"]),
         "Gemma3ForCausalLM": lambda: gemma3.tiny_gemma3_config(gemma3.SPECS["mha_softcap"]).text_config,
+        # With MoE layers, whose expert loop reads the routing back (why Gemma 4 opts out of CUDA graphs).
+        "Gemma4ForConditionalGeneration": lambda: gemma4.tiny_gemma4_config(gemma4.SPECS["shared_kv"], **gemma4.MOE),
+        "Gemma4ForCausalLM": lambda: gemma4.tiny_gemma4_config(gemma4.SPECS["plain"], **gemma4.MOE).text_config,
         "InternVLForConditionalGeneration": lambda: internvl.tiny_internvl_config(internvl.SPECS["qwen2_gqa"]),
         "Llama4ForConditionalGeneration": lambda: llama4.tiny_llama4_config(llama4.SPECS["gqa_chunked"]),
         "Llama4ForCausalLM": lambda: llama4.tiny_llama4_config(llama4.SPECS["gqa_chunked"]).text_config,

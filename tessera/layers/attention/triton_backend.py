@@ -30,6 +30,9 @@ from tessera.platform.device import platform_of
 
 BLOCK_M = 32  # queries per extend program
 BLOCK_N = 32  # keys per inner step
+# Rows of q/k/v wider than this many bytes (float32 heads of 512: Gemma 4's full layers) halve the extend kernel's
+# blocks: 32 x 32 of them took 196 KiB of shared memory, over sm_80's 163 KiB (tessera/bench/gpu_compile.py).
+WIDE_ROW_BYTES = 1024
 MAX_SPLITS = 16  # split-KV decode: at most this many runs of a request's keys
 PROGRAMS_PER_UNIT = 2  # split until requests x heads x splits reaches this many programs per SM
 # Where the device does not say (Triton's interpreter, which runs programs one after another): small batches still
@@ -127,12 +130,14 @@ class TritonAttentionBackend(BaseAttentionBackend):
                 q.stride(0), q.stride(1), k_buf.stride(0), k_buf.stride(1), out.stride(0), out.stride(1),
                 r2t.stride(0), HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=BLOCK_N)
         else:
-            grid = (meta.rows.shape[0], num_heads, triton.cdiv(meta.max_ext, BLOCK_M))
+            wide = block_d * q.element_size() > WIDE_ROW_BYTES
+            block_m, block_n = (BLOCK_M // 2, BLOCK_N // 2) if wide else (BLOCK_M, BLOCK_N)
+            grid = (meta.rows.shape[0], num_heads, triton.cdiv(meta.max_ext, block_m))
             extend_kernel[grid](
                 q, k_buf, v_buf, out, r2t, meta.rows, meta.seq_lens, meta.ext_lens, meta.ext_starts, meta.masks,
                 meta.mask_indptr, scaling, window, group, q.stride(0), q.stride(1), k_buf.stride(0),
                 k_buf.stride(1), out.stride(0), out.stride(1), r2t.stride(0), HEAD_DIM=head_dim, BLOCK_D=block_d,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, IEEE=q.dtype == torch.float32)
+                BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32)
         return out.reshape(num_tokens, num_heads * head_dim)
 
 
