@@ -112,6 +112,10 @@ class StackedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, inter, hidden_size))
         self.act = GatedActivation(act)
 
+    def full_parameter_count(self) -> int:
+        """Every rank's share together (layers/linear.count_parameters)."""
+        return 3 * self.num_experts * self.hidden_size * self.full_intermediate
+
     @torch.no_grad()
     def load_param(self, param_name: str, loaded: torch.Tensor) -> None:
         """The checkpoint's full stacked tensor into this rank's share. With linear_layout, a tensor of the

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.layers import moe
+from tessera.layers.linear import count_parameters
 from tessera.layers.moe import SoftmaxTopKMoE, StackedExperts, grouped_experts
 
 
@@ -90,6 +91,7 @@ def test_stacked_experts_load_either_layout_and_their_tensor_parallel_share(monk
         assert share.gate_up_proj.shape == (E, H, I)
         assert torch.equal(share.down_proj, on_disk_2[:, 3 * rank:3 * rank + 3])
         parts.append(share(x, ids, weights))
+        assert count_parameters(share, 2) == on_disk_13.numel() + on_disk_2.numel()
     torch.testing.assert_close(parts[0] + parts[1], full, atol=1e-5, rtol=1e-5)
 
 
