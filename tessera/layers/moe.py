@@ -12,8 +12,8 @@ once; then every expert's rows go through its gate/up and down products in one c
   2.1 ms, 1 token 0.87 vs 0.72 ms (within the machine's noise); E=128, H=1024, I=384, 512 tokens: 113 vs
   192 ms. A batched bmm over groups padded to the largest one was slower everywhere (padding and scatter).
   Where torch lacks _grouped_mm (or it refuses the dtype) the per-expert loop runs instead.
-- Where the platform runs Triton (CUDA): one Triton kernel per product over the expert-sorted rows
-  (layers/moe_triton.py).
+- Where the layers run Triton (layers/fused.active: CUDA, or the interpreter): one Triton kernel per product
+  over the expert-sorted rows (layers/moe_triton.py); no host read, so a CUDA graph captures it.
 
 Stacked weight layout (what transformers writes to disk for Llama-4 and Qwen3-VL-MoE, and what the kernels
 take): `gate_up_proj` [E, H, 2 * I] with [gate | up] along the last dim, `down_proj` [E, I, H]; x @ w.
@@ -29,9 +29,9 @@ import torch
 from torch import nn
 
 from tessera.distributed.parallel_state import all_reduce, tp_group
+from tessera.layers import fused
 from tessera.layers.decoder import GatedActivation, GatedMLP
 from tessera.layers.linear import Linear
-from tessera.platform.device import platform_of
 
 
 def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -81,7 +81,7 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
     if x.shape[0] == 0:
         return out
     weights = topk_weights.to(x.dtype)
-    if platform_of(x.device).runs_triton:
+    if fused.active(x):  # CUDA, and any tensor under TRITON_INTERPRET=1 (tests run the GPU's path there)
         from tessera.layers.moe_triton import triton_grouped_experts
 
         return out.add_(triton_grouped_experts(x, w13, w2, topk_ids, weights, act, weights_on_input))
