@@ -15,8 +15,9 @@ once; then every expert's rows go through its gate/up and down products in one c
 - Where the layers run Triton (layers/fused.active: CUDA, or the interpreter): one Triton kernel per product
   over the expert-sorted rows (layers/moe_triton.py); no host read, so a CUDA graph captures it.
 
-Stacked weight layout (what transformers writes to disk for Llama-4 and Qwen3-VL-MoE, and what the kernels
-take): `gate_up_proj` [E, H, 2 * I] with [gate | up] along the last dim, `down_proj` [E, I, H]; x @ w.
+Stacked weight layout (Llama-4's checkpoints and the original Qwen3-VL-MoE ones; what the kernels take):
+`gate_up_proj` [E, H, 2 * I] with [gate | up] along the last dim, `down_proj` [E, I, H]; x @ w. transformers 5
+saves Qwen3-VL-MoE in F.linear's layout instead; StackedExperts transposes it once at load.
 Tensor parallelism shards each expert's intermediate dim (StackedExperts.load_param takes this rank's
 columns of gate and of up and its rows of down); the routed sum is then partial and the caller all-reduces it.
 """
@@ -69,7 +70,7 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
     no repeats needed); topk_weights [T, k] (cast to x's dtype); act: [n, 2I] -> [n, I] (a GatedActivation,
     or its name). weights_on_input: scale each expert's input by its weight (Llama-4) instead of its output.
     out: [T, H] to accumulate into (e.g. a shared expert's output); a new zero tensor when None.
-    Returns [T, H] (`out` when given). On CUDA the Triton kernel runs it (layers/moe_triton.py).
+    Returns [T, H] (`out` when given). Where the layers run Triton, the Triton kernel runs it (layers/moe_triton.py).
     """
     if isinstance(act, str):
         act = GatedActivation(act)
