@@ -47,16 +47,16 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
                  language_model_only: bool = False):
         self.decoder_options = qwen3_decoder_options(config)  # read by CausalLM.__init__
+        vision = config.hf_config.vision_config
+        if int(vision.out_hidden_size) != config.hidden_size:  # before anything is built (a default-filled tower)
+            raise ValueError(f"vision_config.out_hidden_size={vision.out_hidden_size} differs from the language "
+                             f"model's hidden_size={config.hidden_size}")
         super().__init__(config, attn_backend, language_model_only)
         # A config without mrope_section gets transformers' Qwen3-VL default, not Qwen2-VL's.
         rope = dict(getattr(config.hf_config.get_text_config(), "rope_parameters", None) or {})
         section = [int(n) for n in rope.get("mrope_section", QWEN3_VL_MROPE_SECTION)]
         self.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, section, mrope_interleaved=True)
-        vision = config.hf_config.vision_config
         self.num_deepstack_levels = len(vision.deepstack_visual_indexes)
-        if int(vision.out_hidden_size) != config.hidden_size:
-            raise ValueError(f"vision_config.out_hidden_size={vision.out_hidden_size} differs from the language "
-                             f"model's hidden_size={config.hidden_size}")
 
     @property
     def mm_embed_width(self) -> int:

@@ -51,6 +51,9 @@ class TinySpec:
     deepstack: tuple[int, ...]  # deepstack_visual_indexes
     num_position_embeddings: int  # a square: the learned grid interpolated to each image
     seed: int
+    # Qwen3-VL-MoE's text_config fields (num_experts, moe_intermediate_size, ...; qwen3_vl_moe_testing.py); a
+    # spec with them builds Qwen3VLMoeForConditionalGeneration.
+    moe: tuple[tuple[str, Any], ...] = ()
 
 
 SPECS = {
@@ -85,13 +88,22 @@ def _vision_config(spec: TinySpec) -> dict:
     )
 
 
-def tiny_qwen3_vl_config(spec: TinySpec, vocab_size: int = VOCAB, token_ids: dict[str, int] | None = None,
-                         architecture: str = "Qwen3VLForConditionalGeneration", **text_extra):
-    """Qwen3-VL's config, or the config class of another architecture that is Qwen3-VL (Cosmos3-Nano's)."""
+def hf_class(spec: TinySpec) -> type:
+    """transformers' Qwen3VLForConditionalGeneration, or its MoE sibling for a spec with MoE fields."""
     import transformers
 
+    return getattr(transformers, "Qwen3VLMoeForConditionalGeneration" if spec.moe else "Qwen3VLForConditionalGeneration")
+
+
+def tiny_qwen3_vl_config(spec: TinySpec, vocab_size: int = VOCAB, token_ids: dict[str, int] | None = None,
+                         architecture: str | None = None, **text_extra):
+    """Qwen3-VL's config (its MoE sibling's for a spec with MoE fields), or the config class of another architecture
+    that is Qwen3-VL (Cosmos3-Nano's)."""
+    import transformers
+
+    architecture = architecture or hf_class(spec).__name__
     ids = token_ids or {"image": IMAGE_ID, "video": VIDEO_ID, "start": VSTART_ID, "end": VEND_ID}
-    text_extra = text_extra or dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    text_extra = {**(text_extra or dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)), **dict(spec.moe)}
     config_cls = getattr(transformers, architecture.replace("ForConditionalGeneration", "Config"))
     return config_cls(text_config=_text_config(spec, vocab_size, **text_extra), vision_config=_vision_config(spec),
                       image_token_id=ids["image"], video_token_id=ids["video"],
@@ -126,13 +138,13 @@ def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
 
 
 def build_tiny_qwen3_vl(path: str | Path, spec: TinySpec, attn_implementation: str = "eager",
-                        architecture: str = "Qwen3VLForConditionalGeneration"):
+                        architecture: str | None = None):
     """The HF reference model (eval mode), also saved to `path` (config + safetensors only)."""
     import transformers
 
-    return save_random_model(path, getattr(transformers, architecture), tiny_qwen3_vl_config(
-        spec, architecture=architecture), spec.seed, lambda m: make_fixture_can_fail_(m, spec.seed),
-        attn_implementation)
+    hf_cls = getattr(transformers, architecture) if architecture else hf_class(spec)
+    return save_random_model(path, hf_cls, tiny_qwen3_vl_config(spec, architecture=hf_cls.__name__), spec.seed,
+                             lambda m: make_fixture_can_fail_(m, spec.seed), attn_implementation)
 
 
 # ---------------------------------------------------------------- prompts
@@ -229,7 +241,8 @@ def hf_generate_masked(hf, inputs: dict, num_new: int) -> list[int]:
     return hf_generate(hf, inputs, num_new, attention_mask=torch.ones_like(inputs["input_ids"]))
 
 
-def load_case(name: str, path: Path, architecture: str = "Qwen3VLForConditionalGeneration") -> Qwen3VLCase:
+def load_case(name: str, path: Path, specs: dict[str, TinySpec] | None = None,
+              architecture: str | None = None) -> Qwen3VLCase:
     """Beyond FamilyCase.check_fixture_can_fail (which checks every DeepStack level is text-sized): a dropped
     DeepStack level moves the logits far beyond the tolerance. `architecture`: HF's model, one that is Qwen3-VL."""
     from tessera.models.qwen3_vl import Qwen3VLForConditionalGeneration
@@ -238,7 +251,7 @@ def load_case(name: str, path: Path, architecture: str = "Qwen3VLForConditionalG
     def build(path: Path, spec: TinySpec):
         return build_tiny_qwen3_vl(path, spec, architecture=architecture)
 
-    case, config = Qwen3VLCase.load(SPECS[name], path, build, Qwen3VLForConditionalGeneration)
+    case, config = Qwen3VLCase.load((specs or SPECS)[name], path, build, Qwen3VLForConditionalGeneration)
     spec, hf, ours = case.spec, case.hf, case.ours
     assert config.mrope_section == spec.mrope_section and config.head_dim == spec.head_dim
     assert ours.num_deepstack_levels == len(spec.deepstack)
@@ -327,8 +340,6 @@ def make_tiny_qwen3_vl_checkpoint(
     the demo-vl chat template and a Qwen3VLProcessor (Qwen2VLImageProcessor and Qwen3VLVideoProcessor with
     patch 16, merge 2, mean/std 0.5, do_sample_frames=False) that `AutoProcessor.from_pretrained` loads.
     """
-    from transformers import Qwen3VLForConditionalGeneration
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     processor, cfg = tiny_qwen3_vl_processor_and_config(spec, image_min_pixels=image_min_pixels,
@@ -337,14 +348,17 @@ def make_tiny_qwen3_vl_checkpoint(
                                                         video_max_pixels=video_max_pixels)
     processor.save_pretrained(path)
     ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}
-    save_random_model(path, Qwen3VLForConditionalGeneration, cfg, spec.seed,
+    save_random_model(path, hf_class(spec), cfg, spec.seed,
                       lambda m: make_fixture_can_fail_(m, spec.seed), None, ids["<|im_end|>"], ids["<|endoftext|>"])
     return path
 
 
 def load_hf_reference(path: str | Path) -> Any:
-    """transformers' Qwen3VLForConditionalGeneration from `path`, float32, eager attention, eval mode."""
-    from transformers import Qwen3VLForConditionalGeneration
+    """transformers' Qwen3VLForConditionalGeneration (or Qwen3VLMoe..., as config.json says) from `path`, float32,
+    eager attention, eval mode."""
+    import json
 
-    return Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
+    import transformers
+
+    cls = getattr(transformers, json.loads((Path(path) / "config.json").read_text())["architectures"][0])
+    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()

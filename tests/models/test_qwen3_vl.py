@@ -50,3 +50,21 @@ def test_real_processor_checkpoint_matches_hf(tmp_path):
     assert "<0.3 seconds>" in hf_processor.tokenizer.decode(out.input_ids)  # frames 0 and 2 at 3 fps
     assert ref["image_grid_thw"].tolist() == [[1, 6, 10]] and ref["video_grid_thw"][0, 0] == 2  # 6x10 patches
     assert len(out.mm_inputs.items[1].offsets) == 2  # one run per frame group
+
+
+def test_moe_config_without_its_vision_config_is_refused_before_weights(tmp_path):
+    """transformers fills a missing vision_config with the flagship's (out_hidden_size 3584): refused by name, before
+    any weight is read (the directory has none)."""
+    import json
+
+    import pytest
+    from qwen3_vl_moe_testing import SPECS
+    from qwen3_vl_testing import tiny_qwen3_vl_config
+
+    from tessera.models.registry import load_model
+
+    cfg = tiny_qwen3_vl_config(SPECS["moe"]).to_dict()
+    del cfg["vision_config"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="vision_config.out_hidden_size"):
+        load_model(tmp_path, torch.float32)

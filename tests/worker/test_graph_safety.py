@@ -48,6 +48,7 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
     from tests.models import pixtral_testing as pixtral
     from tests.models import qwen2_5_vl_testing as qwen2_5_vl
     from tests.models import qwen2_vl_testing as qwen2_vl
+    from tests.models import qwen3_vl_moe_testing as qwen3_vl_moe
     from tests.models import qwen3_vl_testing as qwen3_vl
 
     return {
@@ -59,6 +60,7 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
         "Cosmos3EdgeForConditionalGeneration": lambda: cosmos3.tiny_cosmos3_edge_config(cosmos3.EDGE_SPECS["gqa"]),
         "Cosmos3OmniForConditionalGeneration": lambda: qwen3_vl.tiny_qwen3_vl_config(qwen3_vl.SPECS["gqa"],
                                                                                      architecture=cosmos3.OMNI),
+        "Qwen3VLMoeForConditionalGeneration": lambda: qwen3_vl.tiny_qwen3_vl_config(qwen3_vl_moe.SPECS["moe"]),
         "Qwen2AudioForConditionalGeneration": lambda: Qwen2AudioConfig(
             text_config=_text(model_type="qwen2"), architectures=["Qwen2AudioForConditionalGeneration"],
             audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
