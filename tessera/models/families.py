@@ -141,6 +141,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            model_types=("llama4",), backend_needs=frozenset({"custom_mask"}),
            notes="tensor parallelism (MoE layers); rope_type dynamic; chunked attention runs as per-request "
                  "masks (no decode K/V mirror)", quantization=_QUANT_MOE),
+    Family("Kimi_K25ForConditionalGeneration", "tessera.models.kimi_k25:Kimi_K25ForConditionalGeneration",
+           "tessera.multimodal.processors.kimi_k25:KimiK25Processor", frozenset({IMAGE}), "rope",
+           model_types=("kimi_k25",),
+           notes="videos; tensor parallelism (MLA and MoE layers); the latent KV cache (the pool holds decompressed "
+                 "per-head K/V, V zero-padded); LoRA on the MoE experts; multi-token prediction layers",
+           quantization=_QUANT_MOE),
     Family("WhisperForConditionalGeneration", "tessera.models.whisper:WhisperForConditionalGeneration",
            "tessera.multimodal.processors.whisper:WhisperAudioProcessor", frozenset({AUDIO}), "learned",
            model_types=("whisper",), encoder_decoder=True,

@@ -19,6 +19,7 @@ from tessera.models.registry import load_model
 from tests.models import (
     gemma3_testing,
     internvl_testing,
+    kimi_k25_testing,
     llama4_testing,
     llava_next_testing,
     llava_testing,
@@ -33,6 +34,7 @@ from tests.models.fixture_checks import MIN_MARGIN, top2_margin
 FAMILIES: dict[str, FamilyFixture] = {
     "gemma3": gemma3_testing.FIXTURE,
     "internvl": internvl_testing.FIXTURE,
+    "kimi_k25": kimi_k25_testing.FIXTURE,
     "llama4": llama4_testing.FIXTURE,
     "llava": llava_testing.FIXTURE,
     "llava_next": llava_next_testing.FIXTURE,
