@@ -106,6 +106,7 @@ class MLAttention(nn.Module):
         self.layer_id = layer_id
         hidden = int(text.hidden_size)
         self.num_heads = int(text.num_attention_heads)
+        self.num_kv_heads = self.num_heads  # decompressed K/V: one per query head (CausalLM.kv_layout reads it)
         self.nope, self.rope = int(text.qk_nope_head_dim), int(text.qk_rope_head_dim)
         self.v_dim, self.kv_rank = int(text.v_head_dim), int(text.kv_lora_rank)
         self.qk_dim = self.nope + self.rope
