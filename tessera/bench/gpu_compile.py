@@ -299,8 +299,42 @@ def drive_lora(shape: Shape, dtype: torch.dtype, note: Callable[[str], None]) ->
                                         slots)
 
 
-DRIVERS: tuple[Callable[[Shape, torch.dtype, Callable[[str], None]], None], ...] = (drive_triton_attention,
-                                                                                   drive_triton_ops, drive_lora)
+@functools.cache
+def moe_sizes() -> dict[str, tuple[int, int, int, int]]:
+    """family name -> (hidden, expert intermediate, experts, top-k) of its default config, for the MoE families."""
+    sizes = {}
+    for source, hf_config in family_configs():
+        text = hf_config.get_text_config()
+        experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+        if experts:
+            inter = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
+            sizes[source] = (int(text.hidden_size), int(inter), int(experts), int(text.num_experts_per_tok))
+    return sizes
+
+
+def drive_moe(shape: Shape, dtype: torch.dtype, note: Callable[[str], None]) -> None:
+    """The MoE kernel (layers/moe_triton.py) at each MoE family's expert sizes (under the shape that names the
+    family), a decode batch and a prefill's rows (the two block sizes), the routing weight on the output and on
+    the input. The weights are never read (nothing runs), so 4 experts stand for all and stay unallocated."""
+    from tessera.layers.decoder import GatedActivation
+    from tessera.layers.moe_triton import triton_grouped_experts
+
+    for source in shape.source.split(", "):
+        if source not in moe_sizes():
+            continue
+        hidden, inter, experts, top_k = moe_sizes()[source]
+        experts = min(experts, 4)
+        w13, w2 = torch.empty(experts, hidden, 2 * inter, dtype=dtype), torch.empty(experts, inter, hidden, dtype=dtype)
+        for rows in (3, 200):
+            note(f"{source} {str(dtype).removeprefix('torch.')} MoE {rows} rows")
+            ids = torch.arange(rows * top_k).remainder(experts).view(rows, top_k)
+            for on_input in (False, True):
+                triton_grouped_experts(torch.zeros(rows, hidden, dtype=dtype), w13, w2, ids,
+                                       torch.ones(rows, top_k, dtype=dtype), GatedActivation("silu"), on_input)
+
+
+DRIVERS: tuple[Callable[[Shape, torch.dtype, Callable[[str], None]], None], ...] = (
+    drive_triton_attention, drive_triton_ops, drive_lora, drive_moe)
 
 
 def record_launches(kernels: dict[str, Any]) -> list[Launch]:
