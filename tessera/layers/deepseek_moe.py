@@ -7,9 +7,11 @@ them. The chosen experts are WEIGHTED by their unbiased scores, normalised to su
 routed_scaling_factor. The output is sum_k w_k expert_k(x) plus the shared experts' gated MLP of x (one MLP of
 moe_intermediate_size x n_shared_experts).
 
-Expert weights keep transformers' stacked layout: gate_up [E, 2 * inter, hidden] ([gate | up] rows) and down
-[E, hidden, inter]. Checkpoints store one tensor per expert and projection (`experts.3.gate_proj.weight`), which
-the loader writes into its slice (ExpertStack.load_shard).
+The routed sum is the shared grouped expert computation (layers/moe.grouped_experts, weights on the experts'
+outputs), over its stacked layout: gate_up [E, hidden, 2 * inter] ([gate | up] on the last dim) and down
+[E, inter, hidden]. DeepSeek-V3 checkpoints store one F.linear weight per expert and projection
+(`experts.3.gate_proj.weight` [inter, hidden]), which the loader writes, transposed, into its slice of the stack
+(ExpertStack.load_shard).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch import nn
 
 from tessera.distributed.parallel_state import tp_group
 from tessera.layers.decoder import GatedActivation, GatedMLP
+from tessera.layers.moe import grouped_experts
 
 
 class DeepseekRouter(nn.Module):
@@ -66,25 +69,25 @@ class DeepseekRouter(nn.Module):
 
 
 class ExpertStack(nn.Module):
-    """One stacked weight [E, rows, cols] whose checkpoint tensors are per expert ("3") or per expert and part
-    ("3.gate", "3.up": consecutive row blocks of `parts`)."""
+    """One stacked weight [E, in, out] (x @ weight[e]) whose checkpoint tensors are F.linear weights [out, in] per
+    expert ("3") or per expert and part ("3.gate", "3.up": consecutive column blocks of `parts`)."""
 
-    def __init__(self, num_experts: int, rows: int, cols: int, parts: tuple[str, ...] = ()):
+    def __init__(self, num_experts: int, in_features: int, out_features: int, parts: tuple[str, ...] = ()):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, rows, cols))
+        self.weight = nn.Parameter(torch.empty(num_experts, in_features, out_features))
         self.parts = parts
         self.shard_ids = [f"{e}.{p}" if p else str(e) for e in range(num_experts) for p in (parts or ("",))]
 
     @torch.no_grad()
     def load_shard(self, param_name: str, shard_id: str, loaded: torch.Tensor) -> None:
         expert, _, part = shard_id.partition(".")
-        rows = self.weight.shape[1] // max(len(self.parts), 1)
-        start = self.parts.index(part) * rows if part else 0
-        target = self.weight[int(expert), start:start + rows]
-        if tuple(loaded.shape) != tuple(target.shape):
+        cols = self.weight.shape[2] // max(len(self.parts), 1)
+        start = self.parts.index(part) * cols if part else 0
+        target = self.weight[int(expert), :, start:start + cols]
+        if tuple(loaded.shape) != (cols, self.weight.shape[1]):
             raise ValueError(f"expert shard {shard_id!r}: checkpoint shape {tuple(loaded.shape)}, "
-                             f"want {tuple(target.shape)}")
-        target.copy_(loaded)
+                             f"want {(cols, self.weight.shape[1])}")
+        target.copy_(loaded.t())
 
 
 class DeepseekMoE(nn.Module):
@@ -100,31 +103,14 @@ class DeepseekMoE(nn.Module):
         self.gate.lora_refusal = "LoRA on the MoE router is not supported"
         num = self.gate.num_experts
         self.experts = nn.Module()
-        self.experts.gate_up = ExpertStack(num, 2 * inter, hidden, ("gate", "up"))
-        self.experts.down = ExpertStack(num, hidden, inter)
+        self.experts.gate_up = ExpertStack(num, hidden, 2 * inter, ("gate", "up"))
+        self.experts.down = ExpertStack(num, inter, hidden)
         self.act = GatedActivation(str(text.hidden_act))
         shared = int(getattr(text, "n_shared_experts", None) or 0)
         self.shared_experts = GatedMLP(hidden, inter * shared, str(text.hidden_act)) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        routed = self.routed(x, weights.to(x.dtype), ids)
-        return routed if self.shared_experts is None else routed + self.shared_experts(x)
-
-    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        # TEMPORARY: one gather + two matmuls per expert that has tokens, until the grouped expert path of
-        # layers/moe.py (branch qwen3vlmoe) is merged; it replaces this method.
-        out = torch.zeros_like(x)
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.gate.num_experts).tolist()
-        tokens = order // ids.shape[1]
-        w = weights.reshape(-1)[order, None]
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = tokens[start:start + n]
-                h = self.act(x[rows] @ self.experts.gate_up.weight[e].t()) @ self.experts.down.weight[e].t()
-                out.index_add_(0, rows, h * w[start:start + n])
-            start += n
-        return out
+        shared = None if self.shared_experts is None else self.shared_experts(x)
+        return grouped_experts(x, self.experts.gate_up.weight, self.experts.down.weight, ids, weights, self.act,
+                               out=shared)

@@ -61,7 +61,7 @@ class TinySpec:
 
 SPECS = {
     # q through a LoRA rank, YaRN with mscale, interleaved rope pairs, 8 experts in 4 groups (2 chosen), top 3.
-    "yarn_qlora": TinySpec("yarn_qlora", hidden=48, layers=3, heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope=12,
+    "yarn_qlora": TinySpec("yarn_qlora", hidden=48, layers=3, heads=4, q_lora_rank=24, kv_lora_rank=16, qk_nope=16,
                            qk_rope=8, v_head=10, experts=8, groups=4, topk_group=2, top_k=3, shared=1,
                            first_dense=1, rope_interleave=True, yarn=True, tie=False, vision_hidden=32,
                            vision_layers=2, seed=0),
