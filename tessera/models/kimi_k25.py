@@ -12,7 +12,9 @@ Checkpoint names: Moonshot's own (`language_model.model.layers.*` with one tenso
 `vision_tower.encoder.blocks.*` with a fused `wqkv` in the interleaved rotary layout, `mm_projector.proj.{0,2}`),
 which transformers 5.24's `save_pretrained` also writes, with three quirks read here too: the text model's
 `layers` renamed `blocks`, `vision_tower.encoder.patch_embed` and `model.mm_projector.pre_norm`. The fused qkv is
-split and its q/k rows permuted as transformers' loader does (Chunk + PermuteForRope).
+split and its q/k rows permuted as transformers' loader does (Chunk + PermuteForRope). transformers' in-memory
+module names (`model.language_model.*`, `model.vision_tower.*`, `model.mm_projector.*`: what PEFT adapters name)
+map too, for the linear layers.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ GRID_KEY = "image_grid_thw"
 # Checkpoint name -> ours, first match wins; applied before the prefix rules (which then only drop or keep).
 _RENAMES: tuple[tuple[str, str], ...] = (
     (r"^language_model\.model\.(?:blocks|layers)\.", "model.layers."),
-    (r"^language_model\.model\.", "model."),
+    (r"^(?:language_model\.model|model\.language_model)\.", "model."),
     (r"^language_model\.lm_head\.", "lm_head."),
     (r"^vision_tower\.encoder\.blocks\.(\d+)\.norm0\.", r"vision_tower.layers.\1.norm1."),
     (r"^vision_tower\.encoder\.blocks\.(\d+)\.norm1\.", r"vision_tower.layers.\1.norm2."),
@@ -53,6 +55,7 @@ _RENAMES: tuple[tuple[str, str], ...] = (
     (r"^vision_tower\.encoder\.blocks\.(\d+)\.attn\.", r"vision_tower.layers.\1.attn."),
     (r"^vision_tower\.patch_embed\.pos_emb\.weight$", "vision_tower.patch_embed.pos_emb.position_embeddings"),
     (r"^vision_tower\.encoder\.", "vision_tower."),
+    (r"^model\.vision_tower\.", "vision_tower."),
     (r"^mm_projector\.proj\.0\.", "mm_projector.in_proj."),
     (r"^mm_projector\.proj\.2\.", "mm_projector.out_proj."),
     (r"^model\.mm_projector\.", "mm_projector."),

@@ -36,6 +36,9 @@ FAMILIES = {
     "qwen3_vl": ("qwen3_vl_testing", {}, {}, "model.visual."),
     "gemma3": ("gemma3_testing", {}, {}, "model.vision_tower."),
     "llama4": ("llama4_testing", {}, {}, "vision_model.", {"exclude_modules": ["router"]}),
+    # MLA's projections (q_a_proj and kv_a_proj_with_mqa into one fused matmul), dense and shared-expert MLPs; the
+    # DeepSeek router and the routed experts are not linears, so PEFT's all-linear leaves them out.
+    "kimi_k25": ("kimi_k25_testing", {}, {}, "model.vision_tower."),
 }
 
 
