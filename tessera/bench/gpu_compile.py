@@ -301,36 +301,26 @@ def drive_lora(shape: Shape, dtype: torch.dtype, note: Callable[[str], None]) ->
 
 @functools.cache
 def moe_sizes() -> dict[str, tuple[int, int, int, int]]:
-    """family name -> (hidden, expert intermediate, experts, top-k) of its default config, for the MoE families."""
-    sizes = {}
-    for source, hf_config in family_configs():
-        text = hf_config.get_text_config()
-        experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
-        if experts:
-            inter = getattr(text, "moe_intermediate_size", None) or text.intermediate_size
-            sizes[source] = (int(text.hidden_size), int(inter), int(experts), int(text.num_experts_per_tok))
-    return sizes
+    """MoE family name -> (hidden, expert intermediate, experts, top-k) of its default config."""
+    texts = [(source, hf_config.get_text_config()) for source, hf_config in family_configs()]
+    return {source: (t.hidden_size, getattr(t, "moe_intermediate_size", None) or t.intermediate_size,
+                     getattr(t, "num_local_experts", None) or t.num_experts, t.num_experts_per_tok)
+            for source, t in texts if getattr(t, "num_local_experts", None) or getattr(t, "num_experts", None)}
 
 
 def drive_moe(shape: Shape, dtype: torch.dtype, note: Callable[[str], None]) -> None:
-    """The MoE kernel (layers/moe_triton.py) at each MoE family's expert sizes (under the shape that names the
-    family), a decode batch and a prefill's rows (the two block sizes), the routing weight on the output and on
-    the input. The weights are never read (nothing runs), so 4 experts stand for all and stay unallocated."""
+    """layers/moe_triton.py at each MoE family's sizes, 3 and 200 rows (both block sizes), both weight placements."""
     from tessera.layers.decoder import GatedActivation
     from tessera.layers.moe_triton import triton_grouped_experts
 
-    for source in shape.source.split(", "):
-        if source not in moe_sizes():
-            continue
-        hidden, inter, experts, top_k = moe_sizes()[source]
-        experts = min(experts, 4)
-        w13, w2 = torch.empty(experts, hidden, 2 * inter, dtype=dtype), torch.empty(experts, inter, hidden, dtype=dtype)
-        for rows in (3, 200):
+    for source in (s for s in shape.source.split(", ") if s in moe_sizes()):
+        hidden, inter, _, k = moe_sizes()[source]
+        w13, w2 = torch.empty(4, hidden, 2 * inter, dtype=dtype), torch.empty(4, inter, hidden, dtype=dtype)
+        for rows, on_input in ((3, False), (3, True), (200, False), (200, True)):
             note(f"{source} {str(dtype).removeprefix('torch.')} MoE {rows} rows")
-            ids = torch.arange(rows * top_k).remainder(experts).view(rows, top_k)
-            for on_input in (False, True):
-                triton_grouped_experts(torch.zeros(rows, hidden, dtype=dtype), w13, w2, ids,
-                                       torch.ones(rows, top_k, dtype=dtype), GatedActivation("silu"), on_input)
+            x, ids, weights = torch.zeros(rows, hidden, dtype=dtype), torch.arange(rows * k).view(rows, k) % 4, \
+                torch.ones(rows, k, dtype=dtype)
+            triton_grouped_experts(x, w13, w2, ids, weights, GatedActivation("silu"), on_input)
 
 
 DRIVERS: tuple[Callable[[Shape, torch.dtype, Callable[[str], None]], None], ...] = (

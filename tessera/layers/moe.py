@@ -12,7 +12,8 @@ once; then every expert's rows go through its gate/up and down products in one c
   2.1 ms, 1 token 0.87 vs 0.72 ms (within the machine's noise); E=128, H=1024, I=384, 512 tokens: 113 vs
   192 ms. A batched bmm over groups padded to the largest one was slower everywhere (padding and scatter).
   Where torch lacks _grouped_mm (or it refuses the dtype) the per-expert loop runs instead.
-- CUDA: one Triton kernel per product over the expert-sorted rows (layers/moe_triton.py).
+- Where the layers run Triton (layers/fused.active: CUDA, or the interpreter): one Triton kernel per product
+  over the expert-sorted rows (layers/moe_triton.py); no host read, so a CUDA graph captures it.
 
 Stacked weight layout (what transformers writes to disk for Llama-4 and Qwen3-VL-MoE, and what the kernels
 take): `gate_up_proj` [E, H, 2 * I] with [gate | up] along the last dim, `down_proj` [E, I, H]; x @ w.
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from tessera.distributed.parallel_state import all_reduce, tp_group
+from tessera.layers import fused
 from tessera.layers.decoder import GatedActivation, GatedMLP
 from tessera.layers.linear import Linear
 
@@ -47,7 +49,7 @@ def _grouped_products(rows: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, c
         offs = counts.cumsum(0).to(torch.int32)
         try:
             return torch._grouped_mm(act(torch._grouped_mm(rows, w13, offs=offs)), w2, offs=offs)
-        except RuntimeError:  # a dtype or layout this torch's grouped matmul refuses: the loop below
+        except RuntimeError:  # rows not 16-byte multiples (odd test sizes) or a dtype it refuses: the loop below
             pass
     out = rows.new_empty(rows.shape[0], w2.shape[-1])
     start = 0
@@ -67,7 +69,7 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
     no repeats needed); topk_weights [T, k] (cast to x's dtype); act: [n, 2I] -> [n, I] (a GatedActivation,
     or its name). weights_on_input: scale each expert's input by its weight (Llama-4) instead of its output.
     out: [T, H] to accumulate into (e.g. a shared expert's output); a new zero tensor when None.
-    Returns [T, H] (`out` when given). On CUDA the Triton kernels run it (layers/moe_triton.py).
+    Returns [T, H] (`out` when given). On CUDA the Triton kernel runs it (layers/moe_triton.py).
     """
     if isinstance(act, str):
         act = GatedActivation(act)
@@ -79,7 +81,7 @@ def grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_i
     if x.shape[0] == 0:
         return out
     weights = topk_weights.to(x.dtype)
-    if x.is_cuda:
+    if fused.active(x):  # CUDA, and any tensor under TRITON_INTERPRET=1 (tests run the GPU's path there)
         from tessera.layers.moe_triton import triton_grouped_experts
 
         return out.add_(triton_grouped_experts(x, w13, w2, topk_ids, weights, act, weights_on_input))
@@ -109,6 +111,10 @@ class StackedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, 2 * inter))
         self.down_proj = nn.Parameter(torch.empty(num_experts, inter, hidden_size))
         self.act = GatedActivation(act)
+
+    def full_parameter_count(self) -> int:
+        """Every rank's share together (layers/linear.count_parameters)."""
+        return 3 * self.num_experts * self.hidden_size * self.full_intermediate
 
     @torch.no_grad()
     def load_param(self, param_name: str, loaded: torch.Tensor) -> None:
@@ -159,6 +165,7 @@ class SigmoidTopKMoE(nn.Module):
         # Refused at adapter load (layers/lora/adapter.py): a router adapter changes which experts run, and PEFT
         # cannot wrap transformers' Llama4Router (it returns scores and logits), so none could be checked.
         self.router.lora_refusal = "LoRA on the MoE router is not supported"
+        self.router.is_router = True  # stays float under --torchao-config (its choices are discrete)
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, act)
         self.shared_expert = GatedMLP(hidden_size, intermediate_size, act)
 
@@ -182,6 +189,7 @@ class SoftmaxTopKMoE(nn.Module):
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.gate = Linear(hidden_size, num_experts, bias=False)
         self.gate.lora_refusal = "LoRA on the MoE router is not supported"
+        self.gate.is_router = True
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, act, linear_layout=True)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,7 +73,8 @@ def align_blocks(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tupl
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # Not torch.bincount: on CUDA it reads the largest id back to the host, which a CUDA graph cannot capture.
+    counts = flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = padded.cumsum(0)
     starts = counts.cumsum(0) - counts

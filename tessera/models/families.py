@@ -127,6 +127,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "tessera.multimodal.processors.qwen3_vl:Qwen3VLProcessor", frozenset({IMAGE, VIDEO}), "mrope",
            model_types=("qwen3_vl",),
            notes="precomputed embeddings without the DeepStack levels (they are hidden x (1 + levels) wide)"),
+    Family("Qwen3VLMoeForConditionalGeneration", "tessera.models.qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
+           "tessera.multimodal.processors.qwen3_vl:Qwen3VLProcessor", frozenset({IMAGE, VIDEO}), "mrope",
+           model_types=("qwen3_vl_moe",),
+           notes="precomputed embeddings without the DeepStack levels; LoRA on the experts and the router; expert "
+                 "parallelism (tensor parallelism shards each expert's intermediate dim)", quantization=_QUANT_MOE),
     Family("InternVLForConditionalGeneration", "tessera.models.internvl:InternVLForConditionalGeneration",
            "tessera.multimodal.processors.internvl:InternVLProcessor", frozenset({IMAGE}), "rope",
            model_types=("internvl",),

@@ -47,7 +47,7 @@ class Llama4ForCausalLM(CausalLM):
     """The text model alone (`model.*`, `lm_head.*`)."""
 
     decoder_model_class = Llama4DecoderModel
-    cuda_graph_decode = False  # chunked-attention masks are planned on the host; MoE routing reads counts back
+    cuda_graph_decode = False  # chunked-attention masks are planned on the host
 
 
 class Llama4ForConditionalGeneration(CausalLM):
@@ -55,7 +55,7 @@ class Llama4ForConditionalGeneration(CausalLM):
     `precomputed_embedding` [n * tokens_per_tile, hidden]."""
 
     decoder_model_class = Llama4DecoderModel
-    cuda_graph_decode = False  # chunked-attention masks are planned on the host; MoE routing reads counts back
+    cuda_graph_decode = False  # chunked-attention masks are planned on the host
 
     def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
                  language_model_only: bool = False):

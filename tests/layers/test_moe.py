@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tessera.layers import moe
+from tessera.layers.linear import count_parameters
 from tessera.layers.moe import SoftmaxTopKMoE, StackedExperts, grouped_experts
 
 
@@ -87,8 +88,10 @@ def test_stacked_experts_load_either_layout_and_their_tensor_parallel_share(monk
         share = StackedExperts(E, H, I, "silu")
         share.load_param("gate_up_proj", on_disk_13)
         share.load_param("down_proj", on_disk_2)
-        assert share.gate_up_proj.shape == (E, H, I) and torch.equal(share.down_proj, on_disk_2[:, 3 * rank:3 * rank + 3])
+        assert share.gate_up_proj.shape == (E, H, I)
+        assert torch.equal(share.down_proj, on_disk_2[:, 3 * rank:3 * rank + 3])
         parts.append(share(x, ids, weights))
+        assert count_parameters(share, 2) == on_disk_13.numel() + on_disk_2.numel()
     torch.testing.assert_close(parts[0] + parts[1], full, atol=1e-5, rtol=1e-5)
 
 
@@ -114,3 +117,20 @@ def test_softmax_router_renormalises_the_top_k_like_transformers() -> None:
     assert torch.equal(ids, hf_ids)
     torch.testing.assert_close(weights, hf_weights)
     torch.testing.assert_close(weights.sum(-1), torch.ones(9))
+
+
+@pytest.mark.parametrize("step,dense", [(1, []), (2, [3]), (3, [0, 2])])
+def test_qwen3_vl_moe_sparse_layers_are_transformers(step, dense) -> None:
+    from transformers import Qwen3VLMoeTextConfig
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import (
+        Qwen3VLMoeTextDecoderLayer,
+        Qwen3VLMoeTextSparseMoeBlock,
+    )
+
+    from tessera.models.qwen3_vl_moe import moe_layer_ids
+
+    cfg = Qwen3VLMoeTextConfig(hidden_size=8, intermediate_size=8, moe_intermediate_size=4, num_experts=2,
+                               num_experts_per_tok=1, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                               decoder_sparse_step=step, mlp_only_layers=dense)
+    want = {i for i in range(6) if isinstance(Qwen3VLMoeTextDecoderLayer(cfg, i).mlp, Qwen3VLMoeTextSparseMoeBlock)}
+    assert moe_layer_ids(cfg) == want and want

@@ -1,6 +1,6 @@
-"""The Triton MoE kernel (layers/moe_triton.py) against the torch grouped path (layers/moe.py) in float32, both
-routing-weight placements, decode-sized and prefill-sized block plans, an expert without tokens. On a CPU the
-kernel runs in Triton's interpreter, in a subprocess; on a GPU, on the device."""
+"""The Triton MoE kernel (layers/moe_triton.py), through layers/moe.grouped_experts, against a per-token reference
+in float32: both routing-weight placements, decode-sized and prefill-sized block plans, an expert without tokens.
+On a CPU the kernel runs in Triton's interpreter, in a subprocess; on a GPU, on the device."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.kernel_device import DEVICE, RUNS_KERNELS, run_interpreted
-from tests.layers.test_moe import random_moe
+from tests.layers.test_moe import naive_moe, random_moe
 
 pytestmark = pytest.mark.cuda
 needs_kernels = pytest.mark.skipif(not RUNS_KERNELS, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -36,14 +36,12 @@ def test_blocks_are_aligned_per_expert() -> None:
 @pytest.mark.parametrize("weights_on_input", [False, True], ids=["weights-on-output", "weights-on-input"])
 @pytest.mark.parametrize("num_tokens,top_k", [(3, 2), (70, 2)])  # block_m 16 (decode), 64 (prefill)
 def test_triton_experts_match_the_torch_path(weights_on_input, num_tokens, top_k) -> None:
-    from tessera.layers.decoder import GatedActivation
     from tessera.layers.moe import grouped_experts
-    from tessera.layers.moe_triton import triton_grouped_experts
 
     # Odd sizes: H and 2I not multiples of the blocks; the last expert gets no tokens.
     x, w13, w2, ids, weights = random_moe(num_tokens, 5, 40, 36, top_k, seed=1)
-    want = grouped_experts(x, w13, w2, ids, weights, "silu", weights_on_input=weights_on_input)
-    act = GatedActivation("silu")
+    want = naive_moe(x, w13, w2, ids, weights, "silu", weights_on_input)
     args = [t.to(DEVICE) for t in (x, w13, w2, ids, weights)]
-    got = triton_grouped_experts(*args, act, weights_on_input)
-    torch.testing.assert_close(got.cpu(), want, atol=1e-5, rtol=1e-5)
+    # grouped_experts takes the kernel here (CUDA, or the interpreter), and adds into `out`.
+    got = grouped_experts(*args, "silu", weights_on_input=weights_on_input, out=torch.ones_like(args[0]))
+    torch.testing.assert_close(got.cpu() - 1, want, atol=1e-5, rtol=1e-5)

@@ -34,6 +34,7 @@ FAMILIES = {
     "pixtral": ("pixtral_testing", {}, {}, "model.vision_tower."),
     "qwen2_5_vl": ("qwen2_5_vl_testing", {}, {}, "model.visual."),
     "qwen3_vl": ("qwen3_vl_testing", {}, {}, "model.visual."),
+    "qwen3_vl_moe": ("qwen3_vl_moe_testing", {}, {}, "model.visual."),  # attention, dense MLP (not the experts)
     "gemma3": ("gemma3_testing", {}, {}, "model.vision_tower."),
     "llama4": ("llama4_testing", {}, {}, "vision_model.", {"exclude_modules": ["router"]}),
     # MLA's projections (q_a_proj and kv_a_proj_with_mqa into one fused matmul), dense and shared-expert MLPs; the

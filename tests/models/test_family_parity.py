@@ -25,6 +25,7 @@ from tests.models import (
     llava_testing,
     pixtral_testing,
     qwen2_5_vl_testing,
+    qwen3_vl_moe_testing,
     qwen3_vl_testing,
 )
 from tests.models.family_parity import ATOL, FamilyCase, FamilyFixture, hf_last_hidden, media_embeds, our_greedy, \
@@ -41,6 +42,7 @@ FAMILIES: dict[str, FamilyFixture] = {
     "pixtral": pixtral_testing.FIXTURE,
     "qwen2_5_vl": qwen2_5_vl_testing.FIXTURE,
     "qwen3_vl": qwen3_vl_testing.FIXTURE,
+    "qwen3_vl_moe": qwen3_vl_moe_testing.FIXTURE,
 }
 
 

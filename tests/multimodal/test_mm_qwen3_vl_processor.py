@@ -199,3 +199,21 @@ def test_deferred_images_match_eager(hf_pair, make):
 
     prompt = chat(hf_pair, ["image", "Describe."])
     assert_deferred_matches_eager(make, prompt, [(32, 32), (33, 95), (300, 200), (700, 90)])
+
+
+def test_qwen3_vl_moe_config_takes_the_same_processor():
+    """A Qwen3-VL-MoE checkpoint (its config class, its family row) is processed as HF's Qwen3VLProcessor does."""
+    from tessera.multimodal.processors.qwen3_vl import Qwen3VLProcessor
+    from tests.models.qwen3_vl_moe_testing import CHECKPOINT_SPEC as MOE_SPEC
+
+    pair = tiny_qwen3_vl_processor_and_config(MOE_SPEC)
+    assert type(pair[1]).__name__ == "Qwen3VLMoeConfig"
+    images = [scene_image(3, (200, 120))]
+    frames = [f.resize((64, 96)) for f in scene_frames(6)][:4]
+    prompt = chat(pair, ["image", "video", "Describe."])
+    with processor_factory(*pair) as make:
+        proc = make()
+        assert type(proc) is Qwen3VLProcessor
+        loaded = proc.load_mm_data_sync(image_data=images, video_data=[frames])
+        out = proc.process_and_combine_mm_data(prompt, None, loaded)
+    assert_matches_hf(out, hf_reference(pair, prompt, images=images, clips=tuple(loaded.videos)), pair[1])

@@ -44,6 +44,19 @@ def hf_reply(path, hf_class, images, question: str, max_tokens: int) -> str:
     return processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
+def check_image_chats_match_hf(base_url: str, path, hf_class, image_sets, question: str, max_tokens: int) -> None:
+    """Each image set's served answer equals HF generate's, runs max_tokens long, and the answers differ (they
+    depend on the images)."""
+    answers = []
+    for used in image_sets:
+        reply = served_reply(base_url, path.name, used, question, max_tokens)
+        expected = hf_reply(path, hf_class, used, question, max_tokens)
+        assert reply.choices[0].message.content == expected
+        assert reply.usage.completion_tokens == max_tokens
+        answers.append(expected)
+    assert len(set(answers)) > 1, "the answer does not depend on the images"
+
+
 def check_model_info(base_url: str, architecture: str, video: bool = False, audio: bool = False) -> None:
     """/model_info names the architecture and reports image input, and video and audio input as given."""
     import httpx

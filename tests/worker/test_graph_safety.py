@@ -46,6 +46,7 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
     from tests.models import pixtral_testing as pixtral
     from tests.models import qwen2_5_vl_testing as qwen2_5_vl
     from tests.models import qwen2_vl_testing as qwen2_vl
+    from tests.models import qwen3_vl_moe_testing as qwen3_vl_moe
     from tests.models import qwen3_vl_testing as qwen3_vl
 
     return {
@@ -54,6 +55,7 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
         "Qwen2VLForConditionalGeneration": lambda: qwen2_vl.tiny_vl_config(),
         "Qwen2_5_VLForConditionalGeneration": lambda: qwen2_5_vl.tiny_qwen2_5_vl_config(qwen2_5_vl.SPECS["gqa"]),
         "Qwen3VLForConditionalGeneration": lambda: qwen3_vl.tiny_qwen3_vl_config(qwen3_vl.SPECS["gqa"]),
+        "Qwen3VLMoeForConditionalGeneration": lambda: qwen3_vl.tiny_qwen3_vl_config(qwen3_vl_moe.SPECS["moe"]),
         "Qwen2AudioForConditionalGeneration": lambda: Qwen2AudioConfig(
             text_config=_text(model_type="qwen2"), architectures=["Qwen2AudioForConditionalGeneration"],
             audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
