@@ -17,7 +17,7 @@ from torch import nn
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.distributed.parallel_state import tp_group
 from tessera.layers.attention import BaseAttentionBackend
-from tessera.layers.decoder import DecoderDims, DecoderOptions, GatedMLP
+from tessera.layers.decoder import DecoderDims, DecoderLayer, DecoderOptions, GatedMLP
 from tessera.layers.deepseek_moe import DeepseekMoE
 from tessera.layers.forward_batch import ForwardBatch
 from tessera.layers.linear import VocabParallelEmbedding
@@ -31,26 +31,17 @@ def is_moe_layer(text: Any, layer_id: int) -> bool:
     return bool(getattr(text, "n_routed_experts", None)) and layer_id >= first and layer_id % freq == 0
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(DecoderLayer):
+    """The shared pre-norm block (its forward) over MLA and the dense or MoE feed-forward."""
+
     def __init__(self, text: Any, layer_id: int, attn_backend: BaseAttentionBackend):
-        super().__init__()
+        nn.Module.__init__(self)  # not DecoderLayer's: its attention is the GQA one
         hidden, eps = int(text.hidden_size), float(text.rms_norm_eps)
         self.self_attn = MLAttention(text, layer_id, attn_backend)
         self.mlp: nn.Module = (DeepseekMoE(text) if is_moe_layer(text, layer_id) else
                                GatedMLP(hidden, int(text.intermediate_size), str(text.hidden_act)))
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                fb: ForwardBatch, pool: TokenToKVPool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (feed-forward output, residual); the caller adds them (fused into the next norm)."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, fb, pool)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class DeepseekDecoderModel(nn.Module):

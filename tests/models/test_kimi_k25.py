@@ -86,3 +86,29 @@ def test_inconsistent_config_is_one_error_before_weights(tmp_path, field, value,
     (tmp_path / "config.json").write_text(json.dumps(cfg))  # no weights: the error must come first
     with pytest.raises(ValueError, match=message):
         load_model(tmp_path, torch.float32)
+
+
+def test_int8_linears_match_hf_dequantized(tmp_path, monkeypatch):
+    """--torchao-config int8wo: MLA's projections and the dense and shared-expert MLPs quantized (the fused
+    q_a / kv_a projection quantizes row by row, as HF's two linears do), the router and the routed experts float
+    (neither is an nn.Linear in HF); an image prompt's prefill and greedy tokens equal HF's over the dequantized
+    weights."""
+    from tessera.layers import half_linear
+    from tessera.layers.linear import Linear
+    from tessera.layers.quantization.int_linear import fake_quantize_
+    from tessera.models.registry import load_model
+    from tests.models.family_parity import our_greedy, our_logits
+    from tests.models.kimi_k25_testing import DECODE_PROMPT
+
+    monkeypatch.setattr(half_linear, "_BF16_COMPUTE", False)  # HF multiplies the dequantized weights in float32
+    spec = SPECS["yarn_qlora"]
+    hf = build_tiny_kimi(tmp_path, spec)
+    ours, _ = load_model(tmp_path, torch.float32, torchao_config="int8wo")
+    # HF: q_a, q_b, kv_a, kv_b, o x 3 layers, gate, up, down of the dense layer and of each layer's shared experts
+    assert fake_quantize_(hf, "int8wo", "model.language_model.") == 5 * 3 + 3 * 3
+    assert sum(isinstance(m, Linear) and m.quantized is not None for m in ours.model.modules()) == 4 * 3 + 2 * 3
+    case = KimiCase(spec, hf, ours, tmp_path)
+    prompt = case.prompt(PROMPTS["two_sizes"], seed=1)
+    torch.testing.assert_close(our_logits(case, prompt), case.hf_logits(prompt), atol=1e-4, rtol=0)
+    decode = case.prompt(DECODE_PROMPT, seed=0)
+    assert our_greedy(case, [decode], 6)[0] == [case.hf_greedy(decode, 6)[0]]
