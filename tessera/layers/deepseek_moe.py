@@ -59,8 +59,8 @@ class DeepseekRouter(nn.Module):
             group_scores = biased.view(t, self.num_groups, -1).topk(2, dim=-1).values.sum(dim=-1)
             groups = group_scores.topk(self.topk_group, dim=-1, sorted=False).indices
             keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-            biased = biased.masked_fill(~keep.repeat_interleave(self.num_experts // self.num_groups, dim=1),
-                                        float("-inf"))
+            keep = keep.unsqueeze(-1).expand(t, self.num_groups, self.num_experts // self.num_groups)
+            biased = biased.masked_fill(~keep.reshape(t, self.num_experts), float("-inf"))
         ids = biased.topk(self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, ids)
         if self.norm_topk_prob:

@@ -137,7 +137,7 @@ class Kimi_K25ForConditionalGeneration(CausalLM):  # noqa: N801 (transformers' a
     ([1, 1, h, w]), or a `precomputed_embedding` [(h / 2) * (w / 2), hidden]."""
 
     decoder_model_class = DeepseekDecoderModel
-    cuda_graph_decode = False  # MoE routing reads the experts' token counts back on the host
+    cuda_graph_decode = True  # MLA, the router and the grouped experts' Triton kernel read nothing back
 
     def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
                  language_model_only: bool = False):
@@ -170,9 +170,9 @@ class Kimi_K25ForConditionalGeneration(CausalLM):  # noqa: N801 (transformers' a
         """transformers embeds media placeholder ids as token 0 (their rows are then replaced by the media's), so a
         GENERATED <|media_pad|> is token 0's embedding in the next step: the same here."""
         ids = fb.input_ids
-        media = [t for t in (self.config.image_token_id, self.config.video_token_id) if t is not None]
-        if media:
-            ids = ids.masked_fill(torch.isin(ids, torch.tensor(media, device=ids.device)), 0)
+        for media in (self.config.image_token_id, self.config.video_token_id):
+            if media is not None:  # compared with a Python int: no host tensor in a captured decode step
+                ids = ids.masked_fill(ids == media, 0)
         return merge_mm_embeddings(self.model.embed_tokens(ids), fb.mm_embed_rows, fb.mm_embeds)
 
     def encoders(self) -> dict[Modality, Encoder]:
