@@ -115,8 +115,8 @@ class MLAttention(nn.Module):
         q_rank = getattr(text, "q_lora_rank", None)
         bias = bool(getattr(text, "attention_bias", False))
         q_out = int(q_rank) if q_rank is not None else self.num_heads * self.qk_dim
-        if q_rank is not None and bias:
-            raise NotImplementedError("attention_bias with q_lora_rank: q_a_proj's bias is not supported")
+        if q_rank is None and bias:  # q_proj has no bias where kv_a_proj_with_mqa has one: not one fused matmul
+            raise NotImplementedError("attention_bias without q_lora_rank is not supported")
         self.qkv_a_proj = MergedLinear(hidden, {"q": q_out, "kv": self.kv_rank + self.rope}, bias=bias)
         # transformers builds both latent norms with its default eps (1e-6), not the config's rms_norm_eps
         self.q_a_layernorm = RMSNorm(int(q_rank), 1e-6) if q_rank is not None else None

@@ -61,6 +61,7 @@ _RENAMES: tuple[tuple[str, str], ...] = (
     (r"^model\.mm_projector\.", "mm_projector."),
 )
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _WQKV = re.compile(r"^(vision_tower\.encoder\.blocks\.\d+)\.wqkv\.(weight|bias)$")
 
 
@@ -69,6 +70,9 @@ class KimiWeightMapping(WeightMapping):
     """Moonshot's and transformers' checkpoint names (module docstring) onto ours."""
 
     vision_heads: int = 1  # the fused qkv's rotary permutation is per head
+    # Layers from here on are DeepSeek's multi-token prediction modules (`num_nextn_predict_layers`), which
+    # transformers does not load either: dropped.
+    num_layers: int = 1 << 30
 
     def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The vision blocks' fused wqkv -> q, k, v, q and k permuted from interleaved rotary pairs to halves
@@ -91,6 +95,9 @@ class KimiWeightMapping(WeightMapping):
             if n:
                 name = renamed
                 break
+        layer = _LAYER.match(name)
+        if layer is not None and int(layer.group(1)) >= self.num_layers:
+            return None
         expert = _EXPERT.match(name)
         if expert is not None:
             stack, e, proj = expert.groups()
@@ -163,7 +170,7 @@ class Kimi_K25ForConditionalGeneration(CausalLM):  # noqa: N801 (transformers' a
                           ("mm_projector.", None if language_model_only else "mm_projector.")),
             stacked=MLA_STACKED_PARAMS + STACKED_PARAMS[3:],  # gate/up of the dense MLPs and shared experts
             stacked_prefix="model.",
-            vision_heads=int(config.hf_config.vision_config.num_attention_heads),
+            vision_heads=int(config.hf_config.vision_config.num_attention_heads), num_layers=config.num_layers,
         )
 
     def embed(self, fb: ForwardBatch) -> torch.Tensor:

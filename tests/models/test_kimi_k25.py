@@ -17,7 +17,8 @@ from tests.models.kimi_k25_testing import SPECS, PROMPTS, KimiCase, build_tiny_k
 def test_moonshot_checkpoint_names_load_to_the_same_model(tmp_path):
     """transformers writes the text layers as `blocks`, the patch embedding under `vision_tower.encoder` and the
     projector's norm under `model.`; Moonshot's checkpoints have `layers`, `vision_tower.patch_embed`,
-    `mm_projector.pre_norm`. Both load to the same logits."""
+    `mm_projector.pre_norm` (and may carry multi-token prediction layers, dropped). Both load to the same
+    logits."""
     from tessera.models.kimi_k25 import Kimi_K25ForConditionalGeneration
 
     spec = SPECS["plain_tied"]
@@ -32,6 +33,8 @@ def test_moonshot_checkpoint_names_load_to_the_same_model(tmp_path):
             name = name.replace(old, new, 1) if name.startswith(old) else name
         moonshot[name] = t
     assert moonshot.keys() != tensors.keys()
+    # A multi-token prediction layer after the last decoder layer (DeepSeek-V3 ships one; nobody loads it).
+    moonshot[f"language_model.model.layers.{spec.layers}.eh_proj.weight"] = torch.zeros(spec.hidden, 2 * spec.hidden)
     (tmp_path / "ms").mkdir()
     save_file(moonshot, str(tmp_path / "ms" / "model.safetensors"))
     (tmp_path / "ms" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
@@ -112,3 +115,17 @@ def test_int8_linears_match_hf_dequantized(tmp_path, monkeypatch):
     torch.testing.assert_close(our_logits(case, prompt), case.hf_logits(prompt), atol=1e-4, rtol=0)
     decode = case.prompt(DECODE_PROMPT, seed=0)
     assert our_greedy(case, [decode], 6)[0] == [case.hf_greedy(decode, 6)[0]]
+
+
+def test_attention_bias_matches_hf(tmp_path):
+    """attention_bias: q_a_proj's and kv_a_proj_with_mqa's biases (one fused projection here) and o_proj's."""
+    from tessera.models.registry import load_model
+    from tests.models.family_parity import ATOL, our_logits
+
+    spec = SPECS["yarn_qlora"]
+    hf = build_tiny_kimi(tmp_path, spec, attention_bias=True)
+    assert hf.model.language_model.layers[0].self_attn.q_a_proj.bias is not None
+    ours, _ = load_model(tmp_path, torch.float32)
+    case = KimiCase(spec, hf, ours, tmp_path)
+    prompt = case.prompt(PROMPTS["two_sizes"], seed=1)
+    torch.testing.assert_close(our_logits(case, prompt), case.hf_logits(prompt), atol=ATOL, rtol=0)
