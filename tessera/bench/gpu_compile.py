@@ -1,11 +1,11 @@
 """`python -m tessera.bench.gpu_compile`: every Triton kernel of the package compiled for real GPU targets
 (sm_80, sm_90) on a machine without a GPU, with the arguments its launcher really passes.
 
-Nothing is launched. The launchers (TritonAttentionBackend's init_forward_metadata + forward) run on small CPU
-tensors while every `@triton.jit` kernel of the package is replaced by a recorder; triton's own binder turns
-each recorded launch into the signature, constexprs and specialisation attributes (e.g. 16-byte divisibility)
-a GPU launch would compile, and identical ones compile once per target with triton's compiler and ptxas.
-A kernel that no driven launcher reaches counts as a failure, so a new kernel cannot go unchecked.
+Nothing is launched. The launchers (TritonAttentionBackend's init_forward_metadata + forward) run on small CPU tensors
+while every `@triton.jit` kernel of the package is replaced by a recorder; triton's own binder turns each recorded
+launch into the signature, constexprs and specialisation attributes (e.g. 16-byte divisibility) a GPU launch would
+compile, and identical ones compile once per target with triton's compiler and ptxas. A kernel that no driven launcher
+reaches counts as a failure, so a new kernel cannot go unchecked.
 
 The steps come from the family table, not from a list of cases: each family's default-constructed HF config
 (transformers' defaults are mostly the flagship's sizes) and the shipped demo checkpoints, read through

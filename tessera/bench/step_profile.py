@@ -98,8 +98,10 @@ def _tessera_steps(cfg: ProfileConfig, model_dir: str):
 def _hf_steps(cfg: ProfileConfig, model_dir: str):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForMultimodalLM
 
-    arch = (AutoConfig.from_pretrained(model_dir).architectures or [""])[0]
-    auto = (AutoModelForImageTextToText if "VL" in arch or arch.startswith("Cosmos3") else
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    arch = (hf_config.architectures or [""])[0]
+    # Vision-language models by their vision config (Kimi_K25ForConditionalGeneration has no "VL" in its name).
+    auto = (AutoModelForImageTextToText if "VL" in arch or hasattr(hf_config, "vision_config") else
             AutoModelForMultimodalLM if "Audio" in arch else AutoModelForCausalLM)
     model = auto.from_pretrained(model_dir).eval()
     vocab = model.config.get_text_config().vocab_size

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.layers.decoder import DecoderDims
+from tessera.layers.mla import mla_head_dim
 from tessera.messages.items import Modality
 from tessera.models.families import Family, family_for_config
 from tessera.models.quant_config import QuantConfig
@@ -122,6 +123,10 @@ class ModelConfig(DecoderDims):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
         head_dim = int(_global_attr(text, "head_dim") or text.hidden_size // num_heads)
+        if getattr(text, "kv_lora_rank", None):
+            # Multi-head latent attention (DeepSeek-V3, Kimi-K2): the pool holds every head's decompressed K and V
+            # (layers/mla.py), num_heads of them, each as wide as K's nope + rope dims.
+            num_kv_heads, head_dim = num_heads, mla_head_dim(text)
         rope = dict(getattr(text, "rope_parameters", None) or {})
         mrope = None
         if family.positions == "mrope":

@@ -179,6 +179,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            model_types=("mllama",),
            notes="tensor parallelism; deferred image preprocessing; CUDA graphs (cross-attention K/V are "
                  "per-request pool slots: every tile of every image)"),
+    Family("Kimi_K25ForConditionalGeneration", "tessera.models.kimi_k25:Kimi_K25ForConditionalGeneration",
+           "tessera.multimodal.processors.kimi_k25:KimiK25Processor", frozenset({IMAGE}), "rope",
+           model_types=("kimi_k25",),
+           notes="videos; tensor parallelism (MLA and MoE layers); the latent KV cache (the pool holds decompressed "
+                 "per-head K/V, V zero-padded); LoRA on the router and experts; multi-token prediction layers"),
     Family("WhisperForConditionalGeneration", "tessera.models.whisper:WhisperForConditionalGeneration",
            "tessera.multimodal.processors.whisper:WhisperAudioProcessor", frozenset({AUDIO}), "learned",
            model_types=("whisper",), encoder_decoder=True,

@@ -57,6 +57,11 @@ class WeightMapping:
     stacked_prefix: str = ""
     renames: tuple[tuple[str, str], ...] = ()
 
+    def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """A checkpoint tensor as the tensors it stands for, before renaming: itself, unless a family stores
+        several of our parameters in one (Kimi-K2.5's fused, rope-permuted vision qkv)."""
+        return [(name, tensor)]
+
     def map_name(self, name: str) -> tuple[str, str | None] | None:
         """Checkpoint name -> (our parameter name, shard id or None); None = drop; KeyError = unexpected."""
         if any(re.search(p, name) for p in self.ignore):
@@ -146,7 +151,7 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
     held: dict[str, dict[str | None, AffineWeight]] = {}  # our weight name -> its quantized shards so far
     placed: dict[str, str] = {}
     quantized = QuantizedCheckpoint(quant) if quant is not None else None
-    for ckpt_name, tensor in _checkpoint_tensors(model_path, quantized):
+    for ckpt_name, tensor in _converted(mapping, _checkpoint_tensors(model_path, quantized)):
         try:
             target = mapping.map_name(ckpt_name)
         except KeyError:
@@ -234,6 +239,12 @@ def _checkpoint_tensors(model_path: str | Path, quantized: QuantizedCheckpoint |
         yield from tensors if quantized is None else quantized.stream(tensors)
     except CheckpointFormatError as e:
         raise WeightLoadError(f"checkpoint {model_path}: {e}") from None
+
+
+def _converted(mapping: WeightMapping, tensors: Iterator[tuple[str, torch.Tensor | AffineWeight]]
+               ) -> Iterator[tuple[str, torch.Tensor | AffineWeight]]:
+    for name, tensor in tensors:
+        yield from mapping.convert(name, tensor) if isinstance(tensor, torch.Tensor) else [(name, tensor)]
 
 
 def _listing(title: str, names: list[str], limit: int = 20) -> str:

@@ -40,6 +40,9 @@ FAMILIES = {
     "llama4": ("llama4_testing", {}, {}, "vision_model.", {"exclude_modules": ["router"]}),
     "cosmos3_edge": ("cosmos3_testing", {}, {}, "model.visual."),
     "mllama": ("mllama_testing", {}, {}, "model.vision_model."),
+    # MLA's projections (q_a_proj and kv_a_proj_with_mqa into one fused matmul), dense and shared-expert MLPs; the
+    # DeepSeek router and the routed experts are not linears, so PEFT's all-linear leaves them out.
+    "kimi_k25": ("kimi_k25_testing", {}, {}, "model.vision_tower."),
 }
 
 

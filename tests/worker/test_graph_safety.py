@@ -43,6 +43,7 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
     from tests.models import gemma3_testing as gemma3
     from tests.models import gemma4_testing as gemma4
     from tests.models import internvl_testing as internvl
+    from tests.models import kimi_k25_testing as kimi_k25
     from tests.models import llama4_testing as llama4
     from tests.models import llava_testing as llava
     from tests.models import pixtral_testing as pixtral
@@ -75,6 +76,7 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
         "Gemma4ForConditionalGeneration": lambda: gemma4.tiny_gemma4_config(gemma4.SPECS["shared_kv"], **gemma4.MOE),
         "Gemma4ForCausalLM": lambda: gemma4.tiny_gemma4_config(gemma4.SPECS["plain"], **gemma4.MOE).text_config,
         "InternVLForConditionalGeneration": lambda: internvl.tiny_internvl_config(internvl.SPECS["qwen2_gqa"]),
+        "Kimi_K25ForConditionalGeneration": lambda: kimi_k25.tiny_kimi_config(kimi_k25.SPECS["yarn_qlora"]),
         "Llama4ForConditionalGeneration": lambda: llama4.tiny_llama4_config(llama4.SPECS["gqa_chunked"]),
         "Llama4ForCausalLM": lambda: llama4.tiny_llama4_config(llama4.SPECS["gqa_chunked"]).text_config,
         "WhisperForConditionalGeneration": lambda: WhisperConfig(
