@@ -14,9 +14,8 @@ in bf16, fp16 and fp32, as prefill, extend over a cached prefix, custom-mask ext
 them), decode planned on the host (int32) and decode planned the CUDA-graph way (int64 device tensors).
 A compiled kernel whose shared memory exceeds the target's limit is a failure too.
 
-    python -m tessera.bench.gpu_compile [--arch 80,90] [--jobs 2]
-
-Prints one line per failure and `N of M compiled`; exits 0 only when all compile.
+`python -m tessera.bench.gpu_compile [--arch 80,90] [--jobs 2]` prints one line per failure and `N of M compiled`;
+it exits 0 only when all compile.
 """
 
 from __future__ import annotations
