@@ -88,6 +88,10 @@ class ModelConfig(DecoderDims):
         from transformers import AutoConfig
 
         config = cls.from_hf(AutoConfig.from_pretrained(str(model_path)))
+        written = json.loads((Path(model_path) / "config.json").read_text()) if Path(model_path).is_dir() else {}
+        missing = [name for name in config.family.required_config if written and name not in written]
+        if missing:  # transformers would have filled in its defaults (another model's sizes) without a word
+            raise ValueError(f"config.json of a {config.architecture} checkpoint lacks {', '.join(missing)}")
         gen = Path(model_path) / "generation_config.json"
         return replace(config, generation_config=json.loads(gen.read_text())) if gen.exists() else config
 
@@ -110,7 +114,8 @@ class ModelConfig(DecoderDims):
         rope = dict(getattr(text, "rope_parameters", None) or {})
         mrope = None
         if family.positions == "mrope":
-            mrope = tuple(int(x) for x in rope.get("mrope_section", (16, 24, 24)))  # HF's default section
+            default = _MROPE_SECTION_DEFAULTS.get(str(getattr(hf_config, "model_type", "")), (16, 24, 24))
+            mrope = tuple(int(x) for x in rope.get("mrope_section", default))  # HF's default section
         tie = getattr(hf_config, "tie_word_embeddings", None)
         if tie is None:
             tie = getattr(text, "tie_word_embeddings", False)
@@ -163,6 +168,10 @@ class ModelConfig(DecoderDims):
             image_token_id=None, video_token_id=None, audio_token_id=None, hf_config=hf_config,
             cross_attention_len=int(hf_config.max_source_positions),
         )
+
+
+# transformers' mrope_section where the config gives none (Qwen2-VL's (16, 24, 24) for the rest).
+_MROPE_SECTION_DEFAULTS = {"glm4v": (8, 12, 12)}
 
 
 def _sliding_windows(text: Any) -> tuple[int | None, ...]:

@@ -52,6 +52,9 @@ class Family:
     # style embedding checkpoints), derived from the family's *ForCausalLM row (headless_family): served for
     # embeddings (the server is an embedding server by itself), the decoder's weights found without `model.`.
     headless: bool = False
+    # config.json fields the checkpoint must write out: transformers fills a missing one with its defaults (another
+    # model's sizes), so ModelConfig.load refuses the checkpoint by name before any weight loads.
+    required_config: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -127,6 +130,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            "tessera.multimodal.processors.qwen3_vl:Qwen3VLProcessor", frozenset({IMAGE, VIDEO}), "mrope",
            model_types=("qwen3_vl",),
            notes="precomputed embeddings without the DeepStack levels (they are hidden x (1 + levels) wide)"),
+    Family("Glm4vForConditionalGeneration", "tessera.models.glm4v:Glm4vForConditionalGeneration",
+           "tessera.multimodal.processors.glm4v:Glm4vProcessor", frozenset({IMAGE, VIDEO}), "mrope",
+           model_types=("glm4v",), required_config=("vision_config",),
+           notes="the MoE sibling (Glm4vMoeForConditionalGeneration, GLM-4.5V/4.6V); an image and a video in one "
+                 "prompt are served but unchecked (transformers 5.24 refuses them)"),
     Family("InternVLForConditionalGeneration", "tessera.models.internvl:InternVLForConditionalGeneration",
            "tessera.multimodal.processors.internvl:InternVLProcessor", frozenset({IMAGE}), "rope",
            model_types=("internvl",),

@@ -47,12 +47,28 @@ class WeightMapping:
     ignore: regexes (re.search) of checkpoint names to drop silently (e.g. stale rotary buffers).
     stacked_prefix: stacked rules apply only to our names starting with it (e.g. "model.", so that an
         encoder module with its own separate q_proj/k_proj/v_proj keeps them).
+    fused: (checkpoint module, the modules it concatenates along its rows in equal parts) pairs, e.g. GLM-4's
+        ("gate_up_proj", ("gate_proj", "up_proj")): such a tensor is split into those modules' tensors first,
+        which then map like any other (so the stacked rules place them as shards).
     """
 
     prefix_rules: tuple[tuple[str, str | None], ...]
     stacked: tuple[tuple[str, str, str], ...] = ()
     ignore: tuple[str, ...] = (r"rotary_emb\.inv_freq$",)
     stacked_prefix: str = ""
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    def split_fused(self, name: str, tensor: torch.Tensor | AffineWeight
+                    ) -> list[tuple[str, torch.Tensor | AffineWeight]]:
+        """A checkpoint tensor as the (name, tensor) pairs of the modules it concatenates; itself otherwise."""
+        for fused_mod, parts in self.fused:
+            segment = f".{fused_mod}."
+            if segment in name:
+                rows = tensor.shape[0] // len(parts)
+                pieces = (tensor.rows(i * rows, rows) if isinstance(tensor, AffineWeight) else tensor[i * rows:][:rows]
+                          for i in range(len(parts)))
+                return [(name.replace(segment, f".{part}.", 1), piece) for part, piece in zip(parts, pieces)]
+        return [(name, tensor)]
 
     def map_name(self, name: str) -> tuple[str, str | None] | None:
         """Checkpoint name -> (our parameter name, shard id or None); None = drop; KeyError = unexpected."""
@@ -138,7 +154,8 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
     held: dict[str, dict[str | None, AffineWeight]] = {}  # our weight name -> its quantized shards so far
     placed: dict[str, str] = {}
     quantized = QuantizedCheckpoint(quant) if quant is not None else None
-    for ckpt_name, tensor in _checkpoint_tensors(model_path, quantized):
+    for ckpt_name, tensor in ((n, t) for name, whole in _checkpoint_tensors(model_path, quantized)
+                              for n, t in mapping.split_fused(name, whole)):
         try:
             target = mapping.map_name(ckpt_name)
         except KeyError:

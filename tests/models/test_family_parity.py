@@ -18,6 +18,7 @@ import torch
 from tessera.models.registry import load_model
 from tests.models import (
     gemma3_testing,
+    glm4v_testing,
     internvl_testing,
     llama4_testing,
     llava_next_testing,
@@ -32,6 +33,7 @@ from tests.models.fixture_checks import MIN_MARGIN, top2_margin
 
 FAMILIES: dict[str, FamilyFixture] = {
     "gemma3": gemma3_testing.FIXTURE,
+    "glm4v": glm4v_testing.FIXTURE,
     "internvl": internvl_testing.FIXTURE,
     "llama4": llama4_testing.FIXTURE,
     "llava": llava_testing.FIXTURE,
