@@ -299,8 +299,32 @@ def drive_lora(shape: Shape, dtype: torch.dtype, note: Callable[[str], None]) ->
                                         slots)
 
 
-DRIVERS: tuple[Callable[[Shape, torch.dtype, Callable[[str], None]], None], ...] = (drive_triton_attention,
-                                                                                   drive_triton_ops, drive_lora)
+@functools.cache
+def moe_sizes() -> dict[str, tuple[int, int, int, int]]:
+    """MoE family name -> (hidden, expert intermediate, experts, top-k) of its default config."""
+    texts = [(source, hf_config.get_text_config()) for source, hf_config in family_configs()]
+    return {source: (t.hidden_size, getattr(t, "moe_intermediate_size", None) or t.intermediate_size,
+                     getattr(t, "num_local_experts", None) or t.num_experts, t.num_experts_per_tok)
+            for source, t in texts if getattr(t, "num_local_experts", None) or getattr(t, "num_experts", None)}
+
+
+def drive_moe(shape: Shape, dtype: torch.dtype, note: Callable[[str], None]) -> None:
+    """layers/moe_triton.py at each MoE family's sizes, 3 and 200 rows (both block sizes), both weight placements."""
+    from tessera.layers.decoder import GatedActivation
+    from tessera.layers.moe_triton import triton_grouped_experts
+
+    for source in (s for s in shape.source.split(", ") if s in moe_sizes()):
+        hidden, inter, _, k = moe_sizes()[source]
+        w13, w2 = torch.empty(4, hidden, 2 * inter, dtype=dtype), torch.empty(4, inter, hidden, dtype=dtype)
+        for rows, on_input in ((3, False), (3, True), (200, False), (200, True)):
+            note(f"{source} {str(dtype).removeprefix('torch.')} MoE {rows} rows")
+            x, ids, weights = torch.zeros(rows, hidden, dtype=dtype), torch.arange(rows * k).view(rows, k) % 4, \
+                torch.ones(rows, k, dtype=dtype)
+            triton_grouped_experts(x, w13, w2, ids, weights, GatedActivation("silu"), on_input)
+
+
+DRIVERS: tuple[Callable[[Shape, torch.dtype, Callable[[str], None]], None], ...] = (
+    drive_triton_attention, drive_triton_ops, drive_lora, drive_moe)
 
 
 def record_launches(kernels: dict[str, Any]) -> list[Launch]:

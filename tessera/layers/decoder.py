@@ -188,12 +188,16 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: DecoderDims, opts: DecoderOptions, layer_id: int, attn_backend: BaseAttentionBackend):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, opts, layer_id, attn_backend)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        self.mlp = self.build_mlp(cfg, layer_id)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         post = opts.post_block_norms
         self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post else None
         self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post else None
+
+    def build_mlp(self, cfg: DecoderDims, layer_id: int) -> nn.Module:
+        """The feed-forward: [T, H] -> [T, H]; a family whose layers differ there (a mixture of experts) overrides it."""
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 fb: ForwardBatch, pool: TokenToKVPool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -215,6 +219,8 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding table, decoder layers and final norm: `model.*` in the checkpoint."""
 
+    layer_class: type[DecoderLayer] = DecoderLayer
+
     def __init__(self, cfg: DecoderDims, opts: DecoderOptions, attn_backend: BaseAttentionBackend):
         super().__init__()
         if cfg.rope_type not in ("default", "mrope"):
@@ -222,7 +228,7 @@ class DecoderModel(nn.Module):
         self.attn_backend = attn_backend
         tp = tp_group()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp.rank, tp.size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, opts, i, attn_backend) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, opts, i, attn_backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         mrope = list(cfg.mrope_section) if cfg.mrope_section else None
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, mrope,

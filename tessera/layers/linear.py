@@ -281,6 +281,8 @@ def count_parameters(model: nn.Module, tp_size: int) -> int:
             own = m.vocab_size * m.weight.shape[1]
         elif isinstance(m, RowParallelLinear):
             own = m.out_features * m.full_in_features + (m.out_features if m.bias is not None else 0)
+        elif hasattr(m, "full_parameter_count"):  # a module that shards itself (layers/moe.StackedExperts)
+            own = m.full_parameter_count()
         elif isinstance(m, MergedLinear) and m.sources:
             rows = sum(m.sources[k][1] if k in m.sources else size for k, size in m.output_sizes.items())
             own = rows * (m.in_features + (1 if m.bias is not None else 0))

@@ -171,7 +171,7 @@ class ModelConfig(DecoderDims):
 
 
 # transformers' mrope_section where the config gives none (Qwen2-VL's (16, 24, 24) for the rest).
-_MROPE_SECTION_DEFAULTS = {"glm4v": (8, 12, 12)}
+_MROPE_SECTION_DEFAULTS = {"glm4v": (8, 12, 12), "glm4v_moe": (8, 12, 12)}
 
 
 def _sliding_windows(text: Any) -> tuple[int | None, ...]:

@@ -133,8 +133,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("Glm4vForConditionalGeneration", "tessera.models.glm4v:Glm4vForConditionalGeneration",
            "tessera.multimodal.processors.glm4v:Glm4vProcessor", frozenset({IMAGE, VIDEO}), "mrope",
            model_types=("glm4v",), required_config=("vision_config",),
-           notes="the MoE sibling (Glm4vMoeForConditionalGeneration, GLM-4.5V/4.6V); an image and a video in one "
+           notes="an image and a video in one prompt are served but unchecked (transformers 5.24 refuses them)"),
+    Family("Glm4vMoeForConditionalGeneration", "tessera.models.glm4v:Glm4vMoeForConditionalGeneration",
+           "tessera.multimodal.processors.glm4v:Glm4vProcessor", frozenset({IMAGE, VIDEO}), "mrope",
+           model_types=("glm4v_moe",), required_config=("vision_config",), quantization=_QUANT_MOE,
+           notes="tensor parallelism (MoE layers); LoRA on the experts and the router; an image and a video in one "
                  "prompt are served but unchecked (transformers 5.24 refuses them)"),
+    Family("Qwen3VLMoeForConditionalGeneration", "tessera.models.qwen3_vl_moe:Qwen3VLMoeForConditionalGeneration",
+           "tessera.multimodal.processors.qwen3_vl:Qwen3VLProcessor", frozenset({IMAGE, VIDEO}), "mrope",
+           model_types=("qwen3_vl_moe",),
+           notes="precomputed embeddings without the DeepStack levels; LoRA on the experts and the router; expert "
+                 "parallelism (tensor parallelism shards each expert's intermediate dim)", quantization=_QUANT_MOE),
     Family("InternVLForConditionalGeneration", "tessera.models.internvl:InternVLForConditionalGeneration",
            "tessera.multimodal.processors.internvl:InternVLProcessor", frozenset({IMAGE}), "rope",
            model_types=("internvl",),

@@ -54,7 +54,7 @@ def test_the_launches_cover_every_family_dtype_and_plan(recorded) -> None:
     assert {key.split(":")[1] for key in kernels} >= {"decode_kernel", "extend_kernel"}
     fused_names = ("_rmsnorm_kernel", "_norm_add_kernel", "_gated_mul_kernel", "_rotary_store_kernel")
     assert {key.split(":")[1] for key in kernels} >= set(fused_names)
-    seen, fused, lora = set(), set(), set()
+    seen, fused, lora, moe = set(), set(), set(), set()
     for launch in launches:
         sig = gpu_compile.bind(launch, 90)[0]
         if launch.kernel.__name__.startswith("lora_"):  # layers/lora/triton_lora.py: every one in every dtype
@@ -63,6 +63,8 @@ def test_the_launches_cover_every_family_dtype_and_plan(recorded) -> None:
             seen.add((launch.kernel.__name__, sig["Q"], sig["SeqLens"]))
         elif "PartAcc" in sig:  # split-KV decode's second pass
             seen.add((launch.kernel.__name__, sig["Out"], None))
+        elif "BlockExpert" in sig:  # layers/moe_triton.py: every dtype, both block sizes, both weight placements
+            moe.add((sig["A"], *(launch.kwargs[k] for k in ("BLOCK_M", "SCALE_A", "SCALE_C"))))
         else:  # the layers' fused kernels: every one in every dtype
             fused.add((launch.kernel.__name__, next(sig[k] for k in ("X", "QKV", "A") if k in sig)))
     dtypes = {mangle_type(torch.empty(0, dtype=d)) for d in gpu_compile.DTYPES}  # "*bf16", ...
@@ -74,6 +76,9 @@ def test_the_launches_cover_every_family_dtype_and_plan(recorded) -> None:
     assert {q for k, q, _ in seen if k == "decode_reduce_kernel"} == dtypes
     assert fused == {(k, d) for k in fused_names for d in dtypes}
     assert lora == {(k, d) for k in ("lora_shrink_kernel", "lora_expand_kernel") for d in dtypes}
+    # Per dtype and block size: x @ w13 (input scaled or not), then @ w2 (output scaled where the input was not).
+    assert moe == {(d, m, scale_a, scale_c) for d in dtypes for m in (16, 64)
+                   for scale_a, scale_c in ((False, False), (True, False), (False, True))}
     labels = " | ".join(launch.label for launch in launches)
     for family in FAMILIES.values():
         assert family.name in labels

@@ -15,6 +15,7 @@ BUILDERS = {
     "internvl": "tests.models.internvl_testing:make_tiny_internvl_checkpoint",
     "pixtral": "tests.models.pixtral_testing:make_tiny_pixtral_checkpoint",
     "qwen3_vl": "tests.models.qwen3_vl_testing:make_tiny_qwen3_vl_checkpoint",
+    "qwen3_vl_moe": "tests.models.qwen3_vl_moe_testing:make_tiny_qwen3_vl_moe_checkpoint",
 }
 
 

@@ -18,7 +18,7 @@ are <|image|> runs too), so it refuses a prompt holding both: the prompts here h
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,13 @@ class TinySpec:
     vision_heads: int
     image_size: int  # the learned position grid is (image_size / patch)^2, interpolated to each image
     seed: int
+    # GLM-4.5V (glm4v_moe) when experts > 0: DeepSeek-style routing over `experts` in n_group groups, layers from
+    # first_k_dense on sparse.
+    experts: int = 0
+    top_k: int = 2
+    n_group: int = 2
+    topk_group: int = 1
+    first_k_dense: int = 1
 
 
 SPECS = {
@@ -61,11 +68,18 @@ SPECS = {
                          partial_rotary_factor=0.5, mrope_section=(1, 2, 2), vision_hidden=24, vision_depth=2,
                          vision_heads=2, image_size=56, seed=1),
 }
+MOE_SPECS = {
+    "moe": TinySpec("moe", hidden=64, intermediate=88, layers=3, heads=2, kv_heads=1, tie=False,
+                    partial_rotary_factor=0.5, mrope_section=(2, 3, 3), vision_hidden=32, vision_depth=2,
+                    vision_heads=2, image_size=84, seed=4, experts=8, top_k=3, n_group=2, topk_group=1,
+                    first_k_dense=1),
+}
+ALL_SPECS = {**SPECS, **MOE_SPECS}
 
 
 def tiny_glm4v_config(spec: TinySpec, vocab_size: int = VOCAB, token_ids: dict[str, int] | None = None,
                       **text_extra):
-    from transformers import Glm4vConfig
+    from transformers import Glm4vConfig, Glm4vMoeConfig
 
     ids = token_ids or {"image": IMAGE_ID, "video": VIDEO_ID, "boi": BOI_ID, "eoi": EOI_ID, "bov": BOV_ID,
                         "eov": EOV_ID}
@@ -80,19 +94,25 @@ def tiny_glm4v_config(spec: TinySpec, vocab_size: int = VOCAB, token_ids: dict[s
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": list(spec.mrope_section),
                          "partial_rotary_factor": spec.partial_rotary_factor},
         **text_extra)
+    if spec.experts:
+        text.update(n_routed_experts=spec.experts, num_experts_per_tok=spec.top_k, n_group=spec.n_group,
+                    topk_group=spec.topk_group, first_k_dense_replace=spec.first_k_dense, n_shared_experts=1,
+                    moe_intermediate_size=spec.intermediate // 2 - 4, routed_scaling_factor=1.5, attention_bias=True)
     vision = dict(
         depth=spec.vision_depth, hidden_size=spec.vision_hidden, intermediate_size=2 * spec.vision_hidden + 6,
         num_heads=spec.vision_heads, out_hidden_size=spec.hidden, patch_size=PATCH, spatial_merge_size=MERGE,
         temporal_patch_size=TEMPORAL_PATCH, image_size=spec.image_size, in_channels=3, initializer_range=0.1)
-    return Glm4vConfig(text_config=text, vision_config=vision, image_token_id=ids["image"],
-                       video_token_id=ids["video"], image_start_token_id=ids["boi"], image_end_token_id=ids["eoi"],
-                       video_start_token_id=ids["bov"], video_end_token_id=ids["eov"], tie_word_embeddings=spec.tie,
-                       architectures=["Glm4vForConditionalGeneration"])
+    config_cls, arch = ((Glm4vMoeConfig, "Glm4vMoeForConditionalGeneration") if spec.experts else
+                        (Glm4vConfig, "Glm4vForConditionalGeneration"))
+    return config_cls(text_config=text, vision_config=vision, image_token_id=ids["image"], video_token_id=ids["video"],
+                      image_start_token_id=ids["boi"], image_end_token_id=ids["eoi"], video_start_token_id=ids["bov"],
+                      video_end_token_id=ids["eov"], tie_word_embeddings=spec.tie, architectures=[arch])
 
 
 def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
-    """In place: random norm weights (0.5..1.5) and biases (N(0, 0.1)) everywhere; the merger's down projection
-    rescaled to the text embeddings' RMS."""
+    """In place: random norm weights (0.5..1.5) and biases (N(0, 0.1)) everywhere, a random expert-choice bias
+    (e_score_correction_bias, so it must be read); the merger's down projection rescaled to the text embeddings'
+    RMS."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in hf.modules():
@@ -101,17 +121,24 @@ def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
             if isinstance(module, (torch.nn.Linear, torch.nn.LayerNorm, torch.nn.Conv2d, torch.nn.Conv3d)) \
                     and module.bias is not None:
                 module.bias.copy_(0.1 * torch.randn(module.bias.shape, generator=g))
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.copy_(0.1 * torch.randn(module.e_score_correction_bias.shape,
+                                                                       generator=g))
         visual = hf.model.visual
         out = visual(torch.randn(8 * 8, PATCH_DIM, generator=g), grid_thw=torch.tensor([[1, 8, 8]])).pooler_output
         text_rms = hf.get_input_embeddings().weight.pow(2).mean().sqrt()
         visual.merger.down_proj.weight.mul_(float(text_rms / out.pow(2).mean().sqrt()))
 
 
+def hf_class(spec: TinySpec) -> type:
+    import transformers
+
+    return transformers.Glm4vMoeForConditionalGeneration if spec.experts else transformers.Glm4vForConditionalGeneration
+
+
 def build_tiny_glm4v(path: str | Path, spec: TinySpec, attn_implementation: str = "eager"):
     """The HF reference model (eval mode), also saved to `path` (config + safetensors only)."""
-    from transformers import Glm4vForConditionalGeneration
-
-    return save_random_model(path, Glm4vForConditionalGeneration, tiny_glm4v_config(spec), spec.seed,
+    return save_random_model(path, hf_class(spec), tiny_glm4v_config(spec), spec.seed,
                              lambda m: make_fixture_can_fail_(m, spec.seed), attn_implementation)
 
 
@@ -183,10 +210,11 @@ DECODE_PROMPT = [3, ("image", (1, 8, 12)), 2, ("image", (1, 6, 4)), 4]
 
 
 def load_case(name: str, path: Path) -> Glm4vCase:
-    from tessera.models.glm4v import Glm4vForConditionalGeneration
+    from tessera.models import glm4v
 
-    case, config = Glm4vCase.load(SPECS[name], path, build_tiny_glm4v, Glm4vForConditionalGeneration)
-    spec = case.spec
+    spec = ALL_SPECS[name]
+    model_cls = glm4v.Glm4vMoeForConditionalGeneration if spec.experts else glm4v.Glm4vForConditionalGeneration
+    case, config = Glm4vCase.load(spec, path, build_tiny_glm4v, model_cls)
     assert config.mrope_section == spec.mrope_section and config.head_dim == spec.hidden // spec.heads
     case.check_fixture_can_fail(DECODE_PROMPT, lambda p: hf_generate_masked(case.hf, p.hf_inputs(), 8))
     return case
@@ -209,7 +237,7 @@ def check_video_depends_on_frame_order(case: Glm4vCase, monkeypatch) -> None:
 
 
 FIXTURE = FamilyFixture(
-    specs=tuple(SPECS), load_case=load_case, build=lambda path, name: build_tiny_glm4v(path, SPECS[name]),
+    specs=tuple(SPECS), load_case=load_case, build=lambda path, name: build_tiny_glm4v(path, ALL_SPECS[name]),
     bytes_spec="mha_tied", prompts=PROMPTS, text=Seeded([12], 8), decode=Seeded(DECODE_PROMPT, 3),
     decode_page_sizes=(4,), batch=(Seeded(PROMPTS["two_images"], 4), Seeded(PROMPTS["video"], 5),
                                    Seeded([9], 6)),
@@ -220,6 +248,7 @@ FIXTURE = FamilyFixture(
     tower=(Seeded([2, ("image", (1, 8, 12)), 1, ("image", (1, 6, 14))], 2), Seeded([1, ("video", (2, 4, 6))], 3)),
     checks={"video_frame_order": check_video_depends_on_frame_order},
 )
+MOE_FIXTURE = replace(FIXTURE, specs=tuple(MOE_SPECS), bytes_spec="moe", checks={})
 
 
 # ---------------------------------------------------------------- full checkpoint directory

@@ -51,6 +51,9 @@ class TinySpec:
     deepstack: tuple[int, ...]  # deepstack_visual_indexes
     num_position_embeddings: int  # a square: the learned grid interpolated to each image
     seed: int
+    # Qwen3-VL-MoE's text_config fields (num_experts, moe_intermediate_size, ...; qwen3_vl_moe_testing.py); a
+    # spec with them builds Qwen3VLMoeForConditionalGeneration.
+    moe: tuple[tuple[str, Any], ...] = ()
 
 
 SPECS = {
@@ -85,16 +88,24 @@ def _vision_config(spec: TinySpec) -> dict:
     )
 
 
+def hf_class(spec: TinySpec) -> type:
+    """transformers' Qwen3VLForConditionalGeneration, or its MoE sibling for a spec with MoE fields."""
+    import transformers
+
+    return getattr(transformers, "Qwen3VLMoeForConditionalGeneration" if spec.moe else "Qwen3VLForConditionalGeneration")
+
+
 def tiny_qwen3_vl_config(spec: TinySpec, vocab_size: int = VOCAB, token_ids: dict[str, int] | None = None,
                          **text_extra):
-    from transformers import Qwen3VLConfig
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     ids = token_ids or {"image": IMAGE_ID, "video": VIDEO_ID, "start": VSTART_ID, "end": VEND_ID}
-    text_extra = text_extra or dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return Qwen3VLConfig(text_config=_text_config(spec, vocab_size, **text_extra), vision_config=_vision_config(spec),
-                         image_token_id=ids["image"], video_token_id=ids["video"],
-                         vision_start_token_id=ids["start"], vision_end_token_id=ids["end"],
-                         tie_word_embeddings=spec.tie, architectures=["Qwen3VLForConditionalGeneration"])
+    text_extra = {**(text_extra or dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)), **dict(spec.moe)}
+    config_cls = Qwen3VLMoeConfig if spec.moe else Qwen3VLConfig
+    return config_cls(text_config=_text_config(spec, vocab_size, **text_extra), vision_config=_vision_config(spec),
+                      image_token_id=ids["image"], video_token_id=ids["video"],
+                      vision_start_token_id=ids["start"], vision_end_token_id=ids["end"],
+                      tie_word_embeddings=spec.tie, architectures=[hf_class(spec).__name__])
 
 
 def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
@@ -119,9 +130,7 @@ def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
 
 def build_tiny_qwen3_vl(path: str | Path, spec: TinySpec, attn_implementation: str = "eager"):
     """The HF reference model (eval mode), also saved to `path` (config + safetensors only)."""
-    from transformers import Qwen3VLForConditionalGeneration
-
-    return save_random_model(path, Qwen3VLForConditionalGeneration, tiny_qwen3_vl_config(spec), spec.seed,
+    return save_random_model(path, hf_class(spec), tiny_qwen3_vl_config(spec), spec.seed,
                              lambda m: make_fixture_can_fail_(m, spec.seed), attn_implementation)
 
 
@@ -217,13 +226,13 @@ def hf_generate_masked(hf, inputs: dict, num_new: int) -> list[int]:
     return hf_generate(hf, inputs, num_new, attention_mask=torch.ones_like(inputs["input_ids"]))
 
 
-def load_case(name: str, path: Path) -> Qwen3VLCase:
+def load_case(name: str, path: Path, specs: dict[str, TinySpec] = SPECS) -> Qwen3VLCase:
     """Beyond FamilyCase.check_fixture_can_fail (which checks every DeepStack level is text-sized): a dropped
     DeepStack level moves the logits far beyond the tolerance."""
     from tessera.models.qwen3_vl import Qwen3VLForConditionalGeneration
     from tests.models.family_parity import ATOL
 
-    case, config = Qwen3VLCase.load(SPECS[name], path, build_tiny_qwen3_vl, Qwen3VLForConditionalGeneration)
+    case, config = Qwen3VLCase.load(specs[name], path, build_tiny_qwen3_vl, Qwen3VLForConditionalGeneration)
     spec, hf, ours = case.spec, case.hf, case.ours
     assert config.mrope_section == spec.mrope_section and config.head_dim == spec.head_dim
     assert ours.num_deepstack_levels == len(spec.deepstack)
@@ -312,8 +321,6 @@ def make_tiny_qwen3_vl_checkpoint(
     the demo-vl chat template and a Qwen3VLProcessor (Qwen2VLImageProcessor and Qwen3VLVideoProcessor with
     patch 16, merge 2, mean/std 0.5, do_sample_frames=False) that `AutoProcessor.from_pretrained` loads.
     """
-    from transformers import Qwen3VLForConditionalGeneration
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     processor, cfg = tiny_qwen3_vl_processor_and_config(spec, image_min_pixels=image_min_pixels,
@@ -322,14 +329,17 @@ def make_tiny_qwen3_vl_checkpoint(
                                                         video_max_pixels=video_max_pixels)
     processor.save_pretrained(path)
     ids = {t: processor.tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>")}
-    save_random_model(path, Qwen3VLForConditionalGeneration, cfg, spec.seed,
+    save_random_model(path, hf_class(spec), cfg, spec.seed,
                       lambda m: make_fixture_can_fail_(m, spec.seed), None, ids["<|im_end|>"], ids["<|endoftext|>"])
     return path
 
 
 def load_hf_reference(path: str | Path) -> Any:
-    """transformers' Qwen3VLForConditionalGeneration from `path`, float32, eager attention, eval mode."""
-    from transformers import Qwen3VLForConditionalGeneration
+    """transformers' Qwen3VLForConditionalGeneration (or Qwen3VLMoe..., as config.json says) from `path`, float32,
+    eager attention, eval mode."""
+    import json
 
-    return Qwen3VLForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
+    import transformers
+
+    cls = getattr(transformers, json.loads((Path(path) / "config.json").read_text())["architectures"][0])
+    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()

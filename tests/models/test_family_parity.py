@@ -25,6 +25,7 @@ from tests.models import (
     llava_testing,
     pixtral_testing,
     qwen2_5_vl_testing,
+    qwen3_vl_moe_testing,
     qwen3_vl_testing,
 )
 from tests.models.family_parity import ATOL, FamilyCase, FamilyFixture, hf_last_hidden, media_embeds, our_greedy, \
@@ -34,6 +35,7 @@ from tests.models.fixture_checks import MIN_MARGIN, top2_margin
 FAMILIES: dict[str, FamilyFixture] = {
     "gemma3": gemma3_testing.FIXTURE,
     "glm4v": glm4v_testing.FIXTURE,
+    "glm4v_moe": glm4v_testing.MOE_FIXTURE,
     "internvl": internvl_testing.FIXTURE,
     "llama4": llama4_testing.FIXTURE,
     "llava": llava_testing.FIXTURE,
@@ -41,6 +43,7 @@ FAMILIES: dict[str, FamilyFixture] = {
     "pixtral": pixtral_testing.FIXTURE,
     "qwen2_5_vl": qwen2_5_vl_testing.FIXTURE,
     "qwen3_vl": qwen3_vl_testing.FIXTURE,
+    "qwen3_vl_moe": qwen3_vl_moe_testing.FIXTURE,
 }
 
 

@@ -115,3 +115,25 @@ def test_qwen2_vl_int4_with_bf16_products_is_hf_over_bf16_activations(tmp_path, 
     near, far = (logits - want).abs().mean(), (logits - exact).abs().mean()
     assert near < 0.25 * far, (near, far)
     assert _greedy_tokens(pair, 4) == _hf_greedy_tokens(pair)
+
+
+def test_qwen3_vl_moe_int8_dense_linears_match_hf_dequantized(tmp_path):
+    """Qwen3-VL-MoE: the attention and dense-MLP linears quantized, the router and the stacked experts float (HF's
+    router is not an nn.Linear, so the same linears change on both sides); an image prompt's prefill and greedy
+    tokens equal HF's over the dequantized weights."""
+    from tests.models.family_parity import our_greedy, our_logits
+    from tests.models.qwen3_vl_moe_testing import SPECS
+    from tests.models.qwen3_vl_testing import DECODE_PROMPT, PROMPTS, Qwen3VLCase, build_tiny_qwen3_vl
+
+    spec = SPECS["moe"]
+    hf = build_tiny_qwen3_vl(tmp_path, spec)
+    ours, _ = load_model(tmp_path, torch.float32, torchao_config="int8wo")
+    # q, k, v, o x 3 layers, gate, up, down of the one dense layer; every other linear is our router (kept float)
+    assert fake_quantize_(hf, "int8wo", "model.language_model.") == 4 * 3 + 3
+    assert sum(isinstance(m, Linear) and m.quantized is not None for m in ours.modules()) == 2 * 3 + 2
+    assert all(layer.mlp.gate.quantized is None for layer in ours.model.layers if hasattr(layer.mlp, "gate"))
+    case = Qwen3VLCase(spec, hf, ours, tmp_path)
+    prompt = case.prompt(PROMPTS["two_images"], seed=1)
+    torch.testing.assert_close(our_logits(case, prompt), case.hf_logits(prompt), atol=1e-4, rtol=0)
+    decode = case.prompt(DECODE_PROMPT, seed=0)
+    assert our_greedy(case, [decode], 6)[0] == [case.hf_greedy(decode, 6)[0]]

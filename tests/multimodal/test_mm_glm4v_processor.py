@@ -5,8 +5,6 @@ positions (HF's get_rope_index); the preprocessing-cache path and caller-supplie
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -15,6 +13,7 @@ from tessera.multimodal.media import VideoClip
 from tessera.multimodal.processors.base import ProcessorOutput
 from tests.models.glm4v_testing import tiny_glm4v_processor_and_config
 
+from . import processor_checks
 from .conftest import chat_text, encode_mp4, encode_png, processor_factory, scene_frames, scene_image
 
 
@@ -41,39 +40,18 @@ def hf_reference(hf_pair, prompt: str, images=(), clips: tuple[VideoClip, ...] =
     return hf_pair[0](**call)
 
 
-def hf_rope_index(config, ref) -> tuple[torch.Tensor, int]:
-    """transformers' Glm4vModel.get_rope_index on the HF processor's output (it reads only the config)."""
+def assert_matches_hf(out: ProcessorOutput, ref, config) -> None:
     from transformers.models.glm4v.modeling_glm4v import Glm4vModel
 
-    fake = types.SimpleNamespace(
-        config=config, get_vision_position_ids=lambda *a, **k: Glm4vModel.get_vision_position_ids(None, *a, **k))
-    pos, delta = Glm4vModel.get_rope_index(fake, ref["input_ids"], ref["mm_token_type_ids"],
-                                           image_grid_thw=ref.get("image_grid_thw"),
-                                           video_grid_thw=ref.get("video_grid_thw"))
-    return pos[:, 0], int(delta.reshape(-1)[0])
-
-
-def assert_matches_hf(out: ProcessorOutput, ref, config) -> None:
-    assert out.input_ids == ref["input_ids"][0].tolist()
-    for modality, pixel_key, grid_key in ((Modality.IMAGE, "pixel_values", "image_grid_thw"),
-                                          (Modality.VIDEO, "pixel_values_videos", "video_grid_thw")):
-        items = [i for i in out.mm_inputs.items if i.modality is modality]
-        if grid_key not in ref:
-            assert not items
-            continue
-        assert torch.equal(torch.cat([i.model_specific_data[grid_key] for i in items]), ref[grid_key])
-        assert torch.equal(torch.cat([i.feature for i in items]), ref[pixel_key])
-        for item, (t, h, w) in zip(items, ref[grid_key].tolist()):
-            assert item.num_tokens == t * h * w // 4
-            # An image is one run; a video one run per frame; every run is <|image|> tokens in their brackets, and
-            # HF's mm_token_type_ids call them this modality's.
-            assert len(item.offsets) == (1 if modality is Modality.IMAGE else t)
-            for s, e in item.offsets:
-                assert set(out.input_ids[s:e]) == {config.image_token_id}
-                assert (out.input_ids[s - 1], out.input_ids[e]) == (config.image_start_token_id,
-                                                                    config.image_end_token_id)
-                assert set(ref["mm_token_type_ids"][0, s:e].tolist()) == {1 if modality is Modality.IMAGE else 2}
-    positions, delta = hf_rope_index(config, ref)
+    for modality, item, (t, h, w) in processor_checks.matching_grid_items(out, ref):
+        # An image is one run; a video one run per frame; every run is <|image|> tokens in their brackets, and HF's
+        # mm_token_type_ids call them this modality's.
+        assert len(item.offsets) == (1 if modality is Modality.IMAGE else t)
+        for s, e in item.offsets:
+            assert set(out.input_ids[s:e]) == {config.image_token_id}
+            assert (out.input_ids[s - 1], out.input_ids[e]) == (config.image_start_token_id, config.image_end_token_id)
+            assert set(ref["mm_token_type_ids"][0, s:e].tolist()) == {1 if modality is Modality.IMAGE else 2}
+    positions, delta = processor_checks.hf_rope_index(Glm4vModel, config, ref)
     assert torch.equal(out.mm_inputs.mrope_positions, positions) and out.mm_inputs.mrope_position_delta == delta
 
 

@@ -4,8 +4,6 @@ caller-supplied input_ids and the processor_output / precomputed_embedding forma
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -18,6 +16,7 @@ from tests.models.qwen3_vl_testing import (
     tiny_qwen3_vl_processor_and_config,
 )
 
+from . import processor_checks
 from .conftest import (
     chat_text,
     encode_mp4,
@@ -56,37 +55,20 @@ def hf_reference(hf_pair, prompt: str, images=(), clips: tuple[VideoClip, ...] =
 
 
 def hf_rope_index(config, ref) -> tuple[torch.Tensor, int]:
-    """transformers' Qwen3VLModel.get_rope_index on the HF processor's output (it reads only the config)."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
-    fake = types.SimpleNamespace(config=config,
-                                 get_vision_position_ids=lambda *a, **k: Qwen3VLModel.get_vision_position_ids(None, *a,
-                                                                                                              **k))
-    pos, delta = Qwen3VLModel.get_rope_index(fake, ref["input_ids"], ref["mm_token_type_ids"],
-                                             image_grid_thw=ref.get("image_grid_thw"),
-                                             video_grid_thw=ref.get("video_grid_thw"))
-    return pos[:, 0], int(delta.reshape(-1)[0])
+    return processor_checks.hf_rope_index(Qwen3VLModel, config, ref)
 
 
 def assert_matches_hf(out: ProcessorOutput, ref, config) -> None:
-    assert out.input_ids == ref["input_ids"][0].tolist()
-    for modality, pixel_key, grid_key in ((Modality.IMAGE, "pixel_values", "image_grid_thw"),
-                                          (Modality.VIDEO, "pixel_values_videos", "video_grid_thw")):
-        items = [i for i in out.mm_inputs.items if i.modality is modality]
-        if grid_key not in ref:
-            assert not items
-            continue
-        assert torch.equal(torch.cat([i.model_specific_data[grid_key] for i in items]), ref[grid_key])
-        assert torch.equal(torch.cat([i.feature for i in items]), ref[pixel_key])
+    for modality, item, (t, h, w) in processor_checks.matching_grid_items(out, ref):
         token = config.image_token_id if modality is Modality.IMAGE else config.video_token_id
-        for item, (t, h, w) in zip(items, ref[grid_key].tolist()):
-            assert item.num_tokens == t * h * w // 4
-            # An image is one run; a video one run per frame group, each wrapped in <vision_start>/<vision_end>.
-            assert len(item.offsets) == (1 if modality is Modality.IMAGE else t)
-            for s, e in item.offsets:
-                assert set(out.input_ids[s:e]) == {token}
-                assert (out.input_ids[s - 1], out.input_ids[e]) == (config.vision_start_token_id,
-                                                                    config.vision_end_token_id)
+        # An image is one run; a video one run per frame group, each wrapped in <vision_start>/<vision_end>.
+        assert len(item.offsets) == (1 if modality is Modality.IMAGE else t)
+        for s, e in item.offsets:
+            assert set(out.input_ids[s:e]) == {token}
+            assert (out.input_ids[s - 1], out.input_ids[e]) == (config.vision_start_token_id,
+                                                                config.vision_end_token_id)
     positions, delta = hf_rope_index(config, ref)
     assert torch.equal(out.mm_inputs.mrope_positions, positions) and out.mm_inputs.mrope_position_delta == delta
 

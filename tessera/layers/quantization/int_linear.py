@@ -196,7 +196,7 @@ def quantize_linears(model: torch.nn.Module, scheme: str, prefix: str = "model."
     for name, module in model.named_modules():
         # layers/linear's Linear and its subclasses (by what they offer: that module imports this one).
         if not (hasattr(module, "set_quantized") and getattr(module, "quantized", 0) is None
-                and name.startswith(prefix) and not name.endswith("router")):
+                and name.startswith(prefix) and not getattr(module, "is_router", False)):
             continue
         if group is not None and module.in_features % group:
             kept += 1  # as torchao: a row that does not split into whole groups stays float
