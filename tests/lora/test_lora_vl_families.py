@@ -34,7 +34,9 @@ FAMILIES = {
     "pixtral": ("pixtral_testing", {}, {}, "model.vision_tower."),
     "qwen2_5_vl": ("qwen2_5_vl_testing", {}, {}, "model.visual."),
     "qwen3_vl": ("qwen3_vl_testing", {}, {}, "model.visual."),
+    "qwen3_vl_moe": ("qwen3_vl_moe_testing", {}, {}, "model.visual."),  # attention, dense MLP (not the experts)
     "gemma3": ("gemma3_testing", {}, {}, "model.vision_tower."),
+    "glm4v": ("glm4v_testing", {}, {}, "model.visual."),
     "llama4": ("llama4_testing", {}, {}, "vision_model.", {"exclude_modules": ["router"]}),
 }
 
