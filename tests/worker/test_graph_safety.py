@@ -40,6 +40,7 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
 
     from tests.models import clip_testing as clip
     from tests.models import gemma3_testing as gemma3
+    from tests.models import glm4v_testing as glm4v
     from tests.models import internvl_testing as internvl
     from tests.models import llama4_testing as llama4
     from tests.models import llava_testing as llava
@@ -63,6 +64,8 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
         "LlavaForConditionalGeneration (pixtral vision)": lambda: pixtral.tiny_pixtral_config(
             pixtral.SPECS["mistral_gqa"]),
         "Gemma3ForConditionalGeneration": lambda: gemma3.tiny_gemma3_config(gemma3.SPECS["gqa"]),
+        "Glm4vForConditionalGeneration": lambda: glm4v.tiny_glm4v_config(glm4v.SPECS["gqa"]),
+        "Glm4vMoeForConditionalGeneration": lambda: glm4v.tiny_glm4v_config(glm4v.MOE_SPECS["moe"]),
         "Gemma3ForCausalLM": lambda: gemma3.tiny_gemma3_config(gemma3.SPECS["mha_softcap"]).text_config,
         "InternVLForConditionalGeneration": lambda: internvl.tiny_internvl_config(internvl.SPECS["qwen2_gqa"]),
         "Llama4ForConditionalGeneration": lambda: llama4.tiny_llama4_config(llama4.SPECS["gqa_chunked"]),
