@@ -68,9 +68,10 @@ class Glm4vProcessor(Qwen3VLProcessor):
                             max_pixels=size["longest_edge"])
 
     def timestamps(self, indices: Sequence[int], fps: float | None) -> list[float]:
-        """Seconds of each frame's first source frame (HF: metadata.timestamps[::2])."""
+        """Seconds of each frame's first source frame: HF's metadata.timestamps[::2] (a step of 2 whatever
+        temporal_patch_size is, as transformers writes it)."""
         rate = fps if fps else DEFAULT_FPS
-        return [int(i) / rate for i in list(indices)[::self.temporal_patch_size]]
+        return [int(i) / rate for i in list(indices)[::2]]
 
     def _video_ids(self, feature: ItemFeatures) -> list[int]:
         """The ids HF's processor puts in place of one video's `<|video|>`."""
