@@ -83,15 +83,18 @@ class ModelConfig(DecoderDims):
 
     @classmethod
     def load(cls, model_path: str | Path) -> ModelConfig:
-        """The checkpoint's config.json and generation_config.json, each read once: a process loads its
-        ModelConfig once and hands it to whatever else needs the checkpoint's settings."""
+        """The checkpoint's config.json and generation_config.json, each read once (config.json's text twice for a
+        family with required_config): a process loads its ModelConfig once and hands it to whatever else needs the
+        checkpoint's settings."""
         from transformers import AutoConfig
 
         config = cls.from_hf(AutoConfig.from_pretrained(str(model_path)))
-        written = json.loads((Path(model_path) / "config.json").read_text()) if Path(model_path).is_dir() else {}
-        missing = [name for name in config.family.required_config if written and name not in written]
-        if missing:  # transformers would have filled in its defaults (another model's sizes) without a word
-            raise ValueError(f"config.json of a {config.architecture} checkpoint lacks {', '.join(missing)}")
+        written_path = Path(model_path) / "config.json"
+        if config.family.required_config and written_path.is_file():  # its text read a second time: those families
+            written = json.loads(written_path.read_text())
+            missing = [name for name in config.family.required_config if name not in written]
+            if missing:  # transformers would have filled in its defaults (another model's sizes) without a word
+                raise ValueError(f"config.json of a {config.architecture} checkpoint lacks {', '.join(missing)}")
         gen = Path(model_path) / "generation_config.json"
         return replace(config, generation_config=json.loads(gen.read_text())) if gen.exists() else config
 
