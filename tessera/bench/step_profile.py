@@ -7,8 +7,10 @@ Both sides decode `--steps` tokens for a batch of `--batch-size` text requests t
 over the pool, as they are after a server has run for a while). Reported: median step time of each, and
 torch.profiler's operators by self CPU time for Tessera's steps, grouped into what they are (matmul, K/V
 gather, attention, elementwise, ...), taken with the layers run one kernel call at a time (the timed steps
-use the decode stack's one C call where it applies). The scheduler, the sampler and the frontend are not in this
-measurement: it is the model step alone, the part that decides throughput once batches are large.
+use the decode stack's one C call where it applies). Also the prefill of those contexts (the whole batch in one
+forward, median of `--prefill-runs`; HF's is the forward that builds its cache). The scheduler, the sampler and the
+frontend are not in this measurement: it is the model step alone, the part that decides throughput once batches
+are large.
 """
 
 from __future__ import annotations
@@ -55,10 +57,12 @@ class ProfileConfig:
     seed: int = 0
     top: int = 15
     no_mirror: bool = False  # gather K/V from the pool every step (--disable-decode-kv-mirror)
+    prefill_runs: int = 3
 
 
 def _tessera_steps(cfg: ProfileConfig, model_dir: str):
-    """A function running one decode step of our model for the whole batch."""
+    """(a function prefilling the whole batch's contexts in one forward, one running a decode step of our model
+    for the whole batch)."""
     from tessera.cache.kv_pool import ReqToTokenPool, TokenToKVPool
     from tessera.models.registry import load_model
 
@@ -92,22 +96,35 @@ def _tessera_steps(cfg: ProfileConfig, model_dir: str):
         model(fb, pool)
         state["len"] = n + 1
 
-    return step
+    def prefill() -> None:  # into each request's first context_len slots, as its first step would
+        fb = ForwardBatch(
+            input_ids=torch.randint(0, config.vocab_size, (b * ctx,), generator=gen),
+            positions=torch.arange(ctx).repeat(b), out_cache_loc=req.req_to_token[:, :ctx].reshape(-1).clone(),
+            req_pool_indices=rows, seq_lens=torch.full((b,), ctx, dtype=torch.int64),
+            extend_lens=torch.full((b,), ctx, dtype=torch.int64), req_to_token=req.req_to_token,
+            logits_indices=rows * ctx + ctx - 1)
+        model(fb, pool)
+
+    return prefill, step
 
 
 def _hf_steps(cfg: ProfileConfig, model_dir: str):
+    """(HF's prefill times in ms, a function running one decode step of HF's model for the whole batch)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForMultimodalLM
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     arch = (hf_config.architectures or [""])[0]
-    # Vision-language models by their vision config (Kimi_K25ForConditionalGeneration has no "VL" in its name).
-    auto = (AutoModelForImageTextToText if "VL" in arch or hasattr(hf_config, "vision_config") else
+    auto = (AutoModelForImageTextToText if hasattr(hf_config, "vision_config") else
             AutoModelForMultimodalLM if "Audio" in arch else AutoModelForCausalLM)
     model = auto.from_pretrained(model_dir).eval()
     vocab = model.config.get_text_config().vocab_size
     gen = torch.Generator().manual_seed(cfg.seed)
     ids = torch.randint(0, vocab, (cfg.batch_size, cfg.context_len), generator=gen)
-    out = model(input_ids=ids, use_cache=True)
+    prefill_ms = []
+    for _ in range(cfg.prefill_runs):
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        prefill_ms.append((time.perf_counter() - t0) * 1e3)
     state = {"past": out.past_key_values, "len": cfg.context_len}
 
     def step() -> None:
@@ -118,7 +135,7 @@ def _hf_steps(cfg: ProfileConfig, model_dir: str):
                   cache_position=torch.tensor([n]), logits_to_keep=1)
         state["past"], state["len"] = o.past_key_values, n + 1
 
-    return step
+    return prefill_ms, step
 
 
 def _time(step, warmup: int, steps: int) -> list[float]:
@@ -137,7 +154,8 @@ def run_profile(cfg: ProfileConfig) -> dict:
     from tessera.bench.medium import resolve_bench_model
 
     model_dir = resolve_bench_model(cfg.model_path)
-    ours = _tessera_steps(cfg, model_dir)
+    prefill, ours = _tessera_steps(cfg, model_dir)
+    prefill_ms = [t * 1e3 for t in _time(prefill, 1, cfg.prefill_runs)]
     ours_ms = [t * 1e3 for t in _time(ours, cfg.warmup, cfg.steps)]
     # The breakdown runs the layers one kernel call at a time: the decode stack (layers/decode_stack.py) is one
     # C call over the same kernels, which the profiler would see as a single operator.
@@ -152,12 +170,14 @@ def run_profile(cfg: ProfileConfig) -> dict:
     for e in events:
         groups[op_group(e.key)] = groups.get(op_group(e.key), 0.0) + e.self_cpu_time_total
     top = sorted(events, key=lambda e: -e.self_cpu_time_total)[: cfg.top]
-    hf = _hf_steps(cfg, model_dir)
+    hf_prefill_ms, hf = _hf_steps(cfg, model_dir)
     hf_ms = [t * 1e3 for t in _time(hf, cfg.warmup, cfg.steps)]
     return {
         "config": cfg.__dict__, "torch_threads": torch.get_num_threads(),
         "tessera_step_ms_median": round(statistics.median(ours_ms), 3),
         "hf_step_ms_median": round(statistics.median(hf_ms), 3),
+        "tessera_prefill_ms_median": round(statistics.median(prefill_ms), 3),
+        "hf_prefill_ms_median": round(statistics.median(hf_prefill_ms), 3),
         "tessera_groups_pct": {k: round(100 * v / total_us, 1) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])},
         "tessera_top_ops": [{"op": e.key, "self_ms_per_step": round(e.self_cpu_time_total / 1e3 / cfg.steps, 3),
                              "calls_per_step": e.count // cfg.steps} for e in top],
@@ -170,6 +190,9 @@ def format_profile(r: dict) -> str:
              f"  decode step, median of {c['steps']}: tessera {r['tessera_step_ms_median']:.2f} ms, "
              f"hf {r['hf_step_ms_median']:.2f} ms "
              f"({r['tessera_step_ms_median'] / r['hf_step_ms_median']:.2f}x)",
+             f"  prefill of the batch's contexts, median of {c['prefill_runs']}: tessera "
+             f"{r['tessera_prefill_ms_median']:.1f} ms, hf {r['hf_prefill_ms_median']:.1f} ms "
+             f"({r['tessera_prefill_ms_median'] / r['hf_prefill_ms_median']:.2f}x)",
              "  tessera step, self CPU time by kind of operator:"]
     lines += [f"    {pct:5.1f}%  {name}" for name, pct in r["tessera_groups_pct"].items()]
     lines.append("  top operators (ms per step, calls per step):")

@@ -70,6 +70,17 @@ class DecoderOptions:
     o_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma-3)
     ungated_mlp: bool = False  # fc2(act(fc1(x))) instead of SwiGLU (Cosmos3 Edge's relu2 MLP)
+    # GLM-4: RoPE on the first head_dim * partial_rotary_factor dims only, rotating adjacent pairs (2i, 2i+1)
+    # rather than halves, and an RMSNorm on the attention output and on the MLP output before each residual add
+    # (post_self_attn_layernorm, post_mlp_layernorm).
+    partial_rotary_factor: float = 1.0
+    rotary_pairs: bool = False
+    post_block_norms: bool = False
+
+    @property
+    def plain_rotary(self) -> bool:
+        """Whether RoPE is the common full-head rotate-half one (what the fused kernels implement)."""
+        return self.partial_rotary_factor == 1.0 and not self.rotary_pairs
 
 
 class GatedActivation(nn.Module):
@@ -120,6 +131,7 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if opts.qk_norm else None
         self.sliding_window = cfg.sliding_windows[layer_id]
+        self.plain_rotary, self.rotary_pairs = opts.plain_rotary, opts.rotary_pairs
         self.attn_backend = attn_backend  # shared by all layers; not a submodule
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
@@ -127,7 +139,7 @@ class DecoderAttention(nn.Module):
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         norm_kind = getattr(self.q_norm, "fused_kind", None)  # "rms" (Qwen3), "gemma"; None: no q/k norm
-        if (self.attn_backend.reads_new_kv_from_pool and fused.active(qkv)
+        if (self.attn_backend.reads_new_kv_from_pool and fused.active(qkv) and self.plain_rotary
                 and (self.q_norm is None or norm_kind is not None)):
             # One kernel (q/k norms,) rotates q and k and writes k and v into the pool (the backend then only
             # reads it).
@@ -144,14 +156,15 @@ class DecoderAttention(nn.Module):
             # q and k are adjacent columns of the fused projection: one rotary pass over both heads' sets
             # (half the elementwise kernels of rotating them apart; a decode step is bound by such small ops).
             qk_heads = self.num_heads + self.num_kv_heads
-            qk = apply_rotary(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim), cos, sin)
+            qk = apply_rotary(qkv[:, : qk_heads * self.head_dim].view(num_tokens, qk_heads, self.head_dim), cos, sin,
+                              self.rotary_pairs)
             q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
             v = qkv[:, qk_heads * self.head_dim :].view(num_tokens, self.num_kv_heads, self.head_dim)
         else:
             q, k, v = self.qkv_proj.split(qkv)
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_rotary(q, cos, sin, self.rotary_pairs), apply_rotary(k, cos, sin, self.rotary_pairs)
             v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         o = self.attn_backend.forward(q, k, v, self.layer_id, fb, pool, self.scaling, self.sliding_window)
         return self.o_proj(o)
@@ -197,7 +210,8 @@ class UngatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into the norms."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); the residual add is fused into the norms.
+    With post_block_norms (GLM-4): x + post_norm(attn(norm(x))), then + post_norm(mlp(norm(.)))."""
 
     def __init__(self, cfg: DecoderDims, opts: DecoderOptions, layer_id: int, attn_backend: BaseAttentionBackend):
         super().__init__()
@@ -206,6 +220,9 @@ class DecoderLayer(nn.Module):
         self.mlp = self.build_mlp(cfg, layer_id)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        post = opts.post_block_norms
+        self.post_self_attn_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post else None
+        self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if post else None
 
     def build_mlp(self, cfg: DecoderDims, layer_id: int) -> nn.Module:
         """The feed-forward: [T, H] -> [T, H]; a family whose layers differ there (a mixture of experts) overrides it."""
@@ -220,8 +237,13 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(x, cos, sin, fb, pool)
+        if self.post_self_attn_layernorm is not None:
+            x = self.post_self_attn_layernorm(x)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        if self.post_mlp_layernorm is not None:
+            x = self.post_mlp_layernorm(x)
+        return x, residual
 
 
 class DecoderModel(nn.Module):
@@ -239,7 +261,8 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, opts, i, attn_backend) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         mrope = list(cfg.mrope_section) if cfg.mrope_section else None
-        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, mrope)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, mrope,
+                                          rotary_dim=int(cfg.head_dim * opts.partial_rotary_factor))
 
     def plain_blocks(self) -> bool:
         """Whether every layer is this file's own block with SwiGLU (not a family's subclass): what the decode
@@ -247,7 +270,8 @@ class DecoderModel(nn.Module):
         plain = self.__dict__.get("_plain_blocks")
         if plain is None:
             plain = all(type(layer) is DecoderLayer and type(layer.self_attn) is DecoderAttention
-                        and type(layer.mlp) is GatedMLP and layer.mlp.act.act == "silu" for layer in self.layers)
+                        and type(layer.mlp) is GatedMLP and layer.mlp.act.act == "silu"
+                        and layer.self_attn.plain_rotary and layer.post_mlp_layernorm is None for layer in self.layers)
             self.__dict__["_plain_blocks"] = plain
         return plain
 

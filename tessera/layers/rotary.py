@@ -1,6 +1,8 @@
 """Rotary position embeddings: plain (neox-style, rotate-half) RoPE and Qwen2-VL's M-RoPE.
 
-cos/sin are computed once per forward (`get_cos_sin`) and shared by every layer (`apply_rotary`).
+cos/sin are computed once per forward (`get_cos_sin`) and shared by every layer (`apply_rotary`). Both may
+rotate only the first `rotary_dim` dims of a head (partial rotary, GLM-4: the rest pass through), and
+`apply_rotary` also rotates adjacent pairs (2i, 2i+1) instead of halves (GLM-4's rotate_half_llm).
 """
 
 from __future__ import annotations
@@ -12,11 +14,11 @@ from tessera.platform import cpu_kernels
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE over the full head_dim with inverse frequencies theta^(-2i/head_dim).
+    """RoPE over `rotary_dim` dims (default the full head_dim) with inverse frequencies theta^(-2i/rotary_dim).
 
-    With `mrope_section` (M-RoPE) the head_dim/2 frequencies are split into consecutive sections;
+    With `mrope_section` (M-RoPE) the rotary_dim/2 frequencies are split into consecutive sections;
     section s takes its angle from position row s % 3 (temporal, height, width), as in transformers'
-    Qwen2VLRotaryEmbedding. sum(mrope_section) must equal head_dim // 2.
+    Qwen2VLRotaryEmbedding. sum(mrope_section) must equal rotary_dim // 2.
     With `mrope_interleaved` (Qwen3-VL) the rows alternate t, h, w over the frequencies instead
     (see _interleaved_rows).
     """
@@ -25,18 +27,18 @@ class RotaryEmbedding(nn.Module):
     section_rows: torch.Tensor  # [head_dim // 2] long, M-RoPE only
 
     def __init__(self, head_dim: int, rope_theta: float, mrope_section: list[int] | None = None,
-                 mrope_interleaved: bool = False):
+                 mrope_interleaved: bool = False, rotary_dim: int | None = None):
         super().__init__()
-        assert head_dim % 2 == 0, f"head_dim must be even, got {head_dim}"
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        assert rotary_dim % 2 == 0 and 0 < rotary_dim <= head_dim, f"rotary dims {rotary_dim} of a {head_dim} head"
         self.head_dim = head_dim
-        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        inv_freq = 1.0 / (rope_theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.mrope_section = list(mrope_section) if mrope_section else None
         if self.mrope_section is not None:
-            if sum(self.mrope_section) != head_dim // 2:
-                raise ValueError(
-                    f"rope_parameters.mrope_section={self.mrope_section} must sum to head_dim // 2 = {head_dim // 2}"
-                )
+            if sum(self.mrope_section) != rotary_dim // 2:
+                raise ValueError(f"rope_parameters.mrope_section={self.mrope_section} must sum to the rotary dims "
+                                 f"// 2 = {rotary_dim // 2}")
             # Which position row (t, h, w) drives each frequency.
             if mrope_interleaved:
                 rows = _interleaved_rows(self.mrope_section)
@@ -45,7 +47,7 @@ class RotaryEmbedding(nn.Module):
             self.register_buffer("section_rows", torch.tensor(rows, dtype=torch.long), persistent=False)
 
     def get_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] or [3, T] long -> (cos, sin), each [T, head_dim // 2] in `dtype`.
+        """positions: [T] or [3, T] long -> (cos, sin), each [T, rotary_dim // 2] in `dtype`.
 
         A [T] input to an M-RoPE embedding means text positions (all three rows equal); a [3, T] input to a
         plain RoPE uses row 0. Angles are computed in float32, then cast, like transformers.
@@ -86,13 +88,20 @@ def _interleaved_rows(section: list[int]) -> list[int]:
     return rows
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D // 2] -> rotated x (rotate-half convention), same dtype."""
-    out = rotary_kernel(x, cos, sin)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: bool = False) -> torch.Tensor:
+    """x: [T, H, D]; cos, sin: [T, R // 2] with R <= D -> x with its first R dims rotated (the rest as they are),
+    same dtype. Dims i and i + R/2 rotate together (rotate-half), or with `pairs` dims 2i and 2i + 1."""
+    rot = 2 * cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :rot], cos, sin, pairs), x[..., rot:]), dim=-1)
+    out = None if pairs else rotary_kernel(x, cos, sin)
     if out is not None:
         return out
-    x1, x2 = x.chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
+    if pairs:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 

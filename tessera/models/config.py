@@ -102,8 +102,8 @@ class ModelConfig(DecoderDims):
             raise ValueError(f"config.json of {model_path} has no model_type")
         config = cls.from_hf(hf_config)
         if config.family.modalities & {Modality.IMAGE, Modality.VIDEO} and not raw.get("vision_config"):
-            raise ValueError(f"config.json: vision_config is missing; {config.family.name} needs its vision tower's "
-                             "config (with --language-model-only too: the processor reads it)")
+            raise ValueError(f"config.json of a {config.family.name} checkpoint lacks vision_config (needed with "
+                             "--language-model-only too: the processor reads it)")
         gen = Path(model_path) / "generation_config.json"
         return replace(config, generation_config=json.loads(gen.read_text())) if gen.exists() else config
 
@@ -130,7 +130,8 @@ class ModelConfig(DecoderDims):
         rope = dict(getattr(text, "rope_parameters", None) or {})
         mrope = None
         if family.positions == "mrope":
-            mrope = tuple(int(x) for x in rope.get("mrope_section", (16, 24, 24)))  # HF's default section
+            default = _MROPE_SECTION_DEFAULTS.get(str(getattr(hf_config, "model_type", "")), (16, 24, 24))
+            mrope = tuple(int(x) for x in rope.get("mrope_section", default))  # HF's default section
         tie = getattr(hf_config, "tie_word_embeddings", None)
         if tie is None:
             tie = getattr(text, "tie_word_embeddings", False)
@@ -205,6 +206,10 @@ def _widest_kv_layer(text: Any, num_kv_heads: int, head_dim: int) -> tuple[int, 
     if set(heads) == {num_kv_heads} and set(dims) == {head_dim}:
         return None
     return max(heads), max(dims)
+
+
+# transformers' mrope_section where the config gives none (Qwen2-VL's (16, 24, 24) for the rest).
+_MROPE_SECTION_DEFAULTS = {"glm4v": (8, 12, 12), "glm4v_moe": (8, 12, 12)}
 
 
 def _sliding_windows(text: Any) -> tuple[int | None, ...]:

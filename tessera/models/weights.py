@@ -16,6 +16,7 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -49,6 +50,9 @@ class WeightMapping:
         encoder module with its own separate q_proj/k_proj/v_proj keeps them).
     renames: (old, new) substrings replaced in every name after the prefix rules, before the stacked rules: a
         checkpoint saved with other module names (Cosmos3's Diffusers-style `.self_attn.to_q.`).
+    fused: (checkpoint module, the modules it concatenates along its rows in equal parts) pairs, e.g. GLM-4's
+        ("gate_up_proj", ("gate_proj", "up_proj")): such a tensor is split into those modules' tensors first,
+        which then map like any other (so the stacked rules place them as shards).
     """
 
     prefix_rules: tuple[tuple[str, str | None], ...]
@@ -56,10 +60,19 @@ class WeightMapping:
     ignore: tuple[str, ...] = (r"rotary_emb\.inv_freq$",)
     stacked_prefix: str = ""
     renames: tuple[tuple[str, str], ...] = ()
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
-    def convert(self, name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        """A checkpoint tensor as the tensors it stands for, before renaming: itself, unless a family stores
-        several of our parameters in one (Kimi-K2.5's fused, rope-permuted vision qkv)."""
+    def convert(self, name: str, tensor: torch.Tensor | AffineWeight) -> list[tuple[str, torch.Tensor | AffineWeight]]:
+        """A checkpoint tensor as the tensors it stands for, before renaming: the (name, tensor) pairs of the
+        modules a `fused` tensor concatenates; itself otherwise. A family storing several of our parameters in one
+        another way overrides it (Kimi-K2.5's fused, rope-permuted vision qkv)."""
+        for fused_mod, parts in self.fused:
+            segment = f".{fused_mod}."
+            if segment in name:
+                rows = tensor.shape[0] // len(parts)
+                pieces = (tensor.rows(i * rows, rows) if isinstance(tensor, AffineWeight) else tensor[i * rows:][:rows]
+                          for i in range(len(parts)))
+                return [(name.replace(segment, f".{part}.", 1), piece) for part, piece in zip(parts, pieces)]
         return [(name, tensor)]
 
     def map_name(self, name: str) -> tuple[str, str | None] | None:
@@ -244,7 +257,9 @@ def _checkpoint_tensors(model_path: str | Path, quantized: QuantizedCheckpoint |
 def _converted(mapping: WeightMapping, tensors: Iterator[tuple[str, torch.Tensor | AffineWeight]]
                ) -> Iterator[tuple[str, torch.Tensor | AffineWeight]]:
     for name, tensor in tensors:
-        yield from mapping.convert(name, tensor) if isinstance(tensor, torch.Tensor) else [(name, tensor)]
+        # Kimi's override reads plain tensors only; a quantized tensor takes the base rules (fused splits).
+        convert = mapping.convert if isinstance(tensor, torch.Tensor) else partial(WeightMapping.convert, mapping)
+        yield from convert(name, tensor)
 
 
 def _listing(title: str, names: list[str], limit: int = 20) -> str:

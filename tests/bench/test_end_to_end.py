@@ -45,6 +45,7 @@ def test_step_profile_times_both_models_and_accounts_for_every_operator() -> Non
 
     r = run_profile(ProfileConfig(batch_size=3, context_len=20, steps=2, warmup=1))
     assert r["tessera_step_ms_median"] > 0 and r["hf_step_ms_median"] > 0
+    assert r["tessera_prefill_ms_median"] > 0 and r["hf_prefill_ms_median"] > 0
     assert sum(r["tessera_groups_pct"].values()) == pytest.approx(100, abs=0.5)
     assert {"matmul", "attention"} <= set(r["tessera_groups_pct"])
     # Float32 decode on a CPU reads the pool through our C kernel where it is built, else gathers K/V.
@@ -52,4 +53,4 @@ def test_step_profile_times_both_models_and_accounts_for_every_operator() -> Non
 
     expected = "tessera_decode_attention_f32" if cpu_kernels.available("decode_attention") else "index_select"
     assert any(expected in o["op"] for o in r["tessera_top_ops"])
-    assert "decode step, median of 2" in format_profile(r)
+    assert "decode step, median of 2" in format_profile(r) and "prefill of the batch's contexts" in format_profile(r)

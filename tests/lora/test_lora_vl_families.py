@@ -37,6 +37,7 @@ FAMILIES = {
     "qwen3_vl_moe": ("qwen3_vl_moe_testing", {}, {}, "model.visual."),  # attention, dense MLP (not the experts)
     "gemma3": ("gemma3_testing", {}, {}, "model.vision_tower."),
     "gemma4": ("gemma4_testing", {}, {}, "model.vision_tower."),
+    "glm4v": ("glm4v_testing", {}, {}, "model.visual."),
     "llama4": ("llama4_testing", {}, {}, "vision_model.", {"exclude_modules": ["router"]}),
     "cosmos3_edge": ("cosmos3_testing", {}, {}, "model.visual."),
     "mllama": ("mllama_testing", {}, {}, "model.vision_model."),

@@ -36,7 +36,7 @@ def test_missing_vision_config_is_named_before_weights_load(tmp_path):
     del config["vision_config"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "model.safetensors").unlink()  # nothing may be read past the config
-    with pytest.raises(ValueError, match="vision_config is missing; Cosmos3EdgeForConditionalGeneration"):
+    with pytest.raises(ValueError, match="Cosmos3EdgeForConditionalGeneration checkpoint lacks vision_config"):
         ModelConfig.load(tmp_path)
 
 

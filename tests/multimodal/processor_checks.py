@@ -1,6 +1,8 @@
 """Checks the image processors' tests (InternVL, Llama-4, Pixtral) run alike over a complete tiny checkpoint:
 its fixtures, the preprocessing cache with a per-request process config, and text-only prompts and refusals; and
-the output check of the processors that lay videos out frame by frame (Qwen3-VL, Cosmos3-Edge)."""
+the output check of the processors that lay videos out frame by frame (Qwen3-VL, Cosmos3-Edge), and what the
+M-RoPE processors' tests (Qwen3-VL, GLM-4V) compare with HF: the items' grids and pixels, and transformers' rope
+index."""
 
 from __future__ import annotations
 
@@ -92,13 +94,26 @@ def check_formats_agree(proc, prompt: str, images: list, raw, others: list) -> N
         assert [i.offsets for i in out.mm_inputs.items] == [i.offsets for i in raw.mm_inputs.items]
 
 
-def assert_frame_runs_match_hf(out, ref, config, rope_index: Callable[[Any, Any], tuple[Any, int]]) -> None:
-    """Our output `out` equals HF's processor output `ref` where videos are timestamped frame runs (Qwen3-VL,
-    Cosmos3-Edge): the same ids, grids and pixel rows; an image is one placeholder run and a video one per frame
-    (group), each inside <vision_start>/<vision_end>; positions and delta equal `rope_index(config, ref)`."""
+def hf_rope_index(model_cls: type, config: Any, ref: Any) -> tuple[Any, int]:
+    """transformers' `model_cls.get_rope_index` (Qwen3VLModel, Glm4vModel: it reads only the config) on the HF
+    processor's output `ref`: (positions [3, L], delta)."""
+    import types
+
+    fake = types.SimpleNamespace(
+        config=config, get_vision_position_ids=lambda *a, **k: model_cls.get_vision_position_ids(None, *a, **k))
+    pos, delta = model_cls.get_rope_index(fake, ref["input_ids"], ref["mm_token_type_ids"],
+                                          image_grid_thw=ref.get("image_grid_thw"),
+                                          video_grid_thw=ref.get("video_grid_thw"))
+    return pos[:, 0], int(delta.reshape(-1)[0])
+
+
+def matching_grid_items(out: Any, ref: Any) -> list[tuple[Modality, Any, list]]:
+    """HF's ids, and per modality our items' grids and pixels equal to HF's: (modality, item, (t, h, w)) of each
+    item, each with num_tokens t * h * w / 4."""
     import torch
 
     assert out.input_ids == ref["input_ids"][0].tolist()
+    found = []
     for modality, pixel_key, grid_key in ((Modality.IMAGE, "pixel_values", "image_grid_thw"),
                                           (Modality.VIDEO, "pixel_values_videos", "video_grid_thw")):
         items = [i for i in out.mm_inputs.items if i.modality is modality]
@@ -107,13 +122,24 @@ def assert_frame_runs_match_hf(out, ref, config, rope_index: Callable[[Any, Any]
             continue
         assert torch.equal(torch.cat([i.model_specific_data[grid_key] for i in items]), ref[grid_key])
         assert torch.equal(torch.cat([i.feature for i in items]), ref[pixel_key])
-        token = config.image_token_id if modality is Modality.IMAGE else config.video_token_id
         for item, (t, h, w) in zip(items, ref[grid_key].tolist()):
             assert item.num_tokens == t * h * w // 4
-            assert len(item.offsets) == (1 if modality is Modality.IMAGE else t)
-            for s, e in item.offsets:
-                assert set(out.input_ids[s:e]) == {token}
-                assert (out.input_ids[s - 1], out.input_ids[e]) == (config.vision_start_token_id,
-                                                                    config.vision_end_token_id)
+            found.append((modality, item, (t, h, w)))
+    return found
+
+
+def assert_frame_runs_match_hf(out, ref, config, rope_index: Callable[[Any, Any], tuple[Any, int]]) -> None:
+    """Our output `out` equals HF's processor output `ref` where videos are timestamped frame runs (Qwen3-VL,
+    Cosmos3-Edge): the same ids, grids and pixel rows; an image is one placeholder run and a video one per frame
+    (group), each inside <vision_start>/<vision_end>; positions and delta equal `rope_index(config, ref)`."""
+    import torch
+
+    for modality, item, (t, _, _) in matching_grid_items(out, ref):
+        token = config.image_token_id if modality is Modality.IMAGE else config.video_token_id
+        assert len(item.offsets) == (1 if modality is Modality.IMAGE else t)
+        for s, e in item.offsets:
+            assert set(out.input_ids[s:e]) == {token}
+            assert (out.input_ids[s - 1], out.input_ids[e]) == (config.vision_start_token_id,
+                                                                config.vision_end_token_id)
     positions, delta = rope_index(config, ref)
     assert torch.equal(out.mm_inputs.mrope_positions, positions) and out.mm_inputs.mrope_position_delta == delta

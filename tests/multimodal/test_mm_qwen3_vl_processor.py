@@ -4,8 +4,6 @@ caller-supplied input_ids and the processor_output / precomputed_embedding forma
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 
@@ -56,16 +54,9 @@ def hf_reference(hf_pair, prompt: str, images=(), clips: tuple[VideoClip, ...] =
 
 
 def hf_rope_index(config, ref) -> tuple[torch.Tensor, int]:
-    """transformers' Qwen3VLModel.get_rope_index on the HF processor's output (it reads only the config)."""
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLModel
 
-    fake = types.SimpleNamespace(config=config,
-                                 get_vision_position_ids=lambda *a, **k: Qwen3VLModel.get_vision_position_ids(None, *a,
-                                                                                                              **k))
-    pos, delta = Qwen3VLModel.get_rope_index(fake, ref["input_ids"], ref["mm_token_type_ids"],
-                                             image_grid_thw=ref.get("image_grid_thw"),
-                                             video_grid_thw=ref.get("video_grid_thw"))
-    return pos[:, 0], int(delta.reshape(-1)[0])
+    return processor_checks.hf_rope_index(Qwen3VLModel, config, ref)
 
 
 def assert_matches_hf(out: ProcessorOutput, ref, config) -> None:

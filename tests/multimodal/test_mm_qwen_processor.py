@@ -15,6 +15,7 @@ from tessera.multimodal.processors.base import ProcessorOutput
 from tessera.multimodal.processors.qwen_vl import QwenVLProcessor
 from tests.multimodal.processor_registry import architecture_of, get_processor_class
 
+from . import processor_checks
 from .conftest import (
     chat_text,
     decode_all_frames,
@@ -42,23 +43,13 @@ def hf_reference(skeleton, prompt, images=None, videos=None, images_kwargs=None,
     return skeleton.processor(**kwargs)
 
 
-def assert_matches_hf(out: ProcessorOutput, ref, merge: int = 2) -> None:
-    assert out.input_ids == ref["input_ids"][0].tolist()
-    for modality, pixel_key, grid_key in ((Modality.IMAGE, "pixel_values", "image_grid_thw"),
-                                          (Modality.VIDEO, "pixel_values_videos", "video_grid_thw")):
-        items = [i for i in out.mm_inputs.items if i.modality is modality]
-        if grid_key not in ref:
-            assert not items
-            continue
-        assert torch.equal(torch.cat([i.model_specific_data[grid_key] for i in items]), ref[grid_key])
-        assert torch.equal(torch.cat([i.feature for i in items]), ref[pixel_key])
-        for item, grid in zip(items, ref[grid_key]):
-            assert item.num_tokens == int(grid.prod()) // merge**2
-            assert len(item.offsets) == 1
-            s, e = item.offsets[0]
-            token = {Modality.IMAGE: 5, Modality.VIDEO: 6}[modality]
-            assert set(out.input_ids[s:e]) == {token} and out.input_ids[s - 1] != token
-            assert item.pad_value >= PAD_VALUE_BASE
+def assert_matches_hf(out: ProcessorOutput, ref) -> None:
+    for modality, item, _ in processor_checks.matching_grid_items(out, ref):
+        assert len(item.offsets) == 1
+        s, e = item.offsets[0]
+        token = {Modality.IMAGE: 5, Modality.VIDEO: 6}[modality]
+        assert set(out.input_ids[s:e]) == {token} and out.input_ids[s - 1] != token
+        assert item.pad_value >= PAD_VALUE_BASE
 
 
 def test_registry(skeleton):

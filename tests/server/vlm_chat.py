@@ -82,3 +82,62 @@ def hf_chat_reply(processor, model, content: list, max_tokens: int, images=None,
         out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)
     prompt_len = enc["input_ids"].shape[1]
     return processor.tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True), prompt_len
+
+
+def check_images_and_video_match_hf(base_url: str, path, model, num_frames: int, max_tokens: int, fps: int,
+                                    min_cached: int) -> None:
+    """An M-RoPE family's server against HF generate (`model`, loaded from `path`): one image, two images of other
+    shapes, the first image again (its span and more from the prefix cache: at least `min_cached` tokens), then
+    an mp4 at `fps` of which the server samples `num_frames` frames. Answers and prompt lengths are HF's."""
+    import random
+
+    from openai import OpenAI
+    from transformers import AutoProcessor
+
+    from tessera.demo import scenes
+    from tessera.multimodal.media import MediaLimits, load_video
+    from tests.multimodal.conftest import encode_mp4
+
+    processor = AutoProcessor.from_pretrained(path)
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="none", timeout=60)
+
+    def ask(parts: list, question: str):
+        return client.chat.completions.create(model=path.name, temperature=0, max_tokens=max_tokens, messages=[
+            {"role": "user", "content": [*parts, {"type": "text", "text": question}]}])
+
+    def hf(content: list, images=None, clip=None) -> tuple[str, int]:
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                             tokenize=False)
+        kwargs = {}
+        if clip is not None:
+            kwargs = {"videos": [clip.frames], "videos_kwargs": {"do_sample_frames": False, "video_metadata": [
+                {"fps": clip.fps, "total_num_frames": clip.total_num_frames,
+                 "frames_indices": clip.sampled_indices}]}}
+        enc = processor(text=[text], images=images, return_tensors="pt", **kwargs)
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)
+        prompt_len = enc["input_ids"].shape[1]
+        return processor.tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True), prompt_len
+
+    rng = random.Random(7)
+    images = [scenes.image_sample(rng).frames[0] for _ in range(2)]
+    image_sets = [images[:1], [images[1].resize((96, 160)), images[0]], images[:1]]
+    questions = ["What is in the image?", "What is in the image?", "Which shapes are there?"]
+    answers = []
+    for used, question in zip(image_sets, questions):
+        reply = ask([{"type": "image_url", "image_url": {"url": data_uri(im)}} for im in used], question)
+        content = [{"type": "image"} for _ in used] + [{"type": "text", "text": question}]
+        assert (reply.choices[0].message.content, reply.usage.prompt_tokens) == hf(content, images=used)
+        assert reply.usage.completion_tokens == max_tokens
+        answers.append(reply)
+    assert answers[0].choices[0].message.content != answers[1].choices[0].message.content
+    assert answers[2].usage.prompt_tokens_details.cached_tokens >= min_cached
+
+    frames = [f.resize((64, 64)) for f in scenes.video_sample(random.Random(3)).frames]
+    mp4 = encode_mp4(frames, fps=fps)
+    clip = load_video(mp4, limits=MediaLimits(), num_frames=num_frames)  # the frames the server samples
+    assert len(clip.frames) == num_frames
+    video_uri = "data:video/mp4;base64," + base64.b64encode(mp4).decode()
+    reply = ask([{"type": "video_url", "video_url": {"url": video_uri}}], "Which way is it moving?")
+    content = [{"type": "video"}, {"type": "text", "text": "Which way is it moving?"}]
+    assert (reply.choices[0].message.content, reply.usage.prompt_tokens) == hf(content, clip=clip)

@@ -42,6 +42,7 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
     from tests.models import cosmos3_testing as cosmos3
     from tests.models import gemma3_testing as gemma3
     from tests.models import gemma4_testing as gemma4
+    from tests.models import glm4v_testing as glm4v
     from tests.models import internvl_testing as internvl
     from tests.models import kimi_k25_testing as kimi_k25
     from tests.models import llama4_testing as llama4
@@ -71,6 +72,8 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
         "LlavaForConditionalGeneration (pixtral vision)": lambda: pixtral.tiny_pixtral_config(
             pixtral.SPECS["mistral_gqa"]),
         "Gemma3ForConditionalGeneration": lambda: gemma3.tiny_gemma3_config(gemma3.SPECS["gqa"]),
+        "Glm4vForConditionalGeneration": lambda: glm4v.tiny_glm4v_config(glm4v.SPECS["gqa"]),
+        "Glm4vMoeForConditionalGeneration": lambda: glm4v.tiny_glm4v_config(glm4v.MOE_SPECS["moe"]),
         "Gemma3ForCausalLM": lambda: gemma3.tiny_gemma3_config(gemma3.SPECS["mha_softcap"]).text_config,
         # With MoE layers, whose expert loop reads the routing back (why Gemma 4 opts out of CUDA graphs).
         "Gemma4ForConditionalGeneration": lambda: gemma4.tiny_gemma4_config(gemma4.SPECS["shared_kv"], **gemma4.MOE),

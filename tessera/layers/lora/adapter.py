@@ -72,6 +72,7 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, mapping, max_ran
         raise AdapterError(f"adapter {name!r}: cannot read {ADAPTER_WEIGHTS}: {e}") from None
     if not pairs:
         raise AdapterError(f"adapter {name!r}: {ADAPTER_WEIGHTS} holds no LoRA tensors")
+    pairs = _split_fused(pairs, mapping)
     modules: dict[str, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}
     top = 0
     for module_path, tensors in sorted(pairs.items()):
@@ -98,6 +99,17 @@ def load_adapter(name: str, path: str | Path, model: nn.Module, mapping, max_ran
                if key.endswith(".base_layer.weight") else f"unexpected (want {PEFT_PREFIX}<module>.lora_A/B.weight)")
         raise AdapterError(f"adapter {name!r}: {key}: {why}")
     return LoraAdapter(name, str(path), config, modules, top)
+
+
+def _split_fused(pairs: dict[str, dict[str, torch.Tensor]], mapping) -> dict[str, dict[str, torch.Tensor]]:
+    """A pair on a checkpoint module that concatenates several along its rows (WeightMapping.fused: GLM-4's
+    gate_up_proj) as that pair on each part: the same A, B's rows in equal parts."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for path, tensors in pairs.items():
+        b = tensors.get("lora_B")
+        for part, piece in mapping.split_fused(path + ".weight", b) if b is not None else [(path + ".weight", b)]:
+            out[part.removesuffix(".weight")] = tensors if piece is None else {**tensors, "lora_B": piece}
+    return out
 
 
 def _split_key(name: str, key: str) -> tuple[str, str] | None:

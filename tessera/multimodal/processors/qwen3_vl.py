@@ -56,20 +56,27 @@ class Qwen3VLProcessor(QwenVLProcessor):
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(hf_processor, hf_config, *args, **kwargs)
         self.tokens_per_second = None  # frame groups are placed by their timestamp text, not time-scaled
-        levels = len(getattr(hf_config.vision_config, "deepstack_visual_indexes", ()))  # none: Cosmos3 Edge
+        levels = len(getattr(hf_config.vision_config, "deepstack_visual_indexes", ()))  # none: Cosmos3 Edge, GLM-4V
         self.embed_dim = int(hf_config.get_text_config().hidden_size) * (1 + levels)
         self.temporal_patch_size = temporal_patch_size(hf_config.vision_config)
-        tokenizer = getattr(hf_processor, "tokenizer", hf_processor)
-        self._tokenizer = tokenizer
-        self.vision_start_id = int(getattr(hf_config, "vision_start_token_id", None)
-                                   or tokenizer.convert_tokens_to_ids("<|vision_start|>"))
-        self.vision_end_id = int(getattr(hf_config, "vision_end_token_id", None)
-                                 or tokenizer.convert_tokens_to_ids("<|vision_end|>"))
+        self._tokenizer = getattr(hf_processor, "tokenizer", hf_processor)
+        self.vision_start_id, self.vision_end_id = self.frame_bracket_ids()
+
+    def frame_bracket_ids(self) -> tuple[int, int]:
+        """The ids that open and close each frame group's placeholder run."""
+        return (int(getattr(self.hf_config, "vision_start_token_id", None)
+                    or self._tokenizer.convert_tokens_to_ids("<|vision_start|>")),
+                int(getattr(self.hf_config, "vision_end_token_id", None)
+                    or self._tokenizer.convert_tokens_to_ids("<|vision_end|>")))
 
     # ------------------------------------------------------------ timestamps
 
+    def timestamps(self, indices: Sequence[int], fps: float | None) -> list[float]:
+        """Seconds of each frame group of frames `indices` of a source at `fps` (None: unknown)."""
+        return frame_timestamps(indices, fps, self.temporal_patch_size)
+
     def _clip_timestamps(self, clip: VideoClip) -> list[float]:
-        return frame_timestamps(clip.sampled_indices, clip.fps, self.temporal_patch_size)
+        return self.timestamps(clip.sampled_indices, clip.fps)
 
     def video_call_kwargs(self, videos: Sequence[VideoClip]) -> dict[str, Any]:
         """HF writes the timestamps from each clip's metadata (fps None: HF's 24)."""
@@ -114,8 +121,7 @@ class Qwen3VLProcessor(QwenVLProcessor):
         grids = [int(f.model_specific_data["video_grid_thw"].view(3)[0]) for f in features]
         given = data.get(TIMESTAMPS_KEY)
         if given is None:
-            stamps = [frame_timestamps(range(t * self.temporal_patch_size), None, self.temporal_patch_size)
-                      for t in grids]
+            stamps = [self.timestamps(range(t * self.temporal_patch_size), None) for t in grids]
         else:
             flat = torch.as_tensor(given, dtype=torch.float64).reshape(-1).tolist()
             if len(flat) != sum(grids):
@@ -174,7 +180,7 @@ class Qwen3VLProcessor(QwenVLProcessor):
             t, h, w = item.model_specific_data["video_grid_thw"].view(3).tolist()
             per_group = h * w // spatial_merge_size**2
             if len(item.offsets) != t or any(e - s != per_group for s, e in item.offsets):
-                raise ValueError(f"a Qwen3-VL video of grid {(t, h, w)} needs {t} placeholder runs of {per_group} "
+                raise ValueError(f"a video of grid {(t, h, w)} needs {t} placeholder runs of {per_group} "
                                  f"tokens, one per frame group separated by its timestamp; got runs {item.offsets}")
             spans += [VisionSpan(s, (1, h, w)) for s, _ in item.offsets]
         positions, delta = compute_mrope_positions(len(input_ids), spans, spatial_merge_size)

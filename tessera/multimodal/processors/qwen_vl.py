@@ -114,20 +114,30 @@ class QwenVLProcessor(BaseMultimodalProcessor):
 
     # ------------------------------------------------------------ deferred images
 
-    def plan_image(self, height: int, width: int) -> ImagePlan | None:
-        """The grid HF's Qwen2VLImageProcessor makes: its `smart_resize` to multiples of patch * merge within
-        [shortest_edge, longest_edge] pixels, then one row of patch_dim values per patch."""
+    def resized(self, height: int, width: int, size: Mapping[str, int]) -> tuple[int, int] | None:
+        """The (height, width) the image processor resizes an image to (HF's own `smart_resize`), or None where
+        that processor is not the one modelled here."""
         from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor, smart_resize
 
         ip = self.hf_processor.image_processor
+        if not isinstance(ip, Qwen2VLImageProcessor):
+            return None
+        return smart_resize(height, width, factor=int(ip.patch_size) * int(ip.merge_size),
+                            min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
+
+    def plan_image(self, height: int, width: int) -> ImagePlan | None:
+        """The grid the image processor makes: its resize to multiples of patch * merge within
+        [shortest_edge, longest_edge] pixels (`resized`), then one row of patch_dim values per patch."""
+        ip = self.hf_processor.image_processor
         kwargs = self.hf_kwargs(Modality.IMAGE)
-        if not isinstance(ip, Qwen2VLImageProcessor) or is_pil_backend(ip) or not getattr(ip, "do_resize", True) \
-                or set(kwargs) - {"size"} - SHAPE_NEUTRAL_KWARGS:
+        if is_pil_backend(ip) or not getattr(ip, "do_resize", True) or set(kwargs) - {"size"} - SHAPE_NEUTRAL_KWARGS:
             return None
         patch, merge = int(ip.patch_size), int(ip.merge_size)
         try:
-            h, w = smart_resize(height, width, factor=patch * merge, min_pixels=kwargs["size"]["shortest_edge"],
-                                max_pixels=kwargs["size"]["longest_edge"])
+            resized = self.resized(height, width, kwargs["size"])
+            if resized is None:
+                return None
+            h, w = resized
         except ValueError:  # extreme aspect ratios: the eager path raises the processor's own error
             return None
         grid = torch.tensor([[1, h // patch, w // patch]], dtype=torch.long)
