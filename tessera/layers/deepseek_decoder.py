@@ -42,6 +42,7 @@ class DeepseekDecoderLayer(DecoderLayer):
                                GatedMLP(hidden, int(text.intermediate_size), str(text.hidden_act)))
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.post_self_attn_layernorm = self.post_mlp_layernorm = None  # the shared forward's GLM-4 norms: none
 
 
 class DeepseekDecoderModel(nn.Module):

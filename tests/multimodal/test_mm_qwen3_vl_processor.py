@@ -15,6 +15,7 @@ from tests.models.qwen3_vl_testing import (
     tiny_qwen3_vl_processor_and_config,
 )
 
+from . import processor_checks
 from .processor_checks import assert_frame_runs_match_hf
 from .conftest import (
     chat_text,
