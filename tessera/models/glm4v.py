@@ -120,7 +120,7 @@ class Glm4vMoeForConditionalGeneration(Glm4vForConditionalGeneration):
     decoder_model_class = Glm4vMoeTextModel
     vision_tower: ClassVar[str] = "transformers.models.glm4v_moe.modeling_glm4v_moe:Glm4vMoeVisionModel"
     fused_gate_up = False  # GLM-4.5's dense MLPs keep gate_proj and up_proj apart
-    cuda_graph_decode = False  # as Kimi-K2's DeepseekMoE: not checked under graph capture
+    cuda_graph_decode = True  # the DeepSeek router and the grouped experts' Triton kernel read nothing back
 
     @staticmethod
     def options_for(config: ModelConfig) -> DecoderOptions:

@@ -36,7 +36,10 @@ def _text(**extra: Any) -> dict:
 
 def _tiny_configs() -> dict[str, Callable[[], Any]]:
     """Family name -> a tiny HF config of it (the model tests' fixtures where they have one)."""
-    from transformers import Qwen2AudioConfig, Qwen2Config, Qwen3Config, WhisperConfig
+    from transformers import GlmAsrConfig, Qwen2AudioConfig, Qwen2Config, Qwen3ASRConfig, Qwen3Config, WhisperConfig
+
+    from tests.models import mllama_testing as mllama
+    from tests.speech_llm_testing import SPEECH_LLMS
 
     from tests.models import clip_testing as clip
     from tests.models import cosmos3_testing as cosmos3
@@ -86,6 +89,13 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
             vocab_size=96, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
             decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=16,
             architectures=["WhisperForConditionalGeneration"]),
+        "Qwen3ASRForConditionalGeneration": lambda: Qwen3ASRConfig(
+            audio_config=SPEECH_LLMS["qwen3_asr"].audio, text_config={**SPEECH_LLMS["qwen3_asr"].text, "vocab_size": 96},
+            audio_token_id=95, architectures=["Qwen3ASRForConditionalGeneration"]),
+        "GlmAsrForConditionalGeneration": lambda: GlmAsrConfig(
+            audio_config=SPEECH_LLMS["glmasr"].audio, text_config={**SPEECH_LLMS["glmasr"].text, "vocab_size": 96},
+            audio_token_id=95, architectures=["GlmAsrForConditionalGeneration"]),
+        "MllamaForConditionalGeneration": lambda: mllama.tiny_mllama_config(),
         "CLIPModel": clip.tiny_clip_config,
         "SiglipModel": clip.tiny_siglip_config,
     }
@@ -124,11 +134,11 @@ def _padded_decode(model: torch.nn.Module, mrope: bool) -> torch.Tensor:
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_decode_forward_is_graph_safe(name: str) -> None:
     """Families the worker captures must pass; one that opts out (cuda_graph_decode = False) must fail, or its
-    opt-out is stale. Encoder-decoder steps are never captured (the graph buffers hold no cross-attention
-    slots), so there is no forward to check."""
+    opt-out is stale. Steps of families with per-request state (Whisper's and Mllama's cross-attention) are never
+    captured (the graph buffers hold no cross-attention slots), so there is no forward to check."""
     family = FAMILIES[name]
-    if family.encoder_decoder:
-        pytest.skip("encoder-decoder: the worker runs its decode eagerly (no cross-attention slots in a graph)")
+    if family.encoder_decoder or family.model_class().request_state is not None:
+        pytest.skip("per-request cross-attention state: the worker runs its decode eagerly (no slots in a graph)")
     config = ModelConfig.from_hf(_tiny_configs()[name]())
     model = random_model(config, DEVICE)
     mrope = config.positions == "mrope"
@@ -167,7 +177,8 @@ def test_kernel_launches_are_exempt() -> None:
 def test_every_family_under_the_triton_interpreter() -> None:
     tests = "test_decode_forward_is_graph_safe or test_kernel_launches_are_exempt"
     out = run_interpreted(__file__, "-n", "0", "-k", tests)
-    checked = sum(1 for f in FAMILIES.values() if not f.encoder_decoder) + 1  # + the launch test
+    checked = sum(1 for f in FAMILIES.values()
+                  if not f.encoder_decoder and f.model_class().request_state is None) + 1  # + the launch test
     skipped = len(FAMILIES) + 1 - checked
     summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert out.returncode == 0 and f"{checked} passed, {skipped} skipped" in summary, \
