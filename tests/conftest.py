@@ -28,7 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # Files of a minute or more (measured with --durations): they start first, so that with a file per worker the run
 # does not end on one of them while the other worker has nothing left (the suite's tail was ~1.5 minutes).
 SLOW_FILES_FIRST = ("tests/distributed/", "tests/server/test_fuzz.py", "tests/bench/test_gpu_check.py",
-                    "tests/server/test_reliability.py", "tests/bench/test_end_to_end.py")
+                    "tests/server/test_reliability.py", "tests/bench/test_end_to_end.py",
+                    "tests/models/test_family_parity.py", "tests/lora/test_lora_vl_families.py")
+# Files that run every family (parametrised by it: "family" or "family-spec" first in the test id) whose fixtures
+# are per family: each family is its own unit, so the families spread over the workers instead of one file's
+# families running one after another on one worker (the family parity suite alone was minutes of one worker).
+SPLIT_BY_FAMILY = ("tests/models/test_family_parity.py", "tests/lora/test_lora_vl_families.py",
+                   "tests/distributed/test_tp_families.py")
 
 
 def pytest_configure(config):
@@ -47,7 +53,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown (and unused) without pytest-xdist
 def pytest_xdist_make_scheduler(config, log):
-    """`--dist loadfile`, with the files that share an expensive session fixture as one unit. (xdist's own
+    """`--dist loadfile`, with the files that share an expensive session fixture as one unit and the files that run
+    every family split by family (SPLIT_BY_FAMILY). (xdist's own
     `loadgroup` would do it from marks, but its node-id suffix no longer reaches pytest 9's node ids.)"""
     if config.getvalue("dist") != "loadfile":
         return None
@@ -58,6 +65,8 @@ def pytest_xdist_make_scheduler(config, log):
 
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
+            if path in SPLIT_BY_FAMILY and "[" in nodeid:
+                return f"{path}::{nodeid.split('[', 1)[1].split('-', 1)[0].rstrip(']')}"
             if path not in self.group_of_file:
                 try:
                     text = (ROOT / path).read_text()
