@@ -26,8 +26,11 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 # SGLang's benchmark client, which tests/server/test_peer_clients.py points at `tessera serve`: the sglang
-# package without its dependencies (its GPU stack), plus the few modules bench_serving imports (~15 s).
-PEER_CLIENT := sglang orjson pybase64 msgspec ipython traitlets apache-tvm-ffi sentencepiece gguf
+# package without its dependencies (its GPU stack), plus the few modules bench_serving imports (~15 s). instructor
+# (tests/server/test_app_libraries.py) comes the same way: its metadata asks for jiter < 0.15 and rich < 15, older
+# than the pinned openai's jiter and typer's rich, but it runs on both; docstring-parser is its one missing module.
+PEER_CLIENT := sglang orjson pybase64 msgspec ipython traitlets apache-tvm-ffi sentencepiece gguf \
+	instructor docstring-parser
 
 $(TEST_STAMP): $(STAMP)
 	@echo "== Adding the test tools to $(VENV)"

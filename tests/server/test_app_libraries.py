@@ -1,8 +1,10 @@
 """Application libraries against the default demo model (its own template renders tools): each completes an
 image + tool round trip (the image sent, a call constrained to the tool's schema, the tool run, its result sent
 back, a final answer). openai-agents in both its chat-completions and Responses modes, pydantic-ai (a function
-tool and its structured output tool), LangChain's bind_tools (whole and streamed). instructor is not installed:
-it needs jiter < 0.15 and the pinned openai needs a newer one."""
+tool and its structured output tool), LangChain's bind_tools (whole and streamed), and instructor's tools and
+JSON-schema modes (a pydantic response model filled from the image). instructor is installed without its
+dependencies (the Makefile's PEER_CLIENT): its metadata asks for jiter < 0.15, which the pinned openai outgrew, but
+it runs on the pinned jiter and openai."""
 
 from __future__ import annotations
 
@@ -96,3 +98,27 @@ def test_langchain_bind_tools_round_trip_whole_and_streamed(vl_server):
     messages += [ai, ToolMessage(content=count_shapes.invoke(call["args"]), tool_call_id=call["id"])]
     final = llm.bind_tools([count_shapes]).invoke(messages)
     assert final.response_metadata["finish_reason"] in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("mode", ["TOOLS", "JSON_SCHEMA"])
+def test_instructor_response_model_from_an_image(vl_server, mode):
+    instructor = pytest.importorskip("instructor", reason="installed by `make test` (the Makefile's PEER_CLIENT)")
+    from openai import OpenAI
+    from pydantic import BaseModel
+
+    class Count(BaseModel):
+        colour: Colour
+        shapes: Literal[1, 2, 3, 4]
+
+    openai = OpenAI(base_url=f"{vl_server.base_url}/v1", api_key="none", max_retries=0)
+    client = instructor.from_openai(openai, mode=getattr(instructor.Mode, mode))
+    question = {"type": "text", "text": QUESTION}
+    count, completion = client.chat.completions.create_with_completion(
+        model="demo-vl", response_model=Count, max_retries=0, max_tokens=48, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}}, question]}])
+    assert isinstance(count, Count)  # validated by instructor against the pydantic model
+    sent = completion.choices[0].message  # tools mode reads a tool call, JSON-schema mode the content
+    assert (sent.tool_calls[0].function.name == "Count") if mode == "TOOLS" else sent.content
+    text_only = openai.chat.completions.create(model="demo-vl", max_tokens=1,
+                                               messages=[{"role": "user", "content": [question]}])
+    assert completion.usage.prompt_tokens > text_only.usage.prompt_tokens + 16  # instructor sent the image on
