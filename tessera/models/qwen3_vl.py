@@ -56,7 +56,8 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         rope = dict(getattr(config.hf_config.get_text_config(), "rope_parameters", None) or {})
         section = [int(n) for n in rope.get("mrope_section", QWEN3_VL_MROPE_SECTION)]
         self.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, section, mrope_interleaved=True)
-        self.num_deepstack_levels = len(vision.deepstack_visual_indexes)
+        # Qwen3.5's tower has no DeepStack (its config has no deepstack_visual_indexes).
+        self.num_deepstack_levels = len(getattr(vision, "deepstack_visual_indexes", None) or ())
 
     @property
     def mm_embed_width(self) -> int:
