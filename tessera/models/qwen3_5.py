@@ -12,25 +12,19 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from tessera.layers.attention import BaseAttentionBackend
 from tessera.layers.decoder import DecoderDims
 from tessera.layers.hybrid_decoder import HybridDecoderModel, rotary_dim
-from tessera.layers.rotary import RotaryEmbedding
 from tessera.models.config import ModelConfig
 from tessera.models.qwen3_next import HybridLM, shared_expert_moe
-from tessera.models.qwen3_vl import QWEN3_VL_MROPE_SECTION, Qwen3VLForConditionalGeneration
+from tessera.models.qwen3_vl import Qwen3VLForConditionalGeneration
 
 
 class Qwen3_5ForConditionalGeneration(HybridLM, Qwen3VLForConditionalGeneration):
     decoder_model_class = HybridDecoderModel
     vision_tower: ClassVar[str] = "transformers.models.qwen3_5.modeling_qwen3_5:Qwen3_5VisionModel"
 
-    def __init__(self, config: ModelConfig, attn_backend: BaseAttentionBackend | None = None,
-                 language_model_only: bool = False):
-        super().__init__(config, attn_backend, language_model_only)
-        # Qwen3-VL's rotary spans the whole head; Qwen3.5's its rotary part.
-        section = list(config.mrope_section or QWEN3_VL_MROPE_SECTION)
-        self.model.rotary_emb = RotaryEmbedding(rotary_dim(config), config.rope_theta, section, mrope_interleaved=True)
+    def rotary_dim(self, config: ModelConfig) -> int:
+        return rotary_dim(config)
 
     def tower_embeddings(self, pixel_rows: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         assert self.visual is not None

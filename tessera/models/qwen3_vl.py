@@ -55,9 +55,14 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         # A config without mrope_section gets transformers' Qwen3-VL default, not Qwen2-VL's.
         rope = dict(getattr(config.hf_config.get_text_config(), "rope_parameters", None) or {})
         section = [int(n) for n in rope.get("mrope_section", QWEN3_VL_MROPE_SECTION)]
-        self.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, section, mrope_interleaved=True)
+        self.model.rotary_emb = RotaryEmbedding(self.rotary_dim(config), config.rope_theta, section,
+                                                mrope_interleaved=True)
         # Qwen3.5's tower has no DeepStack (its config has no deepstack_visual_indexes).
         self.num_deepstack_levels = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+
+    def rotary_dim(self, config: ModelConfig) -> int:
+        """The head dims RoPE rotates (Qwen3.5: `partial_rotary_factor` of them)."""
+        return config.head_dim
 
     @property
     def mm_embed_width(self) -> int:
