@@ -7,6 +7,7 @@ The MoE variant's sparse layers are Qwen3-Next's (routed experts plus a gated sh
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import ClassVar
 
 import torch
@@ -17,6 +18,7 @@ from tessera.layers.hybrid_decoder import HybridDecoderModel, rotary_dim
 from tessera.models.config import ModelConfig
 from tessera.models.qwen3_next import HybridLM, shared_expert_moe
 from tessera.models.qwen3_vl import Qwen3VLForConditionalGeneration
+from tessera.models.weights import WeightMapping
 
 
 class Qwen3_5ForConditionalGeneration(HybridLM, Qwen3VLForConditionalGeneration):
@@ -41,3 +43,7 @@ class Qwen3_5MoeTextModel(HybridDecoderModel):
 class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     decoder_model_class = Qwen3_5MoeTextModel
     vision_tower: ClassVar[str] = "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe:Qwen3_5MoeVisionModel"
+
+    @classmethod
+    def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
+        return replace(super().weight_mapping(config, language_model_only), per_expert=True)  # experts kept apart

@@ -50,25 +50,29 @@ def tiny_qwen3_5_config(spec: q3.TinySpec):
                       architectures=[config_cls.__name__.replace("Config", "ForConditionalGeneration")])
 
 
-def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
-    """Qwen3-VL's (random norm weights 0.5..1.5, text-sized mergers), then the hybrid layers' own: the decoder's
-    RMSNorms scale by (1 + weight), so their weights are moved to -0.5..0.5 (scales 0.5..1.5: activations stay
-    text-sized, as float32 parity at 1e-4 needs); the gated norms get random weights 0.5..1.5; the decays are
-    moderate and the values larger (below)."""
-    q3.make_fixture_can_fail_(hf, seed)
+def make_hybrid_can_fail_(hf: torch.nn.Module, seed: int) -> None:
+    """The hybrid decoder's fixture rules (Qwen3.5, Qwen3-Next): its RMSNorms scale by (1 + weight), so their
+    weights are drawn from -0.5..0.5 (scales 0.5..1.5: activations stay text-sized, as float32 parity at 1e-4
+    needs); the gated norms get random weights 0.5..1.5; the decays are moderate (below)."""
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for module in hf.modules():
             kind = type(module).__name__
             if kind.endswith("RMSNormGated"):
                 module.weight.copy_(0.5 + torch.rand(module.weight.shape, generator=g))
-            elif kind.endswith("RMSNorm") and kind.startswith("Qwen3_5"):  # not the vision tower's LayerNorms
-                module.weight.sub_(1.0)
+            elif kind.endswith("RMSNorm") and kind.startswith(("Qwen3_5", "Qwen3Next")):  # not the tower's norms
+                module.weight.copy_(torch.rand(module.weight.shape, generator=g) - 0.5)
             if hasattr(module, "A_log"):
                 # transformers draws A from 0.01..16: decays down to exp(-20) per token wipe the state at every
                 # token (an image 30 tokens back no longer matters) and leave some outputs ~1e-4, whose gated norm
                 # magnifies float32 noise past the tolerance. A of 0.01..0.1 keeps ~0.95 of the state per token.
                 module.A_log.copy_(torch.empty(module.A_log.shape).uniform_(0.01, 0.1, generator=g).log())
+
+
+def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
+    """Qwen3-VL's (random norm weights and biases, text-sized mergers), then the hybrid decoder's."""
+    q3.make_fixture_can_fail_(hf, seed)
+    make_hybrid_can_fail_(hf, seed)
 
 
 
