@@ -7,13 +7,16 @@ The rule, per value head, token t (q, k L2-normalised, q scaled by key_dim^-0.5)
 Decode runs it for one token per request, batched over requests. Prefill runs the chunked form (64 tokens per
 chunk: a unit-triangular solve turns a chunk's updates into a few matmuls; the DeltaNet paper's WY/UT form),
 one request at a time from the state its previous chunk left, so chunked prefill computes what one long
-prefill would. On CUDA the kernels of flash-linear-attention (`fla-core`, an optional import) replace both.
+prefill would. On CUDA the kernels of flash-linear-attention (`fla-core`, an optional import: not a dependency)
+replace both where it is installed; that path has not run in this repository's tests (no fla-core here).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from tessera.platform.device import platform_of
 
 try:  # optional: flash-linear-attention's Triton kernels (CUDA only); the torch forms below are the reference
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as _fla_chunk  # type: ignore[import-not-found]
@@ -22,6 +25,11 @@ except ImportError:  # not installed: the torch forms run
     _fla_chunk = _fla_recurrent = None
 
 CHUNK = 64
+
+
+def _runs_fla(x: torch.Tensor) -> bool:
+    """fla-core's kernels are Triton's: they run where the platform runs Triton (CUDA)."""
+    return platform_of(x.device).runs_triton
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -43,6 +51,11 @@ def _prepare(q, k, v, g, beta):
 def recurrent_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """One token per request: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv]; state [B, Hv, Dk, Dv] float32,
     updated in place. Returns o [B, Hv, Dv] float32."""
+    if _fla_recurrent is not None and _runs_fla(q):  # fla takes Hk < Hv heads itself (grouped value heads)
+        o, final = _fla_recurrent(q[:, None], k[:, None], v[:, None], g[:, None].float(), beta[:, None],
+                                  initial_state=state, output_final_state=True, use_qk_l2norm_in_kernel=True)
+        state.copy_(final)
+        return o[:, 0].float()
     rep = v.shape[1] // k.shape[1]
     if rep > 1:
         q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
@@ -58,6 +71,11 @@ def recurrent_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
 def chunked_rule(q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
     """One request's tokens: q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv]; state [Hv, Dk, Dv] float32, updated
     in place. Returns o [T, Hv, Dv] float32."""
+    if _fla_chunk is not None and _runs_fla(q):
+        o, final = _fla_chunk(q[None], k[None], v[None], g[None].float(), beta[None], initial_state=state[None],
+                              output_final_state=True, use_qk_l2norm_in_kernel=True)
+        state.copy_(final[0])
+        return o[0].float()
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     n = q.shape[1]
     pad = (-n) % CHUNK

@@ -30,6 +30,7 @@ from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError, merge_mm_embeddings
 from tessera.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from tessera.models.qwen3 import QWEN3_OPTIONS, qwen3_decoder_options
+from tessera.multimodal.processors.qwen3_vl import deepstack_levels
 from tessera.layers.forward_batch import ForwardBatch
 
 QWEN3_VL_MROPE_SECTION = (24, 20, 20)
@@ -57,8 +58,7 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         section = [int(n) for n in rope.get("mrope_section", QWEN3_VL_MROPE_SECTION)]
         self.model.rotary_emb = RotaryEmbedding(self.rotary_dim(config), config.rope_theta, section,
                                                 mrope_interleaved=True)
-        # Qwen3.5's tower has no DeepStack (its config has no deepstack_visual_indexes).
-        self.num_deepstack_levels = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+        self.num_deepstack_levels = deepstack_levels(vision)
 
     def rotary_dim(self, config: ModelConfig) -> int:
         """The head dims RoPE rotates (Qwen3.5: `partial_rotary_factor` of them)."""

@@ -32,11 +32,13 @@ SPECS = {
 SPECS["moe"] = dataclasses.replace(SPECS["dense"], name="moe", seed=6, moe=MOE_FIELDS)
 
 
-def tiny_qwen3_5_config(spec: q3.TinySpec):
+def tiny_qwen3_5_config(spec: q3.TinySpec, vocab_size: int = q3.VOCAB, token_ids: dict[str, int] | None = None,
+                        **special):
     from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
-    text = q3._text_config(spec, q3.VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None,
-                           **HYBRID_FIELDS, **dict(spec.moe))
+    ids = token_ids or {"image": q3.IMAGE_ID, "video": q3.VIDEO_ID, "start": q3.VSTART_ID, "end": q3.VEND_ID}
+    special = special or dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    text = q3._text_config(spec, vocab_size, **special, **HYBRID_FIELDS, **dict(spec.moe))
     text["rope_parameters"]["partial_rotary_factor"] = 0.5
     # The gated norm divides each head's rule output by its RMS; random unit q and k score ~0.06 a pair, so
     # those outputs are ~0.02, sums of larger terms, and an eps of 1e-6 turns the vision tower's float32 noise
@@ -45,8 +47,8 @@ def tiny_qwen3_5_config(spec: q3.TinySpec):
     vision = q3._vision_config(spec)
     del vision["deepstack_visual_indexes"]
     config_cls = Qwen3_5MoeConfig if spec.moe else Qwen3_5Config
-    return config_cls(text_config=text, vision_config=vision, image_token_id=q3.IMAGE_ID, video_token_id=q3.VIDEO_ID,
-                      vision_start_token_id=q3.VSTART_ID, vision_end_token_id=q3.VEND_ID, tie_word_embeddings=spec.tie,
+    return config_cls(text_config=text, vision_config=vision, image_token_id=ids["image"], video_token_id=ids["video"],
+                      vision_start_token_id=ids["start"], vision_end_token_id=ids["end"], tie_word_embeddings=spec.tie,
                       architectures=[config_cls.__name__.replace("Config", "ForConditionalGeneration")])
 
 
@@ -121,3 +123,23 @@ def load_case(name: str, path: Path) -> q3.Qwen3VLCase:
 FIXTURE = dataclasses.replace(
     q3.FIXTURE, specs=("dense",), load_case=load_case, bytes_spec="dense", prefix_cuts={}, checks={},
     build=lambda path, name: build_tiny_qwen3_5(path, SPECS[name]))
+
+
+def make_tiny_qwen3_5_checkpoint(path: str | Path, spec_name: str = "dense") -> Path:
+    """A complete random Qwen3.5 checkpoint directory: q3.make_tiny_qwen3_vl_checkpoint's tokenizer, chat template
+    and processor with a Qwen3.5 config over them."""
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    spec = SPECS[spec_name]
+    processor, vl = q3.tiny_qwen3_vl_processor_and_config(q3.CHECKPOINT_SPEC)
+    processor.save_pretrained(path)
+    text = vl.text_config
+    config = tiny_qwen3_5_config(
+        spec, vocab_size=text.vocab_size, token_ids={"image": vl.image_token_id, "video": vl.video_token_id,
+                                                     "start": vl.vision_start_token_id, "end": vl.vision_end_token_id},
+        bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id)
+    save_random_model(path, getattr(transformers, config.architectures[0]), config, spec.seed,
+                      lambda m: make_fixture_can_fail_(m, spec.seed), None, text.eos_token_id, text.pad_token_id)
+    return path
