@@ -128,8 +128,11 @@ class GatedDeltaNet(nn.Module):
                 span = slice(s, s + e)
                 mixed = gated_delta.conv_step(qkv[span], conv[row], weight)
                 q, k, v = mixed.split([key, key, self.hv * self.vd], -1)
-                parts.append(gated_delta.chunked_rule(q.view(e, self.hk, self.kd), k.view(e, self.hk, self.kd),
-                                                      v.view(e, self.hv, self.vd), g[span], beta[span], rec[row]))
+                q, k, v = q.view(e, self.hk, self.kd), k.view(e, self.hk, self.kd), v.view(e, self.hv, self.vd)
+                if e == 1:  # a decode row beside prefill chunks: the recurrent step (a chunk would pad to 64)
+                    parts.append(gated_delta.recurrent_rule(q, k, v, g[span], beta[span], rec[row][None]))
+                else:
+                    parts.append(gated_delta.chunked_rule(q, k, v, g[span], beta[span], rec[row]))
             o = torch.cat(parts)
         o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(x.shape[0], -1))
