@@ -78,6 +78,20 @@ def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
 
 
 
+def tiny_qwen3_next_config(vocab_size: int = q3.VOCAB):
+    """Qwen3-Next text: 3 linear + 1 full layer, MoE layers 1 and 3 (top-2 of 4 experts and a shared expert),
+    RoPE on a quarter of each head (transformers' default partial_rotary_factor)."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-2, initializer_range=0.2, max_position_embeddings=512,
+        **{**HYBRID_FIELDS, "linear_key_head_dim": 8, "linear_value_head_dim": 8}, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, decoder_sparse_step=2,
+        norm_topk_prob=True, architectures=["Qwen3NextForCausalLM"], bos_token_id=None, eos_token_id=None,
+        pad_token_id=None)
+
+
 def build_tiny_qwen3_5(path: str | Path, spec: q3.TinySpec):
     import transformers
 

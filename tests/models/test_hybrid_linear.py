@@ -15,20 +15,13 @@ VOCAB, CHUNK = 128, 32
 
 
 def _tiny_qwen3_next(path):
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    from transformers import Qwen3NextForCausalLM
 
     from tests.models.fixture_checks import save_random_model
-    from tests.models.qwen3_5_testing import make_hybrid_can_fail_
+    from tests.models.qwen3_5_testing import make_hybrid_can_fail_, tiny_qwen3_next_config
 
-    cfg = Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-2, initializer_range=0.2, max_position_embeddings=512,
-        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-        linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-        shared_expert_intermediate_size=16, decoder_sparse_step=2, norm_topk_prob=True,
-        architectures=["Qwen3NextForCausalLM"], bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    return save_random_model(path, Qwen3NextForCausalLM, cfg, 3, lambda m: make_hybrid_can_fail_(m, 3))
+    return save_random_model(path, Qwen3NextForCausalLM, tiny_qwen3_next_config(VOCAB), 3,
+                             lambda m: make_hybrid_can_fail_(m, 3))
 
 
 @pytest.fixture(scope="module")
