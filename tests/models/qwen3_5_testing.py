@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -139,6 +140,19 @@ FIXTURE = dataclasses.replace(
     build=lambda path, name: build_tiny_qwen3_5(path, SPECS[name]))
 
 
+def tiny_qwen3_5_processor_and_config(spec_name: str = "dense") -> tuple[Any, Any]:
+    """(q3.tiny_qwen3_vl_processor_and_config's processor over the demo-vl tokenizer, a Qwen3.5 config with its
+    token ids)."""
+    processor, vl = q3.tiny_qwen3_vl_processor_and_config(q3.CHECKPOINT_SPEC)
+    text = vl.text_config
+    config = tiny_qwen3_5_config(
+        SPECS[spec_name], vocab_size=text.vocab_size,
+        token_ids={"image": vl.image_token_id, "video": vl.video_token_id, "start": vl.vision_start_token_id,
+                   "end": vl.vision_end_token_id},
+        bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id)
+    return processor, config
+
+
 def make_tiny_qwen3_5_checkpoint(path: str | Path, spec_name: str = "dense") -> Path:
     """A complete random Qwen3.5 checkpoint directory: q3.make_tiny_qwen3_vl_checkpoint's tokenizer, chat template
     and processor with a Qwen3.5 config over them."""
@@ -147,13 +161,9 @@ def make_tiny_qwen3_5_checkpoint(path: str | Path, spec_name: str = "dense") -> 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     spec = SPECS[spec_name]
-    processor, vl = q3.tiny_qwen3_vl_processor_and_config(q3.CHECKPOINT_SPEC)
+    processor, config = tiny_qwen3_5_processor_and_config(spec_name)
     processor.save_pretrained(path)
-    text = vl.text_config
-    config = tiny_qwen3_5_config(
-        spec, vocab_size=text.vocab_size, token_ids={"image": vl.image_token_id, "video": vl.video_token_id,
-                                                     "start": vl.vision_start_token_id, "end": vl.vision_end_token_id},
-        bos_token_id=text.bos_token_id, eos_token_id=text.eos_token_id, pad_token_id=text.pad_token_id)
+    text = config.text_config
     save_random_model(path, getattr(transformers, config.architectures[0]), config, spec.seed,
                       lambda m: make_fixture_can_fail_(m, spec.seed), None, text.eos_token_id, text.pad_token_id)
     return path
