@@ -143,7 +143,8 @@ class StackedExperts(nn.Module):
         apart) into this rank's share of the stacked parameter; True once every expert's have come."""
         index, kind = shard_id.split(".")
         e, inter = int(index), self.down_proj.shape[1]
-        want = (self.hidden_size, self.full_intermediate) if kind == "down" else (self.full_intermediate, self.hidden_size)
+        H, I = self.hidden_size, self.full_intermediate
+        want = (H, I) if kind == "down" else (I, H)
         if tuple(loaded.shape) != want or not 0 <= e < self.num_experts:
             raise ValueError(f"expert {e} {kind}_proj: checkpoint {tuple(loaded.shape)}, want {want}")
         if kind == "down":

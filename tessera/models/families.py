@@ -97,7 +97,7 @@ _QUANT_TESTED = "AWQ, GPTQ, CT, FP8 (tested)"
 _QUANT_MOE = "dense layers (untested); not the MoE experts (stored fused)"
 _QUANT_HYBRID = "untested"
 _HYBRID_NOTES = ("prefix caching (off: no state snapshots yet); speculative decoding; overlap scheduling; tensor "
-                 "parallelism; CUDA graphs (fla-core kernels used where installed, untested)")
+                 "parallelism; CUDA graphs; LoRA (untested); fla-core kernels used where installed (untested)")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("Qwen2ForCausalLM", "tessera.models.qwen2:Qwen2ForCausalLM", None, frozenset(), "rope",

@@ -132,7 +132,8 @@ def test_qwen3_5_moe_with_an_image_matches_hf(tmp_path):
     from tests.models import qwen3_vl_testing as q3
     from tests.models.family_parity import our_greedy, our_logits
 
-    case, _ = q3.Qwen3VLCase.load(q35.SPECS["moe"], tmp_path, q35.build_tiny_qwen3_5, Qwen3_5MoeForConditionalGeneration)
+    case, _ = q3.Qwen3VLCase.load(q35.SPECS["moe"], tmp_path, q35.build_tiny_qwen3_5,
+                                  Qwen3_5MoeForConditionalGeneration)
     assert all(isinstance(layer.mlp, SharedExpertMoE) for layer in case.ours.model.layers)
     prompt = case.prompt(q3.PROMPTS["square_image"], seed=1)
     # The decoder on HF's own image features (the towers' ~1e-6 float32 differences, which the family suite checks,
