@@ -54,8 +54,9 @@ class Family:
     headless: bool = False
     # Hybrid linear attention (Qwen3-Next, Qwen3.5): each request also holds a conv and recurrent state per
     # linear-attention layer (cache/state_pool.py). The prefix cache is off (a cached prefix's K/V cannot resume
-    # a request without the state at the prefix's end), and so are speculative decoding (a rejected draft would
-    # need the state rolled back) and overlap scheduling (untested with the state): both refused at start-up.
+    # a request without the state at the prefix's end), and speculative decoding is refused at start-up (a
+    # rejected draft would need the state rolled back). Overlap scheduling works: a step's state updates happen in
+    # its forward, in step order, and a row is given back only after the step in flight that holds it.
     linear_attention: bool = False
 
     @property
@@ -96,8 +97,8 @@ _QWEN_VL_PROCESSOR = "tessera.multimodal.processors.qwen_vl:QwenVLProcessor"
 _QUANT_TESTED = "AWQ, GPTQ, CT, FP8 (tested)"
 _QUANT_MOE = "dense layers (untested); not the MoE experts (stored fused)"
 _QUANT_HYBRID = "untested"
-_HYBRID_NOTES = ("prefix caching (off: no state snapshots yet); speculative decoding; overlap scheduling; tensor "
-                 "parallelism; CUDA graphs; LoRA (untested); fla-core kernels used where installed (untested)")
+_HYBRID_NOTES = ("prefix caching (off: no state snapshots yet); speculative decoding; tensor parallelism; CUDA "
+                 "graphs; LoRA (untested); fla-core kernels used where installed (untested)")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("Qwen2ForCausalLM", "tessera.models.qwen2:Qwen2ForCausalLM", None, frozenset(), "rope",
@@ -181,16 +182,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
 )}
 
 
-def refuse_scheduling(family: Family, speculative_algorithm: str | None, overlap_schedule: bool) -> None:
+def refuse_scheduling(family: Family, speculative_algorithm: str | None) -> None:
     """A ValueError naming the flag, for scheduling features the family cannot serve token-identically."""
     if not family.linear_attention:
         return
     if speculative_algorithm:
         raise ValueError(f"speculative_algorithm: {family.architecture} keeps a recurrent linear-attention state "
                          "per request, which rejected draft tokens would need rolled back; not supported yet")
-    if overlap_schedule:
-        raise ValueError(f"enable_overlap_schedule: not supported for {family.architecture} (hybrid linear "
-                         "attention) yet: its per-request state has not been checked under overlapped steps")
 
 
 class UnsupportedArchitectureError(ValueError):

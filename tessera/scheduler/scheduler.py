@@ -78,7 +78,7 @@ class Scheduler:
         state = self.model_cls.request_state
         kv = KVManager(req_pool, allocator, self.tree, args.page_size,
                        state.extra_slots(self.config) if state is not None else 0)
-        refuse_scheduling(self.config.family, args.speculative_algorithm, args.overlap_schedule)
+        refuse_scheduling(self.config.family, args.speculative_algorithm)
         self.speculator = make_speculator(args, info.context_length, getattr(self.worker, "draft_proposer", None))
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy,
                                      self.speculator)
