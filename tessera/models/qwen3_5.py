@@ -15,6 +15,7 @@ from torch import nn
 
 from tessera.layers.decoder import DecoderDims
 from tessera.layers.hybrid_decoder import HybridDecoderModel, rotary_dim
+from tessera.models.causal_lm import CausalLM
 from tessera.models.config import ModelConfig
 from tessera.models.qwen3_next import HybridLM, shared_expert_moe
 from tessera.models.qwen3_vl import Qwen3VLForConditionalGeneration
@@ -47,3 +48,18 @@ class Qwen3_5MoeForConditionalGeneration(Qwen3_5ForConditionalGeneration):
     @classmethod
     def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
         return replace(super().weight_mapping(config, language_model_only), per_expert=True)  # experts kept apart
+
+
+class Qwen3_5ForCausalLM(HybridLM, CausalLM):
+    """Qwen3.5's text model alone (`Qwen3_5ForCausalLM`, config model_type qwen3_5_text): text positions give
+    every M-RoPE row the same angle, so its interleaved M-RoPE is 1-D RoPE over the rotary part of each head."""
+
+    decoder_model_class = HybridDecoderModel
+
+
+class Qwen3_5MoeForCausalLM(HybridLM, CausalLM):
+    decoder_model_class = Qwen3_5MoeTextModel
+
+    @classmethod
+    def weight_mapping(cls, config: ModelConfig, language_model_only: bool = False) -> WeightMapping:
+        return replace(super().weight_mapping(config, language_model_only), per_expert=True)

@@ -79,6 +79,13 @@ def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
 
 
 
+def tiny_qwen3_5_text_config(spec: q3.TinySpec):
+    """The text config of tiny_qwen3_5_config, as `Qwen3_5ForCausalLM` (or its MoE sibling) saves it."""
+    text = tiny_qwen3_5_config(spec).text_config
+    text.architectures = ["Qwen3_5MoeForCausalLM" if spec.moe else "Qwen3_5ForCausalLM"]
+    return text
+
+
 def tiny_qwen3_next_config(vocab_size: int = q3.VOCAB):
     """Qwen3-Next text: 3 linear + 1 full layer, MoE layers 1 and 3 (top-2 of 4 experts and a shared expert),
     RoPE on a quarter of each head (transformers' default partial_rotary_factor)."""

@@ -158,3 +158,23 @@ def test_state_pool_size_is_per_request_row():
     assert pool is not None and pool.nbytes == 5 * layout.bytes_per_request(torch.bfloat16)
     assert layout.bytes_per_request(torch.bfloat16) == 3 * (64 * 3 * 2 + 4 * 8 * 8 * 4)
     assert build_state_pool(None, 5, torch.float32, "cpu") is None
+
+
+@pytest.mark.parametrize("spec", ["dense", "moe"])
+def test_qwen3_5_text_only_matches_hf(spec, tmp_path):
+    """Qwen3.5's text model saved alone (Qwen3_5ForCausalLM / Qwen3_5MoeForCausalLM): prefill logits and greedy
+    decode equal HF's."""
+    import transformers
+
+    from tessera.models.registry import load_model
+    from tests.models import qwen3_5_testing as q35
+    from tests.models.fixture_checks import save_random_model
+    from tests.models.paged_driver import check_text_prefill_and_decode
+
+    config = q35.tiny_qwen3_5_text_config(q35.SPECS[spec])
+    hf = save_random_model(tmp_path, getattr(transformers, config.architectures[0]), config, 7,
+                           lambda m: q35.make_hybrid_can_fail_(m, 7))
+    ours, _ = load_model(tmp_path, torch.float32)
+    assert type(ours).__name__ == config.architectures[0]
+    _, tokens = check_text_prefill_and_decode(hf, ours, _prompt(40, 5), 6)
+    assert len(set(tokens)) > 2

@@ -60,6 +60,8 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
         "Qwen3NextForCausalLM": qwen3_5.tiny_qwen3_next_config,
         "Qwen3_5ForConditionalGeneration": lambda: qwen3_5.tiny_qwen3_5_config(qwen3_5.SPECS["dense"]),
         "Qwen3_5MoeForConditionalGeneration": lambda: qwen3_5.tiny_qwen3_5_config(qwen3_5.SPECS["moe"]),
+        "Qwen3_5ForCausalLM": lambda: qwen3_5.tiny_qwen3_5_text_config(qwen3_5.SPECS["dense"]),
+        "Qwen3_5MoeForCausalLM": lambda: qwen3_5.tiny_qwen3_5_text_config(qwen3_5.SPECS["moe"]),
         "Qwen2AudioForConditionalGeneration": lambda: Qwen2AudioConfig(
             text_config=_text(model_type="qwen2"), architectures=["Qwen2AudioForConditionalGeneration"],
             audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
