@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from tessera.cache.state_pool import StatePool
 from tessera.config import ServerArgs
 
 # A CPU pool's default (no --max-total-tokens): what the running requests can use at most
@@ -49,6 +50,8 @@ class TokenToKVPool:
         self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self._scratch: torch.Tensor | None = None  # [2, n, num_kv_heads, head_dim], see gather
+        # Hybrid linear-attention models: each request's conv and recurrent state (cache/state_pool.py).
+        self.state: StatePool | None = None
 
     # Row copies go through index_copy_ / index_select, not `buf[loc] = x` / `buf[slots]`: on CPU the
     # advanced-indexing kernels were ~17x slower for these row gathers (1.7 vs 0.1 ms for 32 x 257 rows).

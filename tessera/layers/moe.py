@@ -138,6 +138,26 @@ class StackedExperts(nn.Module):
             loaded = loaded[:, self.start:self.start + inter]
         param.copy_(loaded)
 
+    @torch.no_grad()
+    def load_expert(self, param_name: str, shard_id: str, loaded: torch.Tensor) -> bool:
+        """One expert's F.linear weight (shard "3.gate", "3.up" or "3.down" of a checkpoint that keeps experts
+        apart) into this rank's share of the stacked parameter; True once every expert's have come."""
+        index, kind = shard_id.split(".")
+        e, inter = int(index), self.down_proj.shape[1]
+        H, I = self.hidden_size, self.full_intermediate
+        want = (H, I) if kind == "down" else (I, H)
+        if tuple(loaded.shape) != want or not 0 <= e < self.num_experts:
+            raise ValueError(f"expert {e} {kind}_proj: checkpoint {tuple(loaded.shape)}, want {want}")
+        if kind == "down":
+            self.down_proj[e].copy_(loaded[:, self.start:self.start + inter].t())
+        else:
+            column = 0 if kind == "gate" else inter
+            self.gate_up_proj[e, :, column:column + inter].copy_(loaded[self.start:self.start + inter].t())
+        seen = self.__dict__.setdefault("_loaded_experts", set())
+        seen.add(shard_id)
+        per_param = [s for s in seen if (s.endswith(".down")) == (kind == "down")]
+        return len(per_param) == self.num_experts * (1 if kind == "down" else 2)
+
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                 weights_on_input: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
         return grouped_experts(x, self.gate_up_proj, self.down_proj, topk_ids, topk_weights, self.act,
@@ -204,3 +224,19 @@ class SoftmaxTopKMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(x)
         return all_reduce(self.experts(x, ids, weights))
+
+
+class SharedExpertMoE(SoftmaxTopKMoE):
+    """The Qwen2-MoE block (Qwen3-Next, Qwen3.5-MoE): SoftmaxTopKMoE's routed experts plus a shared expert that
+    sees every token, scaled by sigmoid(shared_expert_gate(x)) [T, 1]. Tensor parallelism is not supported here."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, act: str,
+                 norm_topk_prob: bool, shared_intermediate_size: int):
+        super().__init__(hidden_size, intermediate_size, num_experts, top_k, act, norm_topk_prob)
+        self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, act)
+        self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.experts(x, ids, weights, out=shared)

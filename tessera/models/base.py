@@ -25,6 +25,7 @@ from tessera.multimodal.mrope import generated_positions, segment_mrope_position
 
 if TYPE_CHECKING:
     from tessera.cache.kv_pool import TokenToKVPool
+    from tessera.cache.state_pool import LinearStateLayout
     from tessera.layers.attention import BaseAttentionBackend
     from tessera.layers.forward_batch import ForwardBatch
     from tessera.messages.worker import SamplingRow
@@ -105,6 +106,11 @@ class TesseraModel(nn.Module):
     @property
     def kv_layout(self) -> KVLayout:
         return self.config.kv_layout
+
+    @property
+    def state_layout(self) -> LinearStateLayout | None:
+        """Per-request linear-attention state (hybrid models: cache/state_pool.py); None: the model keeps none."""
+        return None
 
     def encoders(self) -> dict[Modality, Encoder]:
         """Modality -> encoder. Empty for text-only models and language-model-only loads."""

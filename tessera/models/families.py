@@ -52,6 +52,12 @@ class Family:
     # style embedding checkpoints), derived from the family's *ForCausalLM row (headless_family): served for
     # embeddings (the server is an embedding server by itself), the decoder's weights found without `model.`.
     headless: bool = False
+    # Hybrid linear attention (Qwen3-Next, Qwen3.5): each request also holds a conv and recurrent state per
+    # linear-attention layer (cache/state_pool.py). The prefix cache is off (a cached prefix's K/V cannot resume
+    # a request without the state at the prefix's end), and speculative decoding is refused at start-up (a
+    # rejected draft would need the state rolled back). Overlap scheduling works: a step's state updates happen in
+    # its forward, in step order, and a row is given back only after the step in flight that holds it.
+    linear_attention: bool = False
 
     @property
     def name(self) -> str:
@@ -60,7 +66,7 @@ class Family:
     @property
     def prefix_cache(self) -> bool:
         """Whether requests with the same leading tokens may share their K/V (the radix cache)."""
-        return not self.encoder_decoder and not self.embedding_only
+        return not self.encoder_decoder and not self.embedding_only and not self.linear_attention
 
     def model_class(self) -> type:
         return _import(self.model)
@@ -94,6 +100,9 @@ _QUANT_MOE = "dense layers (untested); not the MoE experts (stored fused)"
 # Cosmos3's unified checkpoints: the understanding (Reasoner) tower is served, its tensors found in the
 # checkpoint's own layout (tessera/models/cosmos3.py); the rest of the world model is not.
 _COSMOS3_NOTES = "the world model's Generator (image/video generation), sound and action towers (skipped at load)"
+_QUANT_HYBRID = "untested"
+_HYBRID_NOTES = ("prefix caching (off: no state snapshots yet); speculative decoding; tensor parallelism; CUDA "
+                 "graphs; LoRA (untested); fla-core kernels used where installed (untested)")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("Qwen2ForCausalLM", "tessera.models.qwen2:Qwen2ForCausalLM", None, frozenset(), "rope",
@@ -169,6 +178,19 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            model_types=("qwen3_vl_moe",),
            notes="precomputed embeddings without the DeepStack levels; LoRA on the experts and the router; expert "
                  "parallelism (tensor parallelism shards each expert's intermediate dim)", quantization=_QUANT_MOE),
+    Family("Qwen3NextForCausalLM", "tessera.models.qwen3_next:Qwen3NextForCausalLM", None, frozenset(), "rope",
+           model_types=("qwen3_next",), linear_attention=True, notes=_HYBRID_NOTES, quantization=_QUANT_HYBRID),
+    Family("Qwen3_5ForConditionalGeneration", "tessera.models.qwen3_5:Qwen3_5ForConditionalGeneration",
+           "tessera.multimodal.processors.qwen3_vl:Qwen3VLProcessor", frozenset({IMAGE, VIDEO}), "mrope",
+           model_types=("qwen3_5",), linear_attention=True, notes=_HYBRID_NOTES, quantization=_QUANT_HYBRID),
+    Family("Qwen3_5MoeForConditionalGeneration", "tessera.models.qwen3_5:Qwen3_5MoeForConditionalGeneration",
+           "tessera.multimodal.processors.qwen3_vl:Qwen3VLProcessor", frozenset({IMAGE, VIDEO}), "mrope",
+           model_types=("qwen3_5_moe",), linear_attention=True, notes=_HYBRID_NOTES, quantization=_QUANT_HYBRID),
+    Family("Qwen3_5ForCausalLM", "tessera.models.qwen3_5:Qwen3_5ForCausalLM", None, frozenset(), "rope",
+           model_types=("qwen3_5_text",), linear_attention=True, notes=_HYBRID_NOTES, quantization=_QUANT_HYBRID),
+    Family("Qwen3_5MoeForCausalLM", "tessera.models.qwen3_5:Qwen3_5MoeForCausalLM", None, frozenset(), "rope",
+           model_types=("qwen3_5_moe_text",), linear_attention=True, notes=_HYBRID_NOTES,
+           quantization=_QUANT_HYBRID),
     Family("InternVLForConditionalGeneration", "tessera.models.internvl:InternVLForConditionalGeneration",
            "tessera.multimodal.processors.internvl:InternVLProcessor", frozenset({IMAGE}), "rope",
            model_types=("internvl",),
@@ -210,6 +232,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            notes="generation (embeddings only: a text or one image per input); tensor parallelism; SigLIP 2",
            quantization="none"),
 )}
+
+
+def refuse_scheduling(family: Family, speculative_algorithm: str | None) -> None:
+    """A ValueError naming the flag, for scheduling features the family cannot serve token-identically."""
+    if not family.linear_attention:
+        return
+    if speculative_algorithm:
+        raise ValueError(f"speculative_algorithm: {family.architecture} keeps a recurrent linear-attention state "
+                         "per request, which rejected draft tokens would need rolled back; not supported yet")
 
 
 class UnsupportedArchitectureError(ValueError):

@@ -30,6 +30,7 @@ from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError, merge_mm_embeddings
 from tessera.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from tessera.models.qwen3 import QWEN3_OPTIONS, qwen3_decoder_options
+from tessera.multimodal.processors.qwen3_vl import deepstack_levels
 from tessera.layers.forward_batch import ForwardBatch
 
 QWEN3_VL_MROPE_SECTION = (24, 20, 20)
@@ -55,8 +56,13 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         # A config without mrope_section gets transformers' Qwen3-VL default, not Qwen2-VL's.
         rope = dict(getattr(config.hf_config.get_text_config(), "rope_parameters", None) or {})
         section = [int(n) for n in rope.get("mrope_section", QWEN3_VL_MROPE_SECTION)]
-        self.model.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, section, mrope_interleaved=True)
-        self.num_deepstack_levels = len(vision.deepstack_visual_indexes)
+        self.model.rotary_emb = RotaryEmbedding(self.rotary_dim(config), config.rope_theta, section,
+                                                mrope_interleaved=True)
+        self.num_deepstack_levels = deepstack_levels(vision)
+
+    def rotary_dim(self, config: ModelConfig) -> int:
+        """The head dims RoPE rotates (Qwen3.5: `partial_rotary_factor` of them)."""
+        return config.head_dim
 
     @property
     def mm_embed_width(self) -> int:

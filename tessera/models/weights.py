@@ -61,6 +61,9 @@ class WeightMapping:
     stacked_prefix: str = ""
     renames: tuple[tuple[str, str], ...] = ()
     fused: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    # Mixture-of-experts checkpoints that keep each expert apart (`experts.3.gate_proj.weight`; Qwen3-Next,
+    # Qwen3.5-MoE) for our stacked experts (layers/moe.StackedExperts): shard "3.gate" of `experts.gate_up_proj`.
+    per_expert: bool = False
 
     def convert(self, name: str, tensor: torch.Tensor | AffineWeight) -> list[tuple[str, torch.Tensor | AffineWeight]]:
         """A checkpoint tensor as the tensors it stands for, before renaming: the (name, tensor) pairs of the
@@ -91,11 +94,18 @@ class WeightMapping:
             ours = ours.replace(old, new)
         if not ours.startswith(self.stacked_prefix):
             return ours, None
+        if self.per_expert and (m := _PER_EXPERT.search(ours)):
+            index, kind = m.groups()
+            param = "down_proj" if kind == "down" else "gate_up_proj"
+            return f"{ours[:m.start()]}.experts.{param}", f"{index}.{kind}"
         for ckpt_mod, our_mod, shard_id in self.stacked:
             segment = f".{ckpt_mod}."
             if segment in ours:
                 return ours.replace(segment, f".{our_mod}.", 1), shard_id
         return ours, None
+
+
+_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def checkpoint_files(model_path: str | Path) -> list[Path]:
@@ -173,6 +183,15 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
         if target is None:
             continue
         name, shard_id = target
+        expert = shard_id is not None and shard_id[0].isdigit()  # one expert of stacked experts (per_expert)
+        if expert:
+            if (name, None) in expected and params[name].dim() == 3:
+                if model.get_submodule(name.rpartition(".")[0]).load_expert(name.rpartition(".")[2], shard_id,
+                                                                              tensor):
+                    loaded.add((name, None))  # every expert's tensor has come
+                continue
+            unexpected.append(ckpt_name)
+            continue
         if (name, shard_id) not in expected:
             target_name = f"{name}[{shard_id}]" if shard_id else name
             unexpected.append(ckpt_name if target_name == ckpt_name else f"{ckpt_name} (-> {target_name})")

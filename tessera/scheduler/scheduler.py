@@ -17,6 +17,7 @@ from tessera.constrained.matcher import GrammarCompiler
 from tessera.messages.items import Modality
 from tessera.messages.worker import ForwardInput, StepOutput
 from tessera.models.config import ModelConfig
+from tessera.models.families import refuse_scheduling
 from tessera.platform.device import platform_of
 from tessera.platform.threads import AdaptiveThreads, available_cores
 from tessera.scheduler.lora_slots import LoraSlotTable, handle_lora_adapter
@@ -77,6 +78,7 @@ class Scheduler:
         state = self.model_cls.request_state
         kv = KVManager(req_pool, allocator, self.tree, args.page_size, None if state is None else (
             lambda req: state.extra_slots(self.config, req.mm_inputs.items if req.mm_inputs is not None else [])))
+        refuse_scheduling(self.config.family, args.speculative_algorithm)
         self.speculator = make_speculator(args, info.context_length, getattr(self.worker, "draft_proposer", None))
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy,
                                      self.speculator)

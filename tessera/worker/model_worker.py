@@ -19,6 +19,7 @@ import torch
 
 from tessera.cache.encoder_cache import EncoderCache
 from tessera.cache.kv_pool import TokenToKVPool, kv_pool_tokens
+from tessera.cache.state_pool import build_state_pool
 from tessera.config import ServerArgs
 from tessera.distributed.encoder_dp import dp_sharded_encode
 from tessera.distributed.parallel_state import min_over_ranks, tp_group
@@ -85,6 +86,9 @@ class ModelWorker:
         self.context_length = args.context_length or self.config.max_position_embeddings
         layout = self.model.kv_layout
         bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
+        # Hybrid models' per-request state: a slot per request-table row, allocated before the device's free
+        # memory is read, so the KV budget is what the states leave.
+        state_pool = build_state_pool(self.model.state_layout, args.max_running_requests + 2, self.dtype, self.device)
         mem_info = self.platform.memory_info(self.device)
         weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
         size = min_over_ranks(kv_pool_tokens(args, bytes_per_token, mem_info, weight_bytes, self.context_length),
@@ -93,6 +97,7 @@ class ModelWorker:
         # token reported below are read from its buffers, so a pool that kept another dtype shows.
         self.kv_pool = TokenToKVPool(size, layout.num_layers, layout.num_kv_heads, layout.head_dim,
                                      dtype=self.dtype, device=self.device)
+        self.kv_pool.state = state_pool
         # The worker's copy of the slot table, kept equal to the scheduler's by ForwardInput.slot_writes. The
         # scheduler uses rows 0..max_running_requests; the last row is never a request's: it stays all slot 0
         # (the dummy), for the padding rows of CUDA-graph batches.

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.cache.kv_pool import ReqToTokenPool, TokenToKVPool
+from tessera.cache.state_pool import StatePool
 from tessera.layers.forward_batch import ForwardBatch
 from tests.kernel_device import batch_to
 
@@ -27,6 +28,10 @@ class PagedKV:
             num_pages * page_size, layout.num_layers, layout.num_kv_heads, layout.head_dim, dtype, device
         )
         self.req_pool = ReqToTokenPool(max_reqs, max_context_len, device)
+        if getattr(getattr(lm_config, "family", None), "linear_attention", False):  # a slot per request row
+            from tessera.layers.hybrid_decoder import state_layout
+
+            self.pool.state = StatePool(state_layout(lm_config.hf_config.get_text_config()), max_reqs, dtype, device)
         pages = list(range(num_pages))
         self.free_pages = pages if page_size == 1 else pages[::-1]
         self.pages: dict[int, list[int]] = {}

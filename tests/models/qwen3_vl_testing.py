@@ -130,8 +130,10 @@ def make_fixture_can_fail_(hf: torch.nn.Module, seed: int) -> None:
         visual = hf.model.visual
         out = visual(torch.randn(8 * 8, PATCH_DIM, generator=g), grid_thw=torch.tensor([[1, 8, 8]]))
         text_rms = hf.get_input_embeddings().weight.pow(2).mean().sqrt()
-        mergers = [visual.merger, *visual.deepstack_merger_list]
-        for merger, feature in zip(mergers, [out.pooler_output, *out.deepstack_features], strict=True):
+        # Qwen3.5's tower has no DeepStack mergers.
+        mergers = [visual.merger, *getattr(visual, "deepstack_merger_list", ())]
+        levels = getattr(out, "deepstack_features", None) or ()
+        for merger, feature in zip(mergers, [out.pooler_output, *levels], strict=True):
             scale = float(text_rms / feature.pow(2).mean().sqrt())
             merger.linear_fc2.weight.mul_(scale)
             merger.linear_fc2.bias.mul_(scale)
@@ -209,8 +211,8 @@ class Qwen3VLCase(MRopeCase):
         return our_positions(prompt)
 
     def hf_item_features(self, output: Any) -> list[torch.Tensor]:
-        return [torch.cat([main, *levels], dim=-1)
-                for main, *levels in zip(output.pooler_output, *output.deepstack_features)]
+        deepstack = getattr(output, "deepstack_features", None) or ()  # Qwen3.5: none
+        return [torch.cat([main, *levels], dim=-1) for main, *levels in zip(output.pooler_output, *deepstack)]
 
 
 def logits_with_embeds(case: Qwen3VLCase, prompt: Prompt, embeds: torch.Tensor) -> torch.Tensor:

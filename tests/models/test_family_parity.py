@@ -28,6 +28,7 @@ from tests.models import (
     llava_testing,
     pixtral_testing,
     qwen2_5_vl_testing,
+    qwen3_5_testing,
     qwen3_vl_moe_testing,
     qwen3_vl_testing,
 )
@@ -49,6 +50,7 @@ FAMILIES: dict[str, FamilyFixture] = {
     "llava_next": llava_next_testing.FIXTURE,
     "pixtral": pixtral_testing.FIXTURE,
     "qwen2_5_vl": qwen2_5_vl_testing.FIXTURE,
+    "qwen3_5": qwen3_5_testing.FIXTURE,
     "qwen3_vl": qwen3_vl_testing.FIXTURE,
     "qwen3_vl_moe": qwen3_vl_moe_testing.FIXTURE,
 }

@@ -190,3 +190,22 @@ def test_qwen3_vl_moe_config_takes_the_same_processor():
         loaded = proc.load_mm_data_sync(image_data=images, video_data=[frames])
         out = proc.process_and_combine_mm_data(prompt, None, loaded)
     assert_matches_hf(out, hf_reference(pair, prompt, images=images, clips=tuple(loaded.videos)), pair[1])
+
+
+def test_qwen3_5_config_takes_the_same_processor():
+    """A Qwen3.5 checkpoint (its config, whose tower has no DeepStack) is processed as HF's Qwen3VLProcessor does;
+    its embeddings are hidden_size wide."""
+    from tessera.multimodal.processors.qwen3_vl import Qwen3VLProcessor
+    from tests.models.qwen3_5_testing import tiny_qwen3_5_processor_and_config
+
+    pair = tiny_qwen3_5_processor_and_config()
+    assert type(pair[1]).__name__ == "Qwen3_5Config"
+    images = [scene_image(3, (200, 120))]
+    frames = [f.resize((64, 96)) for f in scene_frames(6)][:4]
+    prompt = chat(pair, ["image", "video", "Describe."])
+    with processor_factory(*pair) as make:
+        proc = make()
+        assert type(proc) is Qwen3VLProcessor and proc.embed_dim == pair[1].text_config.hidden_size
+        loaded = proc.load_mm_data_sync(image_data=images, video_data=[frames])
+        out = proc.process_and_combine_mm_data(prompt, None, loaded)
+    assert_matches_hf(out, hf_reference(pair, prompt, images=images, clips=tuple(loaded.videos)), pair[1])

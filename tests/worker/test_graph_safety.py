@@ -55,6 +55,7 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
     from tests.models import qwen2_vl_testing as qwen2_vl
     from tests.models import qwen3_vl_moe_testing as qwen3_vl_moe
     from tests.models import qwen3_vl_testing as qwen3_vl
+    from tests.models import qwen3_5_testing as qwen3_5
 
     return {
         "Qwen2ForCausalLM": lambda: Qwen2Config(**_text(), architectures=["Qwen2ForCausalLM"]),
@@ -66,6 +67,11 @@ def _tiny_configs() -> dict[str, Callable[[], Any]]:
         "Cosmos3OmniForConditionalGeneration": lambda: qwen3_vl.tiny_qwen3_vl_config(qwen3_vl.SPECS["gqa"],
                                                                                      architecture=cosmos3.OMNI),
         "Qwen3VLMoeForConditionalGeneration": lambda: qwen3_vl.tiny_qwen3_vl_config(qwen3_vl_moe.SPECS["moe"]),
+        "Qwen3NextForCausalLM": qwen3_5.tiny_qwen3_next_config,
+        "Qwen3_5ForConditionalGeneration": lambda: qwen3_5.tiny_qwen3_5_config(qwen3_5.SPECS["dense"]),
+        "Qwen3_5MoeForConditionalGeneration": lambda: qwen3_5.tiny_qwen3_5_config(qwen3_5.SPECS["moe"]),
+        "Qwen3_5ForCausalLM": lambda: qwen3_5.tiny_qwen3_5_text_config(qwen3_5.SPECS["dense"]),
+        "Qwen3_5MoeForCausalLM": lambda: qwen3_5.tiny_qwen3_5_text_config(qwen3_5.SPECS["moe"]),
         "Qwen2AudioForConditionalGeneration": lambda: Qwen2AudioConfig(
             text_config=_text(model_type="qwen2"), architectures=["Qwen2AudioForConditionalGeneration"],
             audio_config=dict(d_model=32, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,

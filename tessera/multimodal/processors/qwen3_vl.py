@@ -50,13 +50,19 @@ def frame_timestamps(indices: Sequence[int], fps: float | None, temporal_patch_s
     return [(seconds[i] + seconds[i + step - 1]) / 2 for i in range(0, len(seconds), step)]
 
 
+def deepstack_levels(vision_config: Any) -> int:
+    """DeepStack levels the tower adds to each item's embedding rows (Qwen3.5's tower has none: its config has
+    no deepstack_visual_indexes)."""
+    return len(getattr(vision_config, "deepstack_visual_indexes", None) or ())
+
+
 class Qwen3VLProcessor(QwenVLProcessor):
     """Qwen3VLForConditionalGeneration."""
 
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(hf_processor, hf_config, *args, **kwargs)
         self.tokens_per_second = None  # frame groups are placed by their timestamp text, not time-scaled
-        levels = len(getattr(hf_config.vision_config, "deepstack_visual_indexes", ()))  # none: Cosmos3 Edge, GLM-4V
+        levels = deepstack_levels(hf_config.vision_config)  # none: Cosmos3 Edge, GLM-4V, Qwen3.5
         self.embed_dim = int(hf_config.get_text_config().hidden_size) * (1 + levels)
         self.temporal_patch_size = temporal_patch_size(hf_config.vision_config)
         self._tokenizer = getattr(hf_processor, "tokenizer", hf_processor)
