@@ -48,3 +48,14 @@ class RequestState(ABC):
         """What the model reads per request besides the slots (ForwardBatch.state_layouts), from its items;
         computed once, when the state is filled. Default: nothing."""
         return None
+
+
+def padded_slot_table(slots: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Each request's state slots as the rows of one [B, most slots] table, shorter rows padded with slot 0."""
+    width = max((int(s.shape[0]) for s in slots), default=0)
+    if all(s.shape[0] == width for s in slots):
+        return torch.stack(slots) if slots else torch.zeros(0, 0, dtype=torch.int64, device=device)
+    table = torch.zeros(len(slots), width, dtype=torch.int64, device=device)
+    for b, s in enumerate(slots):
+        table[b, :s.shape[0]] = s
+    return table

@@ -29,6 +29,7 @@ from tessera.layers.attention import uses_decode_mirror
 from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import EmbeddingCountError
 from tessera.models.registry import load_model
+from tessera.models.request_state import padded_slot_table
 from tessera.multimodal.materialize import materializer_for
 from tessera.messages.items import Modality, MultimodalDataItem
 from tessera.layers.forward_batch import ForwardBatch
@@ -345,15 +346,8 @@ class ModelWorker:
                 self._state_slots[fi.rids[fill.req]] = (s, self.request_state.layout(self.config, fill.items))
         empty = (torch.zeros(0, dtype=torch.int64, device=self.device), None)
         held = [self._state_slots.get(rid, empty) for rid in fi.rids]
-        lens = [int(s.shape[0]) for s, _ in held]
-        width = max(lens, default=0)
-        if all(n == width for n in lens):
-            table = torch.stack([s for s, _ in held]) if held else torch.zeros(0, 0, dtype=torch.int64)
-        else:
-            table = torch.zeros(len(held), width, dtype=torch.int64, device=self.device)
-            for b, (s, _) in enumerate(held):
-                table[b, :s.shape[0]] = s
-        return table, lens, [layout for _, layout in held]
+        table = padded_slot_table([s for s, _ in held], self.device)
+        return table, [int(s.shape[0]) for s, _ in held], [layout for _, layout in held]
 
     def _custom_masks(self, fi: ForwardInput) -> list[torch.Tensor | None] | None:
         if fi.bidirectional_spans is None:
