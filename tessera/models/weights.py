@@ -16,7 +16,6 @@ import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -66,9 +65,15 @@ class WeightMapping:
     per_expert: bool = False
 
     def convert(self, name: str, tensor: torch.Tensor | AffineWeight) -> list[tuple[str, torch.Tensor | AffineWeight]]:
-        """A checkpoint tensor as the tensors it stands for, before renaming: the (name, tensor) pairs of the
-        modules a `fused` tensor concatenates; itself otherwise. A family storing several of our parameters in one
-        another way overrides it (Kimi-K2.5's fused, rope-permuted vision qkv)."""
+        """A checkpoint tensor as the tensors it stands for, before renaming: its `fused` split (split_fused). A
+        family storing several of our parameters in one another way overrides it (Kimi-K2.5's fused, rope-permuted
+        vision qkv)."""
+        return self.split_fused(name, tensor)
+
+    def split_fused(self, name: str, tensor: torch.Tensor | AffineWeight
+                    ) -> list[tuple[str, torch.Tensor | AffineWeight]]:
+        """The (name, tensor) pairs of the modules a `fused` checkpoint tensor concatenates; itself otherwise (also
+        what a LoRA pair on such a module is split by, layers/lora/adapter.py)."""
         for fused_mod, parts in self.fused:
             segment = f".{fused_mod}."
             if segment in name:
@@ -183,14 +188,11 @@ def load_weights(model: nn.Module, model_path: str | Path, mapping: WeightMappin
         if target is None:
             continue
         name, shard_id = target
-        expert = shard_id is not None and shard_id[0].isdigit()  # one expert of stacked experts (per_expert)
-        if expert:
-            if (name, None) in expected and params[name].dim() == 3:
-                if model.get_submodule(name.rpartition(".")[0]).load_expert(name.rpartition(".")[2], shard_id,
-                                                                              tensor):
-                    loaded.add((name, None))  # every expert's tensor has come
-                continue
-            unexpected.append(ckpt_name)
+        # One expert of stacked experts (per_expert: shard "3.gate" of a whole [E, ...] parameter). Families that
+        # register each expert's shard themselves (Kimi-K2.5, GLM-4.5V) take the general path below.
+        if shard_id is not None and shard_id[0].isdigit() and (name, None) in expected and params[name].dim() == 3:
+            if model.get_submodule(name.rpartition(".")[0]).load_expert(name.rpartition(".")[2], shard_id, tensor):
+                loaded.add((name, None))  # every expert's tensor has come
             continue
         if (name, shard_id) not in expected:
             target_name = f"{name}[{shard_id}]" if shard_id else name
@@ -276,9 +278,8 @@ def _checkpoint_tensors(model_path: str | Path, quantized: QuantizedCheckpoint |
 def _converted(mapping: WeightMapping, tensors: Iterator[tuple[str, torch.Tensor | AffineWeight]]
                ) -> Iterator[tuple[str, torch.Tensor | AffineWeight]]:
     for name, tensor in tensors:
-        # Kimi's override reads plain tensors only; a quantized tensor takes the base rules (fused splits).
-        convert = mapping.convert if isinstance(tensor, torch.Tensor) else partial(WeightMapping.convert, mapping)
-        yield from convert(name, tensor)
+        # Kimi's override reads plain tensors only; a quantized tensor takes the fused splits alone.
+        yield from mapping.convert(name, tensor) if isinstance(tensor, torch.Tensor) else mapping.split_fused(name, tensor)
 
 
 def _listing(title: str, names: list[str], limit: int = 20) -> str:
