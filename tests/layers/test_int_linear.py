@@ -196,6 +196,7 @@ def test_quantize_linears_covers_the_language_model_only():
         def __init__(self):
             super().__init__()
             self.model = torch.nn.ModuleDict({"proj": lin.Linear(64, 32), "router": lin.Linear(64, 4)})
+            self.model["router"].is_router = True  # as the MoE layers mark theirs: it stays float
             self.visual = lin.Linear(64, 64)
 
     tiny = Tiny()

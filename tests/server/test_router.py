@@ -29,6 +29,9 @@ def fleet(vl_server):
     router = subprocess.Popen(
         [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
          "--policy", "cache_aware", "--log-level", "warn", "--health-check-interval-secs", "1",
+         # Retries that outlast a health-check interval: a request retried only within the router's default
+         # backoff can land on the killed worker each time before it is taken out (seen once on a loaded machine).
+         "--retry-max-retries", "8", "--retry-max-backoff-ms", "2000",
          "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
          "--worker-urls", vl_server.base_url, worker.base_url],
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
