@@ -44,9 +44,10 @@ serve: $(STAMP)
 	$(BIN)/tessera serve --model-path $(MODEL) --host $(HOST) --port $(PORT) $(ARGS)
 
 # Tests run in TEST_WORKERS processes (pytest-xdist), a file per worker at a time so module fixtures (servers,
-# checkpoints) are built once. Most tests wait on child processes (schedulers, servers) part of the time:
-# two workers on 2 cores took the suite from 1064 to 720 s. TEST_WORKERS=0 runs it in one process.
-TEST_WORKERS ?= 2
+# checkpoints) are built once (the files that run every family, by family: tests/conftest.py). Most tests wait on
+# child processes (schedulers, servers) part of the time: two workers on 2 cores took the suite from 1064 to
+# 720 s; with six more families, three workers ran it in 616 s. TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 3
 PYTEST  := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test: $(TEST_STAMP)

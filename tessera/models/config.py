@@ -141,7 +141,8 @@ class ModelConfig(DecoderDims):
             family=family,
             vocab_size=int(text.vocab_size),
             hidden_size=int(text.hidden_size),
-            intermediate_size=int(text.intermediate_size),
+            # An all-MoE text config (Qwen3.5-MoE's) may have no dense width: its MoE blocks read their own.
+            intermediate_size=int(_global_attr(text, "intermediate_size") or getattr(text, "moe_intermediate_size", 0)),
             num_layers=int(text.num_hidden_layers),
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
