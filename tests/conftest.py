@@ -27,10 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Files of a minute or more (measured with --durations): they start first, so that with a file per worker the run
 # does not end on one of them while the other worker has nothing left (the suite's tail was ~1.5 minutes).
-# tests/models/test_speech_llms.py goes first too: on an xdist worker that had run other files first, its Qwen3-ASR
-# checkpoint twice loaded as transformers' default sizes (an order-dependent leak not reproduced in one process; run
-# alone or first it passes).
-SLOW_FILES_FIRST = ("tests/models/test_speech_llms.py", "tests/distributed/", "tests/server/test_fuzz.py", "tests/bench/test_gpu_check.py",
+SLOW_FILES_FIRST = ("tests/distributed/", "tests/server/test_fuzz.py", "tests/bench/test_gpu_check.py",
                     "tests/server/test_reliability.py", "tests/bench/test_end_to_end.py",
                     "tests/models/test_family_parity.py", "tests/lora/test_lora_vl_families.py")
 # Files that run every family (parametrised by it: "family" or "family-spec" first in the test id) whose fixtures
