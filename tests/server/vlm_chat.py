@@ -67,17 +67,22 @@ def check_model_info(base_url: str, architecture: str, video: bool = False, audi
     assert (info["has_video_understanding"], info["has_audio_understanding"]) == (video, audio)
 
 
-def hf_chat_reply(processor, model, content: list, max_tokens: int, images=None, clip=None) -> tuple[str, int]:
+def hf_chat_reply(processor, model, content: list, max_tokens: int, images=None, clip=None,
+                  videos_kwargs: dict | None = None, token_types: bool = True) -> tuple[str, int]:
     """HF generate's greedy answer to one user turn of `content` (with `images`, or `clip`: a VideoClip given with
-    its metadata) and its prompt length. The processor is asked for its metadata and token types, which M-RoPE
-    models' generate reads (Cosmos3-Edge's processor returns them only when asked)."""
+    its metadata) and its prompt length. By default the processor is asked for its metadata and token types, which
+    M-RoPE models' generate reads (Cosmos3-Edge's processor returns them only when asked); `videos_kwargs` replaces
+    the first, `token_types=False` drops the second."""
     text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                          tokenize=False)
     kwargs = {}
     if clip is not None:
-        kwargs = {"videos": [clip.frames], "videos_kwargs": {"return_metadata": True, "video_metadata": [
-            {"fps": clip.fps, "total_num_frames": clip.total_num_frames, "frames_indices": clip.sampled_indices}]}}
-    enc = processor(text=[text], images=images, return_tensors="pt", return_mm_token_type_ids=True, **kwargs)
+        metadata = [{"fps": clip.fps, "total_num_frames": clip.total_num_frames, "frames_indices": clip.sampled_indices}]
+        kwargs = {"videos": [clip.frames],
+                  "videos_kwargs": {**(videos_kwargs or {"return_metadata": True}), "video_metadata": metadata}}
+    if token_types:
+        kwargs["return_mm_token_type_ids"] = True
+    enc = processor(text=[text], images=images, return_tensors="pt", **kwargs)
     with torch.inference_mode():
         out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)
     prompt_len = enc["input_ids"].shape[1]
@@ -106,18 +111,8 @@ def check_images_and_video_match_hf(base_url: str, path, model, num_frames: int,
             {"role": "user", "content": [*parts, {"type": "text", "text": question}]}])
 
     def hf(content: list, images=None, clip=None) -> tuple[str, int]:
-        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                             tokenize=False)
-        kwargs = {}
-        if clip is not None:
-            kwargs = {"videos": [clip.frames], "videos_kwargs": {"do_sample_frames": False, "video_metadata": [
-                {"fps": clip.fps, "total_num_frames": clip.total_num_frames,
-                 "frames_indices": clip.sampled_indices}]}}
-        enc = processor(text=[text], images=images, return_tensors="pt", **kwargs)
-        with torch.inference_mode():
-            out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False)
-        prompt_len = enc["input_ids"].shape[1]
-        return processor.tokenizer.decode(out[0, prompt_len:], skip_special_tokens=True), prompt_len
+        return hf_chat_reply(processor, model, content, max_tokens, images, clip,
+                             videos_kwargs={"do_sample_frames": False}, token_types=False)
 
     rng = random.Random(7)
     images = [scenes.image_sample(rng).frames[0] for _ in range(2)]
