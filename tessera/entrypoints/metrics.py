@@ -44,6 +44,9 @@ class Metrics:
                                     labels, registry=r)
         self.radix_cache_tokens = Gauge("tessera_radix_cache_tokens", "Tokens held by the prefix cache", labels,
                                         registry=r)
+        self.state_snapshots = Gauge("tessera_radix_cache_state_snapshots", "Hybrid linear-attention models: state "
+                                     "snapshots held by the prefix cache (a prefix is matched up to one)", labels,
+                                     registry=r)
         self.encoder_cache_bytes = Gauge("tessera_encoder_cache_bytes", "Bytes held by the encoder-output cache",
                                          labels, registry=r)
         self.preprocess_cache_bytes = Gauge("tessera_preprocess_cache_bytes", "Bytes held by the preprocessing "
@@ -110,6 +113,7 @@ class Metrics:
             self.kv_usage.labels(m).set(stats.kv_used_tokens / max(1, stats.kv_total_tokens))
             self.kv_used_tokens.labels(m).set(stats.kv_used_tokens)
             self.radix_cache_tokens.labels(m).set(stats.radix_cache_tokens)
+            self.state_snapshots.labels(m).set(stats.state_snapshots)
             self.encoder_cache_bytes.labels(m).set(stats.encoder_cache_bytes)
             self.cross_kv_used.labels(m).set(stats.cross_kv_used_tokens)
             self.prefix_hit_rate.labels(m).set(stats.prefix_hit_tokens / max(1, stats.prefix_total_tokens))

@@ -17,6 +17,8 @@ class ScheduledReq:
     out_cache_loc: torch.Tensor  # [end - start] KV slots for the new tokens
     # Speculative decoding: draft tokens verified after the last known one (end covers them); [] otherwise.
     draft: list[int] = field(default_factory=list)
+    # Hybrid models: (tokens of this chunk, snapshot slot) to save the state after (scheduler/state_snapshots.py).
+    state_save: tuple[int, int] | None = None
 
     @property
     def samples(self) -> bool:

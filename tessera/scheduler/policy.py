@@ -27,6 +27,7 @@ from tessera.cache.radix_cache import RadixCache
 from tessera.scheduler.batch import ScheduledBatch, ScheduledReq
 from tessera.scheduler.req import Req
 from tessera.scheduler.speculative import Speculator
+from tessera.scheduler.state_snapshots import StateSnapshots
 from tessera.messages.worker import SlotWrite, TokenSlotWrites
 
 
@@ -43,6 +44,8 @@ class KVManager:
     def __init__(self, req_pool: ReqToTokenPool, allocator: PagedTokenAllocator, tree: RadixCache, page_size: int,
                  extra_slots: Callable[[Req], int] | None = None):
         self.req_pool, self.allocator, self.tree, self.page_size = req_pool, allocator, tree, page_size
+        # Hybrid models' prefix-cache state snapshots (None: the tree keeps none).
+        self.states = StateSnapshots(tree, page_size) if tree.snapshots is not None else None
         # Slots an admitted request also holds for its family's per-request state (RequestState.extra_slots:
         # cross-attention K/V of its media); None for most families.
         self.extra_slots = extra_slots
@@ -92,15 +95,17 @@ class KVManager:
             limit = min(limit, req.input_logprob_rows()[0])
         if req.pooling is not None and req.pooling.uses_every_row:  # mean / CLS pooling read every prompt row
             limit = 0
-        match = self.tree.match_prefix(key[:limit])
+        match = self.tree.match_prefix(key[:limit], with_state=True)
         n = int(match.slots.numel())
         cut = next((lo for lo, hi in req.atomic_spans if lo < n < hi), None)
         if cut is not None:  # a cached prefix may not end inside a span that must be computed whole
-            match = self.tree.match_prefix(key[:cut])
+            match = self.tree.match_prefix(key[:cut], with_state=True)
             n = int(match.slots.numel())
         self._write(row, 0, match.slots)
         self.tree.inc_lock_ref(match.last_node)
         req.last_node, req.prefix_len, req.kv_len = match.last_node, n, n
+        if self.states is not None:
+            self.states.resume(req, match)
         return True
 
     def count_hit(self, req: Req) -> None:
@@ -169,7 +174,10 @@ class KVManager:
             self.state_tokens -= int(req.state_slots.numel())
             req.state_slots, req.state_filled = None, False
         slots = self.req_pool.req_to_token[row, : max(req.kv_len, allocated_len or 0)].clone()
-        self.tree.cache_finished_req(req.cache_key()[: req.kv_len], slots, req.prefix_len, req.last_node, freed)
+        key = req.cache_key()[: req.kv_len]
+        self.tree.cache_finished_req(key, slots, req.prefix_len, req.last_node, freed)
+        if self.states is not None:
+            self.states.release(req, key)
         self.req_pool.free(row)
         self._released.append(req.rid)
         req.req_pool_idx, req.last_node, req.kv_len, req.prefix_len = None, None, 0, 0
@@ -193,6 +201,8 @@ class KVManager:
         n = int(m.slots.numel())
         self._write(row, req.prefix_len, m.slots[req.prefix_len:])
         req.prefix_len, req.last_node = n, m.last_node
+        if self.states is not None:
+            self.states.after_prefill(req)
 
 
 class SchedulePolicy:
@@ -294,7 +304,7 @@ class SchedulePolicy:
             inflight.append(req.cache_key())
         self.waiting.extendleft(reversed(deferred))
         for s in batch.reqs:
-            s.req.kv_len = s.end  # KV for these tokens is written by this step's forward
+            s.req.kv_len = s.req.state_len = s.end  # KV (and state) for these tokens is written by this step
         return batch if batch.reqs else None
 
     def _schedule_drafts(self, batch: ScheduledBatch, decoding: list[Req], budget: int,
@@ -334,7 +344,8 @@ class SchedulePolicy:
         slots = self.kv.alloc(req, n)
         if slots is None:
             return 0
-        batch.reqs.append(ScheduledReq(req, req.kv_len, req.kv_len + n, slots))
+        save = self.kv.states.plan_save(req, req.kv_len, req.kv_len + n) if self.kv.states is not None else None
+        batch.reqs.append(ScheduledReq(req, req.kv_len, req.kv_len + n, slots, state_save=save))
         return n
 
     def finish(self, req: Req, allocated_len: int | None = None) -> None:

@@ -51,6 +51,7 @@ class Scheduler:
         from tessera.cache.allocator import PagedTokenAllocator
         from tessera.cache.kv_pool import ReqToTokenPool
         from tessera.cache.radix_cache import RadixCache
+        from tessera.cache.state_pool import SnapshotSlots
         from tessera.scheduler.policy import KVManager, SchedulePolicy
 
         self.args = args
@@ -74,7 +75,9 @@ class Scheduler:
         req_pool = ReqToTokenPool(args.max_running_requests + 1, info.context_length + 8)
         allocator = PagedTokenAllocator(info.max_total_tokens, args.page_size)
         prefix_cache = self.config.family.prefix_cache and not args.disable_radix_cache
-        self.tree = RadixCache(allocator, args.page_size, disable=not prefix_cache)
+        # Hybrid models match a prefix only with a state snapshot at its end (scheduler/state_snapshots.py).
+        snapshots = SnapshotSlots(*info.state_snapshot_slots) if self.config.family.linear_attention else None
+        self.tree = RadixCache(allocator, args.page_size, disable=not prefix_cache, snapshots=snapshots)
         state = self.model_cls.request_state
         kv = KVManager(req_pool, allocator, self.tree, args.page_size, None if state is None else (
             lambda req: state.extra_slots(self.config, req.mm_inputs.items if req.mm_inputs is not None else [])))
@@ -226,7 +229,7 @@ class Scheduler:
             mm_deferred_items=self.mm_items["deferred"], mm_eager_items=self.mm_items["eager"],
             device_busy_s=busy_s, device_idle_s=idle_s, num_embedding_requests=self.num_embedding_requests,
             spec_verifies=spec.num_verifies if spec else 0, spec_draft_tokens=spec.num_drafted if spec else 0,
-            spec_accepted_tokens=spec.num_accepted if spec else 0,
+            spec_accepted_tokens=spec.num_accepted if spec else 0, state_snapshots=self.tree.num_states(),
         )
 
     # ---- stepping -------------------------------------------------------------------------

@@ -102,6 +102,8 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         if req.state_slots is not None and not req.state_filled:
             state_fills.append(RequestStateFill(r, list(req.mm_inputs.items), req.state_slots))  # type: ignore[union-attr]
     writes, released = kv.take_pending()
+    copies = kv.states.take_copies() if kv.states is not None else []
+    saves = [(r, *s.state_save) for r, (s, *_) in enumerate(rows) if s.state_save is not None]
     for s, *_ in rows:
         if s.req.state_slots is not None:
             s.req.state_filled = True
@@ -118,7 +120,7 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         mm_items=items, mm_placements=placements, bidirectional_spans=layout.bidirectional_spans,
         prompt_done=prompt_done, released=released, state_fills=state_fills, vocab_mask=fill_bitmask(grammars),
         stop_closers=stop_closers(grammars), prompt_logprob_rows=prompt_rows, pooling_rows=pooling_rows,
-        placeholders=pending is not None,
+        placeholders=pending is not None, state_copies=copies, state_saves=saves,
     )
 
 

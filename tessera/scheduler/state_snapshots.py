@@ -1,0 +1,79 @@
+"""Prefix caching for hybrid linear-attention models (Qwen3-Next, Qwen3.5): the scheduler's half of the state
+snapshots (cache/state_pool.py holds them, cache/radix_cache.py hangs them on its nodes).
+
+A cached prefix's K/V resume a request only with the linear-attention state at the prefix's end, so the radix
+tree keeps copies of that state (snapshots) at some of its nodes and an admission matches only as far as the
+deepest one. Snapshots are taken where a later request will match:
+- the end of the prompt's last whole page before its last token (an admission always leaves the prompt's last
+  token to compute), saved by the prefill chunk that passes it (`ForwardInput.state_saves`): a repeated prompt,
+  the same image asked again, resumes there;
+- the end of a request's KV when it leaves (finish, abort, retraction) and that is a whole page: its row is
+  copied out before the next step (`ForwardInput.state_copies`): the next turn of a chat, whose prompt repeats
+  this one's prompt and answer, resumes there; so does the retracted request itself.
+A request's state has taken in every token of the steps scheduled for it (`Req.state_len`); where its KV length
+was cut back since (a token discarded after overlap, a failed step) the row is not at the KV's end and nothing
+is copied. A prefix without a snapshot is matched up to an earlier one or computed from the start.
+"""
+
+from __future__ import annotations
+
+from tessera.cache.radix_cache import MatchResult, RadixCache
+from tessera.scheduler.req import Req
+
+
+class StateSnapshots:
+    """Journals the state-pool copies and plans the in-step saves of one scheduler (see the module docstring)."""
+
+    def __init__(self, tree: RadixCache, page_size: int):
+        self.tree, self.page_size = tree, page_size
+        self._copies: list[tuple[int, int]] = []  # (source slot, destination slot), in order
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self._copies = self._copies, []
+        return copies
+
+    def resume(self, req: Req, match: MatchResult) -> None:
+        """Admission: the request's row starts from the matched snapshot (or clean, from token 0)."""
+        if match.state is not None:
+            self._copies.append((match.state, req.req_pool_idx))  # type: ignore[arg-type]
+        req.state_len = int(match.slots.numel())
+
+    def plan_save(self, req: Req, start: int, end: int) -> tuple[int, int] | None:
+        """For a prefill chunk [start, end): (tokens of the chunk, snapshot slot) when the chunk passes the prompt's
+        snapshot point and the match did not reach it; the slot is the request's until its step is done."""
+        at = (len(req.origin_input_ids) - 1) // self.page_size * self.page_size
+        if not start < at <= end or at <= req.prefix_len or req.pending_state is not None:
+            return None
+        slot = self.tree.take_state_slot()
+        if slot is None:
+            return None
+        req.pending_state = (at, slot)
+        return at - start, slot
+
+    def after_prefill(self, req: Req) -> None:
+        """After a prefill chunk's KV went into the tree: its saved snapshot joins the node ending there."""
+        if req.pending_state is not None and req.pending_state[0] <= req.kv_len:
+            at, slot = req.pending_state
+            req.pending_state = None
+            node = self.tree.node_at(req.cache_key()[:at])
+            if node is not None and node.state is None:
+                node.state = slot
+            else:
+                self.tree.free_state_slot(slot)
+
+    def release(self, req: Req, key: list[int]) -> None:
+        """A request leaves, its KV (`key`) just cached: a save still pending goes back, and its row's state is
+        copied to a snapshot at the KV's end when that is a whole page with none yet."""
+        if req.pending_state is not None:  # its step failed
+            self.tree.free_state_slot(req.pending_state[1])
+            req.pending_state = None
+        n = len(key)
+        if not n or n % self.page_size or req.state_len != n:
+            return
+        node = self.tree.node_at(key)
+        if node is None or node.state is not None:
+            return
+        slot = self.tree.take_state_slot()  # evicts only nodes holding a snapshot: never this one
+        if slot is not None:
+            node.state = slot
+            self._copies.append((req.req_pool_idx, slot))  # type: ignore[arg-type]
