@@ -1,6 +1,7 @@
 """A hybrid linear-attention model (Qwen3.5) served by the engine: the worker's state pool, 32-token prefill
 chunks, an image, and request rows (state slots) reused by later requests give transformers' greedy tokens, with
-and without overlap scheduling; speculative decoding is refused by name."""
+and without overlap scheduling; speculative decoding is refused by name. The prefix cache resumes a repeated
+two-image prompt and the chat's next turn from state snapshots, with transformers' tokens."""
 
 from __future__ import annotations
 
@@ -46,3 +47,35 @@ def test_engine_matches_hf_with_overlap_and_refuses_speculative_decoding(tmp_pat
     assert [o["output_ids"] for o in overlapped] == [o["output_ids"] for o in outs]
     with pytest.raises(RuntimeError, match="speculative_algorithm: .*linear-attention state"):
         Engine(path, speculative_algorithm="NGRAM", show_progress=False)
+
+
+def test_prefix_cache_resumes_a_repeated_image_prompt_and_the_next_turn(tmp_path, scene_images):
+    import transformers
+
+    path = str(make_tiny_qwen3_5_checkpoint(tmp_path / "qwen3_5"))
+    chat = _chat(path, [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare them."}])
+    images = list(scene_images[:2])
+    processor = transformers.AutoProcessor.from_pretrained(path)
+    ids = processor.tokenizer(chat).input_ids  # one placeholder per image: the processor expands them
+    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
+                                                                       attn_implementation="eager").eval()
+    inputs = dict(processor(text=[chat], images=images, return_tensors="pt"))
+    with Engine(path, max_total_tokens=4096, chunked_prefill_size=32, max_running_requests=2,
+                show_progress=False) as engine:
+        first, again = (engine.generate(input_ids=ids, image_data=images, sampling_params=SP) for _ in range(2))
+        more = processor.tokenizer(" And now?").input_ids
+        turn = engine.generate(input_ids=ids + first["output_ids"] + more, image_data=images, sampling_params=SP)
+        stats = engine.get_stats()
+    prompt_len = inputs["input_ids"].shape[1]
+    assert prompt_len > 32 and first["meta_info"]["cached_tokens"] == 0  # both images, in several chunks
+    assert again["meta_info"]["cached_tokens"] == prompt_len - 1  # the snapshot its prefill saved
+    assert turn["meta_info"]["cached_tokens"] == prompt_len + 8 - 1  # the first request's KV and state at its end
+    want = hf_generate(hf, inputs, 8)
+    assert first["output_ids"] == again["output_ids"] == want
+    extra = torch.tensor([want + more])
+    for name in ("attention_mask", "mm_token_type_ids"):  # per token: the new ones are attended text
+        if name in inputs:
+            inputs[name] = torch.cat([inputs[name], torch.full_like(extra, name == "attention_mask")], 1)
+    inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], 1)
+    assert turn["output_ids"] == hf_generate(hf, inputs, 8)
+    assert stats.prefix_hit_tokens == 2 * prompt_len + 6 and stats.state_snapshots >= 3

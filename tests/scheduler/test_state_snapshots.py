@@ -1,0 +1,118 @@
+"""Prefix caching for hybrid linear-attention models without a model (scheduler/state_snapshots.py): a fake
+worker keeps each state slot as the tokens it has taken in and applies the steps' copies, resets and saves as the
+worker does, and every chunk must start from exactly the tokens before it. Repeated prompts and a chat's next turn
+resume from snapshots; snapshots are evicted (LRU, with their KV) and every slot comes back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tessera.cache.allocator import PagedTokenAllocator
+from tessera.cache.kv_pool import ReqToTokenPool
+from tessera.cache.radix_cache import RadixCache
+from tessera.cache.state_pool import SnapshotSlots
+from tessera.scheduler.policy import KVManager, SchedulePolicy
+from tests.scheduler.test_policy import assert_no_leak, make_req
+
+ROWS = 5  # request rows 0..4; snapshot slots follow
+
+
+def make_hybrid_policy(pool_tokens: int = 512, page_size: int = 1, snapshots: int = 8, chunk: int = 16):
+    alloc = PagedTokenAllocator(pool_tokens, page_size)
+    tree = RadixCache(alloc, page_size, snapshots=SnapshotSlots(ROWS, snapshots))
+    return SchedulePolicy(KVManager(ReqToTokenPool(ROWS, 512), alloc, tree, page_size), ROWS - 1, chunk)
+
+
+class FakeStates:
+    """slot -> the tokens its state has taken in; the worker's copies, resets and saves in its order."""
+
+    def __init__(self):
+        self.slots: dict[int, tuple[int, ...]] = {}
+
+    def step(self, policy: SchedulePolicy, batch) -> None:
+        for src, dst in policy.kv.states.take_copies():  # type: ignore[union-attr]
+            self.slots[dst] = self.slots[src]
+        for s in batch.reqs:
+            row, key = s.req.req_pool_idx, s.req.cache_key()
+            if s.start == 0:
+                self.slots[row] = ()
+            assert self.slots[row] == tuple(key[:s.start]), f"{s.req.rid}: the state is not at token {s.start}"
+            if s.state_save is not None:
+                n, slot = s.state_save
+                self.slots[slot] = tuple(key[:s.start + n])
+            self.slots[row] = tuple(key[:s.end])
+
+
+def run(policy: SchedulePolicy, states: FakeStates, reqs, abort_after: int | None = None) -> None:
+    """As test_policy.run_to_completion, with the fake states; abort_after: the first request is aborted after
+    that many steps."""
+    for r in reqs:
+        policy.add(r)
+    for i in range(1000):
+        if abort_after == i:
+            policy.remove(reqs[0])
+            reqs[0].finished_reason = {"type": "abort"}
+        batch = policy.next_batch()
+        if batch is None:
+            break
+        states.step(policy, batch)
+        for s in batch.reqs:
+            if s.is_prefill:
+                policy.kv.cache_prefill(s.req)
+        for s in batch.reqs:
+            if s.samples:
+                s.req.output_ids.append(1000 + len(s.req.output_ids))
+                if len(s.req.output_ids) >= s.req.sampling_params.max_new_tokens:
+                    policy.finish(s.req)
+                    s.req.finished_reason = {"type": "length"}
+    assert all(r.finished for r in reqs)
+
+
+def _hits(policy, states, prompt: list[int], max_new: int = 4):
+    req = make_req(f"r{len(states.slots)}-{len(prompt)}", prompt, max_new)
+    run(policy, states, [req])
+    return req
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_repeated_prompt_and_next_turn_resume_from_snapshots(page_size: int) -> None:
+    policy, states = make_hybrid_policy(page_size=page_size), FakeStates()
+    prompt = list(range(1, 42))  # 41 tokens: three 16-token chunks
+    first = _hits(policy, states, prompt)
+    assert first.cached_len == 0
+    again = _hits(policy, states, prompt)  # the snapshot the prefill saved at the last whole page before its end
+    assert again.cached_len == 40 // page_size * page_size
+    # The next turn: this prompt, its answer, more text; resumes where the last request's KV ended.
+    turn = prompt + again.output_ids + [7, 8, 9]
+    second = _hits(policy, states, turn)
+    kv_end = len(prompt) + len(again.output_ids) - 1  # the last token never went through a forward
+    assert second.cached_len == (kv_end if kv_end % page_size == 0 else 40 // page_size * page_size)
+    assert policy.kv.tree.num_states() == policy.kv.tree.snapshots.num_used > 0  # type: ignore[union-attr]
+    assert_no_leak(policy)
+    assert policy.kv.tree.snapshots.num_used == 0  # type: ignore[union-attr]  # evicted with their KV
+
+
+def test_snapshots_are_evicted_lru_and_a_prefix_without_one_is_computed() -> None:
+    policy, states = make_hybrid_policy(snapshots=2), FakeStates()
+    prompts = [[p] * 20 for p in (1, 2, 3)]
+    for p in prompts:
+        _hits(policy, states, p, max_new=1)
+    snapshots = policy.kv.tree.snapshots
+    assert snapshots is not None and snapshots.num_used == 2
+    assert _hits(policy, states, prompts[2]).cached_len == 19  # the newest kept its snapshot
+    assert _hits(policy, states, prompts[0]).cached_len == 0  # evicted: computed again, states still right
+    assert snapshots.num_used == 2
+    assert_no_leak(policy)
+    assert snapshots.num_used == 0
+
+
+def test_abort_and_retraction_return_states_and_pages() -> None:
+    # An abort in the middle of a prefill whose chunk saves a snapshot; a pool so small that requests retract.
+    policy, states = make_hybrid_policy(pool_tokens=96, snapshots=3), FakeStates()
+    reqs = [make_req(f"r{i}", [i + 1] * 30 + list(range(10)), 16) for i in range(3)]
+    run(policy, states, reqs, abort_after=2)
+    assert policy.num_retractions > 0
+    assert_no_leak(policy)
+    assert policy.kv.tree.snapshots.num_used == 0  # type: ignore[union-attr]
+    assert torch.equal(policy.kv.allocator.free_page_ids().sort().values, torch.arange(96))
