@@ -123,7 +123,8 @@ class GatedDeltaNet(nn.Module):
         key = self.hk * self.kd
         ext, _, starts, rows = fb.host_plan()
         saves = {i: (n, slot) for i, n, slot in fb.state_saves}
-        if all(e == 1 for e in ext):  # decode: every request's one token at once
+        # Decode: every request's one token at once; a verify step's rows share their request's row and go in turn.
+        if all(e == 1 for e in ext) and len(set(rows)) == len(rows):
             idx = fb.req_pool_indices
             conv_s, rec_s = conv.index_select(0, idx), rec.index_select(0, idx)
             mixed = gated_delta.conv_decode(qkv, conv_s, weight)
@@ -135,7 +136,7 @@ class GatedDeltaNet(nn.Module):
             rec.index_copy_(0, idx, rec_s)
             for i, (_, slot) in saves.items():
                 conv[slot], rec[slot] = conv[rows[i]], rec[rows[i]]
-        else:  # prefill chunks (and any decode rows beside them): request by request, from its slot's state
+        else:  # prefill chunks (and any decode rows beside them): row by row, each from its slot's state
             parts = []
             for i, (e, s, row) in enumerate(zip(ext, starts, rows)):
                 save = saves.get(i)

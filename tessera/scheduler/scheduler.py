@@ -17,7 +17,6 @@ from tessera.constrained.matcher import GrammarCompiler
 from tessera.messages.items import Modality
 from tessera.messages.worker import ForwardInput, StepOutput
 from tessera.models.config import ModelConfig
-from tessera.models.families import refuse_scheduling
 from tessera.platform.device import platform_of
 from tessera.platform.threads import AdaptiveThreads, available_cores
 from tessera.scheduler.lora_slots import LoraSlotTable, handle_lora_adapter
@@ -81,7 +80,6 @@ class Scheduler:
         state = self.model_cls.request_state
         kv = KVManager(req_pool, allocator, self.tree, args.page_size, None if state is None else (
             lambda req: state.extra_slots(self.config, req.mm_inputs.items if req.mm_inputs is not None else [])))
-        refuse_scheduling(self.config.family, args.speculative_algorithm)
         self.speculator = make_speculator(args, info.context_length, getattr(self.worker, "draft_proposer", None))
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy,
                                      self.speculator)
@@ -347,6 +345,8 @@ class Scheduler:
         s.req.spec_verify_ct += 1
         s.req.spec_accepted += accepted
         self.policy.kv.truncate(s.req, s.start + accepted + 1)
+        if self.policy.kv.states is not None:  # hybrid models: the state goes back to the same token
+            self.policy.kv.states.after_verify(s.req, s.state_saves, accepted)
         return sampled[:accepted + 1]
 
     def _append_token(self, req: Req, token: int, result: StepOutput, row: int, outputs: list) -> bool:

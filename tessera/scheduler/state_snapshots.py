@@ -13,6 +13,11 @@ deepest one. Snapshots are taken where a later request will match:
 A request's state has taken in every token of the steps scheduled for it (`Req.state_len`); where its KV length
 was cut back since (a token discarded after overlap, a failed step) the row is not at the KV's end and nothing
 is copied. A prefix without a snapshot is matched up to an earlier one or computed from the start.
+
+Speculative decoding: a verify step's rows (the last token, then the drafts) go through the request's state in
+turn, and the state after each row but the last is saved to a slot of its own (taken like a snapshot's, given
+back after the step); once the scheduler knows how many drafts were accepted, the state after the last accepted
+row is copied back into the request's row before the next step (all accepted: the row is already there).
 """
 
 from __future__ import annotations
@@ -60,6 +65,29 @@ class StateSnapshots:
                 node.state = slot
             else:
                 self.tree.free_state_slot(slot)
+
+    def verify_slots(self, num_drafts: int) -> list[int] | None:
+        """Slots for the states after a verify step's rows but the last, or None (nothing taken) when too few."""
+        slots = []
+        for _ in range(num_drafts):
+            slot = self.tree.take_state_slot()
+            if slot is None:
+                self.free(slots)
+                return None
+            slots.append(slot)
+        return slots
+
+    def free(self, slots: list[int]) -> None:
+        for slot in slots:
+            self.tree.free_state_slot(slot)
+
+    def after_verify(self, req: Req, saves: list[tuple[int, int]], accepted: int) -> None:
+        """A verify step kept `accepted` drafts: the request's state rolls back to the row after the last of them
+        (its KV was truncated to the same length), and the step's slots go back."""
+        if accepted < len(saves):
+            self._copies.append((saves[accepted][1], req.req_pool_idx))  # type: ignore[arg-type]
+        req.state_len = req.kv_len
+        self.free([slot for _, slot in saves])
 
     def release(self, req: Req, key: list[int]) -> None:
         """A request leaves, its KV (`key`) just cached: a save still pending goes back, and its row's state is

@@ -1,15 +1,15 @@
 """A hybrid linear-attention model (Qwen3.5) served by the engine: the worker's state pool, 32-token prefill
 chunks, an image, and request rows (state slots) reused by later requests give transformers' greedy tokens, with
-and without overlap scheduling; speculative decoding is refused by name. The prefix cache resumes a repeated
+and without overlap scheduling and with speculative decoding. The prefix cache resumes a repeated
 two-image prompt and the chat's next turn from state snapshots, with transformers' tokens."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tessera import Engine
 from tests.distributed.test_tensor_parallel import _chat
+from tests.engine.hf_reference import check_speculative_matches, speculative_oracle
 from tests.models.fixture_checks import hf_generate
 from tests.models.qwen3_5_testing import make_tiny_qwen3_5_checkpoint
 
@@ -18,7 +18,7 @@ TEXTS = ["Hello there, how are you today? " * 4, "Tell me a story about a cat an
 SP = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 
 
-def test_engine_matches_hf_with_overlap_and_refuses_speculative_decoding(tmp_path, scene_images):
+def test_engine_matches_hf_with_overlap_and_speculative_decoding(tmp_path, scene_images):
     import transformers
 
     path = str(make_tiny_qwen3_5_checkpoint(tmp_path / "qwen3_5"))
@@ -45,8 +45,13 @@ def test_engine_matches_hf_with_overlap_and_refuses_speculative_decoding(tmp_pat
                 enable_overlap_schedule=True, show_progress=False) as engine:
         overlapped = engine.generate(TEXTS + [image_chat], SP, image_data=[None] * len(TEXTS) + [[scene_images[0]]])
     assert [o["output_ids"] for o in overlapped] == [o["output_ids"] for o in outs]
-    with pytest.raises(RuntimeError, match="speculative_algorithm: .*linear-attention state"):
-        Engine(path, speculative_algorithm="NGRAM", show_progress=False)
+    # Speculative decoding (drafts: these tokens, every third wrong): the state rolls back to the last accepted one.
+    prompt_ids = [[t for _, t in o["meta_info"]["input_token_logprobs"]] for o in outs[:len(TEXTS)]]
+    oracle = speculative_oracle(prompt_ids + [inputs["input_ids"][0].tolist()], [o["output_ids"] for o in outs])
+    with Engine(path, page_size=4, max_total_tokens=4096, chunked_prefill_size=32, max_running_requests=2,
+                speculative_algorithm="ORACLE", speculative_oracle_path=oracle, show_progress=False) as engine:
+        spec = engine.generate(TEXTS + [image_chat], SP, image_data=[None] * len(TEXTS) + [[scene_images[0]]])
+        check_speculative_matches(engine, spec, [o["output_ids"] for o in outs])
 
 
 def test_prefix_cache_resumes_a_repeated_image_prompt_and_the_next_turn(tmp_path, scene_images):

@@ -38,8 +38,7 @@ class FakeStates:
             if s.start == 0:
                 self.slots[row] = ()
             assert self.slots[row] == tuple(key[:s.start]), f"{s.req.rid}: the state is not at token {s.start}"
-            if s.state_save is not None:
-                n, slot = s.state_save
+            for n, slot in s.state_saves:
                 self.slots[slot] = tuple(key[:s.start + n])
             self.slots[row] = tuple(key[:s.end])
 
