@@ -5,12 +5,15 @@ two-image prompt and the chat's next turn from state snapshots, with transformer
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 
 from tessera import Engine
 from tests.distributed.test_tensor_parallel import _chat
 from tests.engine.hf_reference import check_speculative_matches, speculative_oracle
-from tests.models.fixture_checks import hf_generate
+from tests.models.fixture_checks import hf_generate, save_random_model
 from tests.models.qwen3_5_testing import make_tiny_qwen3_5_checkpoint
 
 TEXTS = ["Hello there, how are you today? " * 4, "Tell me a story about a cat and a dog.",
@@ -54,33 +57,53 @@ def test_engine_matches_hf_with_overlap_and_speculative_decoding(tmp_path, scene
         check_speculative_matches(engine, spec, [o["output_ids"] for o in outs])
 
 
-def test_prefix_cache_resumes_a_repeated_image_prompt_and_the_next_turn(tmp_path, scene_images):
+def _prefix_case(name: str, tmp_path, images: list) -> tuple[str, torch.nn.Module, list[int], dict]:
+    """(checkpoint, HF model, prompt ids with one placeholder per image, HF's inputs): Qwen3.5 dense or MoE with
+    two images, or Qwen3-Next text (the Qwen3.5 fixture's tokenizer beside it)."""
     import transformers
 
-    path = str(make_tiny_qwen3_5_checkpoint(tmp_path / "qwen3_5"))
-    chat = _chat(path, [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare them."}])
-    images = list(scene_images[:2])
-    processor = transformers.AutoProcessor.from_pretrained(path)
-    ids = processor.tokenizer(chat).input_ids  # one placeholder per image: the processor expands them
-    hf = transformers.Qwen3_5ForConditionalGeneration.from_pretrained(path, dtype=torch.float32,
-                                                                       attn_implementation="eager").eval()
-    inputs = dict(processor(text=[chat], images=images, return_tensors="pt"))
+    q35 = make_tiny_qwen3_5_checkpoint(tmp_path / "qwen3_5", "moe" if name == "qwen3_5_moe" else "dense")
+    processor = transformers.AutoProcessor.from_pretrained(q35)
+    if name == "qwen3_next":
+        from tests.models.qwen3_5_testing import make_hybrid_can_fail_, tiny_qwen3_next_config
+
+        path = tmp_path / "qwen3_next"
+        config = tiny_qwen3_next_config(processor.tokenizer.vocab_size)
+        hf = save_random_model(path, transformers.Qwen3NextForCausalLM, config, 3,
+                               lambda m: make_hybrid_can_fail_(m, 3))
+        processor.tokenizer.save_pretrained(path)
+        ids = processor.tokenizer("Tell me about cats and dogs and birds. " * 4).input_ids
+        return str(path), hf, ids, {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids),
+                                                                                                  dtype=torch.long)}
+    hf = getattr(transformers, json.loads((q35 / "config.json").read_text())["architectures"][0]).from_pretrained(
+        q35, dtype=torch.float32, attn_implementation="eager").eval()
+    chat = _chat(str(q35), [{"type": "image"}, {"type": "image"}, {"type": "text", "text": "Compare them."}])
+    return str(q35), hf, processor.tokenizer(chat).input_ids, dict(processor(text=[chat], images=images,
+                                                                                return_tensors="pt"))
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
+def test_prefix_cache_resumes_a_repeated_prompt_and_the_next_turn(name, tmp_path, scene_images):
+    """A repeated prompt resumes from the snapshot its prefill saved, the chat's next turn (the prompt, its answer,
+    more text) from the first request's KV and state at their end; every answer is transformers'."""
+    images = list(scene_images[:2]) if name != "qwen3_next" else None
+    path, hf, ids, inputs = _prefix_case(name, tmp_path, images or [])
+    more = [11, 12, 13, 14]
     with Engine(path, max_total_tokens=4096, chunked_prefill_size=32, max_running_requests=2,
                 show_progress=False) as engine:
         first, again = (engine.generate(input_ids=ids, image_data=images, sampling_params=SP) for _ in range(2))
-        more = processor.tokenizer(" And now?").input_ids
         turn = engine.generate(input_ids=ids + first["output_ids"] + more, image_data=images, sampling_params=SP)
         stats = engine.get_stats()
     prompt_len = inputs["input_ids"].shape[1]
-    assert prompt_len > 32 and first["meta_info"]["cached_tokens"] == 0  # both images, in several chunks
+    assert prompt_len > 32 and first["meta_info"]["cached_tokens"] == 0  # in several chunks
     assert again["meta_info"]["cached_tokens"] == prompt_len - 1  # the snapshot its prefill saved
     assert turn["meta_info"]["cached_tokens"] == prompt_len + 8 - 1  # the first request's KV and state at its end
     want = hf_generate(hf, inputs, 8)
     assert first["output_ids"] == again["output_ids"] == want
     extra = torch.tensor([want + more])
-    for name in ("attention_mask", "mm_token_type_ids"):  # per token: the new ones are attended text
-        if name in inputs:
-            inputs[name] = torch.cat([inputs[name], torch.full_like(extra, name == "attention_mask")], 1)
+    for key in ("attention_mask", "mm_token_type_ids"):  # per token: the new ones are attended text
+        if key in inputs:
+            inputs[key] = torch.cat([inputs[key], torch.full_like(extra, key == "attention_mask")], 1)
     inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], 1)
     assert turn["output_ids"] == hf_generate(hf, inputs, 8)
     assert stats.prefix_hit_tokens == 2 * prompt_len + 6 and stats.state_snapshots >= 3
