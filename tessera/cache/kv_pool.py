@@ -10,7 +10,7 @@ import torch
 
 from collections.abc import Callable
 
-from tessera.cache.state_pool import LinearStateLayout, StatePool, build_state_pool, split_budget
+from tessera.cache.state_pool import LinearStateLayout, StatePool, build_state_pool, split_budget, verify_slot_count
 from tessera.config import ServerArgs
 
 # A CPU pool's default (no --max-total-tokens): what the running requests can use at most
@@ -47,7 +47,8 @@ def size_pools(args: ServerArgs, bytes_per_token: int, memory_info: Callable[[],
                | None = None) -> tuple[int, StatePool | None]:
     """The KV pool's size in tokens and, for a hybrid model (`state`: its layout, dtype, device), its state pool,
     from one memory budget: what kv_pool_tokens would give the KV alone, split by split_budget (the request rows'
-    slots always, prefix-cache snapshots with what the ratio leaves; none without the radix cache). On CUDA the
+    slots always, prefix-cache snapshots with what the ratio leaves, none without the radix cache; speculative
+    decoding's verify slots on top). On CUDA the
     state pool is allocated first and the KV pool gets what the device has left."""
     tokens = kv_pool_tokens(args, bytes_per_token, memory_info(), weight_bytes, context_length)
     if state is None:
@@ -56,7 +57,7 @@ def size_pools(args: ServerArgs, bytes_per_token: int, memory_info: Callable[[],
     rows, fixed = args.max_running_requests + 2, args.max_total_tokens is not None
     snapshots = 0 if args.disable_radix_cache else split_budget(tokens * bytes_per_token,
                                                                 layout.bytes_per_request(dtype), rows, fixed)
-    pool = build_state_pool(layout, rows, snapshots, dtype, device)
+    pool = build_state_pool(layout, rows, snapshots, dtype, device, verify_slot_count(args))
     assert pool is not None
     if fixed:
         return tokens, pool

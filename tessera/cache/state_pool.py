@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.config import ServerArgs
+
 logger = logging.getLogger("tessera.cache")
 
 
@@ -63,7 +65,7 @@ class StatePool:
 
     @property
     def snapshot_range(self) -> tuple[int, int]:
-        """(first slot, count) of the snapshots."""
+        """(first slot, count) of the slots past the rows: snapshots, then verify slots (verify_slot_count)."""
         return self.rows, self.slots - self.rows
 
     def reset(self, slots: torch.Tensor) -> None:
@@ -113,14 +115,21 @@ def split_budget(budget_bytes: int, bytes_per_slot: int, rows: int, kv_fixed: bo
     return max(int(state_bytes // bytes_per_slot) - rows, 0)
 
 
+def verify_slot_count(args: ServerArgs) -> int:
+    """Slots kept for speculative decoding's verify steps (the state after each draft row), after the snapshots:
+    k for each request that may verify at once (no drafts from --speculative-disable-by-batch-size decoding
+    requests on). The worker sizes them and the scheduler splits them off with this one count."""
+    return args.speculative_num_draft * min(args.max_running_requests, args.speculative_disable_by_batch_size)
+
+
 def build_state_pool(layout: LinearStateLayout | None, rows: int, snapshots: int, dtype: torch.dtype,
-                     device: str | torch.device) -> StatePool | None:
+                     device: str | torch.device, verify: int = 0) -> StatePool | None:
     """The worker's pool (None for a model without linear-attention state), its size logged at start-up."""
     if layout is None:
         return None
-    pool = StatePool(layout, rows + snapshots, dtype, device, rows=rows)
+    pool = StatePool(layout, rows + snapshots + verify, dtype, device, rows=rows)
     per_slot = layout.bytes_per_request(dtype) / 2**20
-    logger.info("linear-attention state pool: %d request slots + %d prefix-cache snapshots = %d slots x %.2f MiB "
-                "(%d layers: conv + recurrent) = %.1f MiB", rows, snapshots, pool.slots, per_slot, layout.num_layers,
-                pool.nbytes / 2**20)
+    logger.info("linear-attention state pool: %d request slots + %d prefix-cache snapshots + %d verify slots = %d "
+                "slots x %.2f MiB (%d layers: conv + recurrent) = %.1f MiB", rows, snapshots, verify, pool.slots,
+                per_slot, layout.num_layers, pool.nbytes / 2**20)
     return pool

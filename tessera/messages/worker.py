@@ -198,5 +198,6 @@ class WorkerInfo:
     quantization: str = ""
     encode_ahead: bool = False  # media encoded on a thread of their own before their prefill (worker/encode_ahead.py)
     lora_backend: str = ""  # what runs the LoRA products ("" without --enable-lora)
-    # Hybrid models' prefix-cache snapshots of the linear-attention state: (first slot, count) of the state pool.
+    # Hybrid models: (first slot, count) of the state pool's slots past the request rows: prefix-cache snapshots,
+    # then speculative decoding's verify slots (cache/state_pool.verify_slot_count of them).
     state_snapshot_slots: tuple[int, int] = (0, 0)

@@ -15,22 +15,25 @@ was cut back since (a token discarded after overlap, a failed step) the row is n
 is copied. A prefix without a snapshot is matched up to an earlier one or computed from the start.
 
 Speculative decoding: a verify step's rows (the last token, then the drafts) go through the request's state in
-turn, and the state after each row but the last is saved to a slot of its own (taken like a snapshot's, given
-back after the step); once the scheduler knows how many drafts were accepted, the state after the last accepted
-row is copied back into the request's row before the next step (all accepted: the row is already there).
+turn, and the state after each row but the last is saved to a verify slot (the pool keeps k for each request
+that may verify at once, apart from the snapshots; given back after the step); once the scheduler knows how many
+drafts were accepted, the state after the last accepted row is copied back into the request's row before the next
+step (all accepted: the row is already there).
 """
 
 from __future__ import annotations
 
 from tessera.cache.radix_cache import MatchResult, RadixCache
+from tessera.cache.state_pool import SnapshotSlots
 from tessera.scheduler.req import Req
 
 
 class StateSnapshots:
     """Journals the state-pool copies and plans the in-step saves of one scheduler (see the module docstring)."""
 
-    def __init__(self, tree: RadixCache, page_size: int):
+    def __init__(self, tree: RadixCache, page_size: int, verify: SnapshotSlots | None = None):
         self.tree, self.page_size = tree, page_size
+        self.verify = verify  # speculative decoding's slots, apart from the snapshots (cache/state_pool.py)
         self._copies: list[tuple[int, int]] = []  # (source slot, destination slot), in order
 
     def take_copies(self) -> list[tuple[int, int]]:
@@ -70,7 +73,7 @@ class StateSnapshots:
         """Slots for the states after a verify step's rows but the last, or None (nothing taken) when too few."""
         slots = []
         for _ in range(num_drafts):
-            slot = self.tree.take_state_slot()
+            slot = self.verify.alloc() if self.verify is not None else None
             if slot is None:
                 self.free(slots)
                 return None
@@ -78,8 +81,9 @@ class StateSnapshots:
         return slots
 
     def free(self, slots: list[int]) -> None:
+        """Gives verify slots back."""
         for slot in slots:
-            self.tree.free_state_slot(slot)
+            self.verify.free(slot)  # type: ignore[union-attr]
 
     def after_verify(self, req: Req, saves: list[tuple[int, int]], accepted: int) -> None:
         """A verify step kept `accepted` drafts: the request's state rolls back to the row after the last of them
