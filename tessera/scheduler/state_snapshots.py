@@ -9,7 +9,10 @@ deepest one. Snapshots are taken where a later request will match:
   the same image asked again, resumes there;
 - the end of a request's KV when it leaves (finish, abort, retraction) and that is a whole page: its row is
   copied out before the next step (`ForwardInput.state_copies`): the next turn of a chat, whose prompt repeats
-  this one's prompt and answer, resumes there; so does the retracted request itself.
+  this one's prompt and answer, resumes there; so does the retracted request itself;
+- the end of each prefill chunk but the last (a whole page), copied out the same way (a prefill step is never
+  overlapped, so the row is still there): requests sharing the first chunks (a system prompt, an image) resume
+  at the last chunk end they share, also those that waited for this prefill (policy's in-batch sharing).
 A request's state has taken in every token of the steps scheduled for it (`Req.state_len`); where its KV length
 was cut back since (a token discarded after overlap, a failed step) the row is not at the KV's end and nothing
 is copied. A prefix without a snapshot is matched up to an earlier one or computed from the start.
@@ -68,6 +71,8 @@ class StateSnapshots:
                 node.state = slot
             else:
                 self.tree.free_state_slot(slot)
+        if not req.is_prefill_done:
+            self._copy_out(req, req.cache_key()[:req.kv_len])
 
     def verify_slots(self, num_drafts: int) -> list[int] | None:
         """Slots for the states after a verify step's rows but the last, or None (nothing taken) when too few."""
@@ -99,6 +104,11 @@ class StateSnapshots:
         if req.pending_state is not None:  # its step failed
             self.tree.free_state_slot(req.pending_state[1])
             req.pending_state = None
+        self._copy_out(req, key)
+
+    def _copy_out(self, req: Req, key: list[int]) -> None:
+        """A snapshot of the request's row, at the node ending at `key` (cached whole pages) if it has none and the
+        row's state has taken in exactly `key`."""
         n = len(key)
         if not n or n % self.page_size or req.state_len != n:
             return

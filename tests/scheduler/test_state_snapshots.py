@@ -106,6 +106,17 @@ def test_snapshots_are_evicted_lru_and_a_prefix_without_one_is_computed() -> Non
     assert snapshots.num_used == 0
 
 
+def test_requests_sharing_the_first_chunks_resume_at_the_last_chunk_end_they_share() -> None:
+    # Same image and system prompt (40 tokens), different questions, arriving together: the second waits for the
+    # first's prefill (in-batch sharing), then resumes at the end of their last shared chunk (16-token chunks).
+    policy, states = make_hybrid_policy(chunk=16), FakeStates()
+    shared = list(range(1, 41))
+    a, b = make_req("a", shared + [50] * 20, 2), make_req("b", shared + [60] * 20, 2)
+    run(policy, states, [a, b])
+    assert (a.cached_len, b.cached_len) == (0, 32)
+    assert_no_leak(policy)
+
+
 def test_abort_and_retraction_return_states_and_pages() -> None:
     # An abort in the middle of a prefill whose chunk saves a snapshot; a pool so small that requests retract.
     policy, states = make_hybrid_policy(pool_tokens=96, snapshots=3), FakeStates()
