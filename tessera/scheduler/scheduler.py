@@ -402,6 +402,8 @@ class Scheduler:
         outputs = []
         for s in batch.reqs:
             req = s.req
+            if s.draft and self.policy.kv.states is not None:  # hybrid models: the verify slots go back
+                self.policy.kv.states.free([slot for _, slot in s.state_saves])
             if req.finished:  # overlap: already answered while the step ran
                 continue
             # The failed step wrote no usable KV; its fresh slots are freed (and those of a step launched after it).

@@ -103,7 +103,7 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
             state_fills.append(RequestStateFill(r, list(req.mm_inputs.items), req.state_slots))  # type: ignore[union-attr]
     writes, released = kv.take_pending()
     copies = kv.states.take_copies() if kv.states is not None else []
-    # A prefill chunk's saves are its row's; a verify step's i-th save follows its row i, its (i - 1)-th draft.
+    # A prefill chunk's saves are its row's; a verify step's save after n tokens follows its row n - 1.
     saves = [(r, n, slot) if not s.draft else (r, 1, slot) for r, (s, _, start, _) in enumerate(rows)
              for n, slot in s.state_saves if not s.draft or n == start - s.start + 1]
     for s, *_ in rows:
