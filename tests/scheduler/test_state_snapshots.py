@@ -13,7 +13,7 @@ from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
 from tessera.cache.state_pool import SnapshotSlots
 from tessera.scheduler.policy import KVManager, SchedulePolicy
-from tests.scheduler.test_policy import assert_no_leak, make_req
+from tests.scheduler.test_policy import assert_no_leak, make_req, run_to_completion
 
 ROWS = 5  # request rows 0..4; snapshot slots follow
 
@@ -44,28 +44,14 @@ class FakeStates:
 
 
 def run(policy: SchedulePolicy, states: FakeStates, reqs, abort_after: int | None = None) -> None:
-    """As test_policy.run_to_completion, with the fake states; abort_after: the first request is aborted after
-    that many steps."""
-    for r in reqs:
-        policy.add(r)
-    for i in range(1000):
-        if abort_after == i:
+    """test_policy.run_to_completion with the fake states; abort_after: the first request is aborted before that
+    step."""
+    def abort(i: int) -> None:
+        if i == abort_after:
             policy.remove(reqs[0])
             reqs[0].finished_reason = {"type": "abort"}
-        batch = policy.next_batch()
-        if batch is None:
-            break
-        states.step(policy, batch)
-        for s in batch.reqs:
-            if s.is_prefill:
-                policy.kv.cache_prefill(s.req)
-        for s in batch.reqs:
-            if s.samples:
-                s.req.output_ids.append(1000 + len(s.req.output_ids))
-                if len(s.req.output_ids) >= s.req.sampling_params.max_new_tokens:
-                    policy.finish(s.req)
-                    s.req.finished_reason = {"type": "length"}
-    assert all(r.finished for r in reqs)
+
+    run_to_completion(policy, reqs, before_step=abort, on_batch=lambda batch: states.step(policy, batch))
 
 
 def _hits(policy, states, prompt: list[int], max_new: int = 4):
