@@ -19,7 +19,7 @@ def _rate(text: str) -> float:
     return rate
 
 
-def _report(summary: str, result: dict, output_json: str | None) -> None:
+def report_result(summary: str, result: dict, output_json: str | None) -> None:
     """A command's summary on stdout, and its full result as JSON at --output-json when given."""
     print(summary)
     if output_json:
@@ -138,7 +138,7 @@ def _cmd_offline(ns: argparse.Namespace) -> int:
                         num_requests=ns.num_requests, max_output_len=ns.max_output_len, decode_len=ns.decode_len,
                         hf_batch_size=ns.hf_batch_size, engine_args=ns.engine_args, dtype=ns.dtype)
     result = run_offline(cfg)
-    _report(format_summary(result), result, ns.output_json)
+    report_result(format_summary(result), result, ns.output_json)
     return 0
 
 
@@ -171,7 +171,7 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
     result = run_profile(ProfileConfig(model_path=ns.model_path, batch_size=ns.batch_size,
                                        context_len=ns.context_len, steps=ns.steps,
                                        no_mirror=ns.disable_decode_kv_mirror))
-    _report(format_profile(result), result, ns.output_json)
+    report_result(format_profile(result), result, ns.output_json)
     return 0
 
 
@@ -220,7 +220,7 @@ def _cmd_soak(ns: argparse.Namespace) -> int:
                          distinct_prompts=ns.distinct_prompts,
                          timeout_s=ns.timeout, api_key=ns.api_key)
         result = run_soak(cfg)
-    _report(format_result(result), dataclasses.asdict(result), ns.output_json)
+    report_result(format_result(result), dataclasses.asdict(result), ns.output_json)
     return 0 if result.ok else 1
 
 
@@ -267,7 +267,7 @@ def _cmd_overload(ns: argparse.Namespace) -> int:
             base_url=base_url, max_running=ns.max_running_requests, max_queued=ns.max_queued_requests,
             duration_s=ns.duration, load_factor=ns.load_factor, baseline_s=ns.baseline, max_tokens=ns.max_tokens,
             retry_wait_s=ns.retry_wait, api_key=ns.api_key))
-    _report(format_result(result), result, ns.output_json)
+    report_result(format_result(result), result, ns.output_json)
     return 0 if result["ok"] else 1
 
 
@@ -303,7 +303,7 @@ def _cmd_spec(ns: argparse.Namespace) -> int:
                           input_len=ns.input_len, output_len=ns.output_len, concurrency=concurrency,
                           num_runs=ns.num_runs, seed=ns.seed, engine_args=ns.engine_args)
     result = run_spec_bench(cfg)
-    _report(format_summary(result), result, ns.output_json)
+    report_result(format_summary(result), result, ns.output_json)
     return 0 if all(r["identical"] for r in result["by_concurrency"].values()) else 1
 
 
@@ -326,7 +326,7 @@ def _cmd_embed(ns: argparse.Namespace) -> int:
     if min(ns.num_texts, ns.num_images, ns.hf_batch_size) < 1:
         raise ValueError("embed: --num-texts, --num-images and --hf-batch-size must be positive")
     result = run_embed_bench(ns.model_path, ns.num_texts, ns.num_images, ns.hf_batch_size)
-    _report(result.summary(), result.as_dict(), ns.output_json)
+    report_result(result.summary(), result.as_dict(), ns.output_json)
     return 0
 
 
