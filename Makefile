@@ -19,7 +19,7 @@ PIP_INSTALL := $(BIN)/pip install --progress-bar on -c constraints.txt --config-
 $(STAMP): pyproject.toml constraints.txt
 	@echo "== Setting up $(VENV) (first time only): torch, transformers and Tessera's other dependencies."
 	@echo "   About 1.5 minutes and 5.9 GB with PyPI's torch (3.2 GB of it CUDA libraries, used on a GPU only);"
-	@echo "   see the README for the smaller CPU-only torch."
+	@echo "   see docs/usage.md for the smaller CPU-only torch."
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(PIP_INSTALL) -e .
