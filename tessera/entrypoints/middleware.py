@@ -74,10 +74,6 @@ def observe_generation(meta: dict) -> None:
         record.observe(meta)
 
 
-def request_id_of(scope: dict) -> str | None:
-    return (scope.get("state") or {}).get("request_id")
-
-
 class BodyTooLarge(Exception):
     status = 413
     public = True

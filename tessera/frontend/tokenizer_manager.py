@@ -407,11 +407,6 @@ class TokenizerManager:
                                               [item.hash for item in mm.items] if mm else []))
         return out
 
-    async def abort(self, rid: str) -> None:
-        replica = self.dispatcher.owner(rid)
-        if replica is not None:
-            await messages.send_async(self.send_socks[replica], messages.AbortReq(rid))
-
     def _result(self, state: ReqState, out: messages.ReqOutput, delta: str) -> dict:
         meta = output_meta(state.request.rid, out, state.prompt_tokens, len(state.output_ids), state.created,
                            state.first_token_time)
