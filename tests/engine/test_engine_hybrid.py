@@ -85,7 +85,8 @@ def _prefix_case(name: str, tmp_path, images: list) -> tuple[str, torch.nn.Modul
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
 def test_prefix_cache_resumes_a_repeated_prompt_and_the_next_turn(name, tmp_path, scene_images):
     """A repeated prompt resumes from the snapshot its prefill saved, the chat's next turn (the prompt, its answer,
-    more text) from the first request's KV and state at their end; every answer is transformers'."""
+    more text) from the first request's KV and state at their end, also in a mixed batch; every answer is
+    transformers'."""
     images = list(scene_images[:2]) if name != "qwen3_next" else None
     path, hf, ids, inputs = _prefix_case(name, tmp_path, images or [])
     more = [11, 12, 13, 14]
@@ -94,6 +95,10 @@ def test_prefix_cache_resumes_a_repeated_prompt_and_the_next_turn(name, tmp_path
         first, again = (engine.generate(input_ids=ids, image_data=images, sampling_params=SP) for _ in range(2))
         turn = engine.generate(input_ids=ids + first["output_ids"] + more, image_data=images, sampling_params=SP)
         stats = engine.get_stats()
+        # A mixed batch in two rows: both hits again, beside a text prompt that misses.
+        other = list(range(40, 80))
+        mixed = engine.generate(input_ids=[ids, ids + first["output_ids"] + more, other],
+                                image_data=[images, images, None], sampling_params=SP)
     prompt_len = inputs["input_ids"].shape[1]
     assert prompt_len > 32 and first["meta_info"]["cached_tokens"] == 0  # in several chunks
     assert again["meta_info"]["cached_tokens"] == prompt_len - 1  # the snapshot its prefill saved
@@ -107,3 +112,7 @@ def test_prefix_cache_resumes_a_repeated_prompt_and_the_next_turn(name, tmp_path
     inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], 1)
     assert turn["output_ids"] == hf_generate(hf, inputs, 8)
     assert stats.prefix_hit_tokens == 2 * prompt_len + 6 and stats.state_snapshots >= 3
+    text = {"input_ids": torch.tensor([other]), "attention_mask": torch.ones(1, len(other), dtype=torch.long)}
+    assert [o["output_ids"] for o in mixed] == [want, turn["output_ids"], hf_generate(hf, text, 8)]
+    turn_len = prompt_len + 8 + len(more)  # the turn's prompt now hits its own prompt snapshot
+    assert [o["meta_info"]["cached_tokens"] for o in mixed] == [prompt_len - 1, turn_len - 1, 0]
