@@ -113,6 +113,36 @@ class GatedDeltaNet(nn.Module):
             return gated_delta.recurrent_rule(q, k, v, g, beta, rec[None])
         return gated_delta.chunked_rule(q, k, v, g, beta, rec)
 
+    def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rows: list[int], idx: torch.Tensor,
+                conv: torch.Tensor, rec: torch.Tensor, weight: torch.Tensor,
+                saves: dict[int, tuple[int, int]]) -> torch.Tensor:
+        """One token per row, batched over distinct request rows: a verify step's rows share their request's row,
+        so its i-th rows of all requests go together, wave after wave, each from the state the last one left."""
+        wave, seen = [], dict.fromkeys(rows, 0)
+        for row in rows:
+            wave.append(seen[row])
+            seen[row] += 1
+        waves = [list(range(len(rows)))] if len(seen) == len(rows) else \
+            [[i for i, x in enumerate(wave) if x == w] for w in range(max(wave) + 1)]
+        key, parts = self.hk * self.kd, []
+        for sel in waves:
+            pick = slice(None) if len(sel) == len(rows) else sel  # the plain decode step: no gathers
+            at = idx[pick]
+            conv_s, rec_s = conv.index_select(0, at), rec.index_select(0, at)
+            q, k, v = gated_delta.conv_decode(qkv[pick], conv_s, weight).split([key, key, self.hv * self.vd], -1)
+            n = len(sel)
+            parts.append(gated_delta.recurrent_rule(q.view(n, self.hk, self.kd), k.view(n, self.hk, self.kd),
+                                                    v.view(n, self.hv, self.vd), g[pick], beta[pick], rec_s))
+            conv.index_copy_(0, at, conv_s)
+            rec.index_copy_(0, at, rec_s)
+            for i in sel:
+                if i in saves:  # the state after this row's token
+                    conv[saves[i][1]], rec[saves[i][1]] = conv[rows[i]], rec[rows[i]]
+        if len(waves) == 1:
+            return parts[0]
+        order = torch.tensor([i for sel in waves for i in sel], device=qkv.device)
+        return parts[0].new_empty((len(rows), self.hv, self.vd)).index_copy_(0, order, torch.cat(parts))
+
     def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
         assert pool.state is not None, "a linear-attention layer needs the state pool (cache/state_pool.py)"
         qkv, z, b, a = self.project(x)
@@ -120,22 +150,10 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         conv, rec = pool.state.conv[self.state_index], pool.state.recurrent[self.state_index]
         weight = self.conv1d.weight[:, 0]
-        key = self.hk * self.kd
         ext, _, starts, rows = fb.host_plan()
         saves = {i: (n, slot) for i, n, slot in fb.state_saves}
-        # Decode: every request's one token at once; a verify step's rows share their request's row and go in turn.
-        if all(e == 1 for e in ext) and len(set(rows)) == len(rows):
-            idx = fb.req_pool_indices
-            conv_s, rec_s = conv.index_select(0, idx), rec.index_select(0, idx)
-            mixed = gated_delta.conv_decode(qkv, conv_s, weight)
-            q, k, v = mixed.split([key, key, self.hv * self.vd], -1)
-            n = x.shape[0]
-            o = gated_delta.recurrent_rule(q.view(n, self.hk, self.kd), k.view(n, self.hk, self.kd),
-                                           v.view(n, self.hv, self.vd), g, beta, rec_s)
-            conv.index_copy_(0, idx, conv_s)
-            rec.index_copy_(0, idx, rec_s)
-            for i, (_, slot) in saves.items():
-                conv[slot], rec[slot] = conv[rows[i]], rec[rows[i]]
+        if all(e == 1 for e in ext):  # decode (and verify) rows: one token each, batched
+            o = self._decode(qkv, g, beta, rows, fb.req_pool_indices, conv, rec, weight, saves)
         else:  # prefill chunks (and any decode rows beside them): row by row, each from its slot's state
             parts = []
             for i, (e, s, row) in enumerate(zip(ext, starts, rows)):
