@@ -45,8 +45,9 @@ class KVManager:
     def __init__(self, req_pool: ReqToTokenPool, allocator: PagedTokenAllocator, tree: RadixCache, page_size: int,
                  extra_slots: Callable[[Req], int] | None = None, verify_slots: SnapshotSlots | None = None):
         self.req_pool, self.allocator, self.tree, self.page_size = req_pool, allocator, tree, page_size
-        # Hybrid models' state snapshots and verify slots (None: the tree keeps none).
-        self.states = StateSnapshots(tree, page_size, verify_slots) if tree.snapshots is not None else None
+        # Hybrid models' state snapshots and verify slots (given for them even with the radix cache off).
+        self.states = StateSnapshots(tree, page_size, verify_slots) if tree.snapshots is not None or \
+            verify_slots is not None else None
         # Slots an admitted request also holds for its family's per-request state (RequestState.extra_slots:
         # cross-attention K/V of its media); None for most families.
         self.extra_slots = extra_slots

@@ -75,14 +75,14 @@ class Scheduler:
         allocator = PagedTokenAllocator(info.max_total_tokens, args.page_size)
         prefix_cache = self.config.family.prefix_cache and not args.disable_radix_cache
         # Hybrid models match a prefix only with a state snapshot at its end (scheduler/state_snapshots.py).
-        first, count = info.state_snapshot_slots
-        verify = verify_slot_count(args)
-        snapshots = SnapshotSlots(first, count - verify) if self.config.family.linear_attention else None
-        self.tree = RadixCache(allocator, args.page_size, disable=not prefix_cache, snapshots=snapshots)
+        hybrid, (first, count), verify = self.config.family.linear_attention, info.state_snapshot_slots, \
+            verify_slot_count(args)
+        self.tree = RadixCache(allocator, args.page_size, disable=not prefix_cache,
+                               snapshots=SnapshotSlots(first, count - verify) if hybrid else None)
         state = self.model_cls.request_state
         kv = KVManager(req_pool, allocator, self.tree, args.page_size, None if state is None else (
             lambda req: state.extra_slots(self.config, req.mm_inputs.items if req.mm_inputs is not None else [])),
-            SnapshotSlots(first + count - verify, verify) if snapshots is not None else None)
+            SnapshotSlots(first + count - verify, verify) if hybrid else None)
         self.speculator = make_speculator(args, info.context_length, getattr(self.worker, "draft_proposer", None))
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy,
                                      self.speculator)
