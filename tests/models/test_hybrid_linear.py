@@ -152,7 +152,7 @@ def test_qwen3_5_moe_with_an_image_matches_hf(tmp_path):
 
 def test_state_pool_is_sized_from_the_memory_budget():
     """Request rows always get a slot; prefix-cache snapshots get the states' share of the KV budget."""
-    from tessera.cache.kv_pool import size_pools
+    from tessera.cache.kv_pool import kv_pool_tokens, size_pools
     from tessera.cache.state_pool import STATE_TO_KV_MEMORY_RATIO, LinearStateLayout, split_budget
     from tessera.config import ServerArgs
 
@@ -175,6 +175,14 @@ def test_state_pool_is_sized_from_the_memory_budget():
                          (layout, torch.bfloat16, "cpu"))
     assert pool is not None and pool.slots == 6
     assert size_pools(args, 256, lambda: None, 0, 4096)[1] is None
+    # A device: the state pool is allocated first, and the KV pool gets what the device has left after it (here
+    # the second reading shows 12 MiB fewer free).
+    mib = 2**20
+    readings = iter([(30 * mib, 40 * mib), (18 * mib, 40 * mib)])
+    tokens, pool = size_pools(args, 1024, lambda: next(readings), 0, 4096, (layout, torch.bfloat16, "cpu"))
+    budget = kv_pool_tokens(args, 1024, (30 * mib, 40 * mib)) * 1024  # 0.85 of 40 MiB less the 10 in use
+    assert pool is not None and pool.snapshot_range[1] == split_budget(budget, per_slot, 6, kv_fixed=False) > 0
+    assert tokens == kv_pool_tokens(args, 1024, (18 * mib, 40 * mib))
 
 
 @pytest.mark.parametrize("spec", ["dense", "moe"])
