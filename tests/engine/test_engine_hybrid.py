@@ -84,15 +84,16 @@ def _prefix_case(name: str, tmp_path, images: list) -> tuple[str, torch.nn.Modul
                                                                                 return_tensors="pt"))
 
 
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
-def test_prefix_cache_resumes_a_repeated_prompt_and_the_next_turn(name, tmp_path, scene_images):
+@pytest.mark.parametrize("name, page", [("qwen3_5", 1), ("qwen3_next", 4),
+                                        pytest.param("qwen3_5_moe", 1, marks=pytest.mark.slow)])
+def test_prefix_cache_resumes_a_repeated_prompt_and_the_next_turn(name, page, tmp_path, scene_images):
     """A repeated prompt resumes from the snapshot its prefill saved, the chat's next turn (the prompt, its answer,
-    more text) from the first request's KV and state at their end, also in a mixed batch; every answer is
-    transformers'."""
+    more text) from the first request's KV and state at their end (pages of 4: where that is a whole page, else
+    an earlier snapshot), also in a mixed batch; every answer is transformers'."""
     images = list(scene_images[:2]) if name != "qwen3_next" else None
     path, hf, ids, inputs = _prefix_case(name, tmp_path, images or [])
     more = [11, 12, 13, 14]
-    with Engine(path, max_total_tokens=4096, chunked_prefill_size=32, max_running_requests=2,
+    with Engine(path, max_total_tokens=4096, chunked_prefill_size=32, max_running_requests=2, page_size=page,
                 show_progress=False) as engine:
         first, again = (engine.generate(input_ids=ids, image_data=images, sampling_params=SP) for _ in range(2))
         turn = engine.generate(input_ids=ids + first["output_ids"] + more, image_data=images, sampling_params=SP)
@@ -102,9 +103,11 @@ def test_prefix_cache_resumes_a_repeated_prompt_and_the_next_turn(name, tmp_path
         mixed = engine.generate(input_ids=[ids, ids + first["output_ids"] + more, other],
                                 image_data=[images, images, None], sampling_params=SP)
     prompt_len = inputs["input_ids"].shape[1]
-    assert prompt_len > 32 and first["meta_info"]["cached_tokens"] == 0  # in several chunks
-    assert again["meta_info"]["cached_tokens"] == prompt_len - 1  # the snapshot its prefill saved
-    assert turn["meta_info"]["cached_tokens"] == prompt_len + 8 - 1  # the first request's KV and state at its end
+    snapshot = (prompt_len - 1) // page * page  # the prompt's last whole page before its last token
+    kv_end = prompt_len + 8 - 1  # the first request's KV: the last sampled token never went through a forward
+    hits = [o["meta_info"]["cached_tokens"] for o in (first, again, turn)]
+    assert prompt_len > 32 and hits[:2] == [0, snapshot]  # prefilled in several chunks, then from its snapshot
+    assert hits[2] == kv_end if kv_end % page == 0 else snapshot <= hits[2] < kv_end
     want = hf_generate(hf, inputs, 8)
     assert first["output_ids"] == again["output_ids"] == want
     extra = torch.tensor([want + more])
@@ -113,8 +116,8 @@ def test_prefix_cache_resumes_a_repeated_prompt_and_the_next_turn(name, tmp_path
             inputs[key] = torch.cat([inputs[key], torch.full_like(extra, key == "attention_mask")], 1)
     inputs["input_ids"] = torch.cat([inputs["input_ids"], extra], 1)
     assert turn["output_ids"] == hf_generate(hf, inputs, 8)
-    assert stats.prefix_hit_tokens == 2 * prompt_len + 6 and stats.state_snapshots >= 3
+    assert stats.prefix_hit_tokens == sum(hits) and stats.state_snapshots >= 3
     text = {"input_ids": torch.tensor([other]), "attention_mask": torch.ones(1, len(other), dtype=torch.long)}
     assert [o["output_ids"] for o in mixed] == [want, turn["output_ids"], hf_generate(hf, text, 8)]
     turn_len = prompt_len + 8 + len(more)  # the turn's prompt now hits its own prompt snapshot
-    assert [o["meta_info"]["cached_tokens"] for o in mixed] == [prompt_len - 1, turn_len - 1, 0]
+    assert [o["meta_info"]["cached_tokens"] for o in mixed] == [snapshot, (turn_len - 1) // page * page, 0]
