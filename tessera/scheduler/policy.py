@@ -307,6 +307,8 @@ class SchedulePolicy:
         self.waiting.extendleft(reversed(deferred))
         for s in batch.reqs:
             s.req.kv_len = s.req.state_len = s.end  # KV (and state) for these tokens is written by this step
+            if self.kv.states is not None:
+                self.kv.states.track(s)
         return batch if batch.reqs else None
 
     def _schedule_drafts(self, batch: ScheduledBatch, decoding: list[Req], budget: int,

@@ -9,7 +9,9 @@ deepest one. Snapshots are taken where a later request will match:
   the same image asked again, resumes there;
 - the end of a request's KV when it leaves (finish, abort, retraction) and that is a whole page: its row is
   copied out before the next step (`ForwardInput.state_copies`): the next turn of a chat, whose prompt repeats
-  this one's prompt and answer, resumes there; so does the retracted request itself;
+  this one's prompt and answer, resumes there; so does the retracted request itself. With pages of several
+  tokens, where the KV ends inside a page, the state at the last whole page its decode steps completed: each such
+  step saves it to a slot the request holds (the previous one goes back), handed to the tree when it leaves;
 - the end of each prefill chunk but the last (a whole page), copied out the same way (a prefill step is never
   overlapped, so the row is still there): requests sharing the first chunks (a system prompt, an image) resume
   at the last chunk end they share, also those that waited for this prefill (policy's in-batch sharing).
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from tessera.cache.radix_cache import MatchResult, RadixCache
 from tessera.cache.state_pool import SnapshotSlots
+from tessera.scheduler.batch import ScheduledReq
 from tessera.scheduler.req import Req
 
 
@@ -60,6 +63,19 @@ class StateSnapshots:
             return None
         req.pending_state = (at, slot)
         return at - start, slot
+
+    def track(self, s: ScheduledReq) -> None:
+        """Pages of several tokens: a plain decode step that completes a page saves the state there, in place of
+        the request's previous such save (see the module docstring)."""
+        req = s.req
+        if self.page_size == 1 or s.is_prefill or s.draft or s.end % self.page_size:
+            return
+        slot = self.tree.take_state_slot()
+        if slot is not None:
+            if req.pending_state is not None:
+                self.tree.free_state_slot(req.pending_state[1])
+            req.pending_state = (s.end, slot)
+            s.state_saves.append((1, slot))
 
     def after_prefill(self, req: Req) -> None:
         """After a prefill chunk's KV went into the tree: its saved snapshot joins the node ending there."""
@@ -99,23 +115,32 @@ class StateSnapshots:
         self.free([slot for _, slot in saves])
 
     def release(self, req: Req, key: list[int]) -> None:
-        """A request leaves, its KV (`key`) just cached: a save still pending goes back, and its row's state is
-        copied to a snapshot at the KV's end when that is a whole page with none yet."""
-        if req.pending_state is not None:  # its step failed
-            self.tree.free_state_slot(req.pending_state[1])
-            req.pending_state = None
-        self._copy_out(req, key)
+        """A request leaves, its KV (`key`) just cached: its row's state is copied to a snapshot at the KV's end
+        when that is a whole page with none yet; else a save it holds from inside its KV joins the node there. A
+        save past its KV (its step failed) goes back."""
+        pending, req.pending_state = req.pending_state, None
+        if self._copy_out(req, key) or pending is None:
+            if pending is not None:
+                self.tree.free_state_slot(pending[1])
+            return
+        at, slot = pending
+        node = self.tree.node_at(key[:at]) if at <= len(key) else None
+        if node is not None and node.state is None:
+            node.state = slot
+        else:
+            self.tree.free_state_slot(slot)
 
-    def _copy_out(self, req: Req, key: list[int]) -> None:
+    def _copy_out(self, req: Req, key: list[int]) -> bool:
         """A snapshot of the request's row, at the node ending at `key` (cached whole pages) if it has none and the
-        row's state has taken in exactly `key`."""
+        row's state has taken in exactly `key`. Whether the node has one now."""
         n = len(key)
         if not n or n % self.page_size or req.state_len != n:
-            return
+            return False
         node = self.tree.node_at(key)
         if node is None or node.state is not None:
-            return
+            return node is not None
         slot = self.tree.take_state_slot()  # evicts only nodes holding a snapshot: never this one
         if slot is not None:
             node.state = slot
             self._copies.append((req.req_pool_idx, slot))  # type: ignore[arg-type]
+        return slot is not None
