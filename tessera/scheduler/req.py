@@ -64,7 +64,8 @@ class Req:
     state_slots: torch.Tensor | None = None
     state_filled: bool = False
     # Hybrid linear-attention models (scheduler/state_snapshots.py): tokens the steps scheduled for it have fed into
-    # its state, and a snapshot its prefill is saving (token count, snapshot slot) until that step is done.
+    # its state, and a snapshot slot it holds (token count, slot): its prefill's save until that step is done, or
+    # with pages of several tokens the state at the last page its decode completed, until it leaves.
     state_len: int = 0
     pending_state: tuple[int, int] | None = None
     # The output constraint's matcher (tessera/constrained), advanced with every output token; it has
