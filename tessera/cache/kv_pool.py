@@ -6,12 +6,15 @@ Which slots are free is the allocator's business (cache/allocator.py); this clas
 
 from __future__ import annotations
 
-import torch
-
+import logging
 from collections.abc import Callable
+
+import torch
 
 from tessera.cache.state_pool import LinearStateLayout, StatePool, build_state_pool, split_budget, verify_slot_count
 from tessera.config import ServerArgs
+
+logger = logging.getLogger("tessera.cache")
 
 # A CPU pool's default (no --max-total-tokens): what the running requests can use at most
 # (max_running_requests x context_length), capped at the bytes of the weights, so KV never more than doubles the
@@ -59,6 +62,10 @@ def size_pools(args: ServerArgs, bytes_per_token: int, memory_info: Callable[[],
                                                                 layout.bytes_per_request(dtype), rows, fixed)
     pool = build_state_pool(layout, rows, snapshots, dtype, device, verify_slot_count(args))
     assert pool is not None
+    if not snapshots and not args.disable_radix_cache:
+        logger.warning("linear-attention state pool: no room for prefix-cache snapshots after the %d request rows, "
+                       "so the prefix cache never hits; give the pools more memory (--max-total-tokens, "
+                       "--mem-fraction-static) or lower --max-running-requests", rows)
     if fixed:
         return tokens, pool
     mem = memory_info()

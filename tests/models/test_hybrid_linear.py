@@ -5,6 +5,8 @@ row starts from a clean state. Qwen3.5 dense runs in the family parity suite (qw
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -150,7 +152,7 @@ def test_qwen3_5_moe_with_an_image_matches_hf(tmp_path):
     assert our_greedy(case, [prompt], 6, 4)[0] == [want]
 
 
-def test_state_pool_is_sized_from_the_memory_budget():
+def test_state_pool_is_sized_from_the_memory_budget(caplog):
     """Request rows always get a slot; prefix-cache snapshots get the states' share of the KV budget."""
     from tessera.cache.kv_pool import kv_pool_tokens, size_pools
     from tessera.cache.state_pool import STATE_TO_KV_MEMORY_RATIO, LinearStateLayout, split_budget
@@ -174,6 +176,10 @@ def test_state_pool_is_sized_from_the_memory_budget():
     _, pool = size_pools(args.replace(disable_radix_cache=True), 256, lambda: None, 0, 4096,
                          (layout, torch.bfloat16, "cpu"))
     assert pool is not None and pool.slots == 6
+    with caplog.at_level(logging.WARNING, logger="tessera.cache"):  # a budget with no room for snapshots says so
+        _, pool = size_pools(args.replace(max_total_tokens=8), 256, lambda: None, 0, 4096,
+                             (layout, torch.bfloat16, "cpu"))
+    assert pool is not None and pool.slots == 6 and "prefix cache never hits" in caplog.text
     assert size_pools(args, 256, lambda: None, 0, 4096)[1] is None
     # A device: the state pool is allocated first, and the KV pool gets what the device has left after it (here
     # the second reading shows 12 MiB fewer free).
