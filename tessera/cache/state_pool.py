@@ -107,12 +107,13 @@ STATE_TO_KV_MEMORY_RATIO = 0.9
 
 
 def split_budget(budget_bytes: int, bytes_per_slot: int, rows: int, kv_fixed: bool) -> int:
-    """Snapshot slots that the state pool gets of `budget_bytes`, after its `rows` request slots (always there).
-    kv_fixed: the KV pool's size was given (--max-total-tokens), so budget_bytes is its size and the states come
-    on top (STATE_TO_KV_MEMORY_RATIO x); otherwise the two share budget_bytes in that ratio."""
+    """Snapshot slots that the state pool gets besides its `rows` request slots (always there). kv_fixed: the KV
+    pool's size was given (--max-total-tokens), so budget_bytes is its size and the snapshots come on top, with
+    STATE_TO_KV_MEMORY_RATIO x its bytes; otherwise KV and states (rows first) share budget_bytes in that ratio."""
     ratio = STATE_TO_KV_MEMORY_RATIO
-    state_bytes = budget_bytes * ratio if kv_fixed else budget_bytes * ratio / (1 + ratio)
-    return max(int(state_bytes // bytes_per_slot) - rows, 0)
+    if kv_fixed:
+        return int(budget_bytes * ratio // bytes_per_slot)
+    return max(int(budget_bytes * ratio / (1 + ratio) // bytes_per_slot) - rows, 0)
 
 
 def verify_slot_count(args: ServerArgs) -> int:

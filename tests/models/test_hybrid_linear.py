@@ -161,7 +161,8 @@ def test_state_pool_is_sized_from_the_memory_budget(caplog):
     layout = LinearStateLayout(num_layers=3, conv_dim=64, conv_kernel=4, num_heads=4, key_dim=8, value_dim=8)
     per_slot = layout.bytes_per_request(torch.bfloat16)
     assert per_slot == 3 * (64 * 3 * 2 + 4 * 8 * 8 * 4)
-    assert split_budget(100 * per_slot, per_slot, 10, kv_fixed=True) == int(100 * STATE_TO_KV_MEMORY_RATIO) - 10
+    assert split_budget(100 * per_slot, per_slot, 10, kv_fixed=True) == int(100 * STATE_TO_KV_MEMORY_RATIO)
+    assert split_budget(100 * per_slot, per_slot, 10, kv_fixed=False) == int(100 * 0.9 / 1.9) - 10
     assert split_budget(per_slot, per_slot, 10, kv_fixed=False) == 0  # rows first, whatever the budget
     args = ServerArgs(model_path="demo-vl", max_running_requests=4, page_size=4)
     tokens, pool = size_pools(args, 256, lambda: None, 0, 4096, (layout, torch.bfloat16, "cpu"))
@@ -176,9 +177,10 @@ def test_state_pool_is_sized_from_the_memory_budget(caplog):
     _, pool = size_pools(args.replace(disable_radix_cache=True), 256, lambda: None, 0, 4096,
                          (layout, torch.bfloat16, "cpu"))
     assert pool is not None and pool.slots == 6
-    with caplog.at_level(logging.WARNING, logger="tessera.cache"):  # a budget with no room for snapshots says so
-        _, pool = size_pools(args.replace(max_total_tokens=8), 256, lambda: None, 0, 4096,
-                             (layout, torch.bfloat16, "cpu"))
+    # A budget with no room for snapshots says so: 8 MiB on a device, 3 MiB states.
+    wide = LinearStateLayout(num_layers=3, conv_dim=64, conv_kernel=4, num_heads=64, key_dim=64, value_dim=64)
+    with caplog.at_level(logging.WARNING, logger="tessera.cache"):
+        _, pool = size_pools(args, 2**20, lambda: (14 * 2**20, 40 * 2**20), 0, 4096, (wide, torch.bfloat16, "cpu"))
     assert pool is not None and pool.slots == 6 and "prefix cache never hits" in caplog.text
     assert size_pools(args, 256, lambda: None, 0, 4096)[1] is None
     # A device: the state pool is allocated first, and the KV pool gets what the device has left after it (here
