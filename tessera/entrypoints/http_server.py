@@ -39,6 +39,7 @@ from tessera.entrypoints.lora_routes import adapter_cards, add_lora_routes
 from tessera.entrypoints.playground import add_playground_routes
 from tessera.entrypoints.router_routes import add_router_routes
 from tessera.frontend.request import GenerateRequest
+from tessera.frontend.result import GenerateResult
 from tessera.frontend.tokenizer_manager import TokenizerManager
 from tessera.messages.sampling import SamplingParams
 from tessera.models.config import ModelConfig
@@ -68,9 +69,9 @@ class ServerState:
     def ready(self) -> bool:
         return self.tm is not None and self.tm.ready and self.tm.scheduler_alive and not self.draining
 
-    def _request_done(self, req_state, result: dict) -> None:
+    def _request_done(self, req_state, result: GenerateResult) -> None:
         self.metrics.observe_request(req_state, result)
-        observe_generation(result["meta_info"])
+        observe_generation(result)
 
     async def load(self) -> None:
         tm = None

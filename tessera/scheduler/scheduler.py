@@ -14,6 +14,7 @@ import zmq
 from tessera import messages
 from tessera.config import ServerArgs
 from tessera.constrained.matcher import GrammarCompiler
+from tessera.messages.finish import FinishReason
 from tessera.messages.items import Modality
 from tessera.messages.worker import ForwardInput, StepOutput
 from tessera.models.config import ModelConfig
@@ -25,7 +26,7 @@ from tessera.scheduler.overlap import Launched, Overlap
 from tessera.scheduler.req import Req
 from tessera.scheduler.speculative import accepted_prefix, make_speculator
 from tessera.scheduler.step_input import build_forward_input, take_prompt_logprobs
-from tessera.scheduler.stops import finish_reason, matched_stop_string  # noqa: F401 -- re-exported
+from tessera.scheduler.stops import check_finished
 from tessera.scheduler.summary import PeriodicSummary
 from tessera.scheduler.worker_api import RankGroup, StepWorker  # noqa: F401 -- StepWorker re-exported
 
@@ -136,11 +137,11 @@ class Scheduler:
                 req.stop_token_ids |= self.eos_ids
             if req.lora_name is not None and (self.lora_slots is None or req.lora_name not in self.lora_slots.loaded):
                 # Unloaded between the frontend's check and now: this request fails, not the batch it would join.
-                self._emit([self._output(req, finished={"type": "error", "message": f"lora_path: adapter "
-                                                        f"{req.lora_name!r} is not loaded"})])
+                unloaded = FinishReason.error(f"lora_path: adapter {req.lora_name!r} is not loaded")
+                self._emit([self._output(req, unloaded)])
                 return
             if sp.max_new_tokens == 0 and not req.wants_input_logprobs and req.pooling is None:  # a prefill, no token
-                self._emit([self._output(req, finished={"type": "length", "length": 0})])
+                self._emit([self._output(req, FinishReason.of_length(0))])
                 return
             self.reqs[req.rid] = req
             items = msg.mm_inputs.items if msg.mm_inputs is not None else []
@@ -164,7 +165,7 @@ class Scheduler:
                         self.policy.remove(req)
                 elif held[1] is not None:
                     held[1].cancel()
-                req.finished_reason = {"type": "abort", "message": "aborted by client"}
+                req.finished_reason = FinishReason.abort()
                 self._emit([self._output(req, req.finished_reason)])
         elif isinstance(msg, messages.FlushCacheReq):
             if self.overlap is not None:
@@ -201,7 +202,7 @@ class Scheduler:
                     req.grammar = grammar.result()
                 except Exception as e:
                     self.reqs.pop(rid, None)
-                    req.finished_reason = {"type": "error", "message": f"{type(e).__name__}: {e}"}
+                    req.finished_reason = FinishReason.error(f"{type(e).__name__}: {e}")
                     self._emit([self._output(req, req.finished_reason)])
                     continue
             self.policy.add(req)
@@ -230,7 +231,7 @@ class Scheduler:
         )
 
     # ---- stepping -------------------------------------------------------------------------
-    def _output(self, req: Req, finished: dict | None = None) -> messages.ReqOutput:
+    def _output(self, req: Req, finished: FinishReason | None = None) -> messages.ReqOutput:
         new = req.output_ids[req.num_sent :]
         out = messages.ReqOutput(
             rid=req.rid, new_token_ids=new, finished_reason=finished,
@@ -257,8 +258,8 @@ class Scheduler:
         if outputs:
             messages.send(self.send_sock, messages.BatchOutput(outputs))
 
-    def _check_finished(self, req: Req) -> dict | None:
-        return finish_reason(req, self.tokenizer, self.context_length)
+    def _check_finished(self, req: Req) -> FinishReason | None:
+        return check_finished(req, self.tokenizer, self.context_length)
 
     def step(self) -> bool:
         if self.overlap is not None:
@@ -312,7 +313,7 @@ class Scheduler:
             if req.finished:  # overlap: finished (or aborted) while this step ran; its token is discarded
                 pass
             elif req.sampling_params.max_new_tokens == 0:  # ran for its prompt logprobs only
-                req.finished_reason = {"type": "length", "length": 0}
+                req.finished_reason = FinishReason.of_length(0)
                 self._finish(req, req.finished_reason, outputs)
             else:
                 tokens = result.next_token_ids[row:row + rows]
@@ -352,8 +353,8 @@ class Scheduler:
         req.output_ids.append(token)
         if req.grammar is not None and not req.grammar.accept(token):
             # Cannot happen while the sampler applies the mask; fail loudly rather than emit invalid output.
-            self._finish(req, {"type": "error", "message": f"constrained decoding: token {token} rejected by the "
-                                                           f"grammar ({req.grammar.error})"}, outputs)
+            self._finish(req, FinishReason.error(f"constrained decoding: token {token} rejected by the grammar "
+                                                f"({req.grammar.error})"), outputs)
             return True
         if req.return_logprob:
             req.logprobs.append(result.logprobs[row])  # type: ignore[index]
@@ -366,7 +367,7 @@ class Scheduler:
             return True
         return False
 
-    def _finish(self, req: Req, finished: dict, outputs: list) -> None:
+    def _finish(self, req: Req, finished: FinishReason, outputs: list) -> None:
         """Ends req: its KV goes back (a verify step that finished before its last accepted token holds KV past
         its last token: those slots too) and its final output joins `outputs`."""
         req.finished_reason = finished
@@ -383,7 +384,7 @@ class Scheduler:
         of_rid = {s.req.rid: s.req for s in batch.reqs}
         for entry, vector in zip([e for e in fi.pooling_rows if e.final], result.embeddings):
             req = of_rid[fi.rids[entry.req]]  # entry.req: its row of fi (a verify step's rows come first)
-            req.finished_reason = {"type": "stop", "matched": None}
+            req.finished_reason = FinishReason.stop()
             done.append(req)
             self.reqs.pop(req.rid, None)
             outputs.append(self._output(req, req.finished_reason))
@@ -400,7 +401,7 @@ class Scheduler:
                 continue
             # The failed step wrote no usable KV; its fresh slots are freed (and those of a step launched after it).
             held, req.kv_len = max(s.end, req.kv_len), s.start
-            req.finished_reason = {"type": "error", "message": message}
+            req.finished_reason = FinishReason.error(message)
             self.policy.finish(req, allocated_len=held)
             self.reqs.pop(req.rid, None)
             outputs.append(self._output(req, req.finished_reason))

@@ -7,6 +7,7 @@ import random
 import pytest
 import torch
 
+from tessera.messages.finish import FinishReason
 from tessera.cache.allocator import PagedTokenAllocator
 from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
@@ -54,7 +55,7 @@ def run_to_completion(policy: SchedulePolicy, reqs: list[Req], max_steps: int = 
                 s.req.output_ids.append(1000 + len(s.req.output_ids))
                 if len(s.req.output_ids) >= s.req.sampling_params.max_new_tokens:
                     policy.finish(s.req)
-                    s.req.finished_reason = {"type": "length"}
+                    s.req.finished_reason = FinishReason.of_length(0)
     assert all(r.finished for r in reqs), "not every request finished"
     return steps
 
@@ -139,7 +140,7 @@ def test_cross_attention_slots_are_taken_at_admission_and_freed_on_retraction(pa
                 s.req.output_ids.append(1000 + len(s.req.output_ids))
                 if len(s.req.output_ids) >= 12:
                     policy.finish(s.req)
-                    s.req.finished_reason = {"type": "length"}
+                    s.req.finished_reason = FinishReason.of_length(0)
     assert all(r.finished for r in reqs) and policy.num_retractions > 0
     assert sum(fills.values()) == len(reqs) + policy.num_retractions  # refilled once per re-admission
     assert policy.kv.state_tokens == 0 and all(r.state_slots is None for r in reqs)

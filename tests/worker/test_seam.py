@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from tessera.messages.finish import FinishReason
 from tessera.cache.allocator import PagedTokenAllocator
 from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
@@ -51,7 +52,7 @@ def _drive(policy: SchedulePolicy, reqs: list[Req], config: ModelConfig, on_step
                 s.req.output_ids.append(7)
                 if len(s.req.output_ids) >= s.req.sampling_params.max_new_tokens:
                     policy.finish(s.req)
-                    s.req.finished_reason = {"type": "length"}
+                    s.req.finished_reason = FinishReason.of_length(0)
 
 
 def test_worker_slot_table_follows_the_journal_under_random_traffic() -> None:
