@@ -2,7 +2,10 @@
 
 Per step: every running request that is ready to decode gets one token; then requests that
 are mid-prefill, then waiting ones (FCFS, or longest-prefix-match first with `lpm`), get
-prefill chunks until `chunked_prefill_size` tokens are scheduled. When the KV pool runs out
+prefill chunks until `chunked_prefill_size` tokens are scheduled, and at most `max_prefill_tokens`
+prompt tokens (SGLang's meaning: across the step's prefills; the first prefill of a step is never held
+back by it, so a longer prompt still runs, alone, in chunks of `chunked_prefill_size`; a waiting request
+whose uncached prompt does not fit what is left waits for the next step). When the KV pool runs out
 the radix cache is evicted first; if a decode still cannot get a slot, the most recently
 arrived running request is retracted: its KV goes into the prefix cache (so resuming is
 mostly a cache hit), and it returns to the front of the waiting queue with its output kept.
@@ -197,11 +200,12 @@ class KVManager:
 
 class SchedulePolicy:
     def __init__(self, kv: KVManager, max_running_requests: int, chunked_prefill_size: int, policy: str = "fcfs",
-                 speculator: Speculator | None = None):
+                 speculator: Speculator | None = None, max_prefill_tokens: int | None = None):
         self.kv = kv
         self.speculator = speculator  # drafts for decoding requests (scheduler/speculative.py); None: off
         self.max_running_requests = max_running_requests
         self.chunked_prefill_size = chunked_prefill_size
+        self.max_prefill_tokens = max_prefill_tokens  # prompt tokens per step at most (None: no limit)
         self.policy = policy
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted: hold a slot row and KV (mid-prefill or decoding)
@@ -260,11 +264,14 @@ class SchedulePolicy:
                 continue  # waits a step; the requests ahead of it finish and free memory
             batch.reqs.append(ScheduledReq(req, req.kv_len, req.kv_len + 1, slots))
             budget -= 1
-        # 2. Continue prefills in progress, then admit new requests.
+        # 2. Continue prefills in progress, then admit new requests; `prefill` counts their prompt tokens.
+        prefill = 0
         for req in [r for r in self.running if not r.is_prefill_done]:
-            if budget <= 0:
+            room = min(budget, self._prefill_room(prefill))
+            if room <= 0:
                 break
-            budget -= self._schedule_chunk(batch, req, budget)
+            used = self._schedule_chunk(batch, req, room)
+            budget, prefill = budget - used, prefill + used
         if self.policy == "lpm" and len(self.waiting) > 1:
             self.waiting = deque(sorted(self.waiting, key=lambda r: -int(self.kv.tree.match_prefix(r.cache_key()).slots.numel())))
         # Keys of the prompts this step prefills whose KV the cache does not hold yet.
@@ -283,6 +290,9 @@ class SchedulePolicy:
                     break  # nobody overtakes it
                 deferred.append(self.waiting.popleft())
                 continue
+            if req.remaining_extend > self._prefill_room(prefill):
+                self.kv.release(req)  # past this step's prompt tokens: it waits, and nobody overtakes it
+                break
             used = self._schedule_chunk(batch, req, budget)
             if used == 0:
                 self.kv.release(req)
@@ -290,12 +300,19 @@ class SchedulePolicy:
             self.kv.count_hit(req)
             self.waiting.popleft()
             self.running.append(req)
-            budget -= used
+            budget, prefill = budget - used, prefill + used
             inflight.append(req.cache_key())
         self.waiting.extendleft(reversed(deferred))
         for s in batch.reqs:
             s.req.kv_len = s.end  # KV for these tokens is written by this step's forward
         return batch if batch.reqs else None
+
+    def _prefill_room(self, prefill: int) -> int | float:
+        """Prompt tokens the step may still take under max_prefill_tokens, after `prefill` of them; the first
+        prefill of a step is not limited (a prompt longer than the limit runs alone)."""
+        if self.max_prefill_tokens is None or prefill == 0:
+            return float("inf")
+        return self.max_prefill_tokens - prefill
 
     def _schedule_drafts(self, batch: ScheduledBatch, decoding: list[Req], budget: int,
                          scheduled: set[int]) -> tuple[list[Req], int]:

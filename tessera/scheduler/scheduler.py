@@ -82,7 +82,7 @@ class Scheduler:
         refuse_scheduling(self.config.family, args.speculative_algorithm)
         self.speculator = make_speculator(args, info.context_length, getattr(self.worker, "draft_proposer", None))
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy,
-                                     self.speculator)
+                                     self.speculator, args.max_prefill_tokens)
         # Which adapter is in which of the worker's LoRA slots (None without --enable-lora).
         self.lora_slots = self.policy.lora_slots = (LoraSlotTable(args.max_loras_per_batch, dict(args.lora_adapters))
                                                     if args.enable_lora else None)
