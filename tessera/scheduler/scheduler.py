@@ -132,9 +132,7 @@ class Scheduler:
                 req.atomic_spans = msg.mm_inputs.spans()
             if self.config.family.embedding_only:  # a dual encoder computes a request in one step
                 req.atomic_spans = [(0, len(req.origin_input_ids))]
-            req.stop_token_ids = set(sp.stop_token_ids or [])
-            if not sp.ignore_eos:
-                req.stop_token_ids |= self.eos_ids
+            req.stop_token_ids = sp.stop_ids(self.eos_ids)
             if req.lora_name is not None and (self.lora_slots is None or req.lora_name not in self.lora_slots.loaded):
                 # Unloaded between the frontend's check and now: this request fails, not the batch it would join.
                 unloaded = FinishReason.error(f"lora_path: adapter {req.lora_name!r} is not loaded")

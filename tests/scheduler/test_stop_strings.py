@@ -36,7 +36,7 @@ def _finish(text: str, **params) -> FinishReason | None:
     sp = SamplingParams(**params).normalize()
     req = Req("r", [1, 2, 3], sp, None)
     req.output_ids = tok.encode(text)
-    req.stop_token_ids = set(sp.stop_token_ids)
+    req.stop_token_ids = sp.stop_ids(eos_ids=())
     return Scheduler._check_finished(SimpleNamespace(tokenizer=tok, context_length=1000), req)
 
 
