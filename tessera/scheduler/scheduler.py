@@ -110,7 +110,8 @@ class Scheduler:
         self.mm_items = {"deferred": 0, "eager": 0}
         # Forms decode step N+1 while the device runs step N (scheduler/overlap.py); speculative steps need the
         # tokens on the host before the next one.
-        self.overlap = Overlap(self) if args.overlap_schedule and self.speculator is None else None
+        self.overlap = Overlap(self.policy, self.launch, self.finish_step, self.context_length, self.model_cls) \
+            if args.overlap_schedule and self.speculator is None else None
         if args.overlap_schedule and self.overlap is None:
             logger.info("overlap scheduling is off: speculative decoding verifies each step's tokens on the host")
 
@@ -176,9 +177,16 @@ class Scheduler:
         elif isinstance(msg, messages.GetStatsReq):
             messages.send(self.send_sock, self.stats())
         elif isinstance(msg, messages.LoraAdapterReq):
-            messages.send(self.send_sock, handle_lora_adapter(self, msg))
+            messages.send(self.send_sock, handle_lora_adapter(msg, self.reqs.values(), self._apply_lora,
+                                                              self.lora_slots, self.dp_rank))
         else:
             raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def _apply_lora(self, name: str, path: str | None) -> None:
+        """Loads adapter `name` from `path` (None: unloads it) on every rank of this replica."""
+        if self.tp is not None:
+            self.tp.broadcast(("lora", name, path))
+        self.worker.lora_adapter(name, path)
 
     def _admit_ready(self) -> None:
         """Held requests join the policy's queue once their grammar's matcher is built and their media are

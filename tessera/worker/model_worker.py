@@ -36,7 +36,7 @@ from tessera.layers.forward_batch import ForwardBatch
 from tessera.worker.draft_model import DraftModel
 from tessera.worker.encode_ahead import EncodeAhead
 from tessera.worker.sampler import Sampler
-from tessera.worker.step_launch import StepHandle, launch_outputs, resolve_placeholders
+from tessera.worker.step_launch import OutputLauncher, StepHandle, resolve_placeholders
 from tessera.worker.cuda_graph import DecodeGraphRunner, DecodeInputs, capture_batch_sizes, capture_decode_graphs
 from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.platform import cpu_kernels, host_memory
@@ -134,6 +134,8 @@ class ModelWorker:
         if args.speculative_algorithm == "STANDALONE" and self.tp.rank == 0:
             self.draft_proposer = DraftModel(args, self.device, self.context_length, self.config.vocab_size,
                                              rows=min(args.max_running_requests, 2 * args.speculative_disable_by_batch_size))
+        self.outputs = OutputLauncher(self.sampler, self.pooler, eos_token_ids, self.device,
+                                      self.model.process_logits, self.platform)
         self.cuda_graph_status = ""  # set by _capture_decode_graphs
         self.graph_runner = self._capture_decode_graphs(backend_name)
         if self.platform.runs_on_host_cores:  # after the weights loaded: their staging copies are not kept
@@ -427,8 +429,7 @@ class ModelWorker:
                 logits = self.forward(fi)
             if self.tp.rank != 0:  # only rank 0 samples
                 return StepHandle(StepOutput([]))
-            handle, self.previous_ids = launch_outputs(self, fi, logits, self._pooled_hidden, self.pooler,
-                                                       self.sampler)
+            handle, self.previous_ids = self.outputs.launch(fi, logits, self._pooled_hidden)
             self._pooled_hidden = None
             return handle
         finally:
