@@ -37,7 +37,8 @@ from tessera.worker.draft_model import DraftModel
 from tessera.worker.encode_ahead import EncodeAhead
 from tessera.worker.sampler import Sampler
 from tessera.worker.step_launch import OutputLauncher, StepHandle, resolve_placeholders
-from tessera.worker.cuda_graph import DecodeGraphRunner, DecodeInputs, capture_batch_sizes, capture_decode_graphs
+from tessera.worker.cuda_graph import (DEFAULT_LORA_RANK, DecodeGraphRunner, DecodeInputs, capture_batch_sizes,
+                                      capture_decode_graphs, decode_graphs_off, graph_max_bs)
 from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.platform import cpu_kernels, host_memory
 from tessera.platform.device import (compute_dtype, platform_of, rank_device, resolve_device, resolve_dtype,
@@ -114,8 +115,6 @@ class ModelWorker:
         self.materialize = None if args.language_model_only else materializer_for(
             args.tokenizer_path or args.model_path, self.config.hf_config, self.config.family.processor_class(),
             self.device)
-        self.sampler = Sampler(seed=args.random_seed)
-        self.eos_token_ids = eos_token_ids
         self.use_decode_mirror = not args.disable_decode_kv_mirror and uses_decode_mirror(self.device)
         self._held: dict[str, dict[int, torch.Tensor]] = {}  # rid -> item hash -> embedding
         self.pooler = Pooler()  # embedding requests' partial pools across prefill chunks
@@ -134,8 +133,8 @@ class ModelWorker:
         if args.speculative_algorithm == "STANDALONE" and self.tp.rank == 0:
             self.draft_proposer = DraftModel(args, self.device, self.context_length, self.config.vocab_size,
                                              rows=min(args.max_running_requests, 2 * args.speculative_disable_by_batch_size))
-        self.outputs = OutputLauncher(self.sampler, self.pooler, eos_token_ids, self.device,
-                                      self.model.process_logits, self.platform)
+        self.outputs = OutputLauncher(Sampler(seed=args.random_seed), self.pooler, eos_token_ids, self.device,
+                                      self.model.process_logits, self.platform)  # a step's sampling and read-back
         self.cuda_graph_status = ""  # set by _capture_decode_graphs
         self.graph_runner = self._capture_decode_graphs(backend_name)
         if self.platform.runs_on_host_cores:  # after the weights loaded: their staging copies are not kept
@@ -160,7 +159,12 @@ class ModelWorker:
 
     def _capture_decode_graphs(self, backend_name: str) -> DecodeGraphRunner | None:
         """The decode graphs, or None (every step then runs eagerly); sets cuda_graph_status."""
-        runner, self.cuda_graph_status = capture_decode_graphs(self, backend_name)
+        why_not = decode_graphs_off(self.args, self.platform, self.model, backend_name, self.request_state is not None,
+                                    self.tp.size)
+        if why_not is None and self.lora is not None:  # the graphs replay the stacks' addresses: fixed from here on
+            self.lora.fix_stacks(self.args.max_lora_rank or DEFAULT_LORA_RANK)
+        runner, self.cuda_graph_status = (None, f"off: {why_not}") if why_not else capture_decode_graphs(
+            self.decode_graph_runner(graph_max_bs(self.args)), self.platform, self.device)
         return runner
 
     def lora_adapter(self, name: str, path: str | None) -> None:

@@ -1,8 +1,8 @@
 """A step's second half, launched without waiting for it: sampling, then the read-back of its tokens.
 
-`ModelWorker.launch(fi)` queues the forward and the sampling (`OutputLauncher.launch`) and starts the copy of the sampled ids (and
-logprobs) to the host (`Platform.start_read`: pinned memory and an event on CUDA); `collect(handle)` waits for
-that copy and turns it into the StepOutput. `execute(fi)` is the two in a row. Between them the scheduler forms
+`ModelWorker.launch(fi)` queues the forward and the sampling (`OutputLauncher.launch`) and starts the copy of
+the sampled ids (and logprobs) to the host (`Platform.start_read`: pinned memory and an event on CUDA);
+`collect(handle)` waits for that copy and turns it into the StepOutput. `execute(fi)` is the two in a row. Between them the scheduler forms
 and launches the next step (scheduler/overlap.py), whose decode rows take their input token from this step's
 sampled ids on the device: `input_ids` < 0 name a row of the previous step's output (-1 - row), resolved by
 `resolve_placeholders` before the forward. Steps that read anything on the host (prompt logprobs, pooled
