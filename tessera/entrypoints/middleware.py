@@ -75,10 +75,6 @@ def observe_generation(result: GenerateResult) -> None:
         record.observe(result)
 
 
-def request_id_of(scope: dict) -> str | None:
-    return (scope.get("state") or {}).get("request_id")
-
-
 class BodyTooLarge(Exception):
     status = 413
     public = True

@@ -146,8 +146,10 @@ def log_startup_summary(args: ServerArgs, tm: TokenizerManager) -> None:
     replicas = f" x {args.dp_size} replicas" if args.dp_size > 1 else ""
     logger.info("model %s (%s): %s parameters, dtype %s, device %s, attention %s, tp %d",
                 args.model_name, tm.info.architecture, size, w.dtype, w.device, w.attention_backend, w.tp_size)
+    sizes = w.cuda_graph_batch_sizes
+    graphs = f"{w.cuda_graph_status} (batch sizes {sizes[0]}-{sizes[-1]})" if sizes else w.cuda_graph_status or "off"
     logger.info("KV pool: %d tokens (%.1f MiB, %d B/token)%s; context length %d; max running requests %d; "
-                "chunked prefill %d tokens; page size %d; radix cache %s; CUDA graphs: not used",
+                "chunked prefill %d tokens; page size %d; radix cache %s; CUDA graphs: %s",
                 w.max_total_tokens, kv_bytes / 2**20, w.kv_bytes_per_token, replicas, w.context_length,
                 args.max_running_requests, args.chunked_prefill_size, args.page_size,
-                "off" if args.disable_radix_cache else "on")
+                "off" if args.disable_radix_cache else "on", graphs)

@@ -403,11 +403,6 @@ class TokenizerManager:
                                               [item.hash for item in mm.items] if mm else []))
         return out
 
-    async def abort(self, rid: str) -> None:
-        replica = self.dispatcher.owner(rid)
-        if replica is not None:
-            await messages.send_async(self.send_socks[replica], messages.AbortReq(rid))
-
     def _result(self, state: ReqState, out: messages.ReqOutput, delta: str) -> GenerateResult:
         result = answer_of(state.request.rid, out, state.prompt_tokens, state.created, state.first_token_time,
                            state.detok.output_text, delta, list(state.output_ids))

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import subprocess
-import sys
 import tempfile
 
 import pytest
