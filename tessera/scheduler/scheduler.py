@@ -52,7 +52,8 @@ class Scheduler:
         from tessera.cache.allocator import PagedTokenAllocator
         from tessera.cache.kv_pool import ReqToTokenPool
         from tessera.cache.radix_cache import RadixCache
-        from tessera.scheduler.policy import KVManager, SchedulePolicy
+        from tessera.scheduler.kv_manager import KVManager
+        from tessera.scheduler.policy import SchedulePolicy
 
         self.args = args
         self.dp_rank = dp_rank

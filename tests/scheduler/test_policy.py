@@ -12,7 +12,8 @@ from tessera.cache.allocator import PagedTokenAllocator
 from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
 from tessera.messages.sampling import SamplingParams
-from tessera.scheduler.policy import KVManager, SchedulePolicy
+from tessera.scheduler.kv_manager import KVManager
+from tessera.scheduler.policy import SchedulePolicy
 from tessera.scheduler.req import Req
 
 

@@ -18,7 +18,8 @@ from tessera.models.config import ModelConfig
 from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
 from tessera.messages.sampling import SamplingParams
 from tessera import messages
-from tessera.scheduler.policy import KVManager, SchedulePolicy
+from tessera.scheduler.kv_manager import KVManager
+from tessera.scheduler.policy import SchedulePolicy
 from tessera.scheduler.req import Req
 from tessera.scheduler.step_input import build_forward_input
 from tessera.messages.worker import ForwardInput
