@@ -49,6 +49,8 @@ async def tokenize_many(tm, reqs: list[GenerateRequest], plain: list[int] | None
     if not tm.ready:
         raise EngineUnavailable("the engine is not ready")
     plain = _plain_texts(tm, reqs) if plain is None else plain
+    for i in plain:  # (the others are checked by tm.tokenize)
+        tm.check_sampling(reqs[i])
     out: list = [None] * len(reqs)
     if plain:
         texts = await asyncio.get_running_loop().run_in_executor(tm.executor, _tokenize_texts, tm,

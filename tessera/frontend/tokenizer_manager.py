@@ -289,14 +289,19 @@ class TokenizerManager:
         return req.has_media or (self.mm_processor is not None and req.text is not None and (
             self.mm_processor.tokenizes_text or self.mm_processor.has_placeholders(req.text)))
 
+    def check_sampling(self, req: GenerateRequest) -> None:
+        """The frontend's one check of a request's sampling parameters (SamplingParams.verify, against the
+        vocabulary; with return_logprob they ask for logprobs)."""
+        if req.return_logprob:
+            req.sampling_params.logprobs = True
+        req.sampling_params.verify(self.info.vocab_size)
+
     def _tokenize(self, req: GenerateRequest, processed=None, ids: list[int] | None = None
                   ) -> messages.TokenizedGenerateReq:
         """Runs in the worker pool: chat-free tokenization, media loading and preprocessing (unless a
-        preprocessing process already made `processed`, the ProcessorOutput, or a batched call `ids`)."""
+        preprocessing process already made `processed`, the ProcessorOutput, or a batched call `ids`); its
+        sampling parameters were checked (check_sampling)."""
         sp = req.sampling_params
-        if req.return_logprob:
-            sp.logprobs = True
-        sp.verify(self.info.vocab_size)
         mm_inputs = None
         given = [m for m, data in ((Modality.IMAGE, req.image_data), (Modality.VIDEO, req.video_data),
                                    (Modality.AUDIO, req.audio_data)) if data]
@@ -335,9 +340,9 @@ class TokenizerManager:
         """
         if not self.ready:
             raise EngineUnavailable("the engine is not ready")
+        self.check_sampling(req)  # bad parameters fail before media is loaded
         processed = None
         if self.preprocess_pool is not None and self.mm_processor is not None and self._needs_media_processing(req):
-            req.sampling_params.verify(self.info.vocab_size)  # bad parameters fail before media is loaded
             processed = await self.preprocess_pool.process(
                 prompt=req.text, input_ids=req.input_ids,
                 image_data=req.image_data, video_data=req.video_data, audio_data=req.audio_data,
