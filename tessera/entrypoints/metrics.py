@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tessera.frontend.result import GenerateResult
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 # Gauges that show one SchedulerStats field as it is: (metric, help, field). The leak checks read the
 # tessera_kv_used_tokens / radix / encoder-cache ones: after a drain they return to their idle values (0 for the
@@ -76,14 +78,14 @@ class Metrics:
         self.preprocess_hit_rate = Gauge("tessera_preprocess_cache_hit_rate",
                                          "Media items served from the preprocessing cache / items", labels, registry=r)
 
-    def observe_request(self, state, result: dict) -> None:
-        m, meta = self.model_name, result["meta_info"]
-        self.prompt_tokens.labels(m).inc(meta["prompt_tokens"])
-        self.generation_tokens.labels(m).inc(meta["completion_tokens"])
-        self.cached_tokens.labels(m).inc(meta["cached_tokens"])
-        if meta.get("ttft") is not None:
-            self.ttft.labels(m).observe(meta["ttft"])
-        self.e2e.labels(m).observe(meta["e2e_latency"])
+    def observe_request(self, state, result: GenerateResult) -> None:
+        m = self.model_name
+        self.prompt_tokens.labels(m).inc(result.prompt_tokens)
+        self.generation_tokens.labels(m).inc(result.completion_tokens)
+        self.cached_tokens.labels(m).inc(result.cached_tokens)
+        if result.ttft is not None:
+            self.ttft.labels(m).observe(result.ttft)
+        self.e2e.labels(m).observe(result.e2e_latency)
         times = state.token_times
         for a, b in zip(times, times[1:]):
             if b > a:

@@ -15,7 +15,8 @@ from tessera.cache.allocator import PagedTokenAllocator
 from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
 from tessera.cache.state_pool import SnapshotSlots
-from tessera.scheduler.policy import KVManager, SchedulePolicy
+from tessera.scheduler.kv_manager import KVManager
+from tessera.scheduler.policy import SchedulePolicy
 from tessera.scheduler.speculative import Speculator
 from tests.scheduler.test_policy import assert_no_leak, make_req, run_to_completion
 

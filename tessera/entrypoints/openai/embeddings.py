@@ -134,8 +134,8 @@ async def create_embedding(serving: OpenAIServing, request: Request, req: Embedd
     names = {n: field for n in ("prompt", "input_ids", "media", "image_data")}
     tokenized = await serving.prepare(reqs, names, batched=True)
     outs = await serving.collect_all(request, reqs, tokenized, batched=True)
-    data = [{"object": "embedding", "index": i, "embedding": _encoded(out["embedding"], req.encoding_format)}
+    data = [{"object": "embedding", "index": i, "embedding": _encoded(out.embedding, req.encoding_format)}
             for i, out in enumerate(outs)]
-    tokens = sum(out["meta_info"]["prompt_tokens"] for out in outs)
+    tokens = sum(out.prompt_tokens for out in outs)
     return {"object": "list", "data": data, "model": serving.model_name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
