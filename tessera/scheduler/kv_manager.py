@@ -12,10 +12,24 @@ import torch
 from tessera.cache.allocator import PagedTokenAllocator
 from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
-from tessera.cache.state_pool import SnapshotSlots
+from tessera.cache.state_pool import SnapshotSlots, verify_slot_count
+from tessera.config import ServerArgs
 from tessera.messages.worker import SlotWrite, TokenSlotWrites
+from tessera.scheduler.batch import ScheduledReq
 from tessera.scheduler.req import Req
 from tessera.scheduler.state_snapshots import StateSnapshots
+
+
+def state_slots(linear_attention: bool, snapshot_range: tuple[int, int],
+                args: ServerArgs) -> tuple[SnapshotSlots | None, SnapshotSlots | None]:
+    """Hybrid models: the state pool's slots past its request rows (the worker's `snapshot_range`) split into the
+    radix cache's snapshots and, at the end, speculative decoding's verify slots (cache/state_pool.py); (None,
+    None) for other models."""
+    if not linear_attention:
+        return None, None
+    first, count = snapshot_range
+    verify = verify_slot_count(args)
+    return SnapshotSlots(first, count - verify), SnapshotSlots(first + count - verify, verify)
 
 
 class KVManager:
@@ -143,6 +157,18 @@ class KVManager:
             slots = slots[(slots - 1) // self.page_size != kept_page]
         self.allocator.free(slots)
         req.kv_len = kv_len
+
+    def keep_drafts(self, s: ScheduledReq, accepted: int) -> None:
+        """A verify step kept `accepted` drafts: the rejected ones' slots go back, and a hybrid model's state rolls
+        back with them."""
+        self.truncate(s.req, s.start + accepted + 1)
+        if self.states is not None:
+            self.states.after_verify(s.req, s.state_saves, accepted)
+
+    def drop_step(self, s: ScheduledReq) -> None:
+        """A failed step: its verify slots go back (hybrid models)."""
+        if s.draft and self.states is not None:
+            self.states.free([slot for _, slot in s.state_saves])
 
     def release(self, req: Req, allocated_len: int | None = None, freed: list[torch.Tensor] | None = None) -> None:
         """Returns req's KV: whole computed pages go to the radix cache, the rest to the allocator.

@@ -51,8 +51,7 @@ class Scheduler:
         from tessera.cache.allocator import PagedTokenAllocator
         from tessera.cache.kv_pool import ReqToTokenPool
         from tessera.cache.radix_cache import RadixCache
-        from tessera.cache.state_pool import SnapshotSlots, verify_slot_count
-        from tessera.scheduler.kv_manager import KVManager
+        from tessera.scheduler.kv_manager import KVManager, state_slots
         from tessera.scheduler.policy import SchedulePolicy
 
         self.args = args
@@ -76,15 +75,12 @@ class Scheduler:
         req_pool = ReqToTokenPool(args.max_running_requests + 1, info.context_length + 8)
         allocator = PagedTokenAllocator(info.max_total_tokens, args.page_size)
         prefix_cache = self.config.family.prefix_cache and not args.disable_radix_cache
-        # Hybrid models match a prefix only with a state snapshot at its end (scheduler/state_snapshots.py).
-        hybrid, (first, count), verify = self.config.family.linear_attention, info.state_snapshot_slots, \
-            verify_slot_count(args)
-        self.tree = RadixCache(allocator, args.page_size, disable=not prefix_cache,
-                               snapshots=SnapshotSlots(first, count - verify) if hybrid else None)
+        # Hybrid models match a prefix only up to a state snapshot (scheduler/state_snapshots.py).
+        snapshots, verify = state_slots(self.config.family.linear_attention, info.state_snapshot_slots, args)
+        self.tree = RadixCache(allocator, args.page_size, disable=not prefix_cache, snapshots=snapshots)
         state = self.model_cls.request_state
         kv = KVManager(req_pool, allocator, self.tree, args.page_size, None if state is None else (
-            lambda req: state.extra_slots(self.config, req.mm_inputs.items if req.mm_inputs is not None else [])),
-            SnapshotSlots(first + count - verify, verify) if hybrid else None)
+            lambda req: state.extra_slots(self.config, req.mm_inputs.items if req.mm_inputs else [])), verify)
         self.speculator = make_speculator(args, info.context_length, getattr(self.worker, "draft_proposer", None))
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy,
                                      self.speculator, args.max_prefill_tokens)
@@ -355,9 +351,7 @@ class Scheduler:
         self.speculator.record(s.req.rid, len(s.draft), accepted)  # type: ignore[union-attr]
         s.req.spec_verify_ct += 1
         s.req.spec_accepted += accepted
-        self.policy.kv.truncate(s.req, s.start + accepted + 1)
-        if self.policy.kv.states is not None:  # hybrid models: the state goes back to the same token
-            self.policy.kv.states.after_verify(s.req, s.state_saves, accepted)
+        self.policy.kv.keep_drafts(s, accepted)
         return sampled[:accepted + 1]
 
     def _append_token(self, req: Req, token: int, result: StepOutput, row: int, outputs: list) -> bool:
@@ -410,8 +404,7 @@ class Scheduler:
         outputs = []
         for s in batch.reqs:
             req = s.req
-            if s.draft and self.policy.kv.states is not None:  # hybrid models: the verify slots go back
-                self.policy.kv.states.free([slot for _, slot in s.state_saves])
+            self.policy.kv.drop_step(s)
             if req.finished:  # overlap: already answered while the step ran
                 continue
             # The failed step wrote no usable KV; its fresh slots are freed (and those of a step launched after it).
