@@ -51,8 +51,8 @@ def size_pools(args: ServerArgs, bytes_per_token: int, memory_info: Callable[[],
     """The KV pool's size in tokens and, for a hybrid model (`state`: its layout, dtype, device), its state pool,
     from one memory budget: what kv_pool_tokens would give the KV alone, split by split_budget (the request rows'
     slots always, prefix-cache snapshots with what the ratio leaves, none without the radix cache; speculative
-    decoding's verify slots on top). On CUDA the
-    state pool is allocated first and the KV pool gets what the device has left."""
+    decoding's verify slots on top). On CUDA the state pool is allocated first and the KV pool gets what the
+    device has left."""
     tokens = kv_pool_tokens(args, bytes_per_token, memory_info(), weight_bytes, context_length)
     if state is None:
         return tokens, None

@@ -11,9 +11,11 @@ same way): a radix node may hold the state after its last token, and a cached pr
 the deepest node with one (cache/radix_cache.py). The scheduler owns them (SnapshotSlots, host bookkeeping) and
 the worker only copies: a request resumed from a snapshot gets it copied into its row before its first step
 (`ForwardInput.state_copies`, in journal order, so a slot freed and taken again is read before it is written), a
-finished request's row is copied out to a snapshot, and a prefill chunk saves the state part way through its
-tokens (`ForwardInput.state_saves`, the end of the prompt's last whole page before its last token, which a
-repeated prompt matches). The whole pool is sized from the memory budget at start-up (`split_budget`).
+finished request's row is copied out to a snapshot, and a step saves the state part way through a request's
+tokens (`ForwardInput.state_saves`: the end of the prompt's last whole page before its last token, which a
+repeated prompt matches; a page its decode completed; scheduler/state_snapshots.py says which). The last slots
+are speculative decoding's verify slots (the state after each draft row, to roll back to). The whole pool is
+sized from the memory budget at start-up (`split_budget`, `kv_pool.size_pools`).
 """
 
 from __future__ import annotations
@@ -82,8 +84,8 @@ class StatePool:
 
 
 class SnapshotSlots:
-    """The scheduler's free list of the pool's snapshot slots [first, first + count): who holds one is the
-    radix cache (a node's snapshot) or a request (a save in flight, handed to the cache after its step)."""
+    """The scheduler's free list of some of the pool's slots, [first, first + count): the snapshots, held by the
+    radix cache (a node's) or a request (a save, handed to the cache later); or the verify slots."""
 
     def __init__(self, first: int, count: int):
         self.first, self.count = first, count
