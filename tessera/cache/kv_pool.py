@@ -6,10 +6,15 @@ Which slots are free is the allocator's business (cache/allocator.py); this clas
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 
-from tessera.cache.state_pool import StatePool
+from tessera.cache.state_pool import LinearStateLayout, StatePool, build_state_pool, split_budget, verify_slot_count
 from tessera.config import ServerArgs
+
+logger = logging.getLogger("tessera.cache")
 
 # A CPU pool's default (no --max-total-tokens): what the running requests can use at most
 # (max_running_requests x context_length), capped at the bytes of the weights, so KV never more than doubles the
@@ -38,6 +43,37 @@ def kv_pool_tokens(args: ServerArgs, bytes_per_token: int, cuda_mem_info: tuple[
         tokens = min(needed, max(weight_bytes // bytes_per_token, context_length, CPU_KV_MIN_TOKENS))
         tokens = max(tokens, 2 * page)
     return tokens // page * page
+
+
+def size_pools(args: ServerArgs, bytes_per_token: int, memory_info: Callable[[], tuple[int, int] | None],
+               weight_bytes: int, context_length: int, state: tuple[LinearStateLayout, torch.dtype, str | torch.device]
+               | None = None) -> tuple[int, StatePool | None]:
+    """The KV pool's size in tokens and, for a hybrid model (`state`: its layout, dtype, device), its state pool,
+    from one memory budget: what kv_pool_tokens would give the KV alone, split by split_budget (the request rows'
+    slots always, prefix-cache snapshots with what the ratio leaves, none without the radix cache; speculative
+    decoding's verify slots on top). On CUDA the state pool is allocated first and the KV pool gets what the
+    device has left."""
+    tokens = kv_pool_tokens(args, bytes_per_token, memory_info(), weight_bytes, context_length)
+    if state is None:
+        return tokens, None
+    layout, dtype, device = state
+    rows, fixed = args.max_running_requests + 2, args.max_total_tokens is not None
+    snapshots = 0 if args.disable_radix_cache else split_budget(tokens * bytes_per_token,
+                                                                layout.bytes_per_request(dtype), rows, fixed)
+    pool = build_state_pool(layout, rows, snapshots, dtype, device, verify_slot_count(args))
+    assert pool is not None
+    if not snapshots and not args.disable_radix_cache:
+        logger.warning("linear-attention state pool: no room for prefix-cache snapshots after the %d request rows, "
+                       "so the prefix cache never hits; give the pools more memory (--max-total-tokens, "
+                       "--mem-fraction-static) or lower --max-running-requests", rows)
+    if fixed:
+        return tokens, pool
+    mem = memory_info()
+    if mem is not None:
+        return kv_pool_tokens(args, bytes_per_token, mem, weight_bytes, context_length), pool
+    # Host memory: the states take their share of the notional budget, never below one full-length request.
+    left = max(tokens - pool.nbytes // bytes_per_token, min(tokens, context_length), 2 * args.page_size)
+    return left // args.page_size * args.page_size, pool
 
 
 class TokenToKVPool:

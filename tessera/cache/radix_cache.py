@@ -35,6 +35,12 @@ pool's table, kv_len = how many of the request's tokens have slots, prefix_len =
                    allocator.free(slots[aligned:])                   # partial last page + unused allocated slots
                    tree.dec_lock_ref(last_node)
 
+Hybrid linear-attention models (`snapshots` given, cache/state_pool.py): a node may also hold a snapshot slot of
+the recurrent state after its last token. KV alone cannot resume such a request, so the admission's match
+(`with_state`) ends at the deepest node of the path that holds one (`MatchResult.state`), or at the root. Snapshots
+are evicted with their node (KV eviction), or on their own when the snapshot slots run out (`take_state_slot`: the
+least recently used unlocked node's; a leaf goes whole, since its KV past the last snapshot is never matched).
+
 With disable=True: match returns no slots and root, insert stores nothing and returns 0, evict returns 0,
 locks are no-ops, and cache_finished_req frees every slot of the request. The recipe above is unchanged.
 """
@@ -49,6 +55,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tessera.cache.allocator import PagedTokenAllocator
+from tessera.cache.state_pool import SnapshotSlots
 
 _node_ids = itertools.count()
 
@@ -65,6 +72,7 @@ class TreeNode:
     lock_ref: int = 0  # running requests whose prefix goes through this node
     last_access_time: int = 0  # logical clock, strictly increasing per tree operation
     id: int = field(default_factory=lambda: next(_node_ids))  # LRU tie-break
+    state: int | None = None  # hybrid models: snapshot slot of the state after this node's last token
 
     @property
     def is_leaf(self) -> bool:
@@ -75,13 +83,16 @@ class TreeNode:
 class MatchResult:
     slots: torch.Tensor  # [n] long, n a multiple of page_size; owned by the tree
     last_node: TreeNode  # deepest node of the match (root when n == 0); lock it while using the slots
+    state: int | None = None  # with_state: the snapshot slot of the state at the match's end (None: n == 0)
 
 
 class RadixCache:
-    def __init__(self, allocator: PagedTokenAllocator, page_size: int, disable: bool = False):
+    def __init__(self, allocator: PagedTokenAllocator, page_size: int, disable: bool = False,
+                 snapshots: SnapshotSlots | None = None):
         if page_size != allocator.page_size:
             raise ValueError(f"page_size {page_size} != allocator.page_size {allocator.page_size}")
         self.allocator = allocator
+        self.snapshots = None if disable else snapshots
         self.page_size = page_size
         self.disable = disable
         self._clock = itertools.count(1)
@@ -106,12 +117,18 @@ class RadixCache:
     def total_size(self) -> int:
         return sum(len(node.key) for node in self._nodes())
 
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+    def match_prefix(self, key: Sequence[int], with_state: bool = False) -> MatchResult:
         """Longest cached prefix of `key`, whole pages only. Splits an edge when the match ends inside it, so
-        `last_node` ends exactly at the match. Marks the matched path as recently used."""
+        `last_node` ends exactly at the match. Marks the matched path as recently used. with_state (hybrid
+        models): only as far as the deepest node holding a state snapshot."""
         if self.disable:
             return MatchResult(self._empty_slots(), self.root)
         path = self._walk(list(key[: len(key) // self.page_size * self.page_size]), next(self._clock))
+        if with_state and self.snapshots is not None:
+            while path and path[-1].state is None:
+                path.pop()
+            if path:
+                return MatchResult(torch.cat([n.value for n in path]), path[-1], path[-1].state)
         slots = torch.cat([n.value for n in path]) if path else self._empty_slots()
         return MatchResult(slots, path[-1] if path else self.root)
 
@@ -207,6 +224,7 @@ class RadixCache:
             assert parent is not None and node.value is not None
             del parent.children[self._child_key(node.key, 0)]
             freed.append(node.value)
+            self._drop_state(node)
             num_freed += len(node.key)
             self._evictable_size -= len(node.key)
             if parent.is_leaf and parent.lock_ref == 0:  # the root has lock_ref 1, so it never gets here
@@ -219,10 +237,56 @@ class RadixCache:
         """Returns every slot the tree holds to the allocator and empties the tree. Only valid when no request
         holds a lock (asserted). Do not also clear() the allocator: that would double free."""
         assert self._protected_size == 0, f"reset with {self._protected_size} locked tokens"
-        values = [n.value for n in self._nodes() if n.value is not None]
+        nodes = self._nodes()
+        values = [n.value for n in nodes if n.value is not None]
         if values:
             self.allocator.free(torch.cat(values))
+        for node in nodes:
+            self._drop_state(node)
         self._init_tree()
+
+    # ---- state snapshots (hybrid models) -----------------------------------------------------------------
+
+    def num_states(self) -> int:
+        """Nodes holding a state snapshot."""
+        return sum(n.state is not None for n in self._nodes()) if self.snapshots is not None else 0
+
+    def take_state_slot(self) -> int | None:
+        """A free snapshot slot, evicting the least recently used unlocked node's snapshot if none is free (an
+        evicted leaf goes whole: its KV is never matched without the snapshot); None when every snapshot is
+        locked, or the tree keeps none."""
+        if self.snapshots is None:
+            return None
+        slot = self.snapshots.alloc()
+        if slot is not None:
+            return slot
+        held = [n for n in self._nodes() if n.state is not None and n.lock_ref == 0]
+        if not held:
+            return None
+        node = min(held, key=lambda n: (n.last_access_time, n.id))
+        if node.is_leaf:
+            assert node.parent is not None and node.value is not None
+            del node.parent.children[self._child_key(node.key, 0)]
+            self._evictable_size -= len(node.key)
+            self.allocator.free(node.value)
+        self._drop_state(node)
+        return self.snapshots.alloc()
+
+    def node_at(self, key: Sequence[int]) -> TreeNode | None:
+        """The node ending exactly at len(key) (whole pages; an edge is split there), or None when `key` is not
+        cached whole (or empty). Hybrid models hang a state snapshot on it (`node.state = slot`)."""
+        match = self.match_prefix(key)
+        return match.last_node if key and len(match.slots) == len(key) else None
+
+    def free_state_slot(self, slot: int) -> None:
+        assert self.snapshots is not None
+        self.snapshots.free(slot)
+
+    def _drop_state(self, node: TreeNode) -> None:
+        if node.state is not None:
+            assert self.snapshots is not None
+            self.snapshots.free(node.state)
+            node.state = None
 
     # ---- scheduler helpers (see the module docstring) ----------------------------------------------------
 

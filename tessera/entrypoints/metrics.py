@@ -17,6 +17,8 @@ _STAT_GAUGES = (
     ("tessera_cross_attention_kv_used_tokens", "KV slots held by encoder-decoder requests' cross-attention K/V "
      "(part of tessera_kv_used_tokens)", "cross_kv_used_tokens"),
     ("tessera_radix_cache_tokens", "Tokens held by the prefix cache", "radix_cache_tokens"),
+    ("tessera_radix_cache_state_snapshots", "Hybrid linear-attention models: state snapshots held by the prefix "
+     "cache (a prefix is matched up to one)", "state_snapshots"),
     ("tessera_encoder_cache_bytes", "Bytes held by the encoder-output cache", "encoder_cache_bytes"),
     ("tessera_encoder_cache_hits", "Encoder-cache hits", "encoder_cache_hits"),
     ("tessera_encoder_cache_misses", "Encoder-cache misses", "encoder_cache_misses"),

@@ -46,6 +46,11 @@ class ForwardBatch:
     state_slots: torch.Tensor | None = None
     state_lens: list[int] | None = None
     state_layouts: list[Any] | None = None
+    # Hybrid models (cache/state_pool.py): state-pool copies (source, destination) the model makes in order
+    # before the step (prefix-cache snapshots into and out of request rows), and saves during it: (request, its
+    # tokens of the step, snapshot slot), each linear-attention layer's state after that many new tokens.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int, int]] = field(default_factory=list)
     # Every request adds one token and attends causally (no custom masks, no media). Set by the CUDA-graph
     # runner, whose batches carry no host copies (a captured graph replays with other values): a backend that
     # supports graphs plans such a batch from its device tensors alone.

@@ -103,6 +103,46 @@ class GatedDeltaNet(nn.Module):
         qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
         return qkv, z.reshape(t, self.hv, self.vd), b.reshape(t, self.hv), a.reshape(t, self.hv)
 
+    def _mix(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, conv: torch.Tensor, rec: torch.Tensor,
+             weight: torch.Tensor) -> torch.Tensor:
+        """One request's consecutive tokens from its state (conv [C, K-1], rec [Hv, Dk, Dv], updated in place)."""
+        e, key = qkv.shape[0], self.hk * self.kd
+        q, k, v = gated_delta.conv_step(qkv, conv, weight).split([key, key, self.hv * self.vd], -1)
+        q, k, v = q.view(e, self.hk, self.kd), k.view(e, self.hk, self.kd), v.view(e, self.hv, self.vd)
+        if e == 1:  # a decode row beside prefill chunks: the recurrent step (a chunk would pad to 64)
+            return gated_delta.recurrent_rule(q, k, v, g, beta, rec[None])
+        return gated_delta.chunked_rule(q, k, v, g, beta, rec)
+
+    def _decode(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, rows: list[int], idx: torch.Tensor,
+                conv: torch.Tensor, rec: torch.Tensor, weight: torch.Tensor,
+                saves: dict[int, tuple[int, int]]) -> torch.Tensor:
+        """One token per row, batched over distinct request rows: a verify step's rows share their request's row,
+        so its i-th rows of all requests go together, wave after wave, each from the state the last one left."""
+        wave, seen = [], dict.fromkeys(rows, 0)
+        for row in rows:
+            wave.append(seen[row])
+            seen[row] += 1
+        waves = [list(range(len(rows)))] if len(seen) == len(rows) else \
+            [[i for i, x in enumerate(wave) if x == w] for w in range(max(wave) + 1)]
+        key, parts = self.hk * self.kd, []
+        for sel in waves:
+            pick = slice(None) if len(sel) == len(rows) else sel  # the plain decode step: no gathers
+            at = idx[pick]
+            conv_s, rec_s = conv.index_select(0, at), rec.index_select(0, at)
+            q, k, v = gated_delta.conv_decode(qkv[pick], conv_s, weight).split([key, key, self.hv * self.vd], -1)
+            n = len(sel)
+            parts.append(gated_delta.recurrent_rule(q.view(n, self.hk, self.kd), k.view(n, self.hk, self.kd),
+                                                    v.view(n, self.hv, self.vd), g[pick], beta[pick], rec_s))
+            conv.index_copy_(0, at, conv_s)
+            rec.index_copy_(0, at, rec_s)
+            for i in sel:
+                if i in saves:  # the state after this row's token
+                    conv[saves[i][1]], rec[saves[i][1]] = conv[rows[i]], rec[rows[i]]
+        if len(waves) == 1:
+            return parts[0]
+        order = torch.tensor([i for sel in waves for i in sel], device=qkv.device)
+        return parts[0].new_empty((len(rows), self.hv, self.vd)).index_copy_(0, order, torch.cat(parts))
+
     def forward(self, x: torch.Tensor, fb: ForwardBatch, pool: TokenToKVPool) -> torch.Tensor:
         assert pool.state is not None, "a linear-attention layer needs the state pool (cache/state_pool.py)"
         qkv, z, b, a = self.project(x)
@@ -110,29 +150,20 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         conv, rec = pool.state.conv[self.state_index], pool.state.recurrent[self.state_index]
         weight = self.conv1d.weight[:, 0]
-        key = self.hk * self.kd
         ext, _, starts, rows = fb.host_plan()
-        if all(e == 1 for e in ext):  # decode: every request's one token at once
-            idx = fb.req_pool_indices
-            conv_s, rec_s = conv.index_select(0, idx), rec.index_select(0, idx)
-            mixed = gated_delta.conv_decode(qkv, conv_s, weight)
-            q, k, v = mixed.split([key, key, self.hv * self.vd], -1)
-            n = x.shape[0]
-            o = gated_delta.recurrent_rule(q.view(n, self.hk, self.kd), k.view(n, self.hk, self.kd),
-                                           v.view(n, self.hv, self.vd), g, beta, rec_s)
-            conv.index_copy_(0, idx, conv_s)
-            rec.index_copy_(0, idx, rec_s)
-        else:  # prefill chunks (and any decode rows beside them): request by request, from its slot's state
+        saves = {i: (n, slot) for i, n, slot in fb.state_saves}
+        if all(e == 1 for e in ext):  # decode (and verify) rows: one token each, batched
+            o = self._decode(qkv, g, beta, rows, fb.req_pool_indices, conv, rec, weight, saves)
+        else:  # prefill chunks (and any decode rows beside them): row by row, each from its slot's state
             parts = []
-            for e, s, row in zip(ext, starts, rows):
-                span = slice(s, s + e)
-                mixed = gated_delta.conv_step(qkv[span], conv[row], weight)
-                q, k, v = mixed.split([key, key, self.hv * self.vd], -1)
-                q, k, v = q.view(e, self.hk, self.kd), k.view(e, self.hk, self.kd), v.view(e, self.hv, self.vd)
-                if e == 1:  # a decode row beside prefill chunks: the recurrent step (a chunk would pad to 64)
-                    parts.append(gated_delta.recurrent_rule(q, k, v, g[span], beta[span], rec[row][None]))
-                else:
-                    parts.append(gated_delta.chunked_rule(q, k, v, g[span], beta[span], rec[row]))
+            for i, (e, s, row) in enumerate(zip(ext, starts, rows)):
+                save = saves.get(i)
+                cuts = [0, save[0], e] if save is not None and 0 < save[0] < e else [0, e]
+                for lo, hi in zip(cuts, cuts[1:]):
+                    parts.append(self._mix(qkv[s + lo:s + hi], g[s + lo:s + hi], beta[s + lo:s + hi], conv[row],
+                                           rec[row], weight))
+                    if save is not None and save[0] == hi:  # the state after this many of its tokens
+                        conv[save[1]], rec[save[1]] = conv[row], rec[row]
             o = torch.cat(parts)
         o = self.norm(o.to(x.dtype), z)
         return self.out_proj(o.reshape(x.shape[0], -1))
@@ -225,9 +256,11 @@ class HybridDecoderModel(nn.Module):
         cos, sin = self.rotary_emb.get_cos_sin(positions, x.dtype)
         self.attn_backend.init_forward_metadata(fb)
         ext, seq, _, rows = fb.host_plan()
-        fresh = [r for e, s, r in zip(ext, seq, rows) if s == e]  # requests starting at token 0: a clean state
-        if fresh and pool.state is not None:
-            pool.state.reset(torch.tensor(fresh, device=pool.state.conv.device))
+        if pool.state is not None:
+            pool.state.copy(fb.state_copies)  # prefix-cache snapshots, then rows starting at token 0 made clean
+            fresh = [r for e, s, r in zip(ext, seq, rows) if s == e]
+            if fresh:
+                pool.state.reset(torch.tensor(fresh, device=pool.state.conv.device))
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, fb, pool)
             if after_layer is not None and i in after_layer:

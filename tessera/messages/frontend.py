@@ -102,6 +102,7 @@ class SchedulerStats:
     spec_verifies: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    state_snapshots: int = 0  # hybrid models: linear-attention state snapshots held by the prefix cache
 
     @property
     def spec_accept_length(self) -> float:

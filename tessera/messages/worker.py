@@ -144,6 +144,11 @@ class ForwardInput:
     lora_loads: list[tuple[int, str | None]] = field(default_factory=list)
     # Embedding requests' rows (worker/pooling.py): their final hidden states are pooled, never sampled.
     pooling_rows: list[PoolingRows] = field(default_factory=list)
+    # Hybrid models (cache/state_pool.py): state-pool copies (source slot, destination slot) to make in order
+    # before the step, and saves during it: (request index, its tokens of the step, snapshot slot), the state
+    # after that many of the request's new tokens copied to the slot.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
+    state_saves: list[tuple[int, int, int]] = field(default_factory=list)
     # Overlap scheduling (scheduler/overlap.py): input_ids < 0 are the previous step's sampled ids, row -1 - id,
     # which the worker reads on the device (worker/step_launch.py); the host never saw them.
     placeholders: bool = False
@@ -193,3 +198,6 @@ class WorkerInfo:
     quantization: str = ""
     encode_ahead: bool = False  # media encoded on a thread of their own before their prefill (worker/encode_ahead.py)
     lora_backend: str = ""  # what runs the LoRA products ("" without --enable-lora)
+    # Hybrid models: (first slot, count) of the state pool's slots past the request rows: prefix-cache snapshots,
+    # then speculative decoding's verify slots (cache/state_pool.verify_slot_count of them).
+    state_snapshot_slots: tuple[int, int] = (0, 0)

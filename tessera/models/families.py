@@ -53,10 +53,11 @@ class Family:
     # embeddings (the server is an embedding server by itself), the decoder's weights found without `model.`.
     headless: bool = False
     # Hybrid linear attention (Qwen3-Next, Qwen3.5): each request also holds a conv and recurrent state per
-    # linear-attention layer (cache/state_pool.py). The prefix cache is off (a cached prefix's K/V cannot resume
-    # a request without the state at the prefix's end), and speculative decoding is refused at start-up (a
-    # rejected draft would need the state rolled back). Overlap scheduling works: a step's state updates happen in
-    # its forward, in step order, and a row is given back only after the step in flight that holds it.
+    # linear-attention layer (cache/state_pool.py). The prefix cache keeps snapshots of that state at some of its
+    # nodes and matches a prefix only up to one (scheduler/state_snapshots.py); speculative decoding rolls the state
+    # back to the last accepted token (the state after each draft row is saved). Overlap scheduling works: a step's
+    # state updates happen in its forward, in step order, and a row is given back only after the step in flight
+    # that holds it.
     linear_attention: bool = False
 
     @property
@@ -66,7 +67,7 @@ class Family:
     @property
     def prefix_cache(self) -> bool:
         """Whether requests with the same leading tokens may share their K/V (the radix cache)."""
-        return not self.encoder_decoder and not self.embedding_only and not self.linear_attention
+        return not self.encoder_decoder and not self.embedding_only
 
     def model_class(self) -> type:
         return _import(self.model)
@@ -101,8 +102,8 @@ _QUANT_MOE = "dense layers (untested); not the MoE experts (stored fused)"
 # checkpoint's own layout (tessera/models/cosmos3.py); the rest of the world model is not.
 _COSMOS3_NOTES = "the world model's Generator (image/video generation), sound and action towers (skipped at load)"
 _QUANT_HYBRID = "untested"
-_HYBRID_NOTES = ("prefix caching (off: no state snapshots yet); speculative decoding; tensor parallelism; CUDA "
-                 "graphs; LoRA (untested); fla-core kernels used where installed (untested)")
+_HYBRID_NOTES = ("tensor parallelism; CUDA graphs; LoRA (untested); a hybrid draft model; fla-core kernels used "
+                 "where installed (untested)")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("Qwen2ForCausalLM", "tessera.models.qwen2:Qwen2ForCausalLM", None, frozenset(), "rope",
@@ -232,15 +233,6 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            notes="generation (embeddings only: a text or one image per input); tensor parallelism; SigLIP 2",
            quantization="none"),
 )}
-
-
-def refuse_scheduling(family: Family, speculative_algorithm: str | None) -> None:
-    """A ValueError naming the flag, for scheduling features the family cannot serve token-identically."""
-    if not family.linear_attention:
-        return
-    if speculative_algorithm:
-        raise ValueError(f"speculative_algorithm: {family.architecture} keeps a recurrent linear-attention state "
-                         "per request, which rejected draft tokens would need rolled back; not supported yet")
 
 
 class UnsupportedArchitectureError(ValueError):

@@ -18,6 +18,9 @@ class ScheduledReq:
     out_cache_loc: torch.Tensor  # [end - start] KV slots for the new tokens
     # Speculative decoding: draft tokens verified after the last known one (end covers them); [] otherwise.
     draft: list[int] = field(default_factory=list)
+    # Hybrid models (scheduler/state_snapshots.py): (tokens of this step, snapshot slot): the state after that many
+    # of its tokens is saved there; a prefill chunk's one snapshot, or a verify step's state after each draft row.
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:

@@ -12,8 +12,24 @@ import torch
 from tessera.cache.allocator import PagedTokenAllocator
 from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
+from tessera.cache.state_pool import SnapshotSlots, verify_slot_count
+from tessera.config import ServerArgs
 from tessera.messages.worker import SlotWrite, TokenSlotWrites
+from tessera.scheduler.batch import ScheduledReq
 from tessera.scheduler.req import Req
+from tessera.scheduler.state_snapshots import StateSnapshots
+
+
+def state_slots(linear_attention: bool, snapshot_range: tuple[int, int],
+                args: ServerArgs) -> tuple[SnapshotSlots | None, SnapshotSlots | None]:
+    """Hybrid models: the state pool's slots past its request rows (the worker's `snapshot_range`) split into the
+    radix cache's snapshots and, at the end, speculative decoding's verify slots (cache/state_pool.py); (None,
+    None) for other models."""
+    if not linear_attention:
+        return None, None
+    first, count = snapshot_range
+    verify = verify_slot_count(args)
+    return SnapshotSlots(first, count - verify), SnapshotSlots(first + count - verify, verify)
 
 
 class KVManager:
@@ -24,8 +40,11 @@ class KVManager:
     """
 
     def __init__(self, req_pool: ReqToTokenPool, allocator: PagedTokenAllocator, tree: RadixCache, page_size: int,
-                 extra_slots: Callable[[Req], int] | None = None):
+                 extra_slots: Callable[[Req], int] | None = None, verify_slots: SnapshotSlots | None = None):
         self.req_pool, self.allocator, self.tree, self.page_size = req_pool, allocator, tree, page_size
+        # Hybrid models' state snapshots and verify slots (given for them even with the radix cache off).
+        self.states = StateSnapshots(tree, page_size, verify_slots) if tree.snapshots is not None or \
+            verify_slots is not None else None
         # Slots an admitted request also holds for its family's per-request state (RequestState.extra_slots:
         # cross-attention K/V of its media); None for most families.
         self.extra_slots = extra_slots
@@ -75,15 +94,17 @@ class KVManager:
             limit = min(limit, req.input_logprob_rows()[0])
         if req.pooling is not None and req.pooling.uses_every_row:  # mean / CLS pooling read every prompt row
             limit = 0
-        match = self.tree.match_prefix(key[:limit])
+        match = self.tree.match_prefix(key[:limit], with_state=True)
         n = int(match.slots.numel())
         cut = next((lo for lo, hi in req.atomic_spans if lo < n < hi), None)
         if cut is not None:  # a cached prefix may not end inside a span that must be computed whole
-            match = self.tree.match_prefix(key[:cut])
+            match = self.tree.match_prefix(key[:cut], with_state=True)
             n = int(match.slots.numel())
         self._write(row, 0, match.slots)
         self.tree.inc_lock_ref(match.last_node)
         req.last_node, req.prefix_len, req.kv_len = match.last_node, n, n
+        if self.states is not None:
+            self.states.resume(req, match)
         return True
 
     def count_hit(self, req: Req) -> None:
@@ -137,6 +158,18 @@ class KVManager:
         self.allocator.free(slots)
         req.kv_len = kv_len
 
+    def keep_drafts(self, s: ScheduledReq, accepted: int) -> None:
+        """A verify step kept `accepted` drafts: the rejected ones' slots go back, and a hybrid model's state rolls
+        back with them."""
+        self.truncate(s.req, s.start + accepted + 1)
+        if self.states is not None:
+            self.states.after_verify(s.req, s.state_saves, accepted)
+
+    def drop_step(self, s: ScheduledReq) -> None:
+        """A failed step: its verify slots go back (hybrid models)."""
+        if s.draft and self.states is not None:
+            self.states.free([slot for _, slot in s.state_saves])
+
     def release(self, req: Req, allocated_len: int | None = None, freed: list[torch.Tensor] | None = None) -> None:
         """Returns req's KV: whole computed pages go to the radix cache, the rest to the allocator.
 
@@ -152,7 +185,10 @@ class KVManager:
             self.state_tokens -= int(req.state_slots.numel())
             req.state_slots, req.state_filled = None, False
         slots = self.req_pool.req_to_token[row, : max(req.kv_len, allocated_len or 0)].clone()
-        self.tree.cache_finished_req(req.cache_key()[: req.kv_len], slots, req.prefix_len, req.last_node, freed)
+        key = req.cache_key()[: req.kv_len]
+        self.tree.cache_finished_req(key, slots, req.prefix_len, req.last_node, freed)
+        if self.states is not None:
+            self.states.release(req, key)
         self.req_pool.free(row)
         self._released.append(req.rid)
         req.req_pool_idx, req.last_node, req.kv_len, req.prefix_len = None, None, 0, 0
@@ -176,3 +212,5 @@ class KVManager:
         n = int(m.slots.numel())
         self._write(row, req.prefix_len, m.slots[req.prefix_len:])
         req.prefix_len, req.last_node = n, m.last_node
+        if self.states is not None:
+            self.states.after_prefill(req)

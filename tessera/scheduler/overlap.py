@@ -136,5 +136,5 @@ class Overlap:
             return None  # the plain step evicts and retracts
         batch = ScheduledBatch([ScheduledReq(r, r.kv_len, r.kv_len + 1, slots[i:i + 1]) for i, r in enumerate(reqs)])
         for r in reqs:
-            r.kv_len += 1
+            r.kv_len = r.state_len = r.kv_len + 1
         return batch, [-1 - rows[id(r)] for r in reqs]

@@ -136,7 +136,9 @@ class SchedulePolicy:
             inflight.append(req.cache_key())
         self.waiting.extendleft(reversed(deferred))
         for s in batch.reqs:
-            s.req.kv_len = s.end  # KV for these tokens is written by this step's forward
+            s.req.kv_len = s.req.state_len = s.end  # KV (and state) for these tokens is written by this step
+            if self.kv.states is not None:
+                self.kv.states.track(s)
         return batch if batch.reqs else None
 
     def _prefill_room(self, prefill: int) -> int | float:
@@ -154,12 +156,17 @@ class SchedulePolicy:
         assert self.speculator is not None
         plain = []
         for req, draft in zip(decoding, self.speculator.drafts(decoding)):
-            slots = self.kv.alloc(req, 1 + len(draft)) if draft and budget > len(draft) else None
+            # Hybrid models: the state after each draft row, to roll back to (None: no slots for them).
+            saves = self.kv.states.verify_slots(len(draft)) if self.kv.states is not None and draft else []
+            slots = self.kv.alloc(req, 1 + len(draft)) if draft and budget > len(draft) and saves is not None else None
             if slots is None:
+                if saves and self.kv.states is not None:
+                    self.kv.states.free(saves)
                 plain.append(req)
                 continue
             scheduled.add(id(req))
-            batch.reqs.append(ScheduledReq(req, req.kv_len, req.kv_len + 1 + len(draft), slots, draft))
+            batch.reqs.append(ScheduledReq(req, req.kv_len, req.kv_len + 1 + len(draft), slots, draft,
+                                           [(i + 1, slot) for i, slot in enumerate(saves or [])]))
             budget -= 1 + len(draft)
         return plain, budget
 
@@ -183,7 +190,8 @@ class SchedulePolicy:
         slots = self.kv.alloc(req, n)
         if slots is None:
             return 0
-        batch.reqs.append(ScheduledReq(req, req.kv_len, req.kv_len + n, slots))
+        save = self.kv.states.plan_save(req, req.kv_len, req.kv_len + n) if self.kv.states is not None else None
+        batch.reqs.append(ScheduledReq(req, req.kv_len, req.kv_len + n, slots, state_saves=[save] if save else []))
         return n
 
     def finish(self, req: Req, allocated_len: int | None = None) -> None:

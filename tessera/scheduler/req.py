@@ -64,6 +64,11 @@ class Req:
     # admitted, and whether a step has been sent that fills them (from its encoder output).
     state_slots: torch.Tensor | None = None
     state_filled: bool = False
+    # Hybrid linear-attention models (scheduler/state_snapshots.py): tokens the steps scheduled for it have fed into
+    # its state, and a snapshot slot it holds (token count, slot): its prefill's save until that step is done, or
+    # with pages of several tokens the state at the last page its decode completed, until it leaves.
+    state_len: int = 0
+    pending_state: tuple[int, int] | None = None
     # The output constraint's matcher (tessera/constrained), advanced with every output token; it has
     # consumed exactly output_ids, so it stays valid across retraction. None when decoding is free.
     grammar: GrammarMatcher | None = None

@@ -18,7 +18,6 @@ from tessera.messages.finish import FinishReason
 from tessera.messages.items import Modality
 from tessera.messages.worker import ForwardInput, StepOutput
 from tessera.models.config import ModelConfig
-from tessera.models.families import refuse_scheduling
 from tessera.platform.device import platform_of
 from tessera.platform.threads import AdaptiveThreads, available_cores
 from tessera.scheduler.lora_slots import LoraSlotTable, handle_lora_adapter
@@ -52,7 +51,7 @@ class Scheduler:
         from tessera.cache.allocator import PagedTokenAllocator
         from tessera.cache.kv_pool import ReqToTokenPool
         from tessera.cache.radix_cache import RadixCache
-        from tessera.scheduler.kv_manager import KVManager
+        from tessera.scheduler.kv_manager import KVManager, state_slots
         from tessera.scheduler.policy import SchedulePolicy
 
         self.args = args
@@ -76,11 +75,12 @@ class Scheduler:
         req_pool = ReqToTokenPool(args.max_running_requests + 1, info.context_length + 8)
         allocator = PagedTokenAllocator(info.max_total_tokens, args.page_size)
         prefix_cache = self.config.family.prefix_cache and not args.disable_radix_cache
-        self.tree = RadixCache(allocator, args.page_size, disable=not prefix_cache)
+        # Hybrid models match a prefix only up to a state snapshot (scheduler/state_snapshots.py).
+        snapshots, verify = state_slots(self.config.family.linear_attention, info.state_snapshot_slots, args)
+        self.tree = RadixCache(allocator, args.page_size, disable=not prefix_cache, snapshots=snapshots)
         state = self.model_cls.request_state
         kv = KVManager(req_pool, allocator, self.tree, args.page_size, None if state is None else (
-            lambda req: state.extra_slots(self.config, req.mm_inputs.items if req.mm_inputs is not None else [])))
-        refuse_scheduling(self.config.family, args.speculative_algorithm)
+            lambda req: state.extra_slots(self.config, req.mm_inputs.items if req.mm_inputs else [])), verify)
         self.speculator = make_speculator(args, info.context_length, getattr(self.worker, "draft_proposer", None))
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy,
                                      self.speculator, args.max_prefill_tokens)
@@ -234,7 +234,7 @@ class Scheduler:
             mm_deferred_items=self.mm_items["deferred"], mm_eager_items=self.mm_items["eager"],
             device_busy_s=busy_s, device_idle_s=idle_s, num_embedding_requests=self.num_embedding_requests,
             spec_verifies=spec.num_verifies if spec else 0, spec_draft_tokens=spec.num_drafted if spec else 0,
-            spec_accepted_tokens=spec.num_accepted if spec else 0,
+            spec_accepted_tokens=spec.num_accepted if spec else 0, state_snapshots=self.tree.num_states(),
         )
 
     # ---- stepping -------------------------------------------------------------------------
@@ -351,7 +351,7 @@ class Scheduler:
         self.speculator.record(s.req.rid, len(s.draft), accepted)  # type: ignore[union-attr]
         s.req.spec_verify_ct += 1
         s.req.spec_accepted += accepted
-        self.policy.kv.truncate(s.req, s.start + accepted + 1)
+        self.policy.kv.keep_drafts(s, accepted)
         return sampled[:accepted + 1]
 
     def _append_token(self, req: Req, token: int, result: StepOutput, row: int, outputs: list) -> bool:
@@ -404,6 +404,7 @@ class Scheduler:
         outputs = []
         for s in batch.reqs:
             req = s.req
+            self.policy.kv.drop_step(s)
             if req.finished:  # overlap: already answered while the step ran
                 continue
             # The failed step wrote no usable KV; its fresh slots are freed (and those of a step launched after it).

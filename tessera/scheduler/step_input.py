@@ -102,6 +102,10 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         if req.state_slots is not None and not req.state_filled:
             state_fills.append(RequestStateFill(r, list(req.mm_inputs.items), req.state_slots))  # type: ignore[union-attr]
     writes, released = kv.take_pending()
+    copies = kv.states.take_copies() if kv.states is not None else []
+    # A prefill chunk's saves are its row's; a verify step's save after n tokens follows its row n - 1.
+    saves = [(r, n, slot) if not s.draft else (r, 1, slot) for r, (s, _, start, _) in enumerate(rows)
+             for n, slot in s.state_saves if not s.draft or n == start - s.start + 1]
     for s, *_ in rows:
         if s.req.state_slots is not None:
             s.req.state_filled = True
@@ -118,7 +122,7 @@ def build_forward_input(batch: ScheduledBatch, model_cls: type[TesseraModel], co
         mm_items=items, mm_placements=placements, bidirectional_spans=layout.bidirectional_spans,
         prompt_done=prompt_done, released=released, state_fills=state_fills, vocab_mask=fill_bitmask(grammars),
         stop_closers=stop_closers(grammars), prompt_logprob_rows=prompt_rows, pooling_rows=pooling_rows,
-        placeholders=pending is not None,
+        placeholders=pending is not None, state_copies=copies, state_saves=saves,
     )
 
 

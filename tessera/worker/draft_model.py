@@ -35,8 +35,9 @@ class DraftModel:
         path = resolve_model_path(args.speculative_draft_model_path)  # type: ignore[arg-type]
         self.model, self.config = load_model(path, dtype=args.dtype, device=device, language_model_only=True,
                                              attention_backend=args.attention_backend)
-        if type(self.model).request_state is not None:
-            raise ValueError("speculative_draft_model_path: the draft must be a decoder-only language model")
+        if type(self.model).request_state is not None or self.model.state_layout is not None:
+            raise ValueError("speculative_draft_model_path: the draft must be a decoder-only language model "
+                             "(without linear-attention state: its own rollback is not built)")
         self.device = device
         self.vocab = min(target_vocab, self.config.vocab_size)  # a draft id past the target's vocab ends a draft
         layout = self.model.kv_layout

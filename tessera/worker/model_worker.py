@@ -18,8 +18,7 @@ from typing import Any
 import torch
 
 from tessera.cache.encoder_cache import EncoderCache
-from tessera.cache.kv_pool import TokenToKVPool, kv_pool_tokens
-from tessera.cache.state_pool import build_state_pool
+from tessera.cache.kv_pool import TokenToKVPool, size_pools
 from tessera.config import ServerArgs
 from tessera.distributed.encoder_dp import dp_sharded_encode
 from tessera.distributed.parallel_state import min_over_ranks, tp_group
@@ -88,13 +87,12 @@ class ModelWorker:
         self.context_length = args.context_length or self.config.max_position_embeddings
         layout = self.model.kv_layout
         bytes_per_token = 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * self.dtype.itemsize
-        # Hybrid models' per-request state: a slot per request-table row, allocated before the device's free
-        # memory is read, so the KV budget is what the states leave.
-        state_pool = build_state_pool(self.model.state_layout, args.max_running_requests + 2, self.dtype, self.device)
-        mem_info = self.platform.memory_info(self.device)
         weight_bytes = sum(t.numel() * t.element_size() for t in (*self.model.parameters(), *self.model.buffers()))
-        size = min_over_ranks(kv_pool_tokens(args, bytes_per_token, mem_info, weight_bytes, self.context_length),
-                              self.device)  # ranks must agree
+        # Hybrid models' state pool (a slot per request-table row, prefix-cache snapshots) shares the KV budget.
+        size, state_pool = size_pools(args, bytes_per_token, lambda: self.platform.memory_info(self.device),
+                                      weight_bytes, self.context_length, None if self.model.state_layout is None
+                                      else (self.model.state_layout, self.dtype, self.device))
+        size = min_over_ranks(size, self.device)  # ranks must agree
         # The pool holds K/V in the model's dtype (bfloat16 models: half the bytes of float32); the bytes per
         # token reported below are read from its buffers, so a pool that kept another dtype shows.
         self.kv_pool = TokenToKVPool(size, layout.num_layers, layout.num_kv_heads, layout.head_dim,
@@ -148,7 +146,8 @@ class ModelWorker:
                                num_parameters=count_parameters(self.model, self.tp.size),
                                cuda_graph_batch_sizes=tuple(self.graph_runner.sizes) if self.graph_runner else (),
                                cpu_kernels=self.cpu_kernels, cuda_graph_status=self.cuda_graph_status,
-                               quantization=self.model.quantization, lora_backend=lora_backend(self.lora))
+                               quantization=self.model.quantization, lora_backend=lora_backend(self.lora),
+                               state_snapshot_slots=state_pool.snapshot_range if state_pool else (0, 0))
 
     # ---- CUDA graphs -------------------------------------------------------------------------------
     def decode_graph_runner(self, max_bs: int) -> DecodeGraphRunner:
@@ -408,6 +407,7 @@ class ModelWorker:
             host_seq_lens=fi.seq_lens, host_extend_lens=fi.extend_lens, host_req_pool_indices=fi.req_pool_indices,
             state_slots=None if state is None else state[0], state_lens=None if state is None else state[1],
             state_layouts=None if state is None else state[2], lora_rows=lora_active(self.lora),
+            state_copies=fi.state_copies, state_saves=fi.state_saves,
             hidden_indices=_int64(hidden_rows(fi.pooling_rows)).to(self.device) if fi.pooling_rows else None,
         )
         logits = self.model(fb, self.kv_pool)

@@ -4,8 +4,9 @@ partial RoPE) and a vision tower without DeepStack.
 
 The spec: H = 64, 4 layers (linear, linear, full, linear), GQA 4/2 with head_dim 32 and RoPE on half of it
 (M-RoPE section 2/3/3), linear attention with 2 key heads and 4 value heads of 16, conv kernel 4. The MoE spec
-adds top-2 of 4 experts and a shared expert. The suite's prefix-cache test is left out (no prefix_cuts): the
-prefix cache is off for hybrid families (a cached prefix's K/V without its state cannot resume a request).
+adds top-2 of 4 experts and a shared expert. The suite's prefix-cache test is left out (no prefix_cuts): it shares
+K/V alone, while a hybrid prefix resumes only with the state snapshot the scheduler keeps at its end
+(tests/engine/test_engine_hybrid.py checks those hits against HF).
 """
 
 from __future__ import annotations

@@ -29,8 +29,7 @@ def test_every_family_row_resolves(name: str) -> None:
     # do not use the paged KV).
     has_state = family.model_class().request_state is not None
     assert has_state == (family.encoder_decoder or arch == "MllamaForConditionalGeneration")
-    assert family.prefix_cache == (not family.encoder_decoder and not family.embedding_only
-                                   and not family.linear_attention)
+    assert family.prefix_cache == (not family.encoder_decoder and not family.embedding_only)
     # A hybrid linear-attention row's model declares its per-request state (the state pool's layout).
     assert family.linear_attention == (getattr(family.model_class(), "state_layout", None) is not
                                        TesseraModel.state_layout)

@@ -5,6 +5,8 @@ row starts from a clean state. Qwen3.5 dense runs in the family parity suite (qw
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -150,14 +152,45 @@ def test_qwen3_5_moe_with_an_image_matches_hf(tmp_path):
     assert our_greedy(case, [prompt], 6, 4)[0] == [want]
 
 
-def test_state_pool_size_is_per_request_row():
-    from tessera.cache.state_pool import LinearStateLayout, build_state_pool
+def test_state_pool_is_sized_from_the_memory_budget(caplog):
+    """Request rows always get a slot; prefix-cache snapshots get the states' share of the KV budget."""
+    from tessera.cache.kv_pool import kv_pool_tokens, size_pools
+    from tessera.cache.state_pool import STATE_TO_KV_MEMORY_RATIO, LinearStateLayout, split_budget
+    from tessera.config import ServerArgs
 
     layout = LinearStateLayout(num_layers=3, conv_dim=64, conv_kernel=4, num_heads=4, key_dim=8, value_dim=8)
-    pool = build_state_pool(layout, 5, torch.bfloat16, "cpu")
-    assert pool is not None and pool.nbytes == 5 * layout.bytes_per_request(torch.bfloat16)
-    assert layout.bytes_per_request(torch.bfloat16) == 3 * (64 * 3 * 2 + 4 * 8 * 8 * 4)
-    assert build_state_pool(None, 5, torch.float32, "cpu") is None
+    per_slot = layout.bytes_per_request(torch.bfloat16)
+    assert per_slot == 3 * (64 * 3 * 2 + 4 * 8 * 8 * 4)
+    assert split_budget(100 * per_slot, per_slot, 10, kv_fixed=True) == int(100 * STATE_TO_KV_MEMORY_RATIO)
+    assert split_budget(100 * per_slot, per_slot, 10, kv_fixed=False) == int(100 * 0.9 / 1.9) - 10
+    assert split_budget(per_slot, per_slot, 10, kv_fixed=False) == 0  # rows first, whatever the budget
+    args = ServerArgs(model_path="demo-vl", max_running_requests=4, page_size=4)
+    tokens, pool = size_pools(args, 256, lambda: None, 0, 4096, (layout, torch.bfloat16, "cpu"))
+    budget = 16384 * 256  # the CPU floor of KV tokens, shared with the states
+    assert pool is not None and pool.rows == 6 and pool.nbytes == pool.slots * per_slot
+    assert pool.snapshot_range == (6, split_budget(budget, per_slot, 6, kv_fixed=False)) and pool.slots > 6
+    assert tokens % 4 == 0 and tokens * 256 + pool.nbytes <= budget
+    # --max-total-tokens keeps the KV pool's size; the states come on top. No radix cache: no snapshots.
+    fixed, pool = size_pools(args.replace(max_total_tokens=1000), 256, lambda: None, 0, 4096,
+                             (layout, torch.bfloat16, "cpu"))
+    assert fixed == 1000 and pool is not None and pool.snapshot_range[1] == split_budget(1000 * 256, per_slot, 6, True)
+    _, pool = size_pools(args.replace(disable_radix_cache=True), 256, lambda: None, 0, 4096,
+                         (layout, torch.bfloat16, "cpu"))
+    assert pool is not None and pool.slots == 6
+    # A budget with no room for snapshots says so: 8 MiB on a device, 3 MiB states.
+    wide = LinearStateLayout(num_layers=3, conv_dim=64, conv_kernel=4, num_heads=64, key_dim=64, value_dim=64)
+    with caplog.at_level(logging.WARNING, logger="tessera.cache"):
+        _, pool = size_pools(args, 2**20, lambda: (14 * 2**20, 40 * 2**20), 0, 4096, (wide, torch.bfloat16, "cpu"))
+    assert pool is not None and pool.slots == 6 and "prefix cache never hits" in caplog.text
+    assert size_pools(args, 256, lambda: None, 0, 4096)[1] is None
+    # A device: the state pool is allocated first, and the KV pool gets what the device has left after it (here
+    # the second reading shows 12 MiB fewer free).
+    mib = 2**20
+    readings = iter([(30 * mib, 40 * mib), (18 * mib, 40 * mib)])
+    tokens, pool = size_pools(args, 1024, lambda: next(readings), 0, 4096, (layout, torch.bfloat16, "cpu"))
+    budget = kv_pool_tokens(args, 1024, (30 * mib, 40 * mib)) * 1024  # 0.85 of 40 MiB less the 10 in use
+    assert pool is not None and pool.snapshot_range[1] == split_budget(budget, per_slot, 6, kv_fixed=False) > 0
+    assert tokens == kv_pool_tokens(args, 1024, (18 * mib, 40 * mib))
 
 
 @pytest.mark.parametrize("spec", ["dense", "moe"])

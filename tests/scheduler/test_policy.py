@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from tessera.cache.allocator import PagedTokenAllocator
 from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
 from tessera.messages.sampling import SamplingParams
+from tessera.scheduler.batch import ScheduledBatch
 from tessera.scheduler.kv_manager import KVManager
 from tessera.scheduler.policy import SchedulePolicy
 from tessera.scheduler.req import Req
@@ -30,16 +32,23 @@ def make_req(rid: str, prompt: list[int], max_new: int) -> Req:
     return Req(rid, prompt, SamplingParams(max_new_tokens=max_new), None)
 
 
-def run_to_completion(policy: SchedulePolicy, reqs: list[Req], max_steps: int = 10_000) -> list[list[tuple[int, int]]]:
+def run_to_completion(policy: SchedulePolicy, reqs: list[Req], max_steps: int = 10_000,
+                      before_step: Callable[[int], None] | None = None,
+                      on_batch: Callable[[ScheduledBatch], None] | None = None) -> list[list[tuple[int, int]]]:
     """Fake forward: each sampling request gets token (1000 + its output length); prefill chunks are shared
-    through the radix cache right after their step, as the scheduler does. Returns per-step chunks."""
+    through the radix cache right after their step, as the scheduler does. Returns per-step chunks. before_step(i)
+    runs before step i is formed, on_batch(batch) as the step's forward."""
     for r in reqs:
         policy.add(r)
     steps = []
-    for _ in range(max_steps):
+    for i in range(max_steps):
+        if before_step is not None:
+            before_step(i)
         batch = policy.next_batch()
         if batch is None:
             break
+        if on_batch is not None:
+            on_batch(batch)
         steps.append([(s.start, s.end) for s in batch.reqs])
         assert batch.num_tokens <= policy.chunked_prefill_size + len(policy.running)
         # Slots of one step are distinct and all hold a req_to_token entry.

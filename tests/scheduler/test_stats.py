@@ -35,16 +35,20 @@ def test_transport_bytes_count_features_metadata_and_deferred_pixels():
     assert deferred.transport_bytes == 3 * 50 * 80 + 3 * 8
 
 
-def test_speculative_acceptance_adds_up_and_reaches_metrics():
+def test_speculative_acceptance_and_prefix_cache_add_up_and_reach_metrics():
     from prometheus_client.parser import text_string_to_metric_families
 
     from tessera.entrypoints.metrics import Metrics
 
-    total = SchedulerStats.sum([_stats(spec_verifies=4, spec_draft_tokens=16, spec_accepted_tokens=8),
-                                _stats(spec_verifies=6, spec_draft_tokens=4, spec_accepted_tokens=4)])
+    total = SchedulerStats.sum([_stats(spec_verifies=4, spec_draft_tokens=16, spec_accepted_tokens=8,
+                                       prefix_hit_tokens=30, prefix_total_tokens=100, state_snapshots=2),
+                                _stats(spec_verifies=6, spec_draft_tokens=4, spec_accepted_tokens=4,
+                                       prefix_total_tokens=20, state_snapshots=1)])
     assert (total.spec_accept_length, total.spec_accept_rate) == (1 + 12 / 10, 12 / 20)
     assert total.report()["spec_accept_length"] == 2.2 and _stats().report()["spec_accept_rate"] == 0.0
     values = {s.name: s.value for f in text_string_to_metric_families(Metrics("m").render(total).decode())
               for s in f.samples}
     assert values["tessera_spec_accept_length"] == 2.2 and values["tessera_spec_accept_rate"] == 0.6
     assert values["tessera_spec_verify_steps"] == 10
+    # The prefix cache's hit rate over the replicas, and the hybrid models' state snapshots it holds.
+    assert values["tessera_prefix_cache_hit_rate"] == 0.25 and values["tessera_radix_cache_state_snapshots"] == 3
