@@ -58,6 +58,11 @@ class Family:
     # rejected draft would need the state rolled back). Overlap scheduling works: a step's state updates happen in
     # its forward, in step order, and a row is given back only after the step in flight that holds it.
     linear_attention: bool = False
+    # A prefix-LM (PaliGemma): each request's whole prompt attends bidirectionally and is computed in one step.
+    prefix_lm: bool = False
+    # "native" (our model file) or "transformers" (the model's own transformers code under our attention:
+    # models/transformers_backend.py; such rows are made by models/transformers_family.py, not listed here).
+    impl: str = "native"
 
     @property
     def name(self) -> str:
@@ -311,15 +316,26 @@ def headless_family(architecture: str, model_type: str | None) -> Family | None:
     return None
 
 
+# Architectures without a native row that the Transformers backend is tested on (greedy tokens equal to HF
+# generate: tests/models/test_transformers_backend.py); the README's table lists them.
+BACKEND_TESTED = ("AyaVisionForConditionalGeneration", "Idefics3ForConditionalGeneration",
+                  "LlavaOnevisionForConditionalGeneration", "Mistral3ForConditionalGeneration",
+                  "PaliGemmaForConditionalGeneration", "SmolVLMForConditionalGeneration")
+
+
 def support_table() -> str:
     """The README's table of supported architectures (a test keeps the README equal to it)."""
-    lines = ["| architecture (`config.json`) | modalities | positions | pre-quantized checkpoints | not supported |",
-             "|---|---|---|---|---|"]
-    for f in sorted(FAMILIES.values(), key=lambda f: f.name):
+    lines = ["| architecture (`config.json`) | implementation | modalities | positions | pre-quantized checkpoints | "
+             "not supported |", "|---|---|---|---|---|---|"]
+    rows = [(f.name, f) for f in FAMILIES.values()] + [(a, None) for a in BACKEND_TESTED]
+    for name, f in sorted(rows, key=lambda r: r[0]):
+        if f is None:
+            lines.append(f"| `{name}` | Transformers backend | image | RoPE | none | see the backend's limits |")
+            continue
         arch = f"`{f.architecture}`" + (f" ({f.vision_model_type} vision)" if f.vision_model_type else "")
         modalities = ", ".join(sorted(m.value for m in f.modalities)) or "text"
         positions = {"rope": "RoPE", "mrope": "M-RoPE", "learned": "learned"}.get(f.positions, f.positions)
-        lines.append(f"| {arch} | {modalities} | {positions} | {f.quantization} | {f.notes} |")
+        lines.append(f"| {arch} | native | {modalities} | {positions} | {f.quantization} | {f.notes} |")
     return "\n".join(lines)
 
 
