@@ -72,10 +72,110 @@ def _llava_onevision_processor(tok, template: str):
                                    vision_feature_select_strategy="full", chat_template=template)
 
 
+def _idefics3(ids: dict[str, int], vocab: int, model_type: str = "idefics3"):
+    from transformers import AutoConfig
+
+    vision = dict(model_type=f"{model_type}_vision", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=32, patch_size=8)
+    return AutoConfig.for_model(model_type, text_config=text_config("llama", vocab), vision_config=vision,
+                                image_token_id=ids["<image>"], scale_factor=2)
+
+
+_IDEFICS_TOKENS = {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                   "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"}
+
+
+def _idefics3_processor(tok, template: str):
+    from transformers import Idefics3ImageProcessor, Idefics3Processor
+
+    image = Idefics3ImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    return Idefics3Processor(image_processor=image, tokenizer=tok, image_seq_len=4, chat_template=template)
+
+
+def _smolvlm_processor(tok, template: str):
+    from transformers import SmolVLMImageProcessor, SmolVLMProcessor, SmolVLMVideoProcessor
+
+    image = SmolVLMImageProcessor(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    video = SmolVLMVideoProcessor(size={"longest_edge": 32}, max_image_size={"longest_edge": 32})
+    return SmolVLMProcessor(image_processor=image, video_processor=video, tokenizer=tok, image_seq_len=4,
+                            chat_template=template)
+
+
+def _paligemma(ids: dict[str, int], vocab: int):
+    from transformers import PaliGemmaConfig
+
+    text = text_config("gemma", vocab, hidden_activation="gelu_pytorch_tanh")
+    return PaliGemmaConfig(text_config=text, vision_config=siglip(32, projection_dim=HIDDEN),
+                           image_token_index=ids["<image>"], projection_dim=HIDDEN, hidden_size=HIDDEN)
+
+
+def _paligemma_processor(tok, template: str):
+    from transformers import PaliGemmaProcessor, SiglipImageProcessor
+
+    image = SiglipImageProcessor(size={"height": 32, "width": 32})
+    image.image_seq_length = 16
+    tok.bos_token = "<|endoftext|>"  # the processor writes BOS after the image tokens
+    return PaliGemmaProcessor(image_processor=image, tokenizer=tok, chat_template=template)
+
+
+_AYA_TOKENS = {"image_token": "<image>", "start_of_img": "<|START_OF_IMG|>", "end_of_img": "<|END_OF_IMG|>",
+               "img_patch": "<|IMG_PATCH|>", "img_line_break": "<|IMG_LINE_BREAK|>"}
+
+
+def _aya_vision(ids: dict[str, int], vocab: int):
+    from transformers import AyaVisionConfig
+
+    # Sliding layers with a window shorter than the prompts: the backend's sliding_window path runs.
+    text = text_config("cohere2", vocab, layer_types=["sliding_attention", "full_attention"], sliding_window=24)
+    return AyaVisionConfig(text_config=text, vision_config=siglip(32), downsample_factor=2,
+                           image_token_index=ids["<|IMG_PATCH|>"], vision_feature_layer=-1)
+
+
+def _aya_vision_processor(tok, template: str):
+    from transformers import AyaVisionProcessor, GotOcr2ImageProcessor
+
+    image = GotOcr2ImageProcessor(size={"height": 32, "width": 32}, crop_to_patches=True, min_patches=1,
+                                  max_patches=4)
+    # patch_size is the tower's: the processor multiplies it by downsample_factor.
+    return AyaVisionProcessor(image_processor=image, tokenizer=tok, patch_size=8, img_size=32, downsample_factor=2,
+                              chat_template=template)
+
+
+def _mistral3(ids: dict[str, int], vocab: int):
+    from transformers import Mistral3Config
+
+    vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2, head_dim=16, image_size=64, patch_size=8)
+    return Mistral3Config(text_config=text_config("mistral", vocab, sliding_window=None), vision_config=vision,
+                          spatial_merge_size=2, image_token_index=ids["[IMG]"], vision_feature_layer=-1,
+                          tie_word_embeddings=False)
+
+
+def _mistral3_processor(tok, template: str):
+    from transformers import PixtralImageProcessor, PixtralProcessor
+
+    image = PixtralImageProcessor(size={"longest_edge": 64}, patch_size=8)
+    return PixtralProcessor(image_processor=image, tokenizer=tok, patch_size=8, spatial_merge_size=2,
+                            chat_template=template)
+
+
 FAMILIES: dict[str, BackendFamily] = {f.architecture: f for f in (
     BackendFamily("LlavaOnevisionForConditionalGeneration", "<image>", {"image_token": "<image>",
                                                                         "video_token": "<video>"},
                   _llava_onevision, _llava_onevision_processor, "model.multi_modal_projector.linear_2"),
+    BackendFamily("Idefics3ForConditionalGeneration", "<image>", _IDEFICS_TOKENS, _idefics3, _idefics3_processor,
+                  "model.connector.modality_projection.proj"),
+    BackendFamily("SmolVLMForConditionalGeneration", "<image>", _IDEFICS_TOKENS,
+                  lambda ids, vocab: _idefics3(ids, vocab, "smolvlm"), _smolvlm_processor,
+                  "model.connector.modality_projection.proj"),
+    BackendFamily("PaliGemmaForConditionalGeneration", "<image>", {"image_token": "<image>"}, _paligemma,
+                  _paligemma_processor, "model.multi_modal_projector.linear"),
+    BackendFamily("AyaVisionForConditionalGeneration", "<image>", _AYA_TOKENS, _aya_vision, _aya_vision_processor,
+                  "model.multi_modal_projector.linear_2"),
+    BackendFamily("Mistral3ForConditionalGeneration", "[IMG]", {"image_token": "[IMG]",
+                                                                "image_break_token": "[IMG_BREAK]",
+                                                                "image_end_token": "[IMG_END]"},
+                  _mistral3, _mistral3_processor, "model.multi_modal_projector.linear_2"),
 )}
 
 

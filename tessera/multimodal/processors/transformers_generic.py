@@ -37,15 +37,28 @@ _FEATURE_KEYS = {Modality.IMAGE: "pixel_values", Modality.VIDEO: "pixel_values_v
 class TransformersProcessor(BaseMultimodalProcessor):
     supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.IMAGE})
 
+    def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(hf_processor, hf_config, *args, **kwargs)
+        # The id the model scatters image rows into, which may not be the prompt's placeholder (Aya Vision's
+        # `<image>` becomes runs of `<|IMG_PATCH|>`): the config's id where it gives one.
+        token_id = getattr(hf_config, "image_token_id", None)
+        if token_id is None:
+            token_id = getattr(hf_config, "image_token_index", None)
+        self.item_tokens = (MultimodalSpecialTokens(image_token_id=int(token_id)) if token_id is not None
+                            else MultimodalSpecialTokens(image_token=self.special_tokens.image_token)).build(hf_processor)
+
     def build_special_tokens(self) -> MultimodalSpecialTokens:
+        """The placeholder the prompt carries: the HF processor's `image_token`, else the config's id."""
         token = getattr(self.hf_processor, "image_token", None)
+        if token is not None:
+            return MultimodalSpecialTokens(image_token=str(token))
         token_id = getattr(self.hf_config, "image_token_id", None)
         if token_id is None:
             token_id = getattr(self.hf_config, "image_token_index", None)
-        if token is None and token_id is None:
+        if token_id is None:
             raise ValueError(f"{type(self.hf_processor).__name__} names no image token and the config no "
                              "image_token_id: the Transformers backend cannot find the image placeholders")
-        return MultimodalSpecialTokens(image_token=token, image_token_id=token_id)
+        return MultimodalSpecialTokens(image_token_id=int(token_id))
 
     def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
         """One item per modality given (images only here): its pixel tensor and the other media outputs."""
@@ -56,7 +69,7 @@ class TransformersProcessor(BaseMultimodalProcessor):
             raise ValueError(f"{type(self.hf_processor).__name__} returned no pixel_values tensor")
         extra = {k: v for k, v in hf_output.items()
                  if k not in _TEXT_KEYS and k != "pixel_values" and "video" not in k and isinstance(v, torch.Tensor)}
-        image_id = self.special_tokens.image_token_id
+        image_id = self.item_tokens.image_token_id
         ids = hf_output["input_ids"]
         num_tokens = int((ids == image_id).sum()) if isinstance(ids, torch.Tensor) else 0
         return [ItemFeatures(Modality.IMAGE, num_tokens, feature=feature, model_specific_data=extra)]
@@ -79,10 +92,9 @@ class TransformersProcessor(BaseMultimodalProcessor):
         if prompt is None:
             raise ValueError("input_ids: with media, the Transformers backend needs the prompt as text (the HF "
                              "processor expands its placeholders)")
-        self.special_tokens.check_counts(prompt, loaded.raw_counts())
         hf_output = self.call_hf_processor(prompt, loaded)
         ids = [int(t) for t in hf_output["input_ids"][0].tolist()]
         features = self.split_hf_output(hf_output, loaded)
         hashes = [hash_item(loaded.images, self.feature_kwargs(Modality.IMAGE))]
-        items = build_items(ids, features, hashes, self.special_tokens)
+        items = build_items(ids, features, hashes, self.item_tokens)
         return ProcessorOutput(input_ids=ids, mm_inputs=MultimodalInputs(items=items))
