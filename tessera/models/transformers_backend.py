@@ -160,7 +160,7 @@ class TransformersModel(TesseraModel):
 
     @classmethod
     def prepare_step(cls, config: ModelConfig, segments: Sequence[StepSegment]) -> StepLayout:
-        """The family's positions; a prefix-LM family's (PaliGemma's) prompt attends bidirectionally."""
+        """The family's positions; a prefix-LM's (PaliGemma's) whole prompt attends bidirectionally."""
         layout = super().prepare_step(config, segments)
         if config.family.prefix_lm:
             layout.bidirectional_spans = [[(0, s.prompt_len)] for s in segments]

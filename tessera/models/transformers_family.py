@@ -29,9 +29,6 @@ BACKEND_MODEL = "tessera.models.transformers_backend:TransformersModel"
 GENERIC_PROCESSOR = "tessera.multimodal.processors.transformers_generic:TransformersProcessor"
 # Families whose transformers code counts positions from 1 (PaliGemma: `position_ids + 1` when it makes them).
 POSITION_OFFSETS = {"paligemma": 1}
-# Prefix-LM families: the whole prompt (image and text) attends bidirectionally, generated tokens causally
-# (PaliGemma's token_type_ids == 0 block on the first forward).
-PREFIX_LM_MODEL_TYPES = frozenset({"paligemma"})
 BACKEND_NOTES = ("CUDA graphs; LoRA; --torchao-config and pre-quantized checkpoints; embeddings; videos and audio "
                  "(images only, except where a native processor serves them)")
 
@@ -96,8 +93,13 @@ def backend_family(hf_config: Any, native: Family | None = None) -> Family:
     if mrope and native is not None:
         modalities, processor = native.modalities, native.processor
     model_type = str(getattr(hf_config, "model_type", ""))
+    # A text model whose attention modules are not causal (use_bidirectional_attention: PaliGemma's config sets
+    # it) attends both ways over the whole prompt on its first forward (transformers' default sdpa, with no mask
+    # or with PaliGemma's token_type_ids block over image and prompt), and each generated token sees all before
+    # it: a prefix LM.
+    prefix_lm = getattr(text, "use_bidirectional_attention", None) is True
     return Family(architecture, BACKEND_MODEL, processor, modalities, "mrope" if mrope else "rope",
-                  model_types=(model_type,), prefix_lm=model_type in PREFIX_LM_MODEL_TYPES, impl="transformers",
+                  model_types=(model_type,), prefix_lm=prefix_lm, impl="transformers",
                   vision_model_type=native.vision_model_type if native is not None else None, notes=BACKEND_NOTES,
                   quantization="none")
 

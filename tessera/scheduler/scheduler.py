@@ -129,6 +129,8 @@ class Scheduler:
                 self.mm_items["deferred" if item.deferred is not None else "eager"] += 1
             if self.config.family.bidirectional_mm_spans and msg.mm_inputs is not None:
                 req.atomic_spans = msg.mm_inputs.spans()
+            if self.config.family.prefix_lm:
+                req.atomic_spans = [(0, len(req.origin_input_ids))]  # PaliGemma's prompt attends both ways
             if self.config.family.embedding_only:  # a dual encoder computes a request in one step
                 req.atomic_spans = [(0, len(req.origin_input_ids))]
             req.stop_token_ids = set(sp.stop_token_ids or [])
