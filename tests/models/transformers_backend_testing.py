@@ -146,9 +146,11 @@ def _mistral3(ids: dict[str, int], vocab: int):
 
     vision = dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=2, head_dim=16, image_size=64, patch_size=8)
-    return Mistral3Config(text_config=text_config("mistral", vocab, sliding_window=None), vision_config=vision,
-                          spatial_merge_size=2, image_token_index=ids["[IMG]"], vision_feature_layer=-1,
-                          tie_word_embeddings=False)
+    config = Mistral3Config(text_config=text_config("mistral", vocab, sliding_window=None), vision_config=vision,
+                            spatial_merge_size=2, image_token_index=ids["[IMG]"], vision_feature_layer=-1,
+                            tie_word_embeddings=False)
+    config.initializer_range = 0.02  # the projector's (0.1 there makes every image answer alike)
+    return config
 
 
 def _mistral3_processor(tok, template: str):
