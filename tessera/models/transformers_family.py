@@ -21,6 +21,7 @@ from tessera.models.families import (
     UnsupportedArchitectureError,
     architecture_of,
     family_for_config,
+    supported_architectures,
 )
 
 # The name our paged attention is registered under in transformers.AttentionInterface.
@@ -41,7 +42,8 @@ def hf_model_class(architecture: str) -> type:
     if not isinstance(cls, type) or not hasattr(cls, "from_pretrained"):
         raise UnsupportedArchitectureError(
             f"architecture {architecture!r} is neither a native Tessera family nor a transformers model class "
-            f"(transformers {transformers.__version__}); it cannot be served with any --model-impl")
+            f"(transformers {transformers.__version__}), so no --model-impl serves it; native families: "
+            f"{', '.join(supported_architectures())}")
     return cls
 
 
@@ -82,7 +84,8 @@ def backend_family(hf_config: Any, native: Family | None = None) -> Family:
         raise UnsupportedArchitectureError(f"architecture {architecture!r}: {reason}, so the Transformers backend "
                                            "(--model-impl transformers) cannot serve it")
     text = hf_config.get_text_config()
-    mrope = "mrope_section" in (getattr(text, "rope_parameters", None) or {})
+    mrope = (native is not None and native.positions == "mrope") or \
+        "mrope_section" in (getattr(text, "rope_parameters", None) or {})
     if mrope and (native is None or native.positions != "mrope"):
         raise UnsupportedArchitectureError(f"architecture {architecture!r}: M-RoPE positions are computed by a native "
                                            "processor, and this family has none")

@@ -95,3 +95,42 @@ def test_qwen2_vl_backend_matches_native_and_hf():
     check_can_fail(refs)
     assert served_greedy(path, requests, model_impl="transformers") == refs
     assert served_greedy(path, requests, model_impl="native") == refs
+
+
+def _config(cls_name: str, architecture: str, **kwargs):
+    import transformers
+
+    config = getattr(transformers, cls_name)(**kwargs)
+    config.architectures = [architecture]
+    return config
+
+
+def test_model_impl_picks_the_family_row():
+    from tessera.models.transformers_family import GENERIC_PROCESSOR, resolve_family
+
+    qwen2_vl = _config("Qwen2VLConfig", "Qwen2VLForConditionalGeneration")
+    assert resolve_family(qwen2_vl, "auto").impl == "native"
+    backend = resolve_family(qwen2_vl, "transformers")
+    # M-RoPE positions come from the native processor, which the backend's row keeps.
+    assert backend.impl == "transformers" and backend.positions == "mrope"
+    assert backend.processor == resolve_family(qwen2_vl, "native").processor
+    onevision = _config("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration")
+    row = resolve_family(onevision, "auto")
+    assert row.impl == "transformers" and row.processor == GENERIC_PROCESSOR and not row.prefix_lm
+    assert resolve_family(_config("PaliGemmaConfig", "PaliGemmaForConditionalGeneration")).prefix_lm
+
+
+@pytest.mark.parametrize("cls_name, architecture, impl, words", [
+    ("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration", "native", ["--model-impl transformers"]),
+    ("Qwen2Config", "FancyNewForCausalLM", "auto", ["FancyNewForCausalLM", "--model-impl"]),
+    ("BloomConfig", "BloomForCausalLM", "auto", ["BloomForCausalLM", "attention interface", "--model-impl"]),
+    ("T5Config", "T5ForConditionalGeneration", "transformers", ["encoder-decoder", "--model-impl"]),
+    ("Gemma2Config", "Gemma2ForCausalLM", "auto", ["attn_logit_softcapping"]),
+])
+def test_what_the_backend_cannot_run_is_one_error_before_loading(cls_name, architecture, impl, words):
+    from tessera.models.config import ModelConfig
+    from tessera.models.families import UnsupportedArchitectureError
+
+    with pytest.raises(UnsupportedArchitectureError) as e:
+        ModelConfig.from_hf(_config(cls_name, architecture), impl)
+    assert all(w in str(e.value) for w in words), str(e.value)
