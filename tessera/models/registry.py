@@ -87,15 +87,17 @@ def _load_transformers(model_path: str | Path, config: ModelConfig, dtype: torch
     dtype; what it cannot run is refused here, naming why."""
     from tessera.models.transformers_backend import TransformersModel, register_attention
 
-    if torchao_config or config.quant is not None:
-        raise ValueError(f"model_impl: the Transformers backend runs transformers' nn.Linear layers, which Tessera's "
-                         f"quantized linears do not replace; {config.architecture} cannot run quantized "
-                         "(drop --torchao-config or use a float checkpoint)")
+    if config.quant is not None:
+        raise ValueError(f"model_impl: the Transformers backend loads float checkpoints; {config.architecture}'s is "
+                         f"pre-quantized ({config.quant.scheme}): serve a float one (--torchao-config quantizes it)")
     torch_dtype = compute_dtype(resolve_dtype(dtype, config.dtype, dev), dev)
     backend = get_attention_backend(resolve_attention_backend(attention_backend, dev, torch_dtype))
     register_attention()
     model = TransformersModel.load(model_path, config, backend, torch_dtype, dev, language_model_only)
     model.eval().requires_grad_(False)
+    if torchao_config:  # the text decoder's linears are ours (transformers_backend._swap_linears)
+        model.quantization = quantize_linears(model, torchao_config, prefix="hf." + model.language_model_prefix)
+        logger.info("quantization: %s", model.quantization)
     logger.info("%s runs on the Transformers backend (its transformers modeling code, Tessera's paged attention)",
                 config.architecture)
     return model

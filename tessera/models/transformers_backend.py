@@ -32,6 +32,7 @@ import torch
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.attention import BaseAttentionBackend
 from tessera.layers.forward_batch import ForwardBatch
+from tessera.layers.linear import Linear
 from tessera.messages.items import Modality, MultimodalDataItem
 from tessera.models.base import Encoder, StepLayout, StepSegment, TesseraModel
 from tessera.models.config import ModelConfig
@@ -103,6 +104,7 @@ class TransformersModel(TesseraModel):
                              f"({text.num_hidden_layers}); it cannot run on the Transformers backend")
         for module in attention:
             object.__setattr__(module, "tessera_scope", self.scope)  # a plain attribute, not a submodule
+        self.language_model_prefix = _swap_linears(hf_model)
         self.position_offset = POSITION_OFFSETS.get(config.model_type, 0)
         inner = getattr(hf_model, "model", hf_model)
         self._features = {m: getattr(inner, name) for m, name in _FEATURE_FUNCTIONS.items()
@@ -192,6 +194,24 @@ class TransformersModel(TesseraModel):
             out = self.hf(inputs_embeds=x[None], position_ids=position_ids, logits_to_keep=rows, use_cache=False,
                           return_dict=True)
         return out.logits[0]
+
+
+def _swap_linears(hf_model: torch.nn.Module) -> str:
+    """Every torch.nn.Linear of the text decoder and the LM head becomes our Linear over the same parameters: its
+    few-row products run in our CPU kernels (a decode step's), and --torchao-config can quantize it
+    (int_linear.quantize_linears). Returns the decoder's module path + "." (where those linears are)."""
+    decoder = hf_model.get_decoder()
+    prefix = next(name for name, module in hf_model.named_modules() if module is decoder)
+    head = hf_model.get_output_embeddings()
+    for parent in [*decoder.modules(), hf_model]:
+        for child_name, child in parent.named_children():
+            if type(child) is not torch.nn.Linear or (parent is hf_model and child is not head):
+                continue
+            ours = Linear(child.in_features, child.out_features, bias=child.bias is not None)
+            ours.weight = child.weight
+            ours.bias = child.bias
+            setattr(parent, child_name, ours)
+    return prefix + "."
 
 
 def _flat_rows(features: Any, hidden: int) -> torch.Tensor:

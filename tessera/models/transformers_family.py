@@ -30,8 +30,8 @@ BACKEND_MODEL = "tessera.models.transformers_backend:TransformersModel"
 GENERIC_PROCESSOR = "tessera.multimodal.processors.transformers_generic:TransformersProcessor"
 # Families whose transformers code counts positions from 1 (PaliGemma: `position_ids + 1` when it makes them).
 POSITION_OFFSETS = {"paligemma": 1}
-BACKEND_NOTES = ("CUDA graphs; LoRA; --torchao-config and pre-quantized checkpoints; embeddings; videos and audio "
-                 "(images only, except where a native processor serves them)")
+BACKEND_NOTES = ("CUDA graphs; LoRA; tensor parallelism; pre-quantized checkpoints (--torchao-config works); "
+                 "embeddings; videos and audio (images only, except where a native processor serves them)")
 
 
 def hf_model_class(architecture: str) -> type:

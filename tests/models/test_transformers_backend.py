@@ -134,3 +134,20 @@ def test_what_the_backend_cannot_run_is_one_error_before_loading(cls_name, archi
     with pytest.raises(UnsupportedArchitectureError) as e:
         ModelConfig.from_hf(_config(cls_name, architecture), impl)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_int8_weights_match_hf_dequantized(tmp_path):
+    """--torchao-config int8wo quantizes the backend's text linears (ours, swapped in): the tokens are HF's over
+    the same weights quantized and dequantized."""
+    import transformers
+    from transformers import AutoProcessor
+
+    from tessera.layers.quantization.int_linear import fake_quantize_
+
+    family = FAMILIES["LlavaOnevisionForConditionalGeneration"]
+    path = make_checkpoint(tmp_path / "onevision", family)
+    processor = AutoProcessor.from_pretrained(path)
+    hf = getattr(transformers, family.architecture).from_pretrained(path).eval()
+    assert fake_quantize_(hf, "int8wo", "model.language_model.") == 7 * 2  # q, k, v, o, gate, up, down x 2 layers
+    requests = cases(processor, family.image_sizes[:1], False)
+    assert served_greedy(path, requests, torchao_config="int8wo") == [hf_greedy(hf, processor, *r) for r in requests]
