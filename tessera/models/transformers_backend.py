@@ -196,6 +196,14 @@ class TransformersModel(TesseraModel):
         return out.logits[0]
 
 
+class _RowsLinear(Linear):
+    """Our Linear over transformers' [batch, seq, features] activations: the product runs on the rows (our CPU
+    kernels take 2-D x)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+
+
 def _swap_linears(hf_model: torch.nn.Module) -> str:
     """Every torch.nn.Linear of the text decoder and the LM head becomes our Linear over the same parameters: its
     few-row products run in our CPU kernels (a decode step's), and --torchao-config can quantize it
@@ -207,7 +215,7 @@ def _swap_linears(hf_model: torch.nn.Module) -> str:
         for child_name, child in parent.named_children():
             if type(child) is not torch.nn.Linear or (parent is hf_model and child is not head):
                 continue
-            ours = Linear(child.in_features, child.out_features, bias=child.bias is not None)
+            ours = _RowsLinear(child.in_features, child.out_features, bias=child.bias is not None)
             ours.weight = child.weight
             ours.bias = child.bias
             setattr(parent, child_name, ours)
