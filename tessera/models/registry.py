@@ -58,6 +58,7 @@ def load_model(
     torch_dtype = compute_dtype(weight_dtype, dev)  # activations, norms, the KV pool
     attention_backend = resolve_attention_backend(attention_backend, dev, torch_dtype)
     backend = get_attention_backend(attention_backend)
+    logger.info("%s runs on its native implementation (%s)", config.architecture, config.family.model)
     if backend.dtypes is not None and torch_dtype not in backend.dtypes:
         raise ValueError(f"attention_backend={attention_backend!r} runs {sorted(str(d) for d in backend.dtypes)}, "
                          f"not dtype {torch_dtype}")

@@ -101,8 +101,11 @@ def backend_family(hf_config: Any, native: Family | None = None) -> Family:
     # or with PaliGemma's token_type_ids block over image and prompt), and each generated token sees all before
     # it: a prefix LM.
     prefix_lm = getattr(text, "use_bidirectional_attention", None) is True
+    # A native row's bidirectional media spans (Gemma-3's images) are its transformers code's too.
+    spans = native is not None and native.bidirectional_mm_spans
     return Family(architecture, BACKEND_MODEL, processor, modalities, "mrope" if mrope else "rope",
-                  model_types=(model_type,), prefix_lm=prefix_lm, impl="transformers",
+                  model_types=(model_type,), prefix_lm=prefix_lm, impl="transformers", bidirectional_mm_spans=spans,
+                  backend_needs=native.backend_needs if native is not None else frozenset(),
                   vision_model_type=native.vision_model_type if native is not None else None, notes=BACKEND_NOTES,
                   quantization="none")
 
