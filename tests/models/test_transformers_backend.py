@@ -151,3 +151,14 @@ def test_int8_weights_match_hf_dequantized(tmp_path):
     assert fake_quantize_(hf, "int8wo", "model.language_model.") == 7 * 2  # q, k, v, o, gate, up, down x 2 layers
     requests = cases(processor, family.image_sizes[:1], False)
     assert served_greedy(path, requests, torchao_config="int8wo") == [hf_greedy(hf, processor, *r) for r in requests]
+
+
+@pytest.mark.parametrize("flags, words", [({"enable_lora": True, "tp_size": 1}, "enable_lora"),
+                                          ({"enable_lora": False, "tp_size": 2}, "tp_size")])
+def test_lora_and_tensor_parallelism_are_refused_by_flag(flags, words):
+    from tessera.models.transformers_family import refuse_backend_options, resolve_family
+
+    row = resolve_family(_config("LlavaOnevisionConfig", "LlavaOnevisionForConditionalGeneration"))
+    with pytest.raises(ValueError, match=words):
+        refuse_backend_options(row, **flags)
+    refuse_backend_options(resolve_family(_config("Qwen2VLConfig", "Qwen2VLForConditionalGeneration")), **flags)
