@@ -31,7 +31,7 @@ GENERIC_PROCESSOR = "tessera.multimodal.processors.transformers_generic:Transfor
 # Families whose transformers code counts positions from 1 (PaliGemma: `position_ids + 1` when it makes them).
 POSITION_OFFSETS = {"paligemma": 1}
 BACKEND_NOTES = ("CUDA graphs; LoRA; tensor parallelism; pre-quantized checkpoints (--torchao-config works); "
-                 "embeddings; videos and audio (images only, except where a native processor serves them)")
+                 "embeddings; audio")
 
 
 def hf_model_class(architecture: str) -> type:
@@ -92,7 +92,12 @@ def backend_family(hf_config: Any, native: Family | None = None) -> Family:
     modalities: frozenset[Modality] = frozenset()
     processor = None
     if getattr(hf_config, "vision_config", None) is not None:
-        modalities, processor = frozenset({Modality.IMAGE}), GENERIC_PROCESSOR
+        # Videos where the config has a video token and the model a feature function for them (the processor
+        # also needs a video processor: multimodal/processors/transformers_generic.py).
+        video = hasattr(cls, "get_video_features") and any(
+            isinstance(getattr(hf_config, n, None), int) for n in ("video_token_id", "video_token_index"))
+        modalities = frozenset({Modality.IMAGE, Modality.VIDEO} if video else {Modality.IMAGE})
+        processor = GENERIC_PROCESSOR
     if mrope and native is not None:
         modalities, processor = native.modalities, native.processor
     model_type = str(getattr(hf_config, "model_type", ""))

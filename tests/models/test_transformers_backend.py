@@ -14,44 +14,50 @@ import pytest
 import torch
 
 from tessera.config import ASSETS_DIR
-from tests.models.transformers_backend_testing import FAMILIES, make_checkpoint, random_image
+from tests.models.transformers_backend_testing import FAMILIES, make_checkpoint, random_clip, random_image
 
 NUM_NEW = 8
 QUESTION = "what is in the picture"
 
 
-def cases(processor, family_sizes: tuple[tuple[int, int], ...], two_images: bool) -> list[tuple[str, list]]:
-    """(chat prompt, images) per request: one image of each size, both images, text only."""
+def cases(processor, family_sizes: tuple[tuple[int, int], ...], two_images: bool,
+          video: bool = False) -> list[tuple[str, list, list]]:
+    """(chat prompt, images, videos) per request: one image of each size, both images, a video where the family's
+    are tested, text only."""
     images = [random_image(i + 1, size) for i, size in enumerate(family_sizes)]
 
-    def chat(n: int) -> str:
-        content = [{"type": "image"}] * n + [{"type": "text", "text": QUESTION}]
+    def chat(n: int, kind: str = "image") -> str:
+        content = [{"type": kind}] * n + [{"type": "text", "text": QUESTION}]
         return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                              tokenize=False)
 
-    out = [(chat(1), [im]) for im in images]
+    out = [(chat(1), [im], []) for im in images]
     if two_images:
-        out.append((chat(2), images))
-    return out + [(chat(0), [])]
+        out.append((chat(2), images, []))
+    if video:
+        out.append((chat(1, "video"), [], [random_clip(5, family_sizes[0])]))
+    return out + [(chat(0), [], [])]
 
 
-def hf_greedy(model, processor, text: str, images: list) -> list[int]:
-    """HF generate's greedy tokens for the prompt as the HF processor makes it (the tokenizer without images:
+def hf_greedy(model, processor, text: str, images: list, videos: list) -> list[int]:
+    """HF generate's greedy tokens for the prompt as the HF processor makes it (the tokenizer without media:
     some processors, PaliGemma's, refuse text alone)."""
-    enc = processor(text=[text], images=images, return_tensors="pt") if images else \
+    media = {k: v for k, v in (("images", images), ("videos", videos)) if v}
+    enc = processor(text=[text], return_tensors="pt", **media) if media else \
         processor.tokenizer([text], return_tensors="pt")
     with torch.inference_mode():
         out = model.generate(**enc, max_new_tokens=NUM_NEW, do_sample=False)
     return out[0, enc["input_ids"].shape[1]:].tolist()
 
 
-def served_greedy(path: Path, requests: list[tuple[str, list]], **kwargs) -> list[list[int]]:
+def served_greedy(path: Path, requests: list[tuple[str, list, list]], **kwargs) -> list[list[int]]:
     """Our greedy tokens for every request, submitted together (one mixed batch)."""
     from tessera.entrypoints.engine import Engine
 
     with Engine(str(path), show_progress=False, chunked_prefill_size=16, page_size=4, max_total_tokens=4096,
                 **kwargs) as engine:
-        outs = engine.generate(prompt=[t for t, _ in requests], image_data=[ims or None for _, ims in requests],
+        outs = engine.generate(prompt=[t for t, _, _ in requests], image_data=[ims or None for _, ims, _ in requests],
+                               video_data=[vids or None for _, _, vids in requests],
                                sampling_params={"temperature": 0, "max_new_tokens": NUM_NEW})
     return [o["output_ids"] for o in outs]
 
@@ -72,8 +78,8 @@ def family_run(request, tmp_path_factory):
     path = make_checkpoint(tmp_path_factory.mktemp(request.param), family)
     processor = AutoProcessor.from_pretrained(path)
     hf = getattr(transformers, family.architecture).from_pretrained(path).eval()
-    requests = cases(processor, family.image_sizes, family.two_images)
-    refs = [hf_greedy(hf, processor, text, images) for text, images in requests]
+    requests = cases(processor, family.image_sizes, family.two_images, family.video_token is not None)
+    refs = [hf_greedy(hf, processor, *request) for request in requests]
     return refs, served_greedy(path, requests)
 
 
@@ -91,7 +97,7 @@ def test_qwen2_vl_backend_matches_native_and_hf():
     processor = AutoProcessor.from_pretrained(path)
     hf = Qwen2VLForConditionalGeneration.from_pretrained(path).eval()
     requests = cases(processor, ((56, 84), (112, 56)), True)
-    refs = [hf_greedy(hf, processor, text, images) for text, images in requests]
+    refs = [hf_greedy(hf, processor, *request) for request in requests]
     check_can_fail(refs)
     assert served_greedy(path, requests, model_impl="transformers") == refs
     assert served_greedy(path, requests, model_impl="native") == refs

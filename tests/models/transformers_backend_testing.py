@@ -21,11 +21,11 @@ from tests.models.fixture_checks import save_random_model
 HIDDEN = 64
 
 
-def chat_template(image: str) -> str:
-    """role: [images][text] lines, the family's placeholder text per image."""
+def chat_template(image: str, video: str | None = None) -> str:
+    """role: [media][text] lines, the family's placeholder text per image (and video)."""
     return ("{% for message in messages %}{{ message['role'] + ': ' }}{% if message['content'] is string %}"
             "{{ message['content'] }}{% else %}{% for c in message['content'] %}{% if c['type'] == 'image' %}"
-            "{{ '" + image + "' }}{% endif %}{% endfor %}{% for c in message['content'] %}{% if c['type'] == 'text' %}"
+            "{{ '" + image + "' }}{% elif c['type'] == 'video' %}{{ '" + str(video) + "' }}{% endif %}{% endfor %}{% for c in message['content'] %}{% if c['type'] == 'text' %}"
             "{{ c['text'] }}{% endif %}{% endfor %}{% endif %}\n{% endfor %}"
             "{% if add_generation_prompt %}assistant:{% endif %}")
 
@@ -50,6 +50,7 @@ class BackendFamily:
     processor: Callable[[Any, str], Any]  # (tokenizer, chat template) -> HF processor
     projector: str  # dotted path of the Linear whose output is the image embedding
     two_images: bool = True
+    video_token: str | None = None  # the video placeholder, for a family whose videos are tested
     image_sizes: tuple[tuple[int, int], ...] = ((40, 56), (64, 48))
 
 
@@ -164,7 +165,8 @@ def _mistral3_processor(tok, template: str):
 FAMILIES: dict[str, BackendFamily] = {f.architecture: f for f in (
     BackendFamily("LlavaOnevisionForConditionalGeneration", "<image>", {"image_token": "<image>",
                                                                         "video_token": "<video>"},
-                  _llava_onevision, _llava_onevision_processor, "model.multi_modal_projector.linear_2"),
+                  _llava_onevision, _llava_onevision_processor, "model.multi_modal_projector.linear_2",
+                  video_token="<video>"),
     BackendFamily("Idefics3ForConditionalGeneration", "<image>", _IDEFICS_TOKENS, _idefics3, _idefics3_processor,
                   "model.connector.modality_projection.proj"),
     BackendFamily("SmolVLMForConditionalGeneration", "<image>", _IDEFICS_TOKENS,
@@ -210,6 +212,11 @@ def random_image(seed: int, size: tuple[int, int]):
     return Image.fromarray(torch.randint(0, 256, (*size, 3), generator=g, dtype=torch.uint8).numpy())
 
 
+def random_clip(seed: int, size: tuple[int, int], num_frames: int = 4) -> list:
+    """A video as frames (PIL images) of random pixels."""
+    return [random_image(seed * 100 + i, size) for i in range(num_frames)]
+
+
 def make_checkpoint(path: Path, family: BackendFamily, seed: int = 0) -> Path:
     """A complete random checkpoint of `family` at `path`; returns it."""
     import transformers
@@ -219,7 +226,7 @@ def make_checkpoint(path: Path, family: BackendFamily, seed: int = 0) -> Path:
 
     path.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(ASSETS_DIR / "demo-vl", extra_special_tokens=family.tokens)
-    template = chat_template(family.image_token)
+    template = chat_template(family.image_token, family.video_token)
     processor = family.processor(tok, template)
     processor.save_pretrained(path)
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_end|>", *family.tokens.values())}

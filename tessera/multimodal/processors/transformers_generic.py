@@ -6,9 +6,9 @@ runs it, and its input_ids are the request's (whatever it expands a placeholder 
 row and tile markers between them, Idefics3's; a prefix of image tokens and BOS, PaliGemma's). A family's split
 of that output into images is not known here, so each modality of a request is ONE item: its feature is the
 modality's pixel tensor, its model_specific_data the modality's other outputs (image_sizes,
-pixel_attention_mask, batch_num_images, ...), which the backend hands to the model's feature function by name,
-and its offsets are every run of the modality's placeholder id, whose rows the function's output fills in
-order. The item's hash covers every image of the request and the processor's kwargs, so the prefix and encoder
+pixel_attention_mask, batch_num_images, video_grid_thw, ...), which the backend hands to the model's feature
+function by name, and its offsets are every run of the modality's placeholder id (the config's), whose rows the
+function's output fills in order. The item's hash covers every image (or video) of the request and the processor's kwargs, so the prefix and encoder
 caches are shared between requests with the same images in the same order.
 
 Only raw media with a text prompt are taken: the expansion is the HF processor's, and it starts from text.
@@ -17,7 +17,7 @@ Only raw media with a text prompt are taken: the expansion is the HF processor's
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -30,49 +30,58 @@ from tessera.multimodal.special_tokens import MultimodalSpecialTokens
 
 # Processor outputs that describe the text, not the media.
 _TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
-# The pixel tensor of each modality (the feature function's first argument).
+# Per modality: the pixel tensor (the feature function's first argument) and the word its other outputs carry.
 _FEATURE_KEYS = {Modality.IMAGE: "pixel_values", Modality.VIDEO: "pixel_values_videos"}
 
 
-class TransformersProcessor(BaseMultimodalProcessor):
-    supported_modalities: ClassVar[frozenset[Modality]] = frozenset({Modality.IMAGE})
+def media_token_id(hf_config: Any, modality: Modality) -> int | None:
+    """The id the model scatters a modality's rows into (config.image_token_id / image_token_index, ...)."""
+    for name in (f"{modality.value}_token_id", f"{modality.value}_token_index"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
 
+
+class TransformersProcessor(BaseMultimodalProcessor):
     def __init__(self, hf_processor: Any, hf_config: Any, *args: Any, **kwargs: Any) -> None:
+        # Videos where the config has a video token and the HF processor a video processor.
+        self.supported_modalities = frozenset(
+            m for m in _FEATURE_KEYS if media_token_id(hf_config, m) is not None
+            and (m is Modality.IMAGE or getattr(hf_processor, "video_processor", None) is not None))
         super().__init__(hf_processor, hf_config, *args, **kwargs)
-        # The id the model scatters image rows into, which may not be the prompt's placeholder (Aya Vision's
-        # `<image>` becomes runs of `<|IMG_PATCH|>`): the config's id where it gives one.
-        token_id = getattr(hf_config, "image_token_id", None)
-        if token_id is None:
-            token_id = getattr(hf_config, "image_token_index", None)
-        self.item_tokens = (MultimodalSpecialTokens(image_token_id=int(token_id)) if token_id is not None
-                            else MultimodalSpecialTokens(image_token=self.special_tokens.image_token)).build(hf_processor)
+        # The ids the model scatters rows into, which may not be the prompt's placeholders (Aya Vision's `<image>`
+        # becomes runs of `<|IMG_PATCH|>`).
+        self.item_tokens = MultimodalSpecialTokens(**{f"{m.value}_token_id": media_token_id(hf_config, m)
+                                                      for m in self.supported_modalities}).build(hf_processor)
 
     def build_special_tokens(self) -> MultimodalSpecialTokens:
-        """The placeholder the prompt carries: the HF processor's `image_token`, else the config's id."""
-        token = getattr(self.hf_processor, "image_token", None)
-        if token is not None:
-            return MultimodalSpecialTokens(image_token=str(token))
-        token_id = getattr(self.hf_config, "image_token_id", None)
-        if token_id is None:
-            token_id = getattr(self.hf_config, "image_token_index", None)
-        if token_id is None:
-            raise ValueError(f"{type(self.hf_processor).__name__} names no image token and the config no "
-                             "image_token_id: the Transformers backend cannot find the image placeholders")
-        return MultimodalSpecialTokens(image_token_id=int(token_id))
+        """The placeholders the prompt carries: the HF processor's `image_token` / `video_token`, else the ids."""
+        tokens: dict[str, Any] = {}
+        for m in self.supported_modalities:
+            text = getattr(self.hf_processor, f"{m.value}_token", None)
+            if text is not None:
+                tokens[f"{m.value}_token"] = str(text)
+            else:
+                tokens[f"{m.value}_token_id"] = media_token_id(self.hf_config, m)
+        return MultimodalSpecialTokens(**tokens)
 
     def split_hf_output(self, hf_output: Mapping[str, Any], loaded: LoadedMultimodalData) -> list[ItemFeatures]:
-        """One item per modality given (images only here): its pixel tensor and the other media outputs."""
-        if not loaded.images:
-            return []
-        feature = hf_output.get(_FEATURE_KEYS[Modality.IMAGE])
-        if not isinstance(feature, torch.Tensor):
-            raise ValueError(f"{type(self.hf_processor).__name__} returned no pixel_values tensor")
-        extra = {k: v for k, v in hf_output.items()
-                 if k not in _TEXT_KEYS and k != "pixel_values" and "video" not in k and isinstance(v, torch.Tensor)}
-        image_id = self.item_tokens.image_token_id
-        ids = hf_output["input_ids"]
-        num_tokens = int((ids == image_id).sum()) if isinstance(ids, torch.Tensor) else 0
-        return [ItemFeatures(Modality.IMAGE, num_tokens, feature=feature, model_specific_data=extra)]
+        """One item per modality given: its pixel tensor and the modality's other outputs."""
+        items = []
+        for modality, given in ((Modality.IMAGE, loaded.images), (Modality.VIDEO, loaded.videos)):
+            if not given:
+                continue
+            key = _FEATURE_KEYS[modality]
+            feature = hf_output.get(key)
+            if not isinstance(feature, torch.Tensor):
+                raise ValueError(f"{type(self.hf_processor).__name__} returned no {key} tensor")
+            video = modality is Modality.VIDEO
+            extra = {k: v for k, v in hf_output.items() if isinstance(v, torch.Tensor) and k not in _TEXT_KEYS
+                     and k not in _FEATURE_KEYS.values() and ("video" in k) == video}
+            num_tokens = int((hf_output["input_ids"] == self.item_tokens.token_id(modality)).sum())
+            items.append(ItemFeatures(modality, num_tokens, feature=feature, model_specific_data=extra))
+        return items
 
     def split_preprocessed(self, modality: Modality, data: Mapping[str, Any],
                            input_format: InputFormat) -> list[ItemFeatures]:
@@ -95,6 +104,7 @@ class TransformersProcessor(BaseMultimodalProcessor):
         hf_output = self.call_hf_processor(prompt, loaded)
         ids = [int(t) for t in hf_output["input_ids"][0].tolist()]
         features = self.split_hf_output(hf_output, loaded)
-        hashes = [hash_item(loaded.images, self.feature_kwargs(Modality.IMAGE))]
+        hashes = [hash_item(loaded.images if f.modality is Modality.IMAGE else [c.frames for c in loaded.videos],
+                            self.feature_kwargs(f.modality)) for f in features]
         items = build_items(ids, features, hashes, self.item_tokens)
         return ProcessorOutput(input_ids=ids, mm_inputs=MultimodalInputs(items=items))
