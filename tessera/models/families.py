@@ -316,11 +316,15 @@ def headless_family(architecture: str, model_type: str | None) -> Family | None:
     return None
 
 
+# What the Transformers backend does not run (its rows' "not supported").
+BACKEND_NOTES = ("CUDA graphs; LoRA; tensor parallelism; pre-quantized checkpoints (--torchao-config works); "
+                 "embeddings; audio")
 # Architectures without a native row that the Transformers backend is tested on (greedy tokens equal to HF
 # generate: tests/models/test_transformers_backend.py); the README's table lists them.
-BACKEND_TESTED = ("AyaVisionForConditionalGeneration", "Idefics3ForConditionalGeneration",
-                  "LlavaOnevisionForConditionalGeneration", "Mistral3ForConditionalGeneration",
-                  "PaliGemmaForConditionalGeneration", "SmolVLMForConditionalGeneration")
+BACKEND_TESTED = {"AyaVisionForConditionalGeneration": "image", "Idefics3ForConditionalGeneration": "image",
+                  "LlavaOnevisionForConditionalGeneration": "image, video",
+                  "Mistral3ForConditionalGeneration": "image", "PaliGemmaForConditionalGeneration": "image",
+                  "SmolVLMForConditionalGeneration": "image"}
 
 
 def support_table() -> str:
@@ -330,7 +334,8 @@ def support_table() -> str:
     rows = [(f.name, f) for f in FAMILIES.values()] + [(a, None) for a in BACKEND_TESTED]
     for name, f in sorted(rows, key=lambda r: r[0]):
         if f is None:
-            lines.append(f"| `{name}` | Transformers backend | image | RoPE | none | see the backend's limits |")
+            modalities = BACKEND_TESTED[name]
+            lines.append(f"| `{name}` | Transformers backend | {modalities} | RoPE | none | {BACKEND_NOTES} |")
             continue
         arch = f"`{f.architecture}`" + (f" ({f.vision_model_type} vision)" if f.vision_model_type else "")
         modalities = ", ".join(sorted(m.value for m in f.modalities)) or "text"

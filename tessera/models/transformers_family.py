@@ -17,6 +17,7 @@ from typing import Any
 from tessera.config import MODEL_IMPLS
 from tessera.messages.items import Modality
 from tessera.models.families import (
+    BACKEND_NOTES,
     Family,
     UnsupportedArchitectureError,
     architecture_of,
@@ -30,8 +31,6 @@ BACKEND_MODEL = "tessera.models.transformers_backend:TransformersModel"
 GENERIC_PROCESSOR = "tessera.multimodal.processors.transformers_generic:TransformersProcessor"
 # Families whose transformers code counts positions from 1 (PaliGemma: `position_ids + 1` when it makes them).
 POSITION_OFFSETS = {"paligemma": 1}
-BACKEND_NOTES = ("CUDA graphs; LoRA; tensor parallelism; pre-quantized checkpoints (--torchao-config works); "
-                 "embeddings; audio")
 
 
 def hf_model_class(architecture: str) -> type:
