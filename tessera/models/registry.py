@@ -87,6 +87,7 @@ def _load_transformers(model_path: str | Path, config: ModelConfig, dtype: torch
     """The Transformers backend's model (models/transformers_backend.py), loaded by transformers in the compute
     dtype; what it cannot run is refused here, naming why."""
     from tessera.models.transformers_backend import TransformersModel, register_attention
+    from tessera.models.transformers_layers import fuse_siblings
 
     if config.quant is not None:
         raise ValueError(f"model_impl: the Transformers backend loads float checkpoints; {config.architecture}'s is "
@@ -96,9 +97,11 @@ def _load_transformers(model_path: str | Path, config: ModelConfig, dtype: torch
     register_attention()
     model = TransformersModel.load(model_path, config, backend, torch_dtype, dev, language_model_only)
     model.eval().requires_grad_(False)
-    if torchao_config:  # the text decoder's linears are ours (transformers_backend._swap_linears)
+    if torchao_config:  # the text decoder's linears are ours (transformers_layers.adopt_our_layers)
         model.quantization = quantize_linears(model, torchao_config, prefix="hf." + model.language_model_prefix)
         logger.info("quantization: %s", model.quantization)
+    else:  # q/k/v and gate/up as one product each (float weights only)
+        fuse_siblings(model)
     logger.info("%s runs on the Transformers backend (its transformers modeling code, Tessera's paged attention)",
                 config.architecture)
     return model

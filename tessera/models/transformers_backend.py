@@ -32,12 +32,11 @@ import torch
 from tessera.cache.kv_pool import TokenToKVPool
 from tessera.layers.attention import BaseAttentionBackend
 from tessera.layers.forward_batch import ForwardBatch
-from tessera.layers.linear import Linear
-from tessera.layers.norm import RMSNorm
 from tessera.messages.items import Modality, MultimodalDataItem
 from tessera.models.base import Encoder, StepLayout, StepSegment, TesseraModel
 from tessera.models.config import ModelConfig
 from tessera.models.mm_embed import item_embeddings, merge_mm_embeddings
+from tessera.models.transformers_layers import adopt_our_layers
 from tessera.models.transformers_family import (
     POSITION_OFFSETS,
     TESSERA_ATTENTION,
@@ -105,7 +104,7 @@ class TransformersModel(TesseraModel):
                              f"({text.num_hidden_layers}); it cannot run on the Transformers backend")
         for module in attention:
             object.__setattr__(module, "tessera_scope", self.scope)  # a plain attribute, not a submodule
-        self.language_model_prefix = _swap_linears(hf_model)
+        self.language_model_prefix = adopt_our_layers(hf_model)
         self.position_offset = POSITION_OFFSETS.get(config.model_type, 0)
         inner = getattr(hf_model, "model", hf_model)
         self._features = {m: getattr(inner, name) for m, name in _FEATURE_FUNCTIONS.items()
@@ -195,64 +194,6 @@ class TransformersModel(TesseraModel):
             out = self.hf(inputs_embeds=x[None], position_ids=position_ids, logits_to_keep=rows, use_cache=False,
                           return_dict=True)
         return out.logits[0]
-
-
-class _RowsLinear(Linear):
-    """Our Linear over transformers' [batch, seq, features] activations: the product runs on the rows (our CPU
-    kernels take 2-D x)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
-
-
-class _RowsRMSNorm(RMSNorm):
-    """Our RMSNorm (its CPU kernel) over any [..., hidden] activations."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(x.reshape(-1, x.shape[-1])).view(x.shape)
-
-
-def _as_our_rmsnorm(module: torch.nn.Module) -> RMSNorm | None:
-    """Our RMSNorm over `module`'s weight where `module` computes what it computes (weight * x / rms(x)) on a
-    probe; None for anything else (Gemma's 1 + weight, Cohere's layer norm, norms with a bias)."""
-    weight = getattr(module, "weight", None)
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if (not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1 or not isinstance(eps, float)
-            or getattr(module, "bias", None) is not None or list(module.children())):
-        return None
-    ours = _RowsRMSNorm(weight.shape[0], eps)
-    ours.weight = weight
-    probe = torch.randn(2, 3, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight)
-    with torch.no_grad():
-        try:
-            same = torch.allclose(module(probe), ours(probe), rtol=1e-4, atol=1e-5)
-        except (TypeError, RuntimeError):
-            same = False
-    return ours if same else None
-
-
-def _swap_linears(hf_model: torch.nn.Module) -> str:
-    """Every torch.nn.Linear of the text decoder and the LM head becomes our Linear over the same parameters: its
-    few-row products run in our CPU kernels (a decode step's), and --torchao-config can quantize it
-    (int_linear.quantize_linears). The decoder's RMSNorms become ours where they compute the same (one C call
-    instead of about ten torch operators). Returns the decoder's module path + "." (where those linears are)."""
-    decoder = hf_model.get_decoder()
-    prefix = next(name for name, module in hf_model.named_modules() if module is decoder)
-    head = hf_model.get_output_embeddings()
-    for parent in [*decoder.modules(), hf_model]:
-        for child_name, child in parent.named_children():
-            if parent is hf_model and child is not head:
-                continue
-            ours: torch.nn.Module | None = None
-            if type(child) is torch.nn.Linear:
-                ours = _RowsLinear(child.in_features, child.out_features, bias=child.bias is not None)
-                ours.weight = child.weight
-                ours.bias = child.bias
-            elif "Norm" in type(child).__name__:
-                ours = _as_our_rmsnorm(child)
-            if ours is not None:
-                setattr(parent, child_name, ours)
-    return prefix + "."
 
 
 def _flat_rows(features: Any, hidden: int) -> torch.Tensor:
