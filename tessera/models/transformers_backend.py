@@ -21,7 +21,6 @@ placeholder rows in prompt order, which is how transformers' `masked_scatter` pl
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -45,8 +44,6 @@ from tessera.models.transformers_family import (
 )
 from tessera.models.weights import WeightMapping
 
-logger = logging.getLogger(__name__)
-
 # transformers' feature function per modality, on the model or its inner `model`.
 _FEATURE_FUNCTIONS = {Modality.IMAGE: "get_image_features", Modality.VIDEO: "get_video_features",
                       Modality.AUDIO: "get_audio_features"}
@@ -66,7 +63,9 @@ def tessera_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
                       sliding_window: int | None = None, softcap: float | None = None,
                       **kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature over our paged pool: q/k/v [1, heads, T, dim] of the step's
-    flattened tokens -> ([1, T, heads, dim], no weights)."""
+    flattened tokens -> ([1, T, heads, dim], no weights). `attention_mask` is not read: transformers makes none
+    for this implementation (no AttentionMaskInterface entry), and each request's mask is ours (causal, with the
+    family's bidirectional spans as custom masks)."""
     scope: _StepScope | None = getattr(module, "tessera_scope", None)
     if scope is None or scope.fb is None or scope.pool is None:
         raise RuntimeError(f"{type(module).__name__} ran Tessera's attention outside a Tessera step")
