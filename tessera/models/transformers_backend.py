@@ -59,11 +59,10 @@ class _StepScope:
 
 
 def tessera_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attention_mask: Any, scaling: float | None = None, dropout: float = 0.0,
-                      sliding_window: int | None = None, softcap: float | None = None,
-                      **kwargs: Any) -> tuple[torch.Tensor, None]:
+                      *_mask: Any, scaling: float | None = None, sliding_window: int | None = None,
+                      softcap: float | None = None, **_kwargs: Any) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature over our paged pool: q/k/v [1, heads, T, dim] of the step's
-    flattened tokens -> ([1, T, heads, dim], no weights). `attention_mask` is not read: transformers makes none
+    flattened tokens -> ([1, T, heads, dim], no weights). The mask (the fifth argument) is not read: transformers makes none
     for this implementation (no AttentionMaskInterface entry), and each request's mask is ours (causal, with the
     family's bidirectional spans as custom masks)."""
     scope: _StepScope | None = getattr(module, "tessera_scope", None)
