@@ -30,7 +30,7 @@ def test_chat_with_images_matches_hf(backend_server) -> None:
     images = [random_image(1, (40, 56)), random_image(2, (64, 48))]
     check_image_chats_match_hf(srv.base_url, path, getattr(transformers, ARCHITECTURE), (images[:1], images),
                                QUESTION, MAX_TOKENS)
-    check_model_info(srv.base_url, ARCHITECTURE)
+    check_model_info(srv.base_url, ARCHITECTURE, video=True)
 
 
 def test_streaming_logprobs_and_grammar(backend_server) -> None:
