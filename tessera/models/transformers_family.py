@@ -129,6 +129,9 @@ def _unsupported_reason(hf_config: Any, cls: type) -> str | None:
         if text_cls is not None and not getattr(text_cls, "_supports_attention_backend", False):
             return (f"its text model ({text_cls.__name__}) does not send its attention through transformers' "
                     "attention interface")
+    if getattr(getattr(hf_config, "vision_config", None), "deepstack_visual_indexes", None):
+        return ("its vision features also enter decoder layers (DeepStack), which the backend's embedding merge does "
+                "not feed")
     if getattr(text, "attn_logit_softcapping", None):
         return "its attention soft-caps the logits (attn_logit_softcapping), which Tessera's attention does not"
     return None

@@ -132,6 +132,7 @@ def test_model_impl_picks_the_family_row():
     ("BloomConfig", "BloomForCausalLM", "auto", ["BloomForCausalLM", "attention interface", "--model-impl"]),
     ("T5Config", "T5ForConditionalGeneration", "transformers", ["encoder-decoder", "--model-impl"]),
     ("Gemma2Config", "Gemma2ForCausalLM", "auto", ["attn_logit_softcapping"]),
+    ("Qwen3VLConfig", "Qwen3VLForConditionalGeneration", "transformers", ["DeepStack", "--model-impl"]),
 ])
 def test_what_the_backend_cannot_run_is_one_error_before_loading(cls_name, architecture, impl, words):
     from tessera.models.config import ModelConfig
