@@ -24,7 +24,7 @@ import inspect
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -83,6 +83,10 @@ def tessera_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 class TransformersModel(TesseraModel):
     """A transformers model under the model contract (see the module docstring)."""
+
+    # Off (the worker logs it at start): transformers' modeling code may branch on values and shapes in Python
+    # (position and mask helpers, `torch_compilable_check`s), which a captured graph would replay unchanged.
+    cuda_graph_decode: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig, hf_model: torch.nn.Module, attn_backend: BaseAttentionBackend,
                  language_model_only: bool = False):
