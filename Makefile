@@ -19,7 +19,7 @@ PIP_INSTALL := $(BIN)/pip install --progress-bar on -c constraints.txt --config-
 $(STAMP): pyproject.toml constraints.txt
 	@echo "== Setting up $(VENV) (first time only): torch, transformers and Tessera's other dependencies."
 	@echo "   About 1.5 minutes and 5.9 GB with PyPI's torch (3.2 GB of it CUDA libraries, used on a GPU only);"
-	@echo "   see the README for the smaller CPU-only torch."
+	@echo "   see docs/usage.md for the smaller CPU-only torch."
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(PIP_INSTALL) -e .
@@ -57,24 +57,24 @@ test-fast: $(TEST_STAMP)
 	$(PYTEST) -m "not slow" $(ARGS)
 
 eval-vl: $(STAMP)
-	$(BIN)/python -m tessera.demo.eval_vl --model-path tessera/assets/demo-vl
+	$(BIN)/python -m demo.eval_vl --model-path tessera/assets/demo-vl
 
 # Stages 1-4 (the scenes), then stage 5 (the copy task) from their checkpoint into the shipped one.
 train-vl: $(STAMP)
-	$(BIN)/python -m tessera.demo.train_vl --work-dir .train/demo-vl --out .train/demo-vl/scenes
-	$(BIN)/python -m tessera.demo.train_copy --base .train/demo-vl/scenes --work-dir .train/demo-vl-copy \
+	$(BIN)/python -m demo.train_vl --work-dir .train/demo-vl --out .train/demo-vl/scenes
+	$(BIN)/python -m demo.train_copy --base .train/demo-vl/scenes --work-dir .train/demo-vl-copy \
 		--out tessera/assets/demo-vl
 
 # demo-vl-draft, demo-vl's STANDALONE speculative draft, distilled from demo-vl's greedy outputs (minutes).
 train-draft: $(STAMP)
-	$(BIN)/python -m tessera.demo.train_draft --work-dir .train/demo-vl-draft --out tessera/assets/demo-vl-draft
+	$(BIN)/python -m demo.train_draft --work-dir .train/demo-vl-draft --out tessera/assets/demo-vl-draft
 
 # demo-asr data is synthesised with espeak-ng (apt-get install espeak-ng); tests and serving never need it.
 eval-asr: $(STAMP)
-	$(BIN)/python -m tessera.demo.eval_asr --model-path tessera/assets/demo-asr
+	$(BIN)/python -m demo.eval_asr --model-path tessera/assets/demo-asr
 
 train-asr: $(STAMP)
-	$(BIN)/python -m tessera.demo.train_asr --work-dir .train/demo-asr --out tessera/assets/demo-asr
+	$(BIN)/python -m demo.train_asr --work-dir .train/demo-asr --out tessera/assets/demo-asr
 
 clean:
 	rm -rf $(VENV) .pytest_cache

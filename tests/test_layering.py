@@ -1,11 +1,14 @@
 """The package's floors (docs/architecture.md, "Floors"): each imports only floors below it (imports inside
 functions and under TYPE_CHECKING count too), no module imports itself back through others, only the
-platform layer and the attention/ops choice ask which kind of device they are on, and files stay short."""
+platform layer and the attention/ops choice ask which kind of device they are on, and the serving package never
+imports the demo models' training scripts (the repository's demo/). A file longer than MAX_LINES is reported as a
+warning, not a failure: a cohesive class is worth more than the cap."""
 
 from __future__ import annotations
 
 import ast
 import re
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1] / "tessera"
@@ -24,7 +27,11 @@ APART = [{"worker", "scheduler"}, {"frontend", "worker"}]
 # The only files (outside bench/, which measures devices) that ask which kind of device they are on.
 DEVICE_KIND_FILES = {"platform/device.py", "platform/cpu_kernels.py", "layers/attention/__init__.py"}
 DEVICE_KIND = re.compile(r"torch\.cuda|\bis_cuda\b|\.is_cpu\b|device\.type\b|\.type\s*[!=]=|[\"']cuda[\"']")
-MAX_LINES = 450
+MAX_LINES = 450  # past it, a warning that asks whether the file still does one thing
+
+
+class LongFileWarning(UserWarning):
+    """A file past MAX_LINES: worth a look, not a failure."""
 
 
 def _modules() -> dict[str, Path]:
@@ -130,15 +137,36 @@ def test_only_the_platform_layer_and_the_attention_choice_ask_for_the_device_kin
     assert asking <= DEVICE_KIND_FILES, sorted(asking - DEVICE_KIND_FILES)
 
 
-def test_files_stay_short():
-    long = {str(p.relative_to(ROOT)): n for p in MODULES.values() if (n := len(p.read_text().splitlines())) > MAX_LINES}
-    assert long == {}
+def test_the_package_never_imports_the_training_scripts():
+    importing = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            importing += [f"{module} -> {n}" for n in names if n.split(".")[0] == "demo"]
+    assert importing == []
 
 
-def test_the_checks_can_fail():
+def _long_files(paths, root: Path = ROOT) -> dict[str, int]:
+    """Files past MAX_LINES, longest first: name under root -> lines."""
+    long = {str(p.relative_to(root)): n for p in paths if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    return dict(sorted(long.items(), key=lambda kv: -kv[1]))
+
+
+def test_long_files_are_reported():
+    """A report, not a check: each long file is a warning in pytest's summary."""
+    for name, n in _long_files(MODULES.values()).items():
+        warnings.warn(f"{name}: {n} lines (> {MAX_LINES}): does it still do one thing?", LongFileWarning,
+                      stacklevel=1)
+
+
+def test_the_checks_can_fail(tmp_path):
     """The import reader sees function-level and relative imports, and the device pattern its spellings."""
     src = "def f():\n    from tessera.worker import model_worker\nfrom . import media\n"
     found = _imports("tessera.multimodal.processors.base", src)
     assert "tessera.worker.model_worker" in found and "tessera.multimodal.processors" in found
     for spelling in ('x.device.type == "cpu"', "t.is_cuda", "torch.cuda.synchronize()", "x.is_cpu"):
         assert DEVICE_KIND.search(spelling)
+    (tmp_path / "long.py").write_text("x = 1\n" * (MAX_LINES + 1))
+    (tmp_path / "short.py").write_text("x = 1\n" * MAX_LINES)
+    assert _long_files(sorted(tmp_path.iterdir()), tmp_path) == {"long.py": MAX_LINES + 1}

@@ -187,3 +187,10 @@ def test_max_tokens_is_vllms_name_for_max_new_tokens() -> None:
         SamplingParams.from_dict({"max_tokens": 8, "max_new_tokens": 9})
     with pytest.raises(ValueError, match=r"unknown sampling parameter\(s\): n_predict \(n_predict: use max_new_tokens\)"):
         SamplingParams.from_dict({"n_predict": 8})
+
+
+def test_stop_ids_are_the_requests_and_the_models_eos_unless_ignored():
+    """The one stop-id set: the scheduler finishes on it and the sampler bans it below min_new_tokens."""
+    assert SamplingParams(stop_token_ids=[5]).normalize().stop_ids({2, 3}) == {2, 3, 5}
+    assert SamplingParams(stop_token_ids=[5], ignore_eos=True).normalize().stop_ids({2, 3}) == {5}
+    assert SamplingParams().stop_ids(()) == set()

@@ -19,7 +19,7 @@ def _rate(text: str) -> float:
     return rate
 
 
-def _report(summary: str, result: dict, output_json: str | None) -> None:
+def report_result(summary: str, result: dict, output_json: str | None) -> None:
     """A command's summary on stdout, and its full result as JSON at --output-json when given."""
     print(summary)
     if output_json:
@@ -37,10 +37,25 @@ def _json_obj(text: str) -> dict:
     return value
 
 
+def _subcommand(sub, name: str, func, *, help: str, description: str, model_path: str | None = None,
+                model_help: str = "checkpoint dir, demo-vl, or bench-medium (~150M random)",
+                output_help: str = "write the whole result here as JSON") -> argparse.ArgumentParser:
+    """`tessera bench NAME`, run by func(namespace), with what every subcommand takes: --output-json, and
+    --model-path (default model_path) for those that load a model."""
+    p = sub.add_parser(name, help=help, description=description)
+    if model_path is not None:
+        p.add_argument("--model-path", default=model_path, help=model_help)
+    p.add_argument("--output-json", default=None, help=output_help)
+    p.set_defaults(func=func)
+    return p
+
+
 def _add_serving(sub) -> None:
-    p = sub.add_parser("serving", help="load-test an OpenAI-compatible server (streaming, Poisson arrivals)",
-                       description="Drives any OpenAI-compatible /v1/chat/completions server with multimodal "
-                                   "requests and reports throughput and TTFT/TPOT/ITL/E2E percentiles.")
+    p = _subcommand(sub, "serving", _cmd_serving,
+                    output_help="write the result (config, metrics, per-request) here",
+                    help="load-test an OpenAI-compatible server (streaming, Poisson arrivals)",
+                    description="Drives any OpenAI-compatible /v1/chat/completions server with multimodal "
+                                "requests and reports throughput and TTFT/TPOT/ITL/E2E percentiles.")
     p.add_argument("--base-url", default=None, help="server root, e.g. http://127.0.0.1:30000 (with or without /v1)")
     p.add_argument("--model", default=None, help="model name to send (default: the first one the server lists)")
     p.add_argument("--dataset", default="random-image", choices=SERVING_DATASETS,
@@ -66,10 +81,8 @@ def _add_serving(sub) -> None:
     p.add_argument("--server-pid", type=int, default=None,
                    help="sample this process tree's RSS during the run (default: whoever listens on --base-url's "
                         "port, when it is on this machine; 0: none)")
-    p.add_argument("--output-json", default=None, help="write the result (config, metrics, per-request) here")
     p.add_argument("--plot", default=None, help="PNG of latency percentiles vs concurrency (needs --from-json)")
     p.add_argument("--from-json", nargs="+", default=None, help="result files to plot instead of running")
-    p.set_defaults(func=_cmd_serving)
 
 
 def _cmd_serving(ns: argparse.Namespace) -> int:
@@ -100,10 +113,10 @@ def _cmd_serving(ns: argparse.Namespace) -> int:
 
 
 def _add_offline(sub) -> None:
-    p = sub.add_parser("offline", help="workloads a-d through tessera.Engine and HF transformers generate",
-                       description="Runs workloads a-d (see tessera/bench/offline.py) through tessera.Engine and, "
-                                   "with --compare hf, through HF transformers' batched generate in this process.")
-    p.add_argument("--model-path", default="demo-vl", help="checkpoint dir, demo-vl, or bench-medium (~150M random)")
+    p = _subcommand(sub, "offline", _cmd_offline, model_path="demo-vl",
+                    help="workloads a-d through tessera.Engine and HF transformers generate",
+                    description="Runs workloads a-d (see tessera/bench/offline.py) through tessera.Engine and, "
+                                "with --compare hf, through HF transformers' batched generate in this process.")
     p.add_argument("--workload", default="all", help="a, b, c, d, a comma list, or all")
     p.add_argument("--compare", default="hf", choices=("hf", "none"), help="baseline to compare with")
     p.add_argument("--num-runs", type=int, default=3, help="timed runs per figure; the median is reported")
@@ -116,8 +129,6 @@ def _add_offline(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-args", type=_json_obj, default={},
                    help='extra tessera.Engine/ServerArgs fields as JSON, e.g. \'{"max_running_requests": 32}\'')
-    p.add_argument("--output-json", default=None)
-    p.set_defaults(func=_cmd_offline)
 
 
 def parse_workloads(text: str) -> tuple[str, ...]:
@@ -138,24 +149,22 @@ def _cmd_offline(ns: argparse.Namespace) -> int:
                         num_requests=ns.num_requests, max_output_len=ns.max_output_len, decode_len=ns.decode_len,
                         hf_batch_size=ns.hf_batch_size, engine_args=ns.engine_args, dtype=ns.dtype)
     result = run_offline(cfg)
-    _report(format_summary(result), result, ns.output_json)
+    report_result(format_summary(result), result, ns.output_json)
     return 0
 
 
 def _add_profile(sub) -> None:
-    p = sub.add_parser("profile", help="one decode step of our model vs HF's, with torch.profiler's op table",
-                       description="Times a decode step of Tessera's model over a paged KV pool and of HF's "
-                                   "model with its DynamicCache, same batch and context, and groups Tessera's "
-                                   "operators by self CPU time (see tessera/bench/step_profile.py).")
-    p.add_argument("--model-path", default="demo-vl", help="checkpoint dir, demo-vl, or bench-medium (~150M random)")
+    p = _subcommand(sub, "profile", _cmd_profile, model_path="demo-vl",
+                    help="one decode step of our model vs HF's, with torch.profiler's op table",
+                    description="Times a decode step of Tessera's model over a paged KV pool and of HF's "
+                                "model with its DynamicCache, same batch and context, and groups Tessera's "
+                                "operators by self CPU time (see tessera/bench/step_profile.py).")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--context-len", type=int, default=256)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--disable-decode-kv-mirror", action="store_true",
                    help="gather every request's K/V from the pool each step, as before the mirror")
-    p.add_argument("--output-json", default=None)
-    p.set_defaults(func=_cmd_profile)
 
 
 def _cmd_profile(ns: argparse.Namespace) -> int:
@@ -171,20 +180,21 @@ def _cmd_profile(ns: argparse.Namespace) -> int:
     result = run_profile(ProfileConfig(model_path=ns.model_path, batch_size=ns.batch_size,
                                        context_len=ns.context_len, steps=ns.steps,
                                        no_mirror=ns.disable_decode_kv_mirror))
-    _report(format_profile(result), result, ns.output_json)
+    report_result(format_profile(result), result, ns.output_json)
     return 0
 
 
 def _add_soak(sub) -> None:
-    p = sub.add_parser("soak", help="reliability under load: chat requests, a share of them hostile; checks 4xx "
-                                    "shapes, no 5xx, idle /metrics after the drain",
-                       description="Sends --num-requests chat requests (scene questions about rendered images) at "
-                                   "--concurrency, --hostile-fraction of them hostile (corrupt/truncated media, "
-                                   "pixel bombs, bad schemes, private and metadata URLs, paths outside the "
-                                   "allowed directory, 50 images, huge prompts), and checks every answer. "
-                                   "Exit 1 if any check fails (see tessera/bench/soak.py).")
+    p = _subcommand(sub, "soak", _cmd_soak,
+                    model_path="demo-vl", model_help="model of the server started when --base-url is not given",
+                    help="reliability under load: chat requests, a share of them hostile; checks 4xx "
+                         "shapes, no 5xx, idle /metrics after the drain",
+                    description="Sends --num-requests chat requests (scene questions about rendered images) at "
+                                "--concurrency, --hostile-fraction of them hostile (corrupt/truncated media, "
+                                "pixel bombs, bad schemes, private and metadata URLs, paths outside the "
+                                "allowed directory, 50 images, huge prompts), and checks every answer. "
+                                "Exit 1 if any check fails (see tessera/bench/soak.py).")
     p.add_argument("--base-url", default=None, help="a running server; without it one is started (--model-path)")
-    p.add_argument("--model-path", default="demo-vl", help="model of the server started when --base-url is not given")
     p.add_argument("--num-requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--hostile-fraction", type=float, default=0.05)
@@ -194,8 +204,6 @@ def _add_soak(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout in seconds")
-    p.add_argument("--output-json", default=None)
-    p.set_defaults(func=_cmd_soak)
 
 
 def _cmd_soak(ns: argparse.Namespace) -> int:
@@ -220,20 +228,20 @@ def _cmd_soak(ns: argparse.Namespace) -> int:
                          distinct_prompts=ns.distinct_prompts,
                          timeout_s=ns.timeout, api_key=ns.api_key)
         result = run_soak(cfg)
-    _report(format_result(result), dataclasses.asdict(result), ns.output_json)
+    report_result(format_result(result), dataclasses.asdict(result), ns.output_json)
     return 0 if result.ok else 1
 
 
 def _add_overload(sub) -> None:
-    p = sub.add_parser("overload", help="load past capacity against --max-queued-requests: 503s only, nothing "
-                                        "admitted lost, admitted latency",
-                       description="Streams chat requests from load-factor x (running + queued) clients for "
-                                   "--duration seconds (after a --baseline at load factor 1) and checks that "
-                                   "refusals are 503s counted in /metrics and that every admitted request "
-                                   "finishes. Exit 1 if a check fails (see tessera/bench/overload.py).")
+    p = _subcommand(sub, "overload", _cmd_overload, model_path="demo-vl",
+                    help="load past capacity against --max-queued-requests: 503s only, nothing "
+                         "admitted lost, admitted latency",
+                    description="Streams chat requests from load-factor x (running + queued) clients for "
+                                "--duration seconds (after a --baseline at load factor 1) and checks that "
+                                "refusals are 503s counted in /metrics and that every admitted request "
+                                "finishes. Exit 1 if a check fails (see tessera/bench/overload.py).")
     p.add_argument("--base-url", default=None, help="a running server started with the same two flags; without "
                                                     "it one is started (--model-path)")
-    p.add_argument("--model-path", default="demo-vl")
     p.add_argument("--max-running-requests", type=int, default=16)
     p.add_argument("--max-queued-requests", type=int, default=32)
     p.add_argument("--duration", type=float, default=120.0, help="seconds of overload")
@@ -242,8 +250,6 @@ def _add_overload(sub) -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--retry-wait", type=float, default=0.25, help="seconds a refused client waits")
     p.add_argument("--api-key", default=None)
-    p.add_argument("--output-json", default=None)
-    p.set_defaults(func=_cmd_overload)
 
 
 def _cmd_overload(ns: argparse.Namespace) -> int:
@@ -267,16 +273,17 @@ def _cmd_overload(ns: argparse.Namespace) -> int:
             base_url=base_url, max_running=ns.max_running_requests, max_queued=ns.max_queued_requests,
             duration_s=ns.duration, load_factor=ns.load_factor, baseline_s=ns.baseline, max_tokens=ns.max_tokens,
             retry_wait_s=ns.retry_wait, api_key=ns.api_key))
-    _report(format_result(result), result, ns.output_json)
+    report_result(format_result(result), result, ns.output_json)
     return 0 if result["ok"] else 1
 
 
 def _add_spec(sub) -> None:
-    p = sub.add_parser("spec", help="output tok/s with and without speculative decoding, side by side",
-                       description="Two engines over one checkpoint, plain and speculative, timed in alternation "
-                                   "at each concurrency; outputs compared token by token "
-                                   "(see tessera/bench/speculative.py).")
-    p.add_argument("--model-path", default="bench-medium", help="checkpoint dir, demo-vl, or bench-medium")
+    p = _subcommand(sub, "spec", _cmd_spec,
+                    model_path="bench-medium", model_help="checkpoint dir, demo-vl, or bench-medium",
+                    help="output tok/s with and without speculative decoding, side by side",
+                    description="Two engines over one checkpoint, plain and speculative, timed in alternation "
+                                "at each concurrency; outputs compared token by token "
+                                "(see tessera/bench/speculative.py).")
     p.add_argument("--algorithm", default="ORACLE", choices=("ORACLE", "NGRAM", "STANDALONE"))
     p.add_argument("--draft-model-path", default=None, help="STANDALONE's draft checkpoint")
     p.add_argument("--num-steps", type=int, default=4, help="draft tokens per verify step")
@@ -288,8 +295,6 @@ def _add_spec(sub) -> None:
     p.add_argument("--num-runs", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--engine-args", type=_json_obj, default={}, help="extra Engine/ServerArgs fields as JSON")
-    p.add_argument("--output-json", default=None)
-    p.set_defaults(func=_cmd_spec)
 
 
 def _cmd_spec(ns: argparse.Namespace) -> int:
@@ -303,21 +308,19 @@ def _cmd_spec(ns: argparse.Namespace) -> int:
                           input_len=ns.input_len, output_len=ns.output_len, concurrency=concurrency,
                           num_runs=ns.num_runs, seed=ns.seed, engine_args=ns.engine_args)
     result = run_spec_bench(cfg)
-    _report(format_summary(result), result, ns.output_json)
+    report_result(format_summary(result), result, ns.output_json)
     return 0 if all(r["identical"] for r in result["by_concurrency"].values()) else 1
 
 
 def _add_embed(sub) -> None:
-    p = sub.add_parser("embed", help="embeddings/s of Engine.encode vs transformers' forward (texts and images)",
-                       description="Embeds --num-texts scene captions and --num-images rendered scenes through "
-                                   "tessera.Engine.encode and through transformers' base model (one input per "
-                                   "forward, and padded batches), in one run (see tessera/bench/embed.py).")
-    p.add_argument("--model-path", default="demo-vl")
+    p = _subcommand(sub, "embed", _cmd_embed, model_path="demo-vl",
+                    help="embeddings/s of Engine.encode vs transformers' forward (texts and images)",
+                    description="Embeds --num-texts scene captions and --num-images rendered scenes through "
+                                "tessera.Engine.encode and through transformers' base model (one input per "
+                                "forward, and padded batches), in one run (see tessera/bench/embed.py).")
     p.add_argument("--num-texts", type=int, default=256)
     p.add_argument("--num-images", type=int, default=64)
     p.add_argument("--hf-batch-size", type=int, default=32)
-    p.add_argument("--output-json", default=None)
-    p.set_defaults(func=_cmd_embed)
 
 
 def _cmd_embed(ns: argparse.Namespace) -> int:
@@ -326,7 +329,7 @@ def _cmd_embed(ns: argparse.Namespace) -> int:
     if min(ns.num_texts, ns.num_images, ns.hf_batch_size) < 1:
         raise ValueError("embed: --num-texts, --num-images and --hf-batch-size must be positive")
     result = run_embed_bench(ns.model_path, ns.num_texts, ns.num_images, ns.hf_batch_size)
-    _report(result.summary(), result.as_dict(), ns.output_json)
+    report_result(result.summary(), result.as_dict(), ns.output_json)
     return 0
 
 

@@ -353,7 +353,7 @@ def decode_speed(path: Path, plan: Plan, bandwidth: float, budget: Budget) -> di
     big = max(map(int, out["tessera_step_ms"]), default=None)
     if big and budget.allows(f"HF batch {big}", plan.needs("HF largest batch")):
         out["hf_step_ms"][str(big)] = _step_ms(hf_run(prompts[:big]), min(plan.decode_tokens, 16), plan.device)
-    del hf
+    hf = None  # the closures above are done with it: its memory goes before the compiled run
     if plan.device != "cpu" and budget.allows("compiled batch 1", plan.needs("compiled batch 1")):  # graphs only
         # --enable-torch-compile beside the hand-fused kernels: inductor's default mode, whose compile fits the
         # check's budget (max-autotune's search may not); the status says whether the compiled graph was kept.

@@ -46,7 +46,7 @@ def build(path: Path):
     return hf
 
 
-def image_item(num_prompt: int, seed: int):
+def image_item(seed: int):
     """One 2 x 2-tile image at the prompt's start, attending to the whole prompt (a processor item's fields)."""
     from tessera.messages.items import Modality, MultimodalDataItem
     from tessera.multimodal.processors.mllama import CROSS_SPAN, RATIO_ID, RATIO_MASK
@@ -75,7 +75,7 @@ class Ours:
 
         self.model, self.config = load_model(path, torch.float32)
         self.state = type(self.model).request_state
-        rows = self.state.extra_slots(self.config, [image_item(1, 0)])
+        rows = self.state.extra_slots(self.config, [image_item(0)])
         self.span = context + steps + 8
         kv = self.config.kv_layout
         self.pool = TokenToKVPool(batch * (self.span + rows) + 1, kv.num_layers, kv.num_kv_heads, kv.head_dim)
@@ -118,7 +118,7 @@ def run(batch: int, context: int, steps: int) -> dict:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.cat([torch.tensor([IMAGE_ID]), torch.randint(3, 30000, (context - 1,), generator=g)])
                for _ in range(batch)]
-    items = [image_item(context, i) for i in range(batch)]
+    items = [image_item(i) for i in range(batch)]
 
     def hf_kwargs(n: int, rows: int):
         return dict(pixel_values=torch.stack([it.feature for it in items[:n]])[:, None],

@@ -15,13 +15,14 @@ prefill: prompt tokens / T(prompt + 1 token), caches flushed before every call.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import statistics
 import time
 
 from tessera.bench.agreement import GreedyOutput, agreement
-from tessera.demo.runs import report
+from tessera.bench.cli import report_result
 from tessera.platform.launch import environment
 
 
@@ -135,7 +136,7 @@ def main() -> None:
 
     result = run(resolve_bench_model(args.model_path), args.formats.split(","), args.rounds, args.threads, args.prompt_len,
                  args.decode_tokens, args.agreement_prompts, args.agreement_tokens)
-    report(result, args.output_json)
+    report_result(json.dumps(result, indent=2), result, args.output_json)
 
 
 if __name__ == "__main__":

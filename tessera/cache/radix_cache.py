@@ -8,39 +8,32 @@ Ownership: slots stored in the tree are owned by the tree; it returns them to th
 `reset`. A node with lock_ref > 0 (some running request uses its prefix) and all its ancestors are never
 evicted.
 
-Scheduler recipe (row = the request's ReqToTokenPool row, req_to_token = that pool's table):
+How the scheduler uses it (KVManager, scheduler/; row = the request's ReqToTokenPool row, req_to_token = that
+pool's table, kv_len = how many of the request's tokens have slots, prefix_len = how many of those the tree owns):
 
-  Admission (prefill):
-      m = tree.match_prefix(input_ids[:len(input_ids) - 1])  # keep >= 1 token to prefill: it yields logits
-      cached_len, last_node = len(m.slots), m.last_node     # cached_len is a multiple of page_size
-      tree.inc_lock_ref(last_node)                          # BEFORE evicting, so the match is not evicted
-      extend_len = len(input_ids) - cached_len
-      last_slot = int(m.slots[-1]) if cached_len else 0
-      need = allocator.num_pages_needed(cached_len, extend_len) * page_size
-      if need > allocator.available_size():
-          tree.evict(need - allocator.available_size())
-      new = allocator.alloc_extend(cached_len, last_slot, extend_len)
-      if new is None: tree.dec_lock_ref(last_node); not admitted (nothing else to undo)
-      req_to_token[row, :cached_len] = m.slots
-      req_to_token[row, cached_len:len(input_ids)] = new    # allocated_len = len(input_ids)
-  Decode step (one more token at position seq_len = allocated_len; the request owns its partial page):
-      new = allocator.alloc_extend(seq_len, int(req_to_token[row, seq_len - 1]), 1)
-      on None: tree.evict(page_size) and retry, else retract a request; req_to_token[row, seq_len] = new
-  Chunked prefill, after each chunk whose KV was written (fill_ids = the tokens with KV so far):
-      m = tree.cache_unfinished_req(fill_ids, req_to_token[row, :len(fill_ids)], cached_len, last_node)
-      req_to_token[row, cached_len:len(m.slots)] = m.slots[cached_len:]  # duplicates were swapped
-      cached_len, last_node = len(m.slots), m.last_node                  # now locked instead of the old one
-  Finish (kv_len = len(input_ids) + len(output_ids) - 1: the last sampled token never went through forward):
-      tree.cache_finished_req((input_ids + output_ids)[:kv_len], req_to_token[row, :allocated_len],
-                              cached_len, last_node)
+  Admission (no slots taken yet):
+      m = tree.match_prefix(key[:len(key) - 1])  # keep >= 1 token to compute: it yields the logits (cut back
+                                                 # to the start of a media span the match would end inside)
+      req_to_token[row, :len(m.slots)] = m.slots
+      tree.inc_lock_ref(m.last_node)             # the match is not evicted while the request runs
+      prefix_len = kv_len = len(m.slots)         # a multiple of page_size
+  Each prefill chunk or decode token, before its forward (n tokens):
+      new = allocator.alloc_extend(kv_len, last_slot, n)    # last_slot = req_to_token[row, kv_len - 1]
+      on None: tree.evict(n + page_size) and retry; still None: the policy retracts a request
+      req_to_token[row, kv_len:kv_len + n] = new; kv_len += n
+      (a decode batch takes its new pages in one allocator.alloc_pages call first, this path when that fails)
+  After a prefill chunk (its KV written):
+      m = tree.cache_unfinished_req(key[:kv_len], req_to_token[row, :kv_len], prefix_len, last_node)
+      req_to_token[row, prefix_len:len(m.slots)] = m.slots[prefix_len:]  # duplicate pages were swapped
+      prefix_len, last_node = len(m.slots), m.last_node                   # now locked instead of the old one
+  Finish, abort or retraction (the same call: computed whole pages stay cached):
+      tree.cache_finished_req(key[:kv_len], req_to_token[row, :kv_len], prefix_len, last_node)
       req_to_token_pool.free(row)
       which does:  aligned = kv_len // page_size * page_size
                    new_prefix_len = tree.insert(key[:aligned], slots[:aligned])
-                   allocator.free(slots[cached_len:new_prefix_len])  # our copies of pages the tree already had
-                   allocator.free(slots[aligned:])                  # partial last page + unused allocated slots
+                   allocator.free(slots[prefix_len:new_prefix_len])  # our copies of pages the tree already had
+                   allocator.free(slots[aligned:])                   # partial last page + unused allocated slots
                    tree.dec_lock_ref(last_node)
-  Abort / retraction (nothing cached):
-      allocator.free(req_to_token[row, cached_len:allocated_len]); tree.dec_lock_ref(last_node)
 
 With disable=True: match returns no slots and root, insert stores nothing and returns 0, evict returns 0,
 locks are no-ops, and cache_finished_req frees every slot of the request. The recipe above is unchanged.
@@ -288,9 +281,6 @@ class RadixCache:
                          f"t={node.last_access_time}")
             stack.extend((child, depth + 1) for child in reversed(list(node.children.values())))
         return "\n".join(lines)
-
-    def pretty_print(self) -> None:
-        print(self.format_tree())
 
     # ---- internals ---------------------------------------------------------------------------------------
 

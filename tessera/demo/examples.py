@@ -2,7 +2,7 @@
 
     python -m tessera.demo.examples
 
-The README's curl/openai examples and `tessera generate` use them; their answers are fixed by
+The examples of the README and docs/usage.md and `tessera generate` use them; their answers are fixed by
 the grammar, so they double as smoke checks of the demo model.
 """
 

@@ -183,13 +183,3 @@ def video_sample(rng: random.Random, question_type: str | None = None) -> Sample
     else:
         raise ValueError(f"unknown video question type {qtype!r}")
     return Sample("video", qtype, q, a, tuple(render(s) for s in scenes), tuple(scenes))
-
-
-def sample_stream(seed: int, video_fraction: float = 0.3, max_shapes: int = 3):
-    """Endless deterministic stream of samples for a seed."""
-    rng = random.Random(seed)
-    while True:
-        if rng.random() < video_fraction:
-            yield video_sample(rng)
-        else:
-            yield image_sample(rng, max_shapes=max_shapes)

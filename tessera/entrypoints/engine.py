@@ -105,7 +105,14 @@ class Engine:
         result = None
         async for out in self.tokenizer_manager.generate(req):
             result = out
-        return result
+        return result.to_dict()
+
+    def _requests_of(self, stream: bool, *args) -> tuple[list[GenerateRequest], bool]:
+        """_build_requests(*args); a stream takes a single prompt with n=1."""
+        reqs, is_batch = self._build_requests(*args)
+        if stream and len(reqs) != 1:
+            raise ValueError("stream: streaming takes a single prompt with n=1")
+        return reqs, is_batch
 
     async def _generate_all(self, reqs: list[GenerateRequest], progress: bool) -> list[dict]:
         bar = None
@@ -141,12 +148,10 @@ class Engine:
         "input_top_logprobs" with top_logprobs_num) for the prompt tokens from that position on.
         lora_path: SGLang's; a loaded LoRA adapter's name (or one per prompt; None: the base model).
         """
-        reqs, is_batch = self._build_requests(prompt, sampling_params, input_ids, image_data, video_data,
-                                              audio_data, return_logprob, stream, video_kwargs, logprob_start_len,
-                                              lora_path)
+        reqs, is_batch = self._requests_of(stream, prompt, sampling_params, input_ids, image_data, video_data,
+                                           audio_data, return_logprob, stream, video_kwargs, logprob_start_len,
+                                           lora_path)
         if stream:
-            if len(reqs) != 1:
-                raise ValueError("stream: streaming takes a single prompt with n=1")
             return self._stream_sync(reqs[0])
         outs = self._run(self._generate_all(reqs, self.show_progress))
         return outs if is_batch else outs[0]
@@ -159,7 +164,7 @@ class Engine:
         async def pump() -> None:
             try:
                 async for out in self.tokenizer_manager.generate(req):
-                    q.put(out)
+                    q.put(out.to_dict())
             except BaseException as e:  # surfaces in the caller's thread
                 q.put(e)
             finally:
@@ -178,12 +183,9 @@ class Engine:
                              video_data=None, audio_data=None, return_logprob: bool = False,
                              stream: bool = False, logprob_start_len: int = -1, lora_path=None
                              ) -> dict | list[dict] | AsyncIterator[dict]:
-        reqs, is_batch = self._build_requests(prompt, sampling_params, input_ids, image_data, video_data,
-                                              audio_data, return_logprob, stream, None, logprob_start_len,
-                                              lora_path)
+        reqs, is_batch = self._requests_of(stream, prompt, sampling_params, input_ids, image_data, video_data,
+                                           audio_data, return_logprob, stream, None, logprob_start_len, lora_path)
         if stream:
-            if len(reqs) != 1:
-                raise ValueError("stream: streaming takes a single prompt with n=1")
             return self._stream_async(reqs[0])
         fut = asyncio.run_coroutine_threadsafe(self._generate_all(reqs, False), self._loop)
         outs = await asyncio.wrap_future(fut)
@@ -196,7 +198,7 @@ class Engine:
         async def pump() -> None:
             try:
                 async for out in self.tokenizer_manager.generate(req):
-                    caller_loop.call_soon_threadsafe(q.put_nowait, out)
+                    caller_loop.call_soon_threadsafe(q.put_nowait, out.to_dict())
             except BaseException as e:
                 caller_loop.call_soon_threadsafe(q.put_nowait, e)
             finally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-import time
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -18,120 +17,22 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tessera.version import __version__ as tessera_version
 from tessera.config import ServerArgs
-from tessera.entrypoints import native_generate
-from tessera.entrypoints.metrics import Metrics
-from tessera.entrypoints.middleware import ServerMiddleware, api_key_of, observe_generation
-from tessera.entrypoints.openai import tokenization
-from tessera.entrypoints.openai.chat import create_chat_completion
-from tessera.entrypoints.openai.completions import create_completion
-from tessera.entrypoints.openai.embeddings import create_embedding
+from tessera.entrypoints.admin_routes import admin_router
+from tessera.entrypoints.lora_routes import lora_router
+from tessera.entrypoints.middleware import ServerMiddleware, api_key_of
+from tessera.entrypoints.native_routes import native_router
 from tessera.entrypoints.openai.errors import APIError, error_response, param_of
 from tessera.entrypoints.openai.reasoning import check_reasoning_parser
-from tessera.entrypoints.openai.request_models import parse_json_body, route_docs
-from tessera.entrypoints.openai.responses import create_response, get_response
+from tessera.entrypoints.openai.serving import ClientDisconnected
 from tessera.entrypoints.openai.tool_parsers import check_tool_call_parser
-from tessera.entrypoints.openai.serving import ClientDisconnected, OpenAIServing
+from tessera.entrypoints.openai_routes import openai_router
+from tessera.entrypoints.playground import playground_router
+from tessera.entrypoints.server_state import DRAIN_TIMEOUT_S, ServerState
 from tessera.entrypoints.warmup import WarmupError, warm_up
-from tessera.entrypoints.openai.transcriptions import TranscriptionServing
-from tessera.entrypoints.lora_routes import adapter_cards, add_lora_routes
-from tessera.entrypoints.playground import add_playground_routes
-from tessera.entrypoints.router_routes import add_router_routes
-from tessera.frontend.request import GenerateRequest
-from tessera.frontend.tokenizer_manager import TokenizerManager
-from tessera.messages.sampling import SamplingParams
 from tessera.models.config import ModelConfig
 
 logger = logging.getLogger("tessera.server")
-WATCH_INTERVAL_S = 0.1
-DRAIN_TIMEOUT_S = 15.0  # SIGTERM: in-flight requests get this long to finish; uvicorn waits 5 s more (exit < 30 s)
-
-
-class ServerState:
-    def __init__(self, args: ServerArgs, config: ModelConfig | None = None):
-        self.args = args
-        self.config = config  # the checkpoint's, when launch_server has read it (the frontend reads it once)
-        self.tm: TokenizerManager | None = None
-        self.serving: OpenAIServing | None = None
-        self.transcriptions: TranscriptionServing | None = None
-        self.metrics = Metrics(args.model_name)
-        self.load_error: str | None = None
-        self.scheduler_died = False  # every scheduler process exited while serving: the server stops, exit 1
-        self.draining = False  # SIGTERM: no new requests, in-flight ones finish (or end cleanly at the deadline)
-        self.server = None  # the uvicorn server, when launch_server runs one
-        self.warming_up = False  # the warm-up request is running: /health says 503 until it is done (as SGLang)
-        self.warmup_error: str | None = None  # it failed: the server stops instead of serving
-        self.started = time.time()
-
-    @property
-    def ready(self) -> bool:
-        return self.tm is not None and self.tm.ready and self.tm.scheduler_alive and not self.draining
-
-    def _request_done(self, req_state, result: dict) -> None:
-        self.metrics.observe_request(req_state, result)
-        observe_generation(result["meta_info"])
-
-    async def load(self) -> None:
-        tm = None
-        try:
-            loop = asyncio.get_running_loop()
-            tm = await loop.run_in_executor(None, TokenizerManager, self.args, self.config)
-            await tm.start()
-            tm.on_request_done = self._request_done
-            self.tm, self.serving = tm, OpenAIServing(tm, self.args.model_name)
-            self.serving.on_overload = self.metrics.rejected.labels(self.args.model_name).inc
-            self.transcriptions = TranscriptionServing(self.serving)
-            log_startup_summary(self.args, tm)
-        except BaseException as e:
-            if tm is not None:  # a half-started manager: its scheduler processes must not outlive us
-                tm.shutdown()
-                await tm.close()
-            if not isinstance(e, Exception):
-                raise
-            self.load_error = str(e).removeprefix("model failed to load: ")
-            logger.debug("model failed to load", exc_info=True)
-            if self.server is not None:  # nothing to serve: stop, and let `tessera serve` exit non-zero
-                self.server.should_exit = True
-
-    async def close(self) -> None:
-        if self.tm is not None:
-            self.tm.shutdown()
-            await self.tm.close()
-
-    async def watch(self) -> None:
-        """While serving: a scheduler that died stops the server (its requests have had their 503s); a
-        SIGTERM starts the drain, which ends what is still running after DRAIN_TIMEOUT_S with a clean error."""
-        tm, server = self.tm, self.server
-        assert tm is not None and server is not None
-        while not server.should_exit:
-            if not tm.ready:
-                logger.error("the scheduler process exited; stopping the server")
-                self.scheduler_died = True
-                await asyncio.sleep(0.5)  # the failed requests' 503s go out first
-                server.should_exit = True
-                return
-            await asyncio.sleep(WATCH_INTERVAL_S)
-        self.draining = True
-        in_flight = len(tm.states)
-        if in_flight:
-            logger.info("shutting down: draining %d in-flight request(s) for up to %.0f s (interrupt again to "
-                        "end them now)", in_flight, DRAIN_TIMEOUT_S)
-        deadline = time.monotonic() + DRAIN_TIMEOUT_S
-        while tm.states and time.monotonic() < deadline:
-            await asyncio.sleep(0.1)
-        if tm.states:
-            logger.warning("shutting down: ending %d request(s) that did not finish in time", len(tm.states))
-            self.end_in_flight()
-
-    def end_in_flight(self) -> None:
-        """Ends every request in flight now, each with a 503 in OpenAI's error shape (a final error event and
-        [DONE] for a stream), one log line each."""
-        if self.tm is None:
-            return
-        for rid in list(self.tm.states):
-            logger.warning("request %s ended: the server is shutting down", rid)
-        self.tm.fail_all("the server is shutting down")
 
 
 class _Server(uvicorn.Server):
@@ -151,25 +52,9 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
 
-def log_startup_summary(args: ServerArgs, tm: TokenizerManager) -> None:
-    """What the server settled on, once, at info level (the figures come from the loaded worker)."""
-    w = tm.worker_info
-    if w is None:
-        return
-    params = w.num_parameters
-    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
-    kv_bytes = w.max_total_tokens * w.kv_bytes_per_token * args.dp_size
-    replicas = f" x {args.dp_size} replicas" if args.dp_size > 1 else ""
-    logger.info("model %s (%s): %s parameters, dtype %s, device %s, attention %s, tp %d",
-                args.model_name, tm.info.architecture, size, w.dtype, w.device, w.attention_backend, w.tp_size)
-    logger.info("KV pool: %d tokens (%.1f MiB, %d B/token)%s; context length %d; max running requests %d; "
-                "chunked prefill %d tokens; page size %d; radix cache %s; CUDA graphs: not used",
-                w.max_total_tokens, kv_bytes / 2**20, w.kv_bytes_per_token, replicas, w.context_length,
-                args.max_running_requests, args.chunked_prefill_size, args.page_size,
-                "off" if args.disable_radix_cache else "on")
-
-
 def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
+    """The ASGI app: the middleware, the error handlers (every error in OpenAI's shape) and one router per
+    area (OpenAI, native, admin, LoRA, playground) over one ServerState."""
     state = ServerState(args, config)
 
     @asynccontextmanager
@@ -212,137 +97,9 @@ def create_app(args: ServerArgs, config: ModelConfig | None = None) -> FastAPI:
     async def _validation_error(request: Request, exc: RequestValidationError):
         return error_response(f"invalid request: {exc.errors()}", 400)
 
-    async def body_of(request: Request, path: str):
-        """The JSON body of `path`'s route, parsed once into its model (request_models.REQUEST_BODIES)."""
-        return parse_json_body(path, await request.body(), request.headers.get("content-type", ""))
-
-    def not_ready_reason() -> str:
-        if state.load_error:
-            return "the model failed to load (see the server log)"
-        if state.draining:
-            return "the server is shutting down"
-        if state.tm is not None and state.tm.worker_info is not None and not state.tm.ready:
-            return "the scheduler process has exited"
-        if state.ready and state.warming_up:
-            return "the warm-up request is running"
-        return "the model is still loading"
-
-    def serving() -> OpenAIServing:
-        if not state.ready:
-            raise APIError(not_ready_reason(), status=503)
-        return state.serving
-
-    add_playground_routes(app, api_key_required=bool(api_key))
-    add_lora_routes(app, serving, body_of)
-
-    @app.get("/health")
-    async def health():
-        if state.ready and not state.warming_up:
-            return {"status": "ok"}
-        return error_response(f"not ready: {not_ready_reason()}", 503)
-
-    def model_card() -> dict:
-        # root: the model as the user named it (a served name's base), as vLLM reports it; not the resolved path
-        return {"id": args.model_name, "object": "model", "created": int(state.started), "owned_by": "tessera",
-                "root": args.model_name, "parent": None, "max_model_len": serving().tm.context_length}
-
-    @app.get("/v1/models", **route_docs("/v1/models"))
-    async def models():
-        return {"object": "list", "data": [model_card(), *adapter_cards(serving(), int(state.started))]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str):
-        card = {c["id"]: c for c in adapter_cards(serving(), int(state.started))}.get(model_id) or model_card()
-        if model_id != card["id"]:
-            raise APIError(f"model: the model {model_id!r} does not exist; this server serves {card['id']!r}",
-                           status=404, param="model")
-        return card
-
-    @app.get("/version")
-    async def version():
-        return {"version": tessera_version}
-
-    @app.post("/tokenize", **route_docs("/tokenize"))
-    async def tokenize(request: Request):
-        return tokenization.tokenize(serving(), await body_of(request, "/tokenize"))
-
-    @app.post("/detokenize", **route_docs("/detokenize"))
-    async def detokenize(request: Request):
-        return tokenization.detokenize(serving(), await body_of(request, "/detokenize"))
-
-    @app.get("/health_generate")
-    async def health_generate():
-        """SGLang's deep health check: one token through the whole pipeline."""
-        srv = serving()
-        req = GenerateRequest(text="ping", sampling_params=SamplingParams(max_new_tokens=1, temperature=0))
-        async for _ in srv.tm.generate(req):
-            pass
-        return {"status": "ok"}
-
-    @app.get("/get_model_info")  # SGLang's older name of /model_info
-    @app.get("/model_info")
-    async def model_info():
-        info = serving().tm.info
-        return {"model_path": args.model_path, "served_model_name": args.model_name,
-                "architectures": [info.architecture], "context_length": info.context_length,
-                "is_generation": not info.is_embedding,
-                "has_image_understanding": info.has_image_understanding,
-                "has_video_understanding": info.has_video_understanding,
-                "has_audio_understanding": info.has_audio_understanding}
-
-    @app.get("/metrics")
-    async def metrics():
-        if not args.enable_metrics:
-            return error_response("metrics are disabled; start the server with --enable-metrics", 404)
-        stats = None
-        if state.ready:
-            try:
-                stats = await state.tm.get_stats(timeout=2.0)
-            except asyncio.TimeoutError:
-                stats = None
-        frontend = state.tm.frontend_stats() if state.ready else None
-        replicas = state.tm.replica_stats if stats is not None and state.tm is not None else ()
-        in_frontend = len(state.tm.states) if state.tm is not None else None
-        return Response(state.metrics.render(stats, frontend, replicas, in_frontend), media_type="text/plain; version=0.0.4")
-
-    add_router_routes(app, serving)
-
-    @app.post("/v1/chat/completions", **route_docs("/v1/chat/completions"))
-    async def chat(request: Request):
-        return await create_chat_completion(serving(), request, await body_of(request, "/v1/chat/completions"))
-
-    @app.post("/v1/responses", **route_docs("/v1/responses"))
-    async def responses(request: Request):
-        return await create_response(serving(), request, await body_of(request, "/v1/responses"))
-
-    @app.get("/v1/responses/{response_id}")
-    async def stored_response(response_id: str):
-        return get_response(response_id)
-
-    @app.post("/v1/completions", **route_docs("/v1/completions"))
-    async def completions(request: Request):
-        return await create_completion(serving(), request, await body_of(request, "/v1/completions"))
-
-    @app.post("/v1/embeddings", **route_docs("/v1/embeddings"))
-    async def embeddings(request: Request):
-        return await create_embedding(serving(), request, await body_of(request, "/v1/embeddings"))
-
-    @app.post("/v1/audio/transcriptions", **route_docs("/v1/audio/transcriptions"))
-    async def transcriptions(request: Request):
-        serving()  # 503 until the model is loaded
-        assert state.transcriptions is not None  # set together with state.serving
-        return await state.transcriptions.create(request)
-
-    @app.post("/v1/audio/translations", **route_docs("/v1/audio/translations"))
-    async def translations(request: Request):
-        serving()
-        assert state.transcriptions is not None
-        return await state.transcriptions.create(request, task="translate")
-
-    @app.post("/generate", **route_docs("/generate"))
-    async def generate(request: Request):
-        return await native_generate.generate(serving(), request, await body_of(request, "/generate"))
-
+    for router in (playground_router(api_key_required=bool(api_key)), lora_router(state), admin_router(state),
+                   native_router(state), openai_router(state)):
+        app.include_router(router)
     return app
 
 

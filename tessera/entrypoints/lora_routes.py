@@ -4,12 +4,11 @@ error shape naming the field and the adapter; the server keeps serving."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 
 from tessera.entrypoints.openai.request_models import route_docs
 from tessera.entrypoints.openai.serving import OpenAIServing
+from tessera.entrypoints.server_state import ServerState, body_of
 
 
 def adapter_cards(serving: OpenAIServing, created: int) -> list[dict]:
@@ -19,24 +18,26 @@ def adapter_cards(serving: OpenAIServing, created: int) -> list[dict]:
             for a in serving.tm.lora.cards()]
 
 
-def add_lora_routes(app: FastAPI, serving: Callable[[], OpenAIServing],
-                    body_of: Callable[[Request, str], Awaitable]) -> None:
+def lora_router(state: ServerState) -> APIRouter:
+    router, serving = APIRouter(), state.serving_or_503
+
     def loaded(s: OpenAIServing) -> dict:
         return {a["name"]: a["path"] for a in s.tm.lora.cards()}
 
-    @app.post("/load_lora_adapter", **route_docs("/load_lora_adapter"))
-    @app.post("/v1/load_lora_adapter", include_in_schema=False)
+    @router.post("/load_lora_adapter", **route_docs("/load_lora_adapter"))
+    @router.post("/v1/load_lora_adapter", include_in_schema=False)
     async def load_lora_adapter(request: Request):
         s = serving()
         req = await body_of(request, "/load_lora_adapter")
         await s.tm.lora.load(req.lora_name, req.lora_path)
         return {"success": True, "error_message": "", "loaded_adapters": loaded(s)}
 
-    @app.post("/unload_lora_adapter", **route_docs("/unload_lora_adapter"))
-    @app.post("/v1/unload_lora_adapter", include_in_schema=False)
+    @router.post("/unload_lora_adapter", **route_docs("/unload_lora_adapter"))
+    @router.post("/v1/unload_lora_adapter", include_in_schema=False)
     async def unload_lora_adapter(request: Request):
         s = serving()
         req = await body_of(request, "/unload_lora_adapter")
         await s.tm.lora.unload(req.lora_name)
         return {"success": True, "error_message": "", "loaded_adapters": loaded(s)}
 
+    return router

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from tessera.entrypoints.openai.errors import error_body
 from tessera.entrypoints.playground import is_public
+from tessera.frontend.result import GenerateResult
 
 logger = logging.getLogger("tessera.access")
 OPEN_PATHS = ("/health", "/metrics")  # as SGLang: probes and Prometheus scrape without the API key
@@ -54,12 +55,12 @@ class RequestRecord:
     ttft: float | None = None
     generations: int = 0
 
-    def observe(self, meta: dict) -> None:
+    def observe(self, result: GenerateResult) -> None:
         if self.generations == 0:  # the n choices of one request share the prompt
-            self.prompt_tokens, self.cached_tokens = meta["prompt_tokens"], meta["cached_tokens"]
-        self.output_tokens += meta["completion_tokens"]
-        if meta.get("ttft") is not None and (self.ttft is None or meta["ttft"] < self.ttft):
-            self.ttft = meta["ttft"]
+            self.prompt_tokens, self.cached_tokens = result.prompt_tokens, result.cached_tokens
+        self.output_tokens += result.completion_tokens
+        if result.ttft is not None and (self.ttft is None or result.ttft < self.ttft):
+            self.ttft = result.ttft
         self.generations += 1
 
 
@@ -67,15 +68,11 @@ CURRENT_REQUEST: contextvars.ContextVar[RequestRecord | None] = contextvars.Cont
                                                                                       default=None)
 
 
-def observe_generation(meta: dict) -> None:
+def observe_generation(result: GenerateResult) -> None:
     """Called by the engine when a generation finishes; credits the HTTP request it belongs to, if any."""
     record = CURRENT_REQUEST.get()
     if record is not None:
-        record.observe(meta)
-
-
-def request_id_of(scope: dict) -> str | None:
-    return (scope.get("state") or {}).get("request_id")
+        record.observe(result)
 
 
 class BodyTooLarge(Exception):

@@ -18,6 +18,7 @@ from tessera.entrypoints.openai.errors import APIError
 from tessera.entrypoints.openai.serving import OpenAIServing, check_batch
 from tessera.entrypoints.openai.streaming import event_stream, sse
 from tessera.frontend.request import GenerateRequest
+from tessera.frontend.result import GenerateResult
 from tessera.messages.sampling import SamplingParams
 
 _PER_PROMPT = ("sampling_params", "image_data", "video_data", "audio_data", "return_logprob", "top_logprobs_num",
@@ -97,8 +98,8 @@ async def generate(serving: OpenAIServing, request: Request, req: rm.GenerateReq
     media = next((f for f in ("image_data", "video_data", "audio_data") if getattr(req, f) is not None), None)
     tokenized = await serving.prepare(reqs, {}, media_param=media)
 
-    def shaped(out: dict, index: int) -> dict:
-        meta = dict(out["meta_info"])
+    def shaped(out: GenerateResult, index: int) -> dict:
+        meta = out.meta_info()
         for key in ("output_token_logprobs",):
             if key in meta:
                 meta[key] = [_entry(serving, lp, tid, with_text) for lp, tid in meta[key]]
@@ -110,11 +111,11 @@ async def generate(serving: OpenAIServing, request: Request, req: rm.GenerateReq
                                             for lp, tid in meta["input_token_logprobs"]]
             meta["input_top_logprobs"] = [top and [_entry(serving, lp, tid, with_text) for lp, tid in top]
                                           for top in meta["input_top_logprobs"] or []]
-        if out["meta_info"].get("output_token_logprobs") is not None:
+        if out.output_token_logprobs is not None:
             meta.setdefault("output_top_logprobs", [])
             meta.setdefault("input_token_logprobs", [])
             meta.setdefault("input_top_logprobs", [])
-        result = {"text": out["text"], "output_ids": out["output_ids"], "meta_info": meta}
+        result = {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
         if len(reqs) > 1:
             result["index"] = index
         return result

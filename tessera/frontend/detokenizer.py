@@ -6,18 +6,12 @@ cut at the string the scheduler reports as matched.
 
 from __future__ import annotations
 
+from tessera.messages.finish import FinishReason
+
 REPLACEMENT_CHAR = "\ufffd"
 # A UTF-8 character is at most 4 bytes and every byte-level or byte-fallback token carries at least one: a
 # character still forming (at most 3 of its bytes seen) lies within the last 3 tokens.
 MAX_PENDING_TOKENS = 3
-
-
-def matched_stop_string(finished_reason: dict | None) -> str | None:
-    """The stop string a finish reports as matched (None for a stop token, a length limit, ...)."""
-    if finished_reason is None or finished_reason.get("type") != "stop":
-        return None
-    matched = finished_reason.get("matched")
-    return matched if isinstance(matched, str) else None
 
 
 class IncrementalDetokenizer:
@@ -37,7 +31,7 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def add(self, new_ids: list[int], finished_reason: dict | None = None) -> str:
+    def add(self, new_ids: list[int], finished_reason: FinishReason | None = None) -> str:
         """Feeds tokens and, on the request's last output, its finish reason; returns the newly
         releasable text."""
         finished = finished_reason is not None
@@ -52,7 +46,7 @@ class IncrementalDetokenizer:
             self.text += full_text[len(prefix_text) :]
         elif len(self.ids) - self.read_offset > MAX_PENDING_TOKENS:
             self._release_invalid_bytes(prefix_text)
-        matched = matched_stop_string(finished_reason)
+        matched = finished_reason.stop_string if finished_reason is not None else None
         if matched is not None:
             self._cut_at(matched)
         return self._release(finished)

@@ -10,7 +10,7 @@ the batch's list (an embedding request is answered once: no stream, no detokeniz
 Requests with media are tokenized (loaded, preprocessed) one by one as before and each is sent as soon as it
 is ready, so the scheduler encodes the first images while the frontend still preprocesses the others.
 
-The answers are the same dicts TokenizerManager.generate gives; the first request that fails fails the batch
+The answers are the GenerateResults TokenizerManager.generate gives; the first request that fails fails the batch
 (as asyncio.gather of single requests did) and the batch's other requests are aborted.
 """
 
@@ -20,7 +20,8 @@ import asyncio
 import time
 
 from tessera import messages
-from tessera.frontend.request import EngineUnavailable, GenerateRequest, RequestFailed, output_meta
+from tessera.frontend.request import EngineUnavailable, GenerateRequest
+from tessera.frontend.result import GenerateResult, answer_of, failure
 
 
 def _plain_texts(tm, reqs: list[GenerateRequest]) -> list[int]:
@@ -48,6 +49,8 @@ async def tokenize_many(tm, reqs: list[GenerateRequest], plain: list[int] | None
     if not tm.ready:
         raise EngineUnavailable("the engine is not ready")
     plain = _plain_texts(tm, reqs) if plain is None else plain
+    for i in plain:  # (the others are checked by tm.tokenize)
+        tm.check_sampling(reqs[i])
     out: list = [None] * len(reqs)
     if plain:
         texts = await asyncio.get_running_loop().run_in_executor(tm.executor, _tokenize_texts, tm,
@@ -80,7 +83,7 @@ class _Batch:
     def __init__(self, tm, reqs: list[GenerateRequest]):
         self.tm, self.reqs = tm, reqs
         self.pos = {r.rid: i for i, r in enumerate(reqs)}
-        self.answers: list[dict | None] = [None] * len(reqs)
+        self.answers: list[GenerateResult | None] = [None] * len(reqs)
         self.left = len(reqs)
         self.pending: set[str] = set()  # sent, not answered
         self.closed = False
@@ -110,15 +113,12 @@ class _Batch:
         reason = out.finished_reason
         if reason is None or self.done.done():
             return  # an embedding request is answered once, with its finish
-        if reason["type"] == "error":
-            error = EngineUnavailable if reason.get("unavailable") else RequestFailed
-            self.done.set_exception(error(reason["message"]))
+        if reason.is_error:
+            self.done.set_exception(failure(reason))
             return
         rid = slot.request.rid
         self._leave(rid)
-        result = {"text": "", "delta": "", "output_ids": [],
-                  "meta_info": output_meta(rid, out, slot.prompt_tokens, 0, slot.created, None),
-                  **({"embedding": out.embedding} if out.embedding is not None else {})}
+        result = answer_of(rid, out, slot.prompt_tokens, slot.created, None)
         if self.tm.on_request_done is not None:
             self.tm.on_request_done(slot, result)
         self.answers[self.pos[rid]] = result
@@ -138,7 +138,7 @@ class _Batch:
 
 
 async def run_batch(tm, reqs: list[GenerateRequest],
-                    tokenized: list[messages.TokenizedGenerateReq] | None = None) -> list[dict]:
+                    tokenized: list[messages.TokenizedGenerateReq] | None = None) -> list[GenerateResult]:
     """The answers of embedding requests `reqs`, in their order. tokenized: `tokenize_many(tm, reqs)` when the
     caller validated them already (the HTTP layer, before any byte is answered)."""
     batch = _Batch(tm, reqs)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.frontend.request import GenerateRequest
+from tessera.frontend.result import GenerateResult
 from tessera.messages.pooling import PoolingParams
 from tessera.messages.sampling import SamplingParams
 
@@ -42,9 +43,8 @@ def media_prompt(info, mm_processor, text: str | None, num_images: int) -> str |
     return info.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=False)
 
 
-def embedding_result(out: dict) -> dict:
+def embedding_result(out: GenerateResult) -> dict:
     """Engine.encode's answer for one request: the vector as a list of floats and the prompt's token count."""
-    meta = out["meta_info"]
-    return {"embedding": out["embedding"].tolist(),
-            "meta_info": {"id": meta["id"], "prompt_tokens": meta["prompt_tokens"],
-                          "cached_tokens": meta["cached_tokens"], "e2e_latency": meta["e2e_latency"]}}
+    return {"embedding": out.embedding.tolist(),
+            "meta_info": {"id": out.rid, "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens,
+                          "e2e_latency": out.e2e_latency}}

@@ -1,9 +1,8 @@
-"""GenerateRequest: the frontend's typed form of one generate call (Engine or HTTP); the errors a request
-ends with and the meta_info of its answer."""
+"""GenerateRequest: the frontend's typed form of one generate call (Engine or HTTP), and the errors a request
+ends with (its answer: frontend/result.py)."""
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,16 +86,3 @@ class FrontendStats:
     preprocess_cache_bytes: int = 0
     preprocess_cache_entries: int = 0
 
-
-def output_meta(rid: str, out, prompt_tokens: int, completion_tokens: int, created: float,
-                first_token_time: float | None) -> dict:
-    """The meta_info every answer carries (out: the request's final or latest messages.ReqOutput)."""
-    return {
-        "id": rid,
-        "finish_reason": out.finished_reason,
-        "prompt_tokens": out.prompt_tokens or prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "cached_tokens": out.cached_tokens,
-        "e2e_latency": time.monotonic() - created,
-        "ttft": (first_token_time - created) if first_token_time else None,
-    }

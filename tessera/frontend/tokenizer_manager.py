@@ -28,7 +28,8 @@ from tessera.frontend.lora_registry import LoraRegistry
 from tessera.frontend.model_info import ModelInfo
 from tessera.frontend.prompt_checks import check_lengths, check_pooling
 from tessera.frontend.preprocess_threads import preprocess_executor
-from tessera.frontend.request import EngineUnavailable, FrontendStats, GenerateRequest, RequestFailed, output_meta
+from tessera.frontend.request import EngineUnavailable, FrontendStats, GenerateRequest
+from tessera.frontend.result import GenerateResult, answer_of, failure
 from tessera.frontend.scheduler_procs import launch_schedulers
 from tessera.version import __version__ as tessera_version
 from tessera import messages
@@ -53,7 +54,7 @@ class ReqState:
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list = field(default_factory=list)
-    input_logprobs: dict = field(default_factory=dict)  # meta_info's input_token_logprobs / input_top_logprobs
+    prompt_logprobs: messages.ReqOutput | None = None  # the output that carried the prompt's logprobs
     created: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
@@ -94,7 +95,7 @@ class TokenizerManager:
         self.context_length = self.info.context_length
         self.max_total_tokens = args.max_total_tokens or 0  # the worker's real pool size once it is ready
         self.worker_info: WorkerInfo | None = None
-        self.on_request_done = None  # optional callback(state, output_dict) for metrics
+        self.on_request_done = None  # optional callback(state, GenerateResult) for metrics
         self.lora = LoraRegistry(args, self._send_all, lambda: sum(self.dispatcher.alive))  # adapters requests may name
 
     def _endpoint(self, name: str) -> str:
@@ -197,8 +198,8 @@ class TokenizerManager:
         for rid in rids:
             state = self.states.get(rid)
             if state is not None:
-                state.queue.put_nowait(messages.ReqOutput(rid, [], {"type": "error", "message": message,
-                                                              "unavailable": True}))
+                state.queue.put_nowait(messages.ReqOutput(rid, [], messages.FinishReason.error(message,
+                                                                                               unavailable=True)))
 
     def fail_all(self, message: str) -> None:
         """Ends every request in flight with `message` (HTTP 503); the scheduler is told to drop them."""
@@ -288,14 +289,19 @@ class TokenizerManager:
         return req.has_media or (self.mm_processor is not None and req.text is not None and (
             self.mm_processor.tokenizes_text or self.mm_processor.has_placeholders(req.text)))
 
+    def check_sampling(self, req: GenerateRequest) -> None:
+        """The frontend's one check of a request's sampling parameters (SamplingParams.verify, against the
+        vocabulary; with return_logprob they ask for logprobs)."""
+        if req.return_logprob:
+            req.sampling_params.logprobs = True
+        req.sampling_params.verify(self.info.vocab_size)
+
     def _tokenize(self, req: GenerateRequest, processed=None, ids: list[int] | None = None
                   ) -> messages.TokenizedGenerateReq:
         """Runs in the worker pool: chat-free tokenization, media loading and preprocessing (unless a
-        preprocessing process already made `processed`, the ProcessorOutput, or a batched call `ids`)."""
+        preprocessing process already made `processed`, the ProcessorOutput, or a batched call `ids`); its
+        sampling parameters were checked (check_sampling)."""
         sp = req.sampling_params
-        if req.return_logprob:
-            sp.logprobs = True
-        sp.verify(self.info.vocab_size)
         mm_inputs = None
         given = [m for m, data in ((Modality.IMAGE, req.image_data), (Modality.VIDEO, req.video_data),
                                    (Modality.AUDIO, req.audio_data)) if data]
@@ -334,9 +340,9 @@ class TokenizerManager:
         """
         if not self.ready:
             raise EngineUnavailable("the engine is not ready")
+        self.check_sampling(req)  # bad parameters fail before media is loaded
         processed = None
         if self.preprocess_pool is not None and self.mm_processor is not None and self._needs_media_processing(req):
-            req.sampling_params.verify(self.info.vocab_size)  # bad parameters fail before media is loaded
             processed = await self.preprocess_pool.process(
                 prompt=req.text, input_ids=req.input_ids,
                 image_data=req.image_data, video_data=req.video_data, audio_data=req.audio_data,
@@ -344,8 +350,8 @@ class TokenizerManager:
         return await asyncio.get_running_loop().run_in_executor(self.executor, self._tokenize, req, processed)
 
     async def generate(self, req: GenerateRequest,
-                       tokenized: messages.TokenizedGenerateReq | None = None) -> AsyncIterator[dict]:
-        """Yields output dicts: one final dict, or a stream of cumulative dicts if req.stream.
+                       tokenized: messages.TokenizedGenerateReq | None = None) -> AsyncIterator[GenerateResult]:
+        """Yields one final GenerateResult, or a stream of cumulative ones if req.stream.
 
         tokenized: the result of `tokenize(req)` when the caller validated the request already."""
         if tokenized is None:
@@ -369,16 +375,11 @@ class TokenizerManager:
                 if out.new_top_logprobs:  # SGLang's order in outputs: (logprob, token id), as output_token_logprobs
                     state.top_logprobs.extend([[(lp, tid) for tid, lp in top] for top in out.new_top_logprobs])
                 if out.input_token_logprobs is not None:
-                    state.input_logprobs = {"input_token_logprobs": out.input_token_logprobs,
-                                            "input_top_logprobs": out.input_top_logprobs}
-                    if out.input_token_ranks is not None:
-                        state.input_logprobs["input_token_ranks"] = out.input_token_ranks
+                    state.prompt_logprobs = out
                 finished = out.finished_reason is not None
-                if finished and out.finished_reason["type"] == "error":
+                if finished and out.finished_reason.is_error:
                     state.finished = True
-                    if out.finished_reason.get("unavailable"):
-                        raise EngineUnavailable(out.finished_reason["message"])
-                    raise RequestFailed(out.finished_reason["message"])
+                    raise failure(out.finished_reason)
                 delta = state.detok.add(out.new_token_ids, out.finished_reason)
                 if finished:
                     state.finished = True
@@ -407,21 +408,14 @@ class TokenizerManager:
                                               [item.hash for item in mm.items] if mm else []))
         return out
 
-    async def abort(self, rid: str) -> None:
-        replica = self.dispatcher.owner(rid)
-        if replica is not None:
-            await messages.send_async(self.send_socks[replica], messages.AbortReq(rid))
-
-    def _result(self, state: ReqState, out: messages.ReqOutput, delta: str) -> dict:
-        meta = output_meta(state.request.rid, out, state.prompt_tokens, len(state.output_ids), state.created,
-                           state.first_token_time)
+    def _result(self, state: ReqState, out: messages.ReqOutput, delta: str) -> GenerateResult:
+        result = answer_of(state.request.rid, out, state.prompt_tokens, state.created, state.first_token_time,
+                           state.detok.output_text, delta, list(state.output_ids))
         if state.request.return_logprob:
-            meta["output_token_logprobs"] = list(zip(state.logprobs, state.output_ids))
-            if state.top_logprobs:
-                meta["output_top_logprobs"] = state.top_logprobs
-        if out.spec_verify_ct:  # SGLang's names; the accept length: tokens per verify step of this request
-            meta.update(spec_verify_ct=out.spec_verify_ct,
-                        spec_accept_length=1 + out.spec_accepted_tokens / out.spec_verify_ct)
-        meta.update(state.input_logprobs)
-        return {"text": state.detok.output_text, "delta": delta, "output_ids": list(state.output_ids),
-                "meta_info": meta, **({"embedding": out.embedding} if out.embedding is not None else {})}
+            result.output_token_logprobs = list(zip(state.logprobs, state.output_ids))
+            result.output_top_logprobs = state.top_logprobs
+        if (prompt := state.prompt_logprobs) is not None:
+            result.input_token_logprobs = prompt.input_token_logprobs
+            result.input_top_logprobs = prompt.input_top_logprobs
+            result.input_token_ranks = prompt.input_token_ranks
+        return result

@@ -1,8 +1,8 @@
 """tessera.lang: multi-call programs over a model, in the spirit of SGLang's frontend language.
 
 A program appends chat turns, media and generation points to a state; each gen/select is one request to
-an Engine or a server, whose prefix cache makes the shared conversation cheap. See the README's Programs section
-and examples/lang_*.py.
+an Engine or a server, whose prefix cache makes the shared conversation cheap. See the README's tour,
+docs/features.md ("Programs") and examples/lang_*.py.
 """
 
 from tessera.lang.backend import EngineBackend, RuntimeEndpoint

@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.messages.finish import FinishReason
 from tessera.messages.items import MultimodalInputs
 from tessera.messages.pooling import PoolingParams
 from tessera.messages.sampling import SamplingParams
@@ -150,7 +151,7 @@ class ReqOutput:
 
     rid: str
     new_token_ids: list[int]
-    finished_reason: dict | None = None  # {"type": "stop"|"length"|"abort", "matched": id or str, "message": ...}
+    finished_reason: FinishReason | None = None  # set on the request's last output
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0

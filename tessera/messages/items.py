@@ -1,4 +1,4 @@
-"""The multimodal data model: what a processor hands to the scheduler and the model runner.
+"""The multimodal data model: what a processor hands to the scheduler and the model worker.
 
 Contract: the processor expands each item's placeholder into `num_tokens` copies of the
 model's placeholder token id in `input_ids`; `offsets` are the [start, end) token ranges of

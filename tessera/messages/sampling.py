@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, fields
 from numbers import Integral, Real
 from typing import Any
@@ -237,6 +238,11 @@ class SamplingParams:
             if token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
                 bound = f"[0, {vocab_size})" if vocab_size is not None else ">= 0"
                 raise ValueError(f"stop_token_ids entries must be in {bound}, got {token_id}")
+
+    def stop_ids(self, eos_ids: Collection[int]) -> set[int]:
+        """The token ids that end the request (and that min_new_tokens bans until then): its stop_token_ids,
+        and the model's EOS ids unless ignore_eos."""
+        return set(self.stop_token_ids or ()) | (set() if self.ignore_eos else set(eos_ids))
 
     @property
     def is_greedy(self) -> bool:

@@ -160,8 +160,7 @@ class VarlenVisionAttention(torch.nn.Module):
         return cls(original.qkv, original.proj, original.num_heads, original.head_dim, original.scaling, plans)
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                max_seqlen: int | None = None, **kwargs) -> torch.Tensor:
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv(hidden_states).view(num_tokens, 3, self.num_heads, self.head_dim)
         assert position_embeddings is not None, "Qwen-VL towers always pass (cos, sin)"

@@ -1,4 +1,5 @@
-"""ScheduledBatch: what the scheduler hands the model runner for one step."""
+"""ScheduledBatch: the requests the policy picked for one step and their token ranges; the scheduler turns it
+into the worker's ForwardInput (scheduler/step_input.py)."""
 
 from __future__ import annotations
 

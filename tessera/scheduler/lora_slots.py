@@ -11,7 +11,7 @@ policy admits a request only while the running requests' distinct adapters fit t
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tessera.messages import frontend as messages
 from tessera.messages.worker import ForwardInput
@@ -66,26 +66,26 @@ class LoraSlotTable:
                 self.names[i], self.last_used[i] = None, 0
 
 
-def handle_lora_adapter(scheduler, msg: messages.LoraAdapterReq) -> messages.LoraAdapterResult:
-    """Loads or unloads an adapter on every rank of this replica; the answer names what went wrong. An adapter
-    that requests still use is not unloaded (409)."""
-    result = messages.LoraAdapterResult(msg.op_id, dp_rank=scheduler.dp_rank)
+def handle_lora_adapter(msg: messages.LoraAdapterReq, reqs: Iterable[Req], apply: Callable[[str, str | None], None],
+                        slots: LoraSlotTable | None, dp_rank: int) -> messages.LoraAdapterResult:
+    """Loads or unloads an adapter (`apply(name, path or None)`: on every rank of this replica); the answer
+    names what went wrong. An adapter that requests still use (`reqs`: those in flight) is not unloaded (409).
+    slots: the replica's slot table (None without --enable-lora)."""
+    result = messages.LoraAdapterResult(msg.op_id, dp_rank=dp_rank)
     if msg.lora_path is None:
-        users = sum(1 for r in scheduler.reqs.values() if r.lora_name == msg.lora_name)
+        users = sum(1 for r in reqs if r.lora_name == msg.lora_name)
         if users:
             result.error, result.status = f"adapter {msg.lora_name!r} is in use by {users} request(s)", 409
             return result
     try:
-        if scheduler.tp is not None:
-            scheduler.tp.broadcast(("lora", msg.lora_name, msg.lora_path))
-        scheduler.worker.lora_adapter(msg.lora_name, msg.lora_path)
+        apply(msg.lora_name, msg.lora_path)
     except ValueError as e:  # AdapterError and a server without --enable-lora
         result.error = str(e)
         result.status = 404 if "is not loaded" in result.error else 400
         return result
-    if scheduler.lora_slots is not None:
+    if slots is not None:
         if msg.lora_path is None:
-            scheduler.lora_slots.forget(msg.lora_name)
+            slots.forget(msg.lora_name)
         else:
-            scheduler.lora_slots.loaded.add(msg.lora_name)
+            slots.loaded.add(msg.lora_name)
     return result

@@ -23,11 +23,13 @@ parallelism (ServerArgs.overlap_schedule): only rank 0 samples, so the other ran
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tessera.messages.worker import ForwardInput
 from tessera.models.base import TesseraModel
 from tessera.scheduler.batch import ScheduledBatch, ScheduledReq
+from tessera.scheduler.policy import SchedulePolicy
 from tessera.scheduler.req import Req
 
 
@@ -46,34 +48,37 @@ class Launched:
 
 
 class Overlap:
-    """The overlap loop of one Scheduler (`sched`, duck-typed: its policy, worker calls and processing)."""
+    """The overlap loop of one Scheduler: its schedule policy, and its two halves of a step: `launch` (a batch,
+    with placeholders for the tokens in flight, handed to the worker; None when it failed) and `finish_step`
+    (a launched step's tokens read and applied)."""
 
-    def __init__(self, sched):
-        self.sched = sched
+    def __init__(self, policy: SchedulePolicy, launch: Callable[..., Launched | None],
+                 finish_step: Callable[[Launched], None], context_length: int, model_cls: type[TesseraModel]):
+        self.policy, self.launch, self.finish_step, self.context_length = policy, launch, finish_step, context_length
         self.inflight: Launched | None = None  # the last launched step, not yet processed
-        cls = sched.model_cls
         # A family's own logits rules may read each row's tokens (Whisper's timestamp rules).
-        self.family_ok = cls.process_logits is TesseraModel.process_logits and not cls.process_logits_reads_prompt
+        self.family_ok = (model_cls.process_logits is TesseraModel.process_logits
+                          and not model_cls.process_logits_reads_prompt)
         self.num_overlapped = 0  # steps launched before the previous one's tokens were read
 
     def step(self) -> bool:
-        sched, prev = self.sched, self.inflight
+        prev = self.inflight
         if prev is not None:
             follow = self._follow_on(prev)
             if follow is not None:
-                self.inflight = sched.launch(*follow)  # queued behind prev on the device
+                self.inflight = self.launch(*follow)  # queued behind prev on the device
                 self.num_overlapped += self.inflight is not None
                 self._finish(prev)
                 return True
             self.drain()
-        batch = sched.policy.next_batch()
+        batch = self.policy.next_batch()
         if batch is None:
             return prev is not None
-        step = sched.launch(batch)
+        step = self.launch(batch)
         if step is not None and self._exact(batch):
             self.inflight = step  # processed by the next step(), after it launched the step that follows
         elif step is not None:
-            sched.finish_step(step)
+            self.finish_step(step)
         return True
 
     def drain(self) -> None:
@@ -89,16 +94,16 @@ class Overlap:
         step = self.inflight
         if step is None or not step.holds(req):
             return False
-        self.sched.policy.running.remove(req)
+        self.policy.running.remove(req)
         kv_len = min(req.kv_len - 1 if finished else req.kv_len, req.seq_len)
         step.deferred.append((req, kv_len, req.kv_len))
         return True
 
     def _finish(self, step: Launched) -> None:
-        self.sched.finish_step(step)  # rows of requests that finished meanwhile are skipped there
+        self.finish_step(step)  # rows of requests that finished meanwhile are skipped there
         for req, kv_len, held in step.deferred:
             req.kv_len = kv_len
-            self.sched.policy.kv.release(req, allocated_len=held)
+            self.policy.kv.release(req, allocated_len=held)
 
     def _exact(self, batch: ScheduledBatch) -> bool:
         """Whether a step's tokens can wait: plain decode rows only, each eligible."""
@@ -114,8 +119,7 @@ class Overlap:
     def _follow_on(self, prev: Launched) -> tuple[ScheduledBatch, list[int]] | None:
         """The decode step after `prev` (launched, its tokens unknown), or None when the next step must see them:
         a request waits for admission, one runs that `prev` did not decode, or the pool has no slots left."""
-        sched = self.sched
-        policy = sched.policy
+        policy = self.policy
         if policy.waiting or not policy.running:
             return None
         rows = {id(s.req): i for i, s in enumerate(prev.batch.reqs)}
@@ -124,7 +128,7 @@ class Overlap:
         # Requests that prev's token ends by length finish without riding along.
         reqs = [s.req for s in prev.batch.reqs if s.req in policy.running
                 and len(s.req.output_ids) + 1 < s.req.sampling_params.max_new_tokens
-                and s.req.seq_len + 1 < sched.context_length]
+                and s.req.seq_len + 1 < self.context_length]
         if not reqs:
             return None
         slots = policy.kv.alloc_decode(reqs)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tessera.constrained.matcher import GrammarMatcher
+from tessera.messages.finish import FinishReason
 from tessera.messages.items import MultimodalInputs
 from tessera.messages.pooling import PoolingParams
 from tessera.messages.sampling import SamplingParams
@@ -36,7 +37,7 @@ class Req:
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_ids: list[int] = field(default_factory=list)
-    finished_reason: dict | None = None
+    finished_reason: FinishReason | None = None
     # KV state. kv_len tokens of fill_ids have KV at req_to_token[req_pool_idx, :kv_len].
     req_pool_idx: int | None = None
     kv_len: int = 0

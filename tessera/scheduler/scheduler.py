@@ -14,6 +14,7 @@ import zmq
 from tessera import messages
 from tessera.config import ServerArgs
 from tessera.constrained.matcher import GrammarCompiler
+from tessera.messages.finish import FinishReason
 from tessera.messages.items import Modality
 from tessera.messages.worker import ForwardInput, StepOutput
 from tessera.models.config import ModelConfig
@@ -25,7 +26,7 @@ from tessera.scheduler.overlap import Launched, Overlap
 from tessera.scheduler.req import Req
 from tessera.scheduler.speculative import accepted_prefix, make_speculator
 from tessera.scheduler.step_input import build_forward_input, take_prompt_logprobs
-from tessera.scheduler.stops import finish_reason, matched_stop_string  # noqa: F401 -- re-exported
+from tessera.scheduler.stops import check_finished
 from tessera.scheduler.summary import PeriodicSummary
 from tessera.scheduler.worker_api import RankGroup, StepWorker  # noqa: F401 -- StepWorker re-exported
 
@@ -51,7 +52,8 @@ class Scheduler:
         from tessera.cache.allocator import PagedTokenAllocator
         from tessera.cache.kv_pool import ReqToTokenPool
         from tessera.cache.radix_cache import RadixCache
-        from tessera.scheduler.policy import KVManager, SchedulePolicy
+        from tessera.scheduler.kv_manager import KVManager
+        from tessera.scheduler.policy import SchedulePolicy
 
         self.args = args
         self.dp_rank = dp_rank
@@ -81,7 +83,7 @@ class Scheduler:
         refuse_scheduling(self.config.family, args.speculative_algorithm)
         self.speculator = make_speculator(args, info.context_length, getattr(self.worker, "draft_proposer", None))
         self.policy = SchedulePolicy(kv, args.max_running_requests, args.chunked_prefill_size, args.schedule_policy,
-                                     self.speculator)
+                                     self.speculator, args.max_prefill_tokens)
         # Which adapter is in which of the worker's LoRA slots (None without --enable-lora).
         self.lora_slots = self.policy.lora_slots = (LoraSlotTable(args.max_loras_per_batch, dict(args.lora_adapters))
                                                     if args.enable_lora else None)
@@ -109,7 +111,8 @@ class Scheduler:
         self.mm_items = {"deferred": 0, "eager": 0}
         # Forms decode step N+1 while the device runs step N (scheduler/overlap.py); speculative steps need the
         # tokens on the host before the next one.
-        self.overlap = Overlap(self) if args.overlap_schedule and self.speculator is None else None
+        self.overlap = Overlap(self.policy, self.launch, self.finish_step, self.context_length, self.model_cls) \
+            if args.overlap_schedule and self.speculator is None else None
         if args.overlap_schedule and self.overlap is None:
             logger.info("overlap scheduling is off: speculative decoding verifies each step's tokens on the host")
 
@@ -133,16 +136,14 @@ class Scheduler:
                 req.atomic_spans = [(0, len(req.origin_input_ids))]  # PaliGemma's prompt attends both ways
             if self.config.family.embedding_only:  # a dual encoder computes a request in one step
                 req.atomic_spans = [(0, len(req.origin_input_ids))]
-            req.stop_token_ids = set(sp.stop_token_ids or [])
-            if not sp.ignore_eos:
-                req.stop_token_ids |= self.eos_ids
+            req.stop_token_ids = sp.stop_ids(self.eos_ids)
             if req.lora_name is not None and (self.lora_slots is None or req.lora_name not in self.lora_slots.loaded):
                 # Unloaded between the frontend's check and now: this request fails, not the batch it would join.
-                self._emit([self._output(req, finished={"type": "error", "message": f"lora_path: adapter "
-                                                        f"{req.lora_name!r} is not loaded"})])
+                unloaded = FinishReason.error(f"lora_path: adapter {req.lora_name!r} is not loaded")
+                self._emit([self._output(req, unloaded)])
                 return
             if sp.max_new_tokens == 0 and not req.wants_input_logprobs and req.pooling is None:  # a prefill, no token
-                self._emit([self._output(req, finished={"type": "length", "length": 0})])
+                self._emit([self._output(req, FinishReason.of_length(0))])
                 return
             self.reqs[req.rid] = req
             items = msg.mm_inputs.items if msg.mm_inputs is not None else []
@@ -166,7 +167,7 @@ class Scheduler:
                         self.policy.remove(req)
                 elif held[1] is not None:
                     held[1].cancel()
-                req.finished_reason = {"type": "abort", "message": "aborted by client"}
+                req.finished_reason = FinishReason.abort()
                 self._emit([self._output(req, req.finished_reason)])
         elif isinstance(msg, messages.FlushCacheReq):
             if self.overlap is not None:
@@ -179,9 +180,16 @@ class Scheduler:
         elif isinstance(msg, messages.GetStatsReq):
             messages.send(self.send_sock, self.stats())
         elif isinstance(msg, messages.LoraAdapterReq):
-            messages.send(self.send_sock, handle_lora_adapter(self, msg))
+            messages.send(self.send_sock, handle_lora_adapter(msg, self.reqs.values(), self._apply_lora,
+                                                              self.lora_slots, self.dp_rank))
         else:
             raise TypeError(f"unexpected message {type(msg).__name__}")
+
+    def _apply_lora(self, name: str, path: str | None) -> None:
+        """Loads adapter `name` from `path` (None: unloads it) on every rank of this replica."""
+        if self.tp is not None:
+            self.tp.broadcast(("lora", name, path))
+        self.worker.lora_adapter(name, path)
 
     def _admit_ready(self) -> None:
         """Held requests join the policy's queue once their grammar's matcher is built and their media are
@@ -203,7 +211,7 @@ class Scheduler:
                     req.grammar = grammar.result()
                 except Exception as e:
                     self.reqs.pop(rid, None)
-                    req.finished_reason = {"type": "error", "message": f"{type(e).__name__}: {e}"}
+                    req.finished_reason = FinishReason.error(f"{type(e).__name__}: {e}")
                     self._emit([self._output(req, req.finished_reason)])
                     continue
             self.policy.add(req)
@@ -232,7 +240,7 @@ class Scheduler:
         )
 
     # ---- stepping -------------------------------------------------------------------------
-    def _output(self, req: Req, finished: dict | None = None) -> messages.ReqOutput:
+    def _output(self, req: Req, finished: FinishReason | None = None) -> messages.ReqOutput:
         new = req.output_ids[req.num_sent :]
         out = messages.ReqOutput(
             rid=req.rid, new_token_ids=new, finished_reason=finished,
@@ -259,8 +267,8 @@ class Scheduler:
         if outputs:
             messages.send(self.send_sock, messages.BatchOutput(outputs))
 
-    def _check_finished(self, req: Req) -> dict | None:
-        return finish_reason(req, self.tokenizer, self.context_length)
+    def _check_finished(self, req: Req) -> FinishReason | None:
+        return check_finished(req, self.tokenizer, self.context_length)
 
     def step(self) -> bool:
         if self.overlap is not None:
@@ -314,7 +322,7 @@ class Scheduler:
             if req.finished:  # overlap: finished (or aborted) while this step ran; its token is discarded
                 pass
             elif req.sampling_params.max_new_tokens == 0:  # ran for its prompt logprobs only
-                req.finished_reason = {"type": "length", "length": 0}
+                req.finished_reason = FinishReason.of_length(0)
                 self._finish(req, req.finished_reason, outputs)
             else:
                 tokens = result.next_token_ids[row:row + rows]
@@ -354,8 +362,8 @@ class Scheduler:
         req.output_ids.append(token)
         if req.grammar is not None and not req.grammar.accept(token):
             # Cannot happen while the sampler applies the mask; fail loudly rather than emit invalid output.
-            self._finish(req, {"type": "error", "message": f"constrained decoding: token {token} rejected by the "
-                                                           f"grammar ({req.grammar.error})"}, outputs)
+            self._finish(req, FinishReason.error(f"constrained decoding: token {token} rejected by the grammar "
+                                                f"({req.grammar.error})"), outputs)
             return True
         if req.return_logprob:
             req.logprobs.append(result.logprobs[row])  # type: ignore[index]
@@ -368,7 +376,7 @@ class Scheduler:
             return True
         return False
 
-    def _finish(self, req: Req, finished: dict, outputs: list) -> None:
+    def _finish(self, req: Req, finished: FinishReason, outputs: list) -> None:
         """Ends req: its KV goes back (a verify step that finished before its last accepted token holds KV past
         its last token: those slots too) and its final output joins `outputs`."""
         req.finished_reason = finished
@@ -385,7 +393,7 @@ class Scheduler:
         of_rid = {s.req.rid: s.req for s in batch.reqs}
         for entry, vector in zip([e for e in fi.pooling_rows if e.final], result.embeddings):
             req = of_rid[fi.rids[entry.req]]  # entry.req: its row of fi (a verify step's rows come first)
-            req.finished_reason = {"type": "stop", "matched": None}
+            req.finished_reason = FinishReason.stop()
             done.append(req)
             self.reqs.pop(req.rid, None)
             outputs.append(self._output(req, req.finished_reason))
@@ -402,7 +410,7 @@ class Scheduler:
                 continue
             # The failed step wrote no usable KV; its fresh slots are freed (and those of a step launched after it).
             held, req.kv_len = max(s.end, req.kv_len), s.start
-            req.finished_reason = {"type": "error", "message": message}
+            req.finished_reason = FinishReason.error(message)
             self.policy.finish(req, allocated_len=held)
             self.reqs.pop(req.rid, None)
             outputs.append(self._output(req, req.finished_reason))

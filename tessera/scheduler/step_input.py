@@ -13,7 +13,7 @@ from tessera.models.base import StepSegment, TesseraModel
 from tessera.models.config import ModelConfig
 from tessera.messages.items import MultimodalDataItem
 from tessera.scheduler.batch import ScheduledBatch
-from tessera.scheduler.policy import KVManager
+from tessera.scheduler.kv_manager import KVManager
 from tessera.messages.worker import (
     ForwardInput,
     StepOutput,

@@ -3,10 +3,11 @@ token (the scheduler checks every token it appends, one by one for a verify step
 
 from __future__ import annotations
 
+from tessera.messages.finish import FinishReason
 from tessera.scheduler.req import Req
 
 
-def matched_stop_string(tokenizer, output_ids: list[int], stop: list[str]) -> str | None:
+def find_stop_string(tokenizer, output_ids: list[int], stop: list[str]) -> str | None:
     """The stop string that starts first in the tail of the output, if any (ties: the first listed).
     Special tokens are decoded, so a stop string may name one."""
     if not stop:
@@ -17,21 +18,19 @@ def matched_stop_string(tokenizer, output_ids: list[int], stop: list[str]) -> st
     return min(found, key=lambda f: f[0])[1] if found else None
 
 
-def finish_reason(req: Req, tokenizer, context_length: int) -> dict | None:
+def check_finished(req: Req, tokenizer, context_length: int) -> FinishReason | None:
     """Why the request is finished after its last output token (None: it goes on)."""
     sp, tok = req.sampling_params, req.output_ids[-1]
     if tok in req.stop_token_ids and (len(req.output_ids) > sp.min_new_tokens or req.grammar is not None):
-        return {"type": "stop", "matched": tok}
+        return FinishReason.stop(tok)
     # Stop strings are matched here only; the frontend's detokenizer cuts the text at the string
     # reported. Checked before the grammar and the length limits, so a stop string completed by
     # the last allowed token still ends the text.
-    matched = matched_stop_string(tokenizer, req.output_ids, sp.stop)
+    matched = find_stop_string(tokenizer, req.output_ids, sp.stop)
     if matched is not None:
-        return {"type": "stop", "matched": matched}
+        return FinishReason.stop(matched)
     if req.grammar is not None and req.grammar.is_terminated:  # the grammar admits nothing more
-        return {"type": "stop", "matched": None}
-    if len(req.output_ids) >= sp.max_new_tokens:
-        return {"type": "length", "length": len(req.output_ids)}
-    if req.seq_len >= context_length:
-        return {"type": "length", "length": len(req.output_ids)}
+        return FinishReason.stop()
+    if len(req.output_ids) >= sp.max_new_tokens or req.seq_len >= context_length:
+        return FinishReason.of_length(len(req.output_ids))
     return None

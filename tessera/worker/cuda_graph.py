@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from tessera.cache.kv_pool import TokenToKVPool
+from tessera.config import ServerArgs
 from tessera.layers.attention.base import BaseAttentionBackend
 from tessera.models.base import TesseraModel
 from tessera.layers.forward_batch import ForwardBatch
@@ -274,11 +275,9 @@ class DecodeGraphRunner:
         return None
 
 
-def capture_decode_graphs(worker, backend_name: str) -> tuple[DecodeGraphRunner | None, str]:
-    """A model worker's decode graphs and its status for /get_server_info: (None, "off: <why>") where they do
-    not apply, (None, "capture failed, ...") when a capture failed (logged there as an error), else (runner,
-    "captured")."""
-    args, platform, model = worker.args, worker.platform, worker.model
+def decode_graphs_off(args: ServerArgs, platform: Platform, model: TesseraModel, backend_name: str,
+                      keeps_request_state: bool, tp_size: int) -> str | None:
+    """Why a worker's decode steps run without CUDA graphs (logged where graphs could run), or None."""
     why_not = None
     if args.disable_cuda_graph:
         why_not = "--disable-cuda-graph"
@@ -288,27 +287,34 @@ def capture_decode_graphs(worker, backend_name: str) -> tuple[DecodeGraphRunner 
         why_not = f"attention backend {backend_name} plans on the host"
     elif not type(model).cuda_graph_decode:
         why_not = f"{type(model).__name__} has host-side work in its decode step"
-    elif worker.request_state is not None:
+    elif keeps_request_state:
         why_not = f"{type(model).__name__} reads per-request state the graph inputs do not carry"
-    elif worker.tp.size > 1:
+    elif tp_size > 1:
         why_not = "tensor parallelism (collectives are not captured)"
-    if why_not:
-        if platform.supports_graphs:
-            logger.info("CUDA graphs off: %s", why_not)
-        return None, f"off: {why_not}"
-    if worker.lora is not None:  # the graphs replay the stacks' addresses: fixed from here on
-        worker.lora.fix_stacks(args.max_lora_rank or DEFAULT_LORA_RANK)
-    runner = worker.decode_graph_runner(min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, args.max_running_requests))
+    if why_not and platform.supports_graphs:
+        logger.info("CUDA graphs off: %s", why_not)
+    return why_not
+
+
+def graph_max_bs(args: ServerArgs) -> int:
+    """The largest decode batch a graph is captured for."""
+    return min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, args.max_running_requests)
+
+
+def capture_decode_graphs(runner: DecodeGraphRunner, platform: Platform,
+                          device: torch.device) -> tuple[DecodeGraphRunner | None, str]:
+    """Captures `runner`'s graphs: (None, "capture failed, ...") when a capture failed (logged there as an
+    error), else (runner, "captured", with torch.compile's part); the status is /get_server_info's."""
     failure = runner.try_capture()  # logged there, as an error
     compiled = ""
     if failure is not None and runner.compile_max_bs:  # torch.compile's failure must not cost the graphs
-        platform.synchronize(worker.device)
+        platform.synchronize(device)
         runner.compile_max_bs, runner._compiled = 0, None
         compiled, failure = f" without torch.compile (it failed: {failure})", runner.try_capture()
     elif runner.compile_max_bs:
         compiled = f", torch.compile up to batch {runner.compile_max_bs}"
     if failure is not None:
-        platform.synchronize(worker.device)
+        platform.synchronize(device)
         return None, f"capture failed, decode runs eagerly: {failure}"
     logger.info("CUDA graphs captured for decode batch sizes %s%s", runner.sizes, compiled)
     return runner, "captured" + compiled

@@ -36,8 +36,9 @@ from tessera.layers.forward_batch import ForwardBatch
 from tessera.worker.draft_model import DraftModel
 from tessera.worker.encode_ahead import EncodeAhead
 from tessera.worker.sampler import Sampler
-from tessera.worker.step_launch import StepHandle, launch_outputs, resolve_placeholders
-from tessera.worker.cuda_graph import DecodeGraphRunner, DecodeInputs, capture_batch_sizes, capture_decode_graphs
+from tessera.worker.step_launch import OutputLauncher, StepHandle, resolve_placeholders
+from tessera.worker.cuda_graph import (DEFAULT_LORA_RANK, DecodeGraphRunner, DecodeInputs, capture_batch_sizes,
+                                      capture_decode_graphs, decode_graphs_off, graph_max_bs)
 from tessera.messages.worker import ForwardInput, StepOutput, WorkerInfo
 from tessera.platform import cpu_kernels, host_memory
 from tessera.platform.device import (compute_dtype, platform_of, rank_device, resolve_device, resolve_dtype,
@@ -114,8 +115,6 @@ class ModelWorker:
         self.materialize = None if args.language_model_only else materializer_for(
             args.tokenizer_path or args.model_path, self.config.hf_config, self.config.family.processor_class(),
             self.device)
-        self.sampler = Sampler(seed=args.random_seed)
-        self.eos_token_ids = eos_token_ids
         self.use_decode_mirror = not args.disable_decode_kv_mirror and uses_decode_mirror(self.device)
         self._held: dict[str, dict[int, torch.Tensor]] = {}  # rid -> item hash -> embedding
         self.pooler = Pooler()  # embedding requests' partial pools across prefill chunks
@@ -134,6 +133,8 @@ class ModelWorker:
         if args.speculative_algorithm == "STANDALONE" and self.tp.rank == 0:
             self.draft_proposer = DraftModel(args, self.device, self.context_length, self.config.vocab_size,
                                              rows=min(args.max_running_requests, 2 * args.speculative_disable_by_batch_size))
+        self.outputs = OutputLauncher(Sampler(seed=args.random_seed), self.pooler, eos_token_ids, self.device,
+                                      self.model.process_logits, self.platform)  # a step's sampling and read-back
         self.cuda_graph_status = ""  # set by _capture_decode_graphs
         self.graph_runner = self._capture_decode_graphs(backend_name)
         if self.platform.runs_on_host_cores:  # after the weights loaded: their staging copies are not kept
@@ -158,7 +159,12 @@ class ModelWorker:
 
     def _capture_decode_graphs(self, backend_name: str) -> DecodeGraphRunner | None:
         """The decode graphs, or None (every step then runs eagerly); sets cuda_graph_status."""
-        runner, self.cuda_graph_status = capture_decode_graphs(self, backend_name)
+        why_not = decode_graphs_off(self.args, self.platform, self.model, backend_name, self.request_state is not None,
+                                    self.tp.size)
+        if why_not is None and self.lora is not None:  # the graphs replay the stacks' addresses: fixed from here on
+            self.lora.fix_stacks(self.args.max_lora_rank or DEFAULT_LORA_RANK)
+        runner, self.cuda_graph_status = (None, f"off: {why_not}") if why_not else capture_decode_graphs(
+            self.decode_graph_runner(graph_max_bs(self.args)), self.platform, self.device)
         return runner
 
     def lora_adapter(self, name: str, path: str | None) -> None:
@@ -183,30 +189,15 @@ class ModelWorker:
 
     # ---- media -----------------------------------------------------------------------------------
     def _mm_embeds(self, fi: ForwardInput) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The rows of the step's media placeholders and their embeddings (from media_embeddings); each
+        request's embeddings are held until its prompt's KV exists (a later chunk needs the rest of them)."""
         if not fi.mm_placements:
             return None, None
-        found: dict[int, torch.Tensor] = {}  # item index -> embedding
-        missing: dict[int, list[int]] = {}  # hash -> item indices
+        first = {}  # item index -> its first placement: an item is looked up once however many it has
         for p in fi.mm_placements:
-            if p.item in found or p.item in missing.get(fi.mm_items[p.item].hash, ()):
-                continue
-            item = fi.mm_items[p.item]
-            held = self._held.get(fi.rids[p.req], {})
-            emb = item.precomputed_embedding
-            if emb is None:
-                emb = held.get(item.hash)
-            if emb is None:
-                emb = self.encoder_cache.get(item.hash)
-            if emb is None and self.ahead is not None:
-                emb = self.ahead.take(item.hash)
-                if emb is not None:
-                    self.encoder_cache.put(item.hash, emb)
-            if emb is None:
-                missing.setdefault(item.hash, []).append(p.item)
-            else:
-                found[p.item] = emb
-        if missing:
-            found.update(self._encode(fi, missing))
+            first.setdefault(p.item, p)
+        found = dict(zip(first, self.media_embeddings(
+            [fi.mm_items[i] for i in first], [self._held.get(fi.rids[p.req], {}) for p in first.values()])))
         rows, embeds = [], []
         for p in fi.mm_placements:
             emb = found[p.item]
@@ -218,18 +209,44 @@ class ModelWorker:
             embeds.append(emb[p.lo:p.hi].to(self.device, non_blocking=True))
         return torch.cat(rows).to(self.device), torch.cat(embeds)
 
-    def _encode(self, fi: ForwardInput, missing: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """Encodes each missing distinct item once, one encoder call per modality."""
-        by_modality: dict[Modality, list[int]] = {}
-        for indices in missing.values():
-            by_modality.setdefault(fi.mm_items[indices[0]].modality, []).append(indices[0])
+    def media_embeddings(self, items: Sequence[MultimodalDataItem], held: Sequence[dict[int, torch.Tensor]] = (),
+                         per_placeholder: bool = True) -> list[torch.Tensor]:
+        """The encoder output of each item, the first found of: its precomputed embedding, its request's held
+        one (`held`, per item: hash -> embedding), the encoder cache, the encode-ahead thread's; the rest are
+        encoded now, each distinct item once (_encode). per_placeholder: an encoded item's rows must match its
+        placeholder tokens (a family whose outputs fill per-request state checks them there instead)."""
+        out: list[torch.Tensor | None] = []
+        missing: dict[int, MultimodalDataItem] = {}  # hash -> the first such item
+        for k, item in enumerate(items):
+            emb = item.precomputed_embedding
+            if emb is None and k < len(held):
+                emb = held[k].get(item.hash)
+            if emb is None:
+                emb = self.encoder_cache.get(item.hash)
+            if emb is None and self.ahead is not None:
+                emb = self.ahead.take(item.hash)
+                if emb is not None:
+                    self.encoder_cache.put(item.hash, emb)
+            if emb is None:
+                missing.setdefault(item.hash, item)
+            out.append(emb)
+        if missing:
+            encoded = self._encode(list(missing.values()), per_placeholder)
+            out = [emb if emb is not None else encoded[item.hash] for emb, item in zip(out, items)]
+        return out  # type: ignore[return-value]
+
+    def _encode(self, items: list[MultimodalDataItem], per_placeholder: bool) -> dict[int, torch.Tensor]:
+        """Encodes distinct items, one encoder call per modality; hash -> embedding, each put in the cache."""
+        by_modality: dict[Modality, list[MultimodalDataItem]] = {}
+        for item in items:
+            by_modality.setdefault(item.modality, []).append(item)
         out: dict[int, torch.Tensor] = {}
-        for modality, indices in by_modality.items():
-            items = [fi.mm_items[i] for i in indices]
+        for modality, items in by_modality.items():
             if self.args.mm_enable_dp_encoder and self.tp.size > 1:  # each rank encodes a share, then all_gather
                 embeds = dp_sharded_encode(self._encoder_for(modality), items, [it.num_tokens for it in items],
                                            self.dtype, self.device)
-                self._check_counts(items, embeds)
+                if per_placeholder:
+                    self._check_counts(items, embeds)
             elif self.between_phases is not None and self.platform.runs_on_host_cores and self.tp.size == 1:
                 # Chunks of a few items, the thread count re-decided before each: a CPU tower's per-item cost
                 # does not depend on the call's size (demo-vl's tower over 64 images: 0.669 / 0.684 / 0.711 s
@@ -238,13 +255,12 @@ class ModelWorker:
                 embeds = []
                 for i in range(0, len(items), CPU_ENCODE_CHUNK):
                     self.between_phases()
-                    embeds.extend(self._encode_items(items[i : i + CPU_ENCODE_CHUNK]))
+                    embeds.extend(self._encode_items(items[i : i + CPU_ENCODE_CHUNK], per_placeholder))
             else:
-                embeds = self._encode_items(items)
+                embeds = self._encode_items(items, per_placeholder)
             for item, emb in zip(items, embeds):
                 self.encoder_cache.put(item.hash, emb)
-                for i in missing[item.hash]:
-                    out[i] = emb
+                out[item.hash] = emb
         return out
 
     def _encoder_for(self, modality: Modality) -> Callable[[list[MultimodalDataItem]], list[torch.Tensor]]:
@@ -255,12 +271,14 @@ class ModelWorker:
             return lambda items: encoder(self.materialize(items))
         return encoder
 
-    def _encode_items(self, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
-        """One encoder call over items of one modality, each output checked against its placeholder count.
-        One call at a time: the step's and the encode-ahead thread's share the towers (and their plan caches)."""
+    def _encode_items(self, items: list[MultimodalDataItem], per_placeholder: bool = True) -> list[torch.Tensor]:
+        """One encoder call over items of one modality, each output checked against its placeholder count
+        (unless not per_placeholder). One call at a time: the step's and the encode-ahead thread's share the
+        towers (and their plan caches)."""
         with self._encoder_lock:
             embeds = encode_by_adapter(self.lora, items, self._encoder_for(items[0].modality))
-        self._check_counts(items, embeds)
+        if per_placeholder:
+            self._check_counts(items, embeds)
         return embeds
 
     @staticmethod
@@ -304,31 +322,15 @@ class ModelWorker:
         return 1 if self.ahead is not None and self.ahead.busy else 0
 
     def _fill_request_state(self, fi: ForwardInput) -> tuple[torch.Tensor, list[int], list] | None:
-        """Writes the per-request state of newly admitted requests (from their items' encoder outputs: the
-        encoder cache, or one encoder call per modality for the misses) and returns every request's state:
+        """Writes the per-request state of newly admitted requests (from their items' media_embeddings, checked
+        against the rows the state takes) and returns every request's state:
         (slots [B, max extra_slots], padded with slot 0; each request's count; each request's layout). A request
         that keeps no state (count 0) attends to nothing. None when the family keeps no such state."""
         if self.request_state is None:
             return None
         if fi.state_fills:
-            outputs: dict[int, torch.Tensor] = {}
-            misses: dict[int, MultimodalDataItem] = {}
-            for item in (it for fill in fi.state_fills for it in fill.items):
-                cached = item.precomputed_embedding if item.precomputed_embedding is not None else \
-                    self.encoder_cache.get(item.hash)
-                if cached is None:
-                    misses.setdefault(item.hash, item)
-                else:
-                    outputs[item.hash] = cached
-            by_modality: dict[Modality, list[MultimodalDataItem]] = {}
-            for item in misses.values():
-                by_modality.setdefault(item.modality, []).append(item)
-            for modality, items in by_modality.items():
-                with self._encoder_lock:  # the encoders' current adapter is shared with the encode-ahead thread
-                    embeds = encode_by_adapter(self.lora, items, self.encoders[modality])
-                for item, out in zip(items, embeds):
-                    self.encoder_cache.put(item.hash, out)
-                    outputs[item.hash] = out
+            items = [it for fill in fi.state_fills for it in fill.items]
+            outputs = dict(zip((it.hash for it in items), self.media_embeddings(items, per_placeholder=False)))
             fills = fi.state_fills
             states = [torch.cat([outputs[it.hash] for it in f.items]) if len(f.items) > 1 else outputs[f.items[0].hash]
                       for f in fills]
@@ -431,8 +433,7 @@ class ModelWorker:
                 logits = self.forward(fi)
             if self.tp.rank != 0:  # only rank 0 samples
                 return StepHandle(StepOutput([]))
-            handle, self.previous_ids = launch_outputs(self, fi, logits, self._pooled_hidden, self.pooler,
-                                                       self.sampler)
+            handle, self.previous_ids = self.outputs.launch(fi, logits, self._pooled_hidden)
             self._pooled_hidden = None
             return handle
         finally:

@@ -136,7 +136,7 @@ class SamplingBatchInfo:
         ban_rows: list[tuple[int, list[int]]] = []
         for i, p in enumerate(params):
             if num_generated[i] < p.min_new_tokens and p.constraint is None:
-                stop_ids = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_token_ids))
+                stop_ids = p.stop_ids(eos_token_ids)
                 if stop_ids:
                     ban_rows.append((i, sorted(stop_ids)))
 

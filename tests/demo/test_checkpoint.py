@@ -45,7 +45,7 @@ def _answer(model, processor, sample: scenes.Sample) -> str:
 def test_answers_fixed_scenes(hf_demo) -> None:
     """Regression guard on fixed held-out scenes, every question type (held-out accuracy of the shipped
     checkpoint: color and shape 100%, count 99%, describe image 96%, video direction 100%, describe video
-    95%; the README has the table). Lookups are drawn from scenes with two or three shapes, where a model
+    95%; docs/models.md has the table). Lookups are drawn from scenes with two or three shapes, where a model
     that cannot find an object by one attribute is at chance."""
     model, processor = hf_demo
     rng = random.Random(123)

@@ -6,8 +6,8 @@ import random
 
 from tessera.config import ASSETS_DIR
 from tessera.demo import copy_task
-from tessera.demo.train_copy import copy_batch, copy_pairs
-from tessera.demo.train_vl import IGNORE
+from demo.train_copy import copy_batch, copy_pairs
+from demo.train_vl import IGNORE
 
 
 def test_copy_pairs_ask_back_their_answer_and_vary() -> None:
@@ -60,7 +60,7 @@ def test_copy_sources_line_up_with_the_answer() -> None:
 def test_conversation_batch_labels_every_answer() -> None:
     from transformers import AutoProcessor
 
-    from tessera.demo.train_copy import conversation_batch
+    from demo.train_copy import conversation_batch
 
     processor = AutoProcessor.from_pretrained(ASSETS_DIR / "demo-vl")
     tok = processor.tokenizer
@@ -80,7 +80,7 @@ def test_anchor_chats_hold_a_model_to_its_teacher() -> None:
     import torch
     from transformers import AutoProcessor, Qwen2VLForConditionalGeneration
 
-    from tessera.demo.train_copy import anchor_loss, anchor_pool
+    from demo.train_copy import anchor_loss, anchor_pool
 
     processor = AutoProcessor.from_pretrained(ASSETS_DIR / "demo-vl")
     teacher = Qwen2VLForConditionalGeneration.from_pretrained(ASSETS_DIR / "demo-vl").eval()

@@ -1,4 +1,4 @@
-from tessera.demo.curve import table
+from demo.curve import table
 
 
 def test_training_log_renders_as_markdown() -> None:

@@ -3,7 +3,7 @@ format only the Engine runs, e.g. a bf16 model's bf16 products, is scored on the
 
 from __future__ import annotations
 
-from tessera.demo import eval_vl
+from demo import eval_vl
 
 DEMO_VL = "tessera/assets/demo-vl"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from tessera.demo.retrieval import chance, recall_at_1, train_head
+from demo.retrieval import chance, recall_at_1, train_head
 
 
 def test_recall_counts_a_same_caption_image_as_found() -> None:

@@ -7,7 +7,7 @@ import time
 
 import torch
 
-from tessera.demo.runs import load_state, out_of_time, report, resume, save_state
+from demo.runs import load_state, out_of_time, report, resume, save_state
 
 
 def test_state_round_trips_and_the_log_is_readable(tmp_path) -> None:

@@ -9,8 +9,8 @@ import torch
 
 from tessera.config import ASSETS_DIR
 from tessera.demo import scenes
-from tessera.demo.attention_probe import AttentionProbe
-from tessera.demo.train_vl import IGNORE, make_batch, model_inputs
+from demo.attention_probe import AttentionProbe
+from demo.train_vl import IGNORE, make_batch, model_inputs
 
 DEMO = ASSETS_DIR / "demo-vl"
 

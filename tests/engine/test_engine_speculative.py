@@ -151,7 +151,7 @@ def test_tensor_parallel_verify_steps(engines):
 
 
 def test_bundled_draft_on_scene_answers(engines):
-    """demo-vl-draft (tessera/demo/train_draft.py, distilled from demo-vl) resolves by name, gives the plain
+    """demo-vl-draft (demo/train_draft.py, distilled from demo-vl) resolves by name, gives the plain
     engine's greedy answers to scene questions, and has its drafts accepted at the rate it was trained for."""
     rng = random.Random(11)
     samples = [scenes.image_sample(rng, "describe") for _ in range(6)] + [scenes.video_sample(rng) for _ in range(2)]

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from tessera.messages.finish import FinishReason
 from tessera.frontend.detokenizer import IncrementalDetokenizer
 
 
@@ -38,7 +39,7 @@ def _stream(tok, text: str, stop=None, step: int = 1) -> tuple[list[str], Increm
         seen = tok.decode(ids[: i + step])
         matched = next((s for s in stop or [] if s in seen), None)
         last = matched is not None or i + step >= len(ids)
-        reason = ({"type": "stop", "matched": matched} if matched is not None else {"type": "length"}) if last else None
+        reason = (FinishReason.stop(matched) if matched is not None else FinishReason.of_length(0)) if last else None
         deltas.append(d.add(chunk, reason))
         if last:
             break
@@ -72,7 +73,7 @@ def test_keep_stop_leaves_the_matched_stop_string(tok) -> None:
     ids = tok.encode("the answer is red. STOP and more")
     d = IncrementalDetokenizer(tok, stop=["STOP", "red"], keep_stop=True)
     end = len(tok.encode("the answer is red"))
-    text = "".join(d.add([i]) for i in ids[: end - 1]) + d.add(ids[end - 1 : end + 3], {"type": "stop", "matched": "red"})
+    text = "".join(d.add([i]) for i in ids[: end - 1]) + d.add(ids[end - 1 : end + 3], FinishReason.stop("red"))
     assert text == d.output_text == "the answer is red" and d.stopped
 
 
@@ -82,13 +83,13 @@ def test_the_detokenizer_does_not_match_stop_strings_itself(tok) -> None:
     even when this decoding shows it only at the end."""
     ids = tok.encode("a STOP b")
     d = IncrementalDetokenizer(tok, stop=["STOP"])
-    released = "".join(d.add([i]) for i in ids[:-1]) + d.add(ids[-1:], {"type": "length"})
+    released = "".join(d.add([i]) for i in ids[:-1]) + d.add(ids[-1:], FinishReason.of_length(0))
     assert released == d.output_text == "a STOP b" and not d.stopped
     d = IncrementalDetokenizer(tok, stop=["STOP"])
-    assert d.add(ids, {"type": "stop", "matched": "STOP"}) == "a " and d.stopped
+    assert d.add(ids, FinishReason.stop("STOP")) == "a " and d.stopped
     # A stop token id (not a string) cuts nothing.
     d = IncrementalDetokenizer(tok, stop=["STOP"])
-    assert d.add(ids, {"type": "stop", "matched": 7}) == "a STOP b"
+    assert d.add(ids, FinishReason.stop(7)) == "a STOP b"
 
 
 def test_stray_bytes_are_released_before_the_end(tok) -> None:
@@ -98,7 +99,7 @@ def test_stray_bytes_are_released_before_the_end(tok) -> None:
     stray = tok.encode("é")[1]  # 0xA9 alone: a continuation byte without its lead
     ids = [stray] * 10 + tok.encode("ok 日本🎉") + [stray] * 2
     d = IncrementalDetokenizer(tok)
-    deltas = [d.add([i]) for i in ids[:-1]] + [d.add(ids[-1:], {"type": "length"})]
+    deltas = [d.add([i]) for i in ids[:-1]] + [d.add(ids[-1:], FinishReason.of_length(0))]
     assert "".join(deltas[:10]).count("\ufffd") >= 6  # the garbage streamed while it was generated
     assert "".join(deltas) == d.output_text == tok.decode(ids)
     assert "日本🎉" in "".join(deltas)

@@ -218,8 +218,8 @@ def _adapters(model, num_slots: int, seed: int = 0) -> LoraStep:
             sizes = list(lin.output_sizes.values()) if isinstance(lin, MergedLinear) else [lin.out_features]
             lin.lora = LoraSlots(step, num_slots, lin.in_features, sizes, torch.float32, torch.device("cpu"))
             lin.lora.ensure_rank(8)
-            pair = lambda r, n: (torch.randn(r, lin.in_features, generator=gen) * 0.2,  # noqa: E731
-                                 torch.randn(n, r, generator=gen) * 0.2)
+            pair = lambda r, n, lin=lin: (torch.randn(r, lin.in_features, generator=gen) * 0.2,  # noqa: E731
+                                          torch.randn(n, r, generator=gen) * 0.2)
             lin.lora.place(0, [pair(8, n) for n in sizes])
             partial = lin is layer.mlp.down_proj or lin is layer.self_attn.qkv_proj
             lin.lora.place(1, [pair(3, n) if partial and i != 1 else None for i, n in enumerate(sizes)])

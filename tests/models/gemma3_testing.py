@@ -324,7 +324,7 @@ def check_split_image_span_would_differ(case: Gemma3Case, monkeypatch) -> None:
 
 def _prefix_shared(page_size: int, cut: str) -> Callable[[Gemma3Case, Prompt], int]:
     """B reuses A's KV up to its last page before the difference (the image included), or, where a cached
-    prefix would end inside the image, only up to the image's start (scheduler/policy.KVManager.admit)."""
+    prefix would end inside the image, only up to the image's start (scheduler/kv_manager.KVManager.admit)."""
     def shared(case: Gemma3Case, a: Prompt) -> int:
         (s, e), = spans_of(a)
         n = (len(a) - 6) // page_size * page_size if cut == "after_image" else s

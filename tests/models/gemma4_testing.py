@@ -199,7 +199,7 @@ def build_prompt(parts: list, seed: int = 0) -> Prompt:
     for part, g in media_parts(parts, seed, ids, text_below=240):
         if part[0] == "audio":
             frames = part[1]
-            n = -(-(-(-frames // 2)) // 2)  # two stride-2 subsamplings
+            n = -(-frames // 4)  # two stride-2 subsamplings: ceil(ceil(frames / 2) / 2)
             ids.append(BOA_ID)
             items.append(MultimodalDataItem(modality=Modality.AUDIO, hash=len(items), offsets=[(len(ids), len(ids) + n)],
                                             feature=torch.randn(frames, MEL_BINS, generator=g)))

@@ -3,7 +3,6 @@ the three input formats; and every refusal (limits, mixing, counts, modes)."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
@@ -148,16 +147,6 @@ def test_three_formats_give_the_same_ids(skeleton, make_processor):
     one["pixel_values"].add_(1.0)
     assert torch.equal(item.feature, kept)
     assert torch.equal(torch.cat([pre_items[0].precomputed_embedding, pre_items[2].precomputed_embedding]), emb_img)
-
-
-def test_async_loading_matches_sync(skeleton, make_processor):
-    images = [encode_png(scene_image(i)) for i in range(3)]
-    prompt = chat_prompt(skeleton, ["image", "image", "image", "?"])
-    proc = make_processor()
-    sync = proc.process(prompt=prompt, image_data=images)
-    async_out = asyncio.run(proc.process_async(prompt=prompt, image_data=images))
-    assert async_out.input_ids == sync.input_ids
-    assert [i.hash for i in async_out.mm_inputs.items] == [i.hash for i in sync.mm_inputs.items]
 
 
 def test_text_only_request(skeleton, make_processor):

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 import zmq
 
+from tessera.messages.finish import FinishKind
 from tessera import messages
 from tessera.config import ServerArgs
 from tessera.frontend.model_info import ModelInfo
@@ -88,7 +89,7 @@ def test_media_held_until_ready_idle_admits_the_oldest_and_abort_answers() -> No
         assert [r.rid for r in sched.policy.waiting] == ["a", "c"]
         assert out.poll(5000)
         (answer,) = messages.recv(out).outputs
-        assert answer.rid == "b" and answer.finished_reason["type"] == "abort"
+        assert answer.rid == "b" and answer.finished_reason.kind is FinishKind.ABORT
         worker.ready.add(4)
         sched.handle(_request("d", 4))  # ready on arrival: straight to the queue
         assert not sched.held and [r.rid for r in sched.policy.waiting] == ["a", "c", "d"]

@@ -13,6 +13,7 @@ import pytest
 import torch
 import zmq
 
+from tessera.messages.finish import FinishKind, FinishReason
 from tessera import messages
 from tessera.config import ServerArgs
 from tessera.messages.sampling import SamplingParams
@@ -107,9 +108,9 @@ def test_overlap_gives_the_plain_loops_tokens_for_a_mixed_batch(demo):
         for x, y in zip(a["top"], b["top"]):
             assert [t for t, _ in x] == [t for t, _ in y]
     reasons = [plain[r]["finish"] for r in sorted(plain)]
-    assert {"type": "stop", "matched": "circlecircle"} in reasons  # the paths the batch is meant to cover
-    assert any(f["type"] == "stop" and f["matched"] == 2 for f in reasons)  # EOS
-    assert any(f["type"] == "length" for f in reasons)
+    assert FinishReason.stop("circlecircle") in reasons  # the paths the batch is meant to cover
+    assert FinishReason.stop(2) in reasons  # EOS
+    assert any(f.kind is FinishKind.LENGTH for f in reasons)
     for stats in (plain_stats, over_stats):
         assert stats.kv_used_tokens == 0 and stats.num_running == 0 and stats.num_waiting == 0
     assert over_stats.radix_cache_tokens == plain_stats.radix_cache_tokens  # riders' tokens are not cached
@@ -134,7 +135,7 @@ def test_abort_while_its_step_is_in_flight(demo):
     over, stats, _ = _run(demo, True, reqs, on_step)
     plain, _, _ = _run(demo, False, reqs)
     assert seen == {"deferred": ["r1"], "kept": True, "running": ["r0", "r2"]}
-    assert over["r1"]["finish"]["type"] == "abort" and len(over["r1"]["ids"]) < 12
+    assert over["r1"]["finish"].kind is FinishKind.ABORT and len(over["r1"]["ids"]) < 12
     assert over["r1"]["ids"] == plain["r1"]["ids"][:len(over["r1"]["ids"])]
     assert over["r0"]["ids"] == plain["r0"]["ids"] and over["r2"]["ids"] == plain["r2"]["ids"]
     assert stats.kv_used_tokens == 0 and stats.num_running == 0

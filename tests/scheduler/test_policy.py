@@ -7,21 +7,23 @@ import random
 import pytest
 import torch
 
+from tessera.messages.finish import FinishReason
 from tessera.cache.allocator import PagedTokenAllocator
 from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
 from tessera.messages.sampling import SamplingParams
-from tessera.scheduler.policy import KVManager, SchedulePolicy
+from tessera.scheduler.kv_manager import KVManager
+from tessera.scheduler.policy import SchedulePolicy
 from tessera.scheduler.req import Req
 
 
 def make_policy(pool_tokens: int, page_size: int = 1, chunk: int = 16, max_running: int = 8,
-                disable_cache: bool = False, extra_slots: int = 0) -> SchedulePolicy:
+                disable_cache: bool = False, extra_slots: int = 0, max_prefill: int | None = None) -> SchedulePolicy:
     alloc = PagedTokenAllocator(pool_tokens, page_size)
     tree = RadixCache(alloc, page_size, disable=disable_cache)
     kv = KVManager(ReqToTokenPool(max_running + 1, 512), alloc, tree, page_size,
                    (lambda req: extra_slots) if extra_slots else None)
-    return SchedulePolicy(kv, max_running, chunk)
+    return SchedulePolicy(kv, max_running, chunk, max_prefill_tokens=max_prefill)
 
 
 def make_req(rid: str, prompt: list[int], max_new: int) -> Req:
@@ -54,7 +56,7 @@ def run_to_completion(policy: SchedulePolicy, reqs: list[Req], max_steps: int = 
                 s.req.output_ids.append(1000 + len(s.req.output_ids))
                 if len(s.req.output_ids) >= s.req.sampling_params.max_new_tokens:
                     policy.finish(s.req)
-                    s.req.finished_reason = {"type": "length"}
+                    s.req.finished_reason = FinishReason.of_length(0)
     assert all(r.finished for r in reqs), "not every request finished"
     return steps
 
@@ -74,6 +76,25 @@ def test_chunked_prefill_respects_budget() -> None:
     assert steps[:4] == [[(0, 16)], [(16, 32)], [(32, 48)], [(48, 50)]]
     assert steps[4:] == [[(50, 51)], [(51, 52)]]
     assert req.output_ids == [1000, 1001, 1002]
+    assert_no_leak(policy)
+
+
+@pytest.mark.parametrize("max_prefill", [None, 25])
+def test_max_prefill_tokens_limits_the_prompt_tokens_a_step_admits(max_prefill: int | None) -> None:
+    """SGLang's --max-prefill-tokens: four 10-token prompts fit one step's chunk budget (64), but with a limit
+    of 25 a step takes two of them (a third would make 30); a 50-token prompt still runs whole, alone (the
+    chunked-prefill size cuts it, not the limit). The outputs are the same."""
+    policy = make_policy(pool_tokens=512, chunk=64, max_prefill=max_prefill)
+    reqs = [make_req(f"r{i}", [100 + i] * 10, max_new=3) for i in range(4)]
+    steps = run_to_completion(policy, reqs)
+    prefill_per_step = [sum(e - s for s, e in step if e - s > 1) for step in steps]
+    assert prefill_per_step[:2] == ([40, 0] if max_prefill is None else [20, 20])
+    assert [r.output_ids for r in reqs] == [[1000, 1001, 1002]] * 4
+    policy = make_policy(pool_tokens=512, chunk=64, max_prefill=max_prefill)
+    long, short = make_req("long", list(range(1, 51)), max_new=1), make_req("short", [7] * 10, max_new=1)
+    steps = run_to_completion(policy, [long, short])
+    assert steps[0] == ([(0, 50), (0, 10)] if max_prefill is None else [(0, 50)])
+    assert long.output_ids == short.output_ids == [1000]
     assert_no_leak(policy)
 
 
@@ -139,7 +160,7 @@ def test_cross_attention_slots_are_taken_at_admission_and_freed_on_retraction(pa
                 s.req.output_ids.append(1000 + len(s.req.output_ids))
                 if len(s.req.output_ids) >= 12:
                     policy.finish(s.req)
-                    s.req.finished_reason = {"type": "length"}
+                    s.req.finished_reason = FinishReason.of_length(0)
     assert all(r.finished for r in reqs) and policy.num_retractions > 0
     assert sum(fills.values()) == len(reqs) + policy.num_retractions  # refilled once per re-admission
     assert policy.kv.state_tokens == 0 and all(r.state_slots is None for r in reqs)

@@ -6,7 +6,9 @@ from types import SimpleNamespace
 
 from tessera.messages.sampling import SamplingParams
 from tessera.scheduler.req import Req
-from tessera.scheduler.scheduler import Scheduler, matched_stop_string
+from tessera.messages.finish import FinishReason
+from tessera.scheduler.scheduler import Scheduler
+from tessera.scheduler.stops import find_stop_string
 
 
 class CharTokenizer:
@@ -21,28 +23,28 @@ class CharTokenizer:
 
 def test_the_earliest_stop_string_in_the_tail_is_reported() -> None:
     tok = CharTokenizer()
-    assert matched_stop_string(tok, tok.encode("the answer is red"), ["answer", "red"]) == "answer"
-    assert matched_stop_string(tok, tok.encode("xx red"), ["ed", "red"]) == "red"
-    assert matched_stop_string(tok, tok.encode("xx red"), ["blue"]) is None
-    assert matched_stop_string(tok, tok.encode("xx red"), []) is None
+    assert find_stop_string(tok, tok.encode("the answer is red"), ["answer", "red"]) == "answer"
+    assert find_stop_string(tok, tok.encode("xx red"), ["ed", "red"]) == "red"
+    assert find_stop_string(tok, tok.encode("xx red"), ["blue"]) is None
+    assert find_stop_string(tok, tok.encode("xx red"), []) is None
     # Special tokens are decoded for matching.
-    assert matched_stop_string(tok, tok.encode("ok") + [0], ["<eos>"]) == "<eos>"
+    assert find_stop_string(tok, tok.encode("ok") + [0], ["<eos>"]) == "<eos>"
 
 
-def _finish(text: str, **params) -> dict | None:
+def _finish(text: str, **params) -> FinishReason | None:
     tok = CharTokenizer()
     sp = SamplingParams(**params).normalize()
     req = Req("r", [1, 2, 3], sp, None)
     req.output_ids = tok.encode(text)
-    req.stop_token_ids = set(sp.stop_token_ids)
+    req.stop_token_ids = sp.stop_ids(eos_ids=())
     return Scheduler._check_finished(SimpleNamespace(tokenizer=tok, context_length=1000), req)
 
 
 def test_a_stop_string_on_the_last_allowed_token_is_a_stop() -> None:
     # The frontend cuts the text only at a reported match, so the match wins over the length limit.
-    assert _finish("say STOP", max_new_tokens=8, stop=["STOP"]) == {"type": "stop", "matched": "STOP"}
-    assert _finish("say STO", max_new_tokens=7, stop=["STOP"]) == {"type": "length", "length": 7}
+    assert _finish("say STOP", max_new_tokens=8, stop=["STOP"]) == FinishReason.stop("STOP")
+    assert _finish("say STO", max_new_tokens=7, stop=["STOP"]) == FinishReason.of_length(7)
     assert _finish("say", max_new_tokens=8, stop=["STOP"]) is None
     # A stop token on the same token is reported as the token (as before).
-    assert _finish("say STOP", max_new_tokens=8, stop=["STOP"], stop_token_ids=[ord("P")]) == {
-        "type": "stop", "matched": ord("P")}
+    assert _finish("say STOP", max_new_tokens=8, stop=["STOP"], stop_token_ids=[ord("P")]) == FinishReason.stop(
+        ord("P"))

@@ -18,7 +18,9 @@ def stub_client(reply: list[str] | None = None, **server_args) -> Iterator:
     from tessera.entrypoints.http_server import create_app
     from tessera.entrypoints.openai.serving import OpenAIServing
     from tessera.entrypoints.openai.transcriptions import TranscriptionServing
+    from tessera.frontend.result import GenerateResult
     from tessera.frontend.tokenizer_manager import TokenizerManager
+    from tessera.messages.finish import FinishReason
 
     class NoScheduler(TokenizerManager):
         scheduler_alive = True
@@ -26,23 +28,20 @@ def stub_client(reply: list[str] | None = None, **server_args) -> Iterator:
         async def generate(self, req, tokenized=None):
             if tokenized is None:
                 tokenized = await self.tokenize(req)
-            meta = {"id": req.rid, "finish_reason": {"type": "length", "length": 1},
-                    "prompt_tokens": len(tokenized.input_ids), "completion_tokens": 1, "cached_tokens": 0,
-                    "e2e_latency": 0.0, "ttft": 0.0}
-            if req.return_logprob:
-                meta["output_token_logprobs"] = [(-0.5, 11)]
-                meta["output_top_logprobs"] = [[(-0.5, 11)]]
+            n = len(tokenized.input_ids)
+            logprobs = dict(output_token_logprobs=[(-0.5, 11)], output_top_logprobs=[[(-0.5, 11)]]) \
+                if req.return_logprob else {}
             if reply is None:
-                yield {"text": "ok", "delta": "ok", "output_ids": [11], "meta_info": meta}
+                yield GenerateResult(req.rid, "ok", "ok", [11], FinishReason.of_length(1), n, 1, 0, 0.0, 0.0,
+                                     **logprobs)
                 return
             text = ""
             for k, piece in enumerate(reply):
                 text += piece
                 last = k == len(reply) - 1
-                done = {**meta, "finish_reason": {"type": "stop"}, "completion_tokens": len(reply)}
                 if last or req.stream:
-                    yield {"text": text, "delta": piece, "output_ids": [11] * (k + 1),
-                           "meta_info": done if last else {**meta, "finish_reason": None}}
+                    yield GenerateResult(req.rid, text, piece, [11] * (k + 1), FinishReason.stop() if last else None,
+                                         n, len(reply) if last else 1, 0, 0.0, 0.0, **logprobs)
 
     args = ServerArgs(model_path="demo-vl", max_total_tokens=65536, **server_args)
     app = create_app(args)

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 
 from tessera.entrypoints.middleware import ServerMiddleware, observe_generation
 from tessera.entrypoints.openai.errors import public_message
+from tessera.frontend.result import GenerateResult
 from tessera.frontend.tokenizer_manager import EngineUnavailable
 
 HERE = __file__
@@ -35,8 +36,9 @@ def make_app(api_key: str | None = None, max_body_bytes: int | None = None) -> t
 
     @app.post("/v1/chat/completions")
     async def chat():
-        observe_generation({"prompt_tokens": 12, "cached_tokens": 4, "completion_tokens": 3, "ttft": 0.05})
-        observe_generation({"prompt_tokens": 12, "cached_tokens": 4, "completion_tokens": 5, "ttft": 0.04})
+        for completion, ttft in ((3, 0.05), (5, 0.04)):
+            observe_generation(GenerateResult("r", "", "", [], None, prompt_tokens=12, completion_tokens=completion,
+                                              cached_tokens=4, e2e_latency=0.1, ttft=ttft))
         return {"ok": True}
 
     @app.get("/health")

@@ -90,7 +90,7 @@ def test_answers_scene_questions_like_hf(client):
         assert reply.usage.prompt_tokens == enc["input_ids"].shape[1]
         if s.question_type == "count":
             num_right += reply.choices[0].message.content == s.answer
-    assert num_right >= 7  # of 8 counting questions (the model's measured count accuracy is in the README)
+    assert num_right >= 7  # of 8 counting questions (the model's measured count accuracy is in docs/models.md)
 
 
 def test_local_path_and_file_uri(client, media_dir):

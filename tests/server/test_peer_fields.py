@@ -1,5 +1,5 @@
 """Every request field SGLang and vLLM declare (pinned in tests/fixtures/peer_request_fields.json from their
-request models) is honoured, accepted at its no-op value, or refused on purpose with the reason in the README;
+request models) is honoured, accepted at its no-op value, or refused on purpose with the reason in docs/api.md;
 sent at the peer's own default value, each is answered as the peer would (a 200), except the few whose default
 means something Tessera does not do (listed here, each a 400 naming the field)."""
 
@@ -15,7 +15,7 @@ from tessera.entrypoints.openai import request_models as rm
 from tessera.entrypoints.openai.peer_fields import GENERATE_NOOPS, OPENAI_NOOPS
 
 FIXTURE = json.loads((Path(__file__).parents[1] / "fixtures" / "peer_request_fields.json").read_text())
-README = (Path(__file__).parents[2] / "README.md").read_text()
+API_DOC = (Path(__file__).parents[2] / "docs" / "api.md").read_text()
 # (peer, model) -> (our endpoint, the fields it honours, its no-op table)
 ENDPOINTS = {
     ("sglang", "ChatCompletionRequest"): ("/v1/chat/completions", rm.CHAT_FIELDS, OPENAI_NOOPS),
@@ -46,9 +46,9 @@ def test_every_peer_field_is_honoured_or_listed() -> None:
     assert not unlisted, f"neither honoured nor listed in peer_fields.py: {unlisted}"
 
 
-def test_every_refusal_is_in_the_readme() -> None:
+def test_every_refusal_is_in_the_api_doc() -> None:
     for name in sorted({*OPENAI_NOOPS, *GENERATE_NOOPS}):
-        assert f"`{name}`" in README, f"README: say why {name} is accepted only at its no-op value"
+        assert f"`{name}`" in API_DOC, f"docs/api.md: say why {name} is accepted only at its no-op value"
 
 
 def test_each_peer_field_at_the_peers_default_value(vl_server) -> None:

@@ -1,4 +1,5 @@
-"""The README's examples work as written (only the port is changed to a free one)."""
+"""The README's examples, and docs/usage.md's Python ones, work as written (only the port is changed to a free
+one)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+USAGE = (ROOT / "docs" / "usage.md").read_text()  # the README's tour in full: its longer examples
 
 
-def blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+def blocks(lang: str, text: str = README) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +51,9 @@ def test_transcription_curl_example(demo_asr_server):
 
 def test_python_examples(server, monkeypatch):
     monkeypatch.chdir(ROOT)
-    for code in blocks("python"):
+    examples = blocks("python") + blocks("python", USAGE)
+    assert len(examples) >= 8, "the README's and docs/usage.md's Python examples"
+    for code in examples:
         expected = re.search(r"#\s*(\w+)", code.strip().splitlines()[-1]).group(1)
         buf = io.StringIO()
         with contextlib.redirect_stdout(buf):

@@ -211,14 +211,16 @@ def test_a_stream_holds_back_the_language_prefix():
     from types import SimpleNamespace
 
     from tessera.entrypoints.openai.transcriptions import TranscriptionServing
+    from tessera.frontend.result import GenerateResult
+    from tessera.messages.finish import FinishReason
 
     windows = [["lang", "uage English", "<asr_", "text> hel", "lo", " world "], ["no marker", " here"]]
 
     async def generate(req):
         for i, delta in enumerate(windows[req]):
             last = i == len(windows[req]) - 1
-            yield {"delta": delta, "meta_info": {"finish_reason": "stop" if last else None, "prompt_tokens": 3,
-                                                 "completion_tokens": i + 1}}
+            yield GenerateResult(str(req), "", delta, [], FinishReason.stop() if last else None, prompt_tokens=3,
+                                 completion_tokens=i + 1, cached_tokens=0, e2e_latency=0.0, ttft=None)
 
     serving = TranscriptionServing(SimpleNamespace(tm=SimpleNamespace(generate=generate)))
 

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import subprocess
-import sys
 import tempfile
 
 import pytest
@@ -22,7 +19,8 @@ from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
 from tessera.config import ServerArgs
 from tessera.messages.sampling import SamplingParams
-from tessera.scheduler.policy import KVManager, SchedulePolicy
+from tessera.scheduler.kv_manager import KVManager
+from tessera.scheduler.policy import SchedulePolicy
 from tessera.scheduler.req import Req
 from tessera.scheduler.speculative import Speculator, accepted_prefix
 from tessera.platform.device import platform_of

@@ -8,9 +8,6 @@ operators run, as on a GPU). On a CUDA machine the family test runs in this proc
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -20,9 +17,8 @@ import torch
 
 from tessera.bench.kernel_census import random_model
 from tessera.cache.kv_pool import TokenToKVPool
-from tessera.layers.attention import get_attention_backend
 from tessera.models.config import ModelConfig
-from tessera.models.families import FAMILIES, Family
+from tessera.models.families import FAMILIES
 from tessera.worker.cuda_graph import DecodeGraphRunner, DecodeInputs, capture_batch_sizes
 from tessera.worker.graph_safety import GraphSafetyError, graph_safe
 

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from tessera.messages.finish import FinishReason
 from tessera.cache.allocator import PagedTokenAllocator
 from tessera.cache.kv_pool import ReqToTokenPool
 from tessera.cache.radix_cache import RadixCache
@@ -17,7 +18,8 @@ from tessera.models.config import ModelConfig
 from tessera.messages.items import Modality, MultimodalDataItem, MultimodalInputs
 from tessera.messages.sampling import SamplingParams
 from tessera import messages
-from tessera.scheduler.policy import KVManager, SchedulePolicy
+from tessera.scheduler.kv_manager import KVManager
+from tessera.scheduler.policy import SchedulePolicy
 from tessera.scheduler.req import Req
 from tessera.scheduler.step_input import build_forward_input
 from tessera.messages.worker import ForwardInput
@@ -51,7 +53,7 @@ def _drive(policy: SchedulePolicy, reqs: list[Req], config: ModelConfig, on_step
                 s.req.output_ids.append(7)
                 if len(s.req.output_ids) >= s.req.sampling_params.max_new_tokens:
                     policy.finish(s.req)
-                    s.req.finished_reason = {"type": "length"}
+                    s.req.finished_reason = FinishReason.of_length(0)
 
 
 def test_worker_slot_table_follows_the_journal_under_random_traffic() -> None:

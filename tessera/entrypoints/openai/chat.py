@@ -13,12 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tessera.entrypoints.openai.errors import APIError
-from tessera.entrypoints.openai.prompt_logprobs import (
-    ask_prompt_logprobs,
-    cut_alternatives,
-    prompt_logprobs_of,
-    vllm_prompt_logprobs,
-)
+from tessera.entrypoints.openai.prompt_logprobs import ask_prompt_logprobs, prompt_logprobs_of, vllm_prompt_logprobs
 from tessera.entrypoints.openai.protocol import (
     StreamOptions,
     parse_chat_messages,
@@ -29,13 +24,7 @@ from tessera.entrypoints.openai.protocol import (
 from tessera.entrypoints.openai.reasoning import reasoning_fields, split_reasoning, splitter_for
 from tessera.entrypoints.openai.request_models import ChatCompletionRequest, TokenizeRequest
 from tessera.entrypoints.openai.serving import OpenAIServing, response_id
-from tessera.entrypoints.openai.streaming import (
-    ChunkWriter,
-    event_stream,
-    finish_reason,
-    matched_stop,
-    usage_of,
-)
+from tessera.entrypoints.openai.streaming import ChunkWriter, event_stream, usage_of
 from tessera.entrypoints.openai.tool_calls import (
     ToolCallParser,
     ToolPlan,
@@ -44,6 +33,7 @@ from tessera.entrypoints.openai.tool_calls import (
     plan_tools,
     stream_deltas,
 )
+from tessera.frontend.result import GenerateResult
 
 
 def chat_prompt(serving: OpenAIServing, messages: list[dict], req: ChatCompletionRequest | TokenizeRequest,
@@ -117,14 +107,13 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, req: 
     outs = await serving.collect_all(request, reqs, tokenized)
     extra = {}
     if prompt_k is not None:  # one list for the request: its choices share the prompt (vLLM's shape)
-        extra["prompt_logprobs"] = vllm_prompt_logprobs(serving.token_text, outs[0]["meta_info"], prompt_k)
-        outs = [{**o, "meta_info": cut_alternatives(o["meta_info"], out_top)} for o in outs]
+        extra["prompt_logprobs"] = vllm_prompt_logprobs(serving.token_text, outs[0], prompt_k)
+        outs = [o.with_alternatives_cut(out_top) for o in outs]
     choices = []
     for i, out in enumerate(outs):
-        meta = out["meta_info"]
-        reasoning, text = split_reasoning(splitter_for(reasoning_parser, req), out["text"])
+        reasoning, text = split_reasoning(splitter_for(reasoning_parser, req), out.text)
         message: dict = {"role": "assistant", "content": echo_text + text, **reasoning_fields(reasoning)}
-        finish = finish_reason(meta)
+        finish = out.openai_finish_reason
         if plan is not None:
             content, calls = parse_tool_calls(plan.forced_prefix + text, plan)
             message["content"] = (echo_text + content) if content is not None else (echo_text or None)
@@ -134,15 +123,13 @@ async def create_chat_completion(serving: OpenAIServing, request: Request, req: 
                     finish = "tool_calls"
         choices.append({"index": i, "message": message,
                         "logprobs": _chat_logprobs(serving, out) if sp.logprobs else None,
-                        "finish_reason": finish, "matched_stop": matched_stop(meta)})
+                        "finish_reason": finish, "matched_stop": out.matched_stop})
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": model,
-                         "choices": choices, "usage": usage_of([o["meta_info"] for o in outs]), **extra})
+                         "choices": choices, "usage": usage_of(outs), **extra})
 
 
-def _chat_logprobs(serving: OpenAIServing, out: dict, start: int = 0) -> dict:
-    meta = out["meta_info"]
-    pairs = meta.get("output_token_logprobs", [])[start:]
-    tops = meta.get("output_top_logprobs", [])[start:]
+def _chat_logprobs(serving: OpenAIServing, out: GenerateResult, start: int = 0) -> dict:
+    pairs, tops = out.output_logprobs[start:], out.output_tops[start:]
     content = []
     for k, (lp, tid) in enumerate(pairs):
         entry = _token_entry(serving, tid, lp)
@@ -156,8 +143,9 @@ async def _chat_stream(serving: OpenAIServing, reqs, tokenized, rid: str, create
     writer = ChunkWriter(rid, created, model, "chat.completion.chunk", opts,
                          [len(t.input_ids) for t in tokenized])
 
-    def chunk(i: int, delta: dict, finish: str | None = None, logprobs=None, meta: dict | None = None) -> str:
-        return writer(i, {"delta": delta}, finish, logprobs, meta)
+    def chunk(i: int, delta: dict, finish: str | None = None, logprobs=None,
+              result: GenerateResult | None = None) -> str:
+        return writer(i, {"delta": delta}, finish, logprobs, result)
 
     parsers, splitters = {}, {}
     for i in range(len(reqs)):
@@ -168,19 +156,18 @@ async def _chat_stream(serving: OpenAIServing, reqs, tokenized, rid: str, create
             parsers[i] = ToolCallParser(plan.fmt)
             parsers[i].feed(plan.forced_prefix)
         splitters[i] = new_splitter()
-    metas: dict[int, dict] = {}
+    finished: dict[int, GenerateResult] = {}
     sent_tokens: dict[int, int] = {}
     num_calls: dict[int, int] = {}
     # Logprobs of tokens whose text is still held back (a partial character, a possible stop string) wait
     # for the chunk that carries their text: no chunk has neither content nor finish_reason (OpenAI's shape).
     held: dict[int, list] = {}
     async for i, out in serving.merged_stream(reqs, tokenized):
-        meta = out["meta_info"]
         if reqs[i].return_logprob:
             held.setdefault(i, []).extend(_chat_logprobs(serving, out, sent_tokens.get(i, 0))["content"])
-            sent_tokens[i] = len(meta.get("output_token_logprobs", []))
-        finish = finish_reason(meta)
-        content, calls, reasoning = out["delta"], [], ""
+            sent_tokens[i] = len(out.output_logprobs)
+        finish = out.openai_finish_reason
+        content, calls, reasoning = out.delta, [], ""
         if splitters[i] is not None:
             reasoning, content = splitters[i].feed(content)
             if finish is not None:
@@ -190,7 +177,7 @@ async def _chat_stream(serving: OpenAIServing, reqs, tokenized, rid: str, create
             content, calls = parsers[i].feed(content)
             if finish is not None:
                 tail, more = parsers[i].finish()
-                forced = forced_calls(plan, parsers[i], out["text"])
+                forced = forced_calls(plan, parsers[i], out.text)
                 # a forced call cut short: its text is the call's, not content
                 content, calls = (content, forced) if forced else (content + tail, calls + more)
                 if not plan.parallel:
@@ -203,14 +190,14 @@ async def _chat_stream(serving: OpenAIServing, reqs, tokenized, rid: str, create
             num_calls[i] = num_calls.get(i, 0) + len(calls)
         if delta:
             lp = held.pop(i, None)
-            yield chunk(i, delta, None, {"content": lp} if lp else None, meta)
+            yield chunk(i, delta, None, {"content": lp} if lp else None, out)
         if finish is not None:
-            metas[i] = meta
+            finished[i] = out
             if finish == "stop" and num_calls.get(i) and plan is not None and plan.choice != "named":
                 finish = "tool_calls"
             lp = held.pop(i, None)
-            yield chunk(i, {}, finish, {"content": lp} if lp else None, meta)
-    for tail in writer.end(metas):
+            yield chunk(i, {}, finish, {"content": lp} if lp else None, out)
+    for tail in writer.end(finished):
         yield tail
 
 

@@ -15,28 +15,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from tessera.entrypoints.openai.errors import APIError
-from tessera.entrypoints.openai.prompt_logprobs import (
-    ask_prompt_logprobs,
-    cut_alternatives,
-    prompt_logprobs_of,
-    vllm_prompt_logprobs,
-)
-from tessera.entrypoints.openai.protocol import (
-    StreamOptions,
-    sampling_params_from_openai,
-    stream_options,
-    user_names,
-)
+from tessera.entrypoints.openai.prompt_logprobs import ask_prompt_logprobs, prompt_logprobs_of, vllm_prompt_logprobs
+from tessera.entrypoints.openai.protocol import StreamOptions, sampling_params_from_openai, stream_options, user_names
 from tessera.entrypoints.openai.request_models import CompletionRequest
 from tessera.entrypoints.openai.serving import OpenAIServing, check_batch, response_id
-from tessera.entrypoints.openai.streaming import (
-    ChunkWriter,
-    event_stream,
-    finish_reason,
-    matched_stop,
-    usage_of,
-)
+from tessera.entrypoints.openai.streaming import ChunkWriter, event_stream, usage_of
 from tessera.frontend.request import GenerateRequest
+from tessera.frontend.result import GenerateResult
 
 
 async def create_completion(serving: OpenAIServing, request: Request, req: CompletionRequest):
@@ -74,33 +59,29 @@ async def create_completion(serving: OpenAIServing, request: Request, req: Compl
     for i, out in enumerate(outs):
         extra = {}
         if prompt_k is not None:
-            extra["prompt_logprobs"] = vllm_prompt_logprobs(serving.token_text, out["meta_info"], prompt_k)
-            out = {**out, "meta_info": cut_alternatives(out["meta_info"], out_top)}
+            extra["prompt_logprobs"] = vllm_prompt_logprobs(serving.token_text, out, prompt_k)
+            out = out.with_alternatives_cut(out_top)
         lp = None
         if sp.logprobs:
             lp = _completion_logprobs(serving, out, 0, len(echoes[i]))
             lp = _with_prompt(serving, out, lp) if echo else lp
-        choices.append({"index": i, "text": echoes[i] + out["text"], "logprobs": lp,
-                        "finish_reason": finish_reason(out["meta_info"]),
-                        "matched_stop": matched_stop(out["meta_info"]), **extra})
+        choices.append({"index": i, "text": echoes[i] + out.text, "logprobs": lp,
+                        "finish_reason": out.openai_finish_reason, "matched_stop": out.matched_stop, **extra})
     return JSONResponse({"id": rid, "object": "text_completion", "created": created,
                          "model": serving.answer_model(lora, req.model),
-                         "choices": choices, "usage": usage_of([o["meta_info"] for o in outs], len(prompts))})
+                         "choices": choices, "usage": usage_of(outs, len(prompts))})
 
 
-def _completion_logprobs(serving: OpenAIServing, out: dict, start: int, offset: int) -> dict:
+def _completion_logprobs(serving: OpenAIServing, out: GenerateResult, start: int, offset: int) -> dict:
     """OpenAI's legacy logprobs for output tokens [start:], their text offsets from `offset`."""
-    meta = out["meta_info"]
-    return _legacy_logprobs(serving, meta.get("output_token_logprobs", [])[start:],
-                            meta.get("output_top_logprobs", [])[start:], offset)
+    return _legacy_logprobs(serving, out.output_logprobs[start:], out.output_tops[start:], offset)
 
 
-def _with_prompt(serving: OpenAIServing, out: dict, logprobs: dict) -> dict:
+def _with_prompt(serving: OpenAIServing, out: GenerateResult, logprobs: dict) -> dict:
     """`logprobs` (of output tokens) preceded by the prompt tokens' when the request echoed them."""
-    meta = out["meta_info"]
-    if "input_token_logprobs" not in meta:
+    if out.input_token_logprobs is None:
         return logprobs
-    prompt = _legacy_logprobs(serving, meta["input_token_logprobs"], meta.get("input_top_logprobs") or [], 0)
+    prompt = _legacy_logprobs(serving, out.input_token_logprobs, out.input_top_logprobs or [], 0)
     return {key: prompt[key] + logprobs[key] for key in prompt}
 
 
@@ -127,34 +108,34 @@ async def _completion_stream(serving: OpenAIServing, reqs, tokenized, rid: str, 
     writer = ChunkWriter(rid, created, model, "text_completion", opts,
                          [len(t.input_ids) for t in tokenized])
 
-    def chunk(i: int, text: str, finish: str | None = None, logprobs=None, meta: dict | None = None) -> str:
-        return writer(i, {"text": text}, finish, logprobs, meta)
+    def chunk(i: int, text: str, finish: str | None = None, logprobs=None,
+              result: GenerateResult | None = None) -> str:
+        return writer(i, {"text": text}, finish, logprobs, result)
 
     # Echoed prompts go first, except those with prompt logprobs: they travel with their first output.
     pending = {i: text for i, text in enumerate(echoes) if text and reqs[i].logprob_start_len >= 0}
     for i, text in enumerate(echoes):
         if text and i not in pending:
             yield chunk(i, text)
-    metas: dict[int, dict] = {}
+    finished: dict[int, GenerateResult] = {}
     sent_tokens: dict[int, int] = {}
     offsets = {i: len(text) for i, text in enumerate(echoes)}
     async for i, out in serving.merged_stream(reqs, tokenized):
-        meta = out["meta_info"]
-        finish = finish_reason(meta)
+        finish = out.openai_finish_reason
         lp = None
         if reqs[i].return_logprob:
             lp = _completion_logprobs(serving, out, sent_tokens.get(i, 0), offsets[i])
-            sent_tokens[i] = len(meta.get("output_token_logprobs", []))
+            sent_tokens[i] = len(out.output_logprobs)
             offsets[i] += sum(len(t) for t in lp["tokens"])
-        text = out["delta"]
-        if i in pending and "input_token_logprobs" in meta:
+        text = out.delta
+        if i in pending and out.input_token_logprobs is not None:
             text = pending.pop(i) + text
             lp = _with_prompt(serving, out, lp)
         if text or finish or (lp and lp["tokens"]):
-            yield chunk(i, text, finish, lp, meta)
+            yield chunk(i, text, finish, lp, out)
         if finish is not None:
-            metas[i] = meta
-    for tail in writer.end(metas, num_prompts):
+            finished[i] = out
+    for tail in writer.end(finished, num_prompts):
         yield tail
 
 

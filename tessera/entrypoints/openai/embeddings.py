@@ -14,7 +14,6 @@ import base64
 from types import SimpleNamespace
 from typing import Any, Literal
 
-import numpy as np
 from fastapi import Request
 from pydantic import Field
 
@@ -135,16 +134,8 @@ async def create_embedding(serving: OpenAIServing, request: Request, req: Embedd
     names = {n: field for n in ("prompt", "input_ids", "media", "image_data")}
     tokenized = await serving.prepare(reqs, names, batched=True)
     outs = await serving.collect_all(request, reqs, tokenized, batched=True)
-    data = [{"object": "embedding", "index": i, "embedding": _encoded(out["embedding"], req.encoding_format)}
+    data = [{"object": "embedding", "index": i, "embedding": _encoded(out.embedding, req.encoding_format)}
             for i, out in enumerate(outs)]
-    tokens = sum(out["meta_info"]["prompt_tokens"] for out in outs)
+    tokens = sum(out.prompt_tokens for out in outs)
     return {"object": "list", "data": data, "model": serving.model_name,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
-
-
-def numpy_of(item: dict) -> np.ndarray:
-    """A response item's vector (either encoding) as float32: for tests and clients."""
-    value = item["embedding"]
-    if isinstance(value, str):
-        return np.frombuffer(base64.b64decode(value), dtype="<f4")
-    return np.asarray(value, dtype=np.float32)

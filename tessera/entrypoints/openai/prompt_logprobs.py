@@ -13,6 +13,7 @@ max(k, the output's count) and the output's alternatives are cut back to what th
 from __future__ import annotations
 
 from tessera.entrypoints.openai.errors import APIError
+from tessera.frontend.result import GenerateResult
 from tessera.messages.sampling import MAX_TOP_LOGPROBS_NUM, SamplingParams
 
 MIN_LOGPROB = -9999.0  # vLLM's clamp: JSON has no -inf
@@ -38,10 +39,10 @@ def ask_prompt_logprobs(sp: SamplingParams, k: int | None) -> int:
     return out_top
 
 
-def vllm_prompt_logprobs(token_text, meta: dict, k: int) -> list[dict | None]:
-    """The response's prompt_logprobs from an output's meta_info (asked with logprob_start_len 0)."""
-    pairs, tops = meta["input_token_logprobs"], meta.get("input_top_logprobs") or []
-    ranks = meta.get("input_token_ranks") or []
+def vllm_prompt_logprobs(token_text, result: GenerateResult, k: int) -> list[dict | None]:
+    """The response's prompt_logprobs from a result's prompt logprobs (asked with logprob_start_len 0)."""
+    pairs, tops = result.input_token_logprobs or [], result.input_top_logprobs or []
+    ranks = result.input_token_ranks or []
     out: list[dict | None] = []
     for p, (lp, tid) in enumerate(pairs):
         if lp is None:
@@ -53,12 +54,3 @@ def vllm_prompt_logprobs(token_text, meta: dict, k: int) -> list[dict | None]:
                                    "decoded_token": token_text(alt)})
         out.append(entry)
     return out
-
-
-def cut_alternatives(meta: dict, top: int) -> dict:
-    """meta_info with the output's (and an echoed prompt's) alternatives cut back to `top` per token."""
-    meta = dict(meta)
-    for key in ("output_top_logprobs", "input_top_logprobs"):
-        if meta.get(key):
-            meta[key] = [t and t[:top] for t in meta[key]]
-    return meta

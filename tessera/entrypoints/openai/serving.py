@@ -21,6 +21,7 @@ from tessera.entrypoints.openai.errors import APIError
 from tessera.entrypoints.openai.protocol import renamed_error
 from tessera.frontend.embed_batch import run_batch, tokenize_many
 from tessera.frontend.request import GenerateRequest
+from tessera.frontend.result import GenerateResult
 from tessera.frontend.tokenizer_manager import TokenizerManager
 from tessera.messages.sampling import SamplingParams
 from tessera.messages import TokenizedGenerateReq
@@ -109,7 +110,7 @@ class OpenAIServing:
         self.prepared.update((r.rid, now) for r in reqs)
         return tokenized
 
-    def _generate(self, r: GenerateRequest, t: TokenizedGenerateReq) -> AsyncIterator[dict]:
+    def _generate(self, r: GenerateRequest, t: TokenizedGenerateReq) -> AsyncIterator[GenerateResult]:
         """tm.generate of a prepared request: it leaves `prepared` in the same event-loop step as generate's
         first iteration puts it in tm.states (no await between), so it is counted once throughout."""
         self.prepared.pop(r.rid, None)
@@ -135,17 +136,17 @@ class OpenAIServing:
                            headers={"Retry-After": str(RETRY_AFTER_S)})
 
     async def collect_all(self, request: Request, reqs: list[GenerateRequest],
-                          tokenized: list[TokenizedGenerateReq], batched: bool = False) -> list[dict]:
+                          tokenized: list[TokenizedGenerateReq], batched: bool = False) -> list[GenerateResult]:
         """Runs the requests to completion; aborts them all if the client disconnects. batched: embedding
         requests, sent and answered as one batch (frontend/embed_batch.py)."""
 
-        async def one(r: GenerateRequest, t: TokenizedGenerateReq) -> dict:
+        async def one(r: GenerateRequest, t: TokenizedGenerateReq) -> GenerateResult:
             out = None
             async for out in self._generate(r, t):
                 pass
             return out
 
-        async def batch() -> list[dict]:
+        async def batch() -> list[GenerateResult]:
             for r in reqs:  # they enter tm.states before run_batch's first await, as _generate's do
                 self.prepared.pop(r.rid, None)
             return await run_batch(self.tm, reqs, tokenized)
@@ -164,7 +165,7 @@ class OpenAIServing:
                     pass
                 raise ClientDisconnected(request.url.path)
 
-    async def _collect_all(self, request: Request, reqs: list[GenerateRequest]) -> list[dict]:
+    async def _collect_all(self, request: Request, reqs: list[GenerateRequest]) -> list[GenerateResult]:
         """prepare + collect_all, for the transcription endpoints."""
         return await self.collect_all(request, reqs, await self.prepare(reqs, {}))
 
@@ -181,7 +182,7 @@ class OpenAIServing:
         return rest()
 
     async def merged_stream(self, reqs: list[GenerateRequest],
-                            tokenized: list[TokenizedGenerateReq]) -> AsyncIterator[tuple[int, dict]]:
+                            tokenized: list[TokenizedGenerateReq]) -> AsyncIterator[tuple[int, GenerateResult]]:
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 

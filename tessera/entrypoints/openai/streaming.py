@@ -15,31 +15,21 @@ from fastapi.responses import StreamingResponse
 
 from tessera.entrypoints.openai.errors import APIError, public_message
 from tessera.entrypoints.openai.protocol import StreamOptions
+from tessera.frontend.result import GenerateResult
 
 logger = logging.getLogger("tessera.server")
 
 
-def finish_reason(meta: dict) -> str | None:
-    fr = meta.get("finish_reason")
-    if fr is None:
-        return None
-    return {"stop": "stop", "length": "length", "abort": "abort"}.get(fr["type"], fr["type"])
-
-
-def matched_stop(meta: dict):
-    """SGLang's matched_stop: the stop string or token id that ended the choice (None otherwise)."""
-    fr = meta.get("finish_reason") or {}
-    return fr.get("matched") if fr.get("type") == "stop" else None
-
-
-def usage_of(metas: list[dict], prompts: int = 1) -> dict:
-    """Usage of the choices' metas; the prompt is counted once per distinct prompt (n samples share it)."""
-    step = max(1, len(metas) // max(1, prompts))
-    prompt = sum(m["prompt_tokens"] for m in metas[::step])
-    completion = sum(m["completion_tokens"] for m in metas)
-    cached = sum(m.get("cached_tokens", 0) for m in metas[::step])
+def usage(prompt: int, completion: int, cached: int = 0) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def usage_of(results: list[GenerateResult], prompts: int = 1) -> dict:
+    """Usage of the choices' results; the prompt is counted once per distinct prompt (n samples share it)."""
+    step = max(1, len(results) // max(1, prompts))
+    return usage(sum(r.prompt_tokens for r in results[::step]), sum(r.completion_tokens for r in results),
+                 sum(r.cached_tokens for r in results[::step]))
 
 
 def sse(obj: dict | str) -> str:
@@ -79,19 +69,20 @@ class ChunkWriter:
     opts: StreamOptions
     prompt_lens: list[int]  # each choice's prompt tokens, for usage before its first token
 
-    def __call__(self, i: int, choice: dict, finish: str | None = None, logprobs=None, meta: dict | None = None) -> str:
+    def __call__(self, i: int, choice: dict, finish: str | None = None, logprobs=None,
+                 result: GenerateResult | None = None) -> str:
         choice = {"index": i, **choice, "logprobs": logprobs, "finish_reason": finish}
         if finish is not None:
-            choice["matched_stop"] = matched_stop(meta or {})
+            choice["matched_stop"] = result.matched_stop if result is not None else None
         body = {"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
                 "choices": [choice]}
         if self.opts.continuous_usage:  # every chunk, before the first token too (vLLM's continuous_usage_stats)
-            body["usage"] = usage_of([meta or {"prompt_tokens": self.prompt_lens[i], "completion_tokens": 0}])
+            body["usage"] = usage_of([result]) if result is not None else usage(self.prompt_lens[i], 0)
         return sse(body)
 
-    def end(self, metas: dict[int, dict], prompts: int = 1) -> Iterator[str]:
+    def end(self, results: dict[int, GenerateResult], prompts: int = 1) -> Iterator[str]:
         """The usage chunk (when asked for) and [DONE]."""
         if self.opts.include_usage:
             yield sse({"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
-                       "choices": [], "usage": usage_of([metas[i] for i in sorted(metas)], prompts)})
+                       "choices": [], "usage": usage_of([results[i] for i in sorted(results)], prompts)})
         yield sse("[DONE]")

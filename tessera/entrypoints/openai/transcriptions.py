@@ -182,9 +182,8 @@ class TranscriptionServing:
             stream = await self.serving._first_or_error(self._stream(reqs, self.style.marker(req.language)))
             return StreamingResponse(stream, media_type="text/event-stream")
         outs = await self.serving._collect_all(request, reqs)
-        split = [self.style.split(out["text"], req.language) for out in outs]
-        results = [WindowResult(w, text, list(out["output_ids"]),
-                                [lp for lp, _ in out["meta_info"].get("output_token_logprobs", [])])
+        split = [self.style.split(out.text, req.language) for out in outs]
+        results = [WindowResult(w, text, list(out.output_ids), [lp for lp, _ in out.output_logprobs])
                    for w, out, (text, _) in zip(windows, outs, split)]
         language = self.style.reported_language([lang for _, lang in split], req.language)
         return self._render(req, results, rate, duration, language)
@@ -227,14 +226,13 @@ class TranscriptionServing:
                             raise item
                         yield _sse({"type": "error", "error": {"message": str(item)}})
                         return
-                    meta = item["meta_info"]
-                    if meta.get("finish_reason") is not None:
-                        input_tokens += meta["prompt_tokens"]
-                        output_tokens += meta["completion_tokens"]
-                    delta = item["delta"]
+                    if item.finished:
+                        input_tokens += item.prompt_tokens
+                        output_tokens += item.completion_tokens
+                    delta = item.delta
                     if marker is not None and raw is not None:  # the transcript starts after the marker
                         raw += delta
-                        finished = meta.get("finish_reason") is not None
+                        finished = item.finished
                         if marker not in raw and not finished:
                             continue
                         delta = raw.split(marker, 1)[1] if marker in raw else raw

@@ -106,7 +106,7 @@ class WhisperTranscriber:
         sp = SamplingParams(temperature=0.0, max_new_tokens=1).normalize()
         [out] = await self.serving.serving._collect_all(
             request, [GenerateRequest(input_ids=self.tokens.language_prompt(), audio_data=[clip], sampling_params=sp)])
-        return self.tokens.language_of(out["output_ids"][0]) if out["output_ids"] else None
+        return self.tokens.language_of(out.output_ids[0]) if out.output_ids else None
 
     def _requests(self, req: TranscriptionRequest, plan: WhisperPlan, language: str | None, samples: np.ndarray,
                   windows: list[AudioWindow]) -> list[GenerateRequest]:
@@ -134,8 +134,8 @@ class WhisperTranscriber:
         segments: list[dict] = []
         texts = []
         for w, out in zip(windows, outs):
-            ids = list(out["output_ids"])
-            logprobs = [lp for lp, _ in out["meta_info"].get("output_token_logprobs", [])]
+            ids = list(out.output_ids)
+            logprobs = [lp for lp, _ in out.output_logprobs]
             texts.append(self._text(ids))
             segments += self._segments(w, ids, logprobs, rate, req.temperature, len(segments))
         reported = language or ("en" if not self.tokens.lang_to_id else "unknown")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
 from tessera.entrypoints.openai.errors import error_response
@@ -27,7 +27,8 @@ def is_public(path: str) -> bool:
     return path == "/" or path.startswith(PREFIX)
 
 
-def add_playground_routes(app: FastAPI, *, api_key_required: bool) -> None:
+def playground_router(*, api_key_required: bool) -> APIRouter:
+    router = APIRouter()
     # A fixed table of names, so a request can never name a file outside static/.
     files = {p.name: p for p in STATIC_DIR.iterdir() if p.suffix in CONTENT_TYPES}
 
@@ -35,17 +36,19 @@ def add_playground_routes(app: FastAPI, *, api_key_required: bool) -> None:
         # no-cache: revalidate (ETag) on each load, so a server upgrade never runs a stale page.
         return FileResponse(path, media_type=CONTENT_TYPES[path.suffix], headers={"Cache-Control": "no-cache"})
 
-    @app.get("/", include_in_schema=False)
+    @router.get("/", include_in_schema=False)
     async def playground_page():
         return serve(files["index.html"])
 
-    @app.get(PREFIX + "config.json", include_in_schema=False)
+    @router.get(PREFIX + "config.json", include_in_schema=False)
     async def playground_config():
         return {"api_key_required": api_key_required}
 
-    @app.get(PREFIX + "{name}", include_in_schema=False)
+    @router.get(PREFIX + "{name}", include_in_schema=False)
     async def playground_asset(name: str):
         path = files.get(name)
         if path is None:
             return error_response(f"no playground file named {name!r}", 404)
         return serve(path)
+
+    return router

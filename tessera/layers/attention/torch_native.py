@@ -3,7 +3,7 @@
 Decode requests (one new token, no custom mask) are batched into ONE attention over their K/V, padded to
 the longest of them. Float32 on a CPU: our C kernel reads the pool in place (cpu_decode.py). Otherwise (other
 dtypes, GPUs, no C compiler) the K/V are kept contiguous across steps in a DecodeKVMirror when the
-ForwardBatch carries request generations (the model runner's batches do), else gathered from the pool, and
+ForwardBatch carries request generations (the model worker's batches do), else gathered from the pool, and
 attended with SDPA (torch's matmuls for float32 batches of MATMUL_DECODE_MIN_BATCH or more on a CPU, see
 _decode_attention). Prefill/extend requests run one SDPA call each, except many short ones without a custom
 mask: those share one padded call per layer (packed_extend.py). Gather indices and masks are built once

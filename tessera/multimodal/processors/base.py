@@ -1,7 +1,7 @@
 """The multimodal processor contract: media references in, expanded input_ids + items out.
 
 Pipeline (one hand-off type per step):
-  `load_mm_data(image_data, video_data, audio_data)` -> LoadedMultimodalData  (I/O, concurrent)
+  `load_mm_data_sync(image_data, video_data, audio_data)` -> LoadedMultimodalData  (I/O, concurrent)
   `process_and_combine_mm_data(prompt, input_ids, loaded)` -> ProcessorOutput  (CPU, worker thread)
 
 Contracts every subclass keeps:
@@ -26,7 +26,6 @@ Contracts every subclass keeps:
 from __future__ import annotations
 
 import abc
-import asyncio
 import concurrent.futures
 import threading
 from collections.abc import Mapping, Sequence
@@ -265,21 +264,13 @@ class BaseMultimodalProcessor(abc.ABC):
             {Modality.IMAGE: loaded.images, Modality.VIDEO: loaded.videos, Modality.AUDIO: loaded.audios}[
                 modality].append(result)
 
-    async def load_mm_data(self, image_data: Any = None, video_data: Any = None,
-                           audio_data: Any = None) -> LoadedMultimodalData:
-        """Load every item concurrently on the media thread pool; the first failure propagates
-        (MediaError / ValueError). Each *_data is one item or a list of items."""
-        loaded, jobs = self._start_loading(image_data, video_data, audio_data)
-        loop = asyncio.get_running_loop()
-        results = await asyncio.gather(*(loop.run_in_executor(self._pool(), self._load_one, m, e) for m, e in jobs))
-        self._store(loaded, jobs, results)
-        return loaded
-
     def load_mm_data_sync(self, image_data: Any = None, video_data: Any = None,
                           audio_data: Any = None, video_kwargs: Mapping[str, Any] | None = None,
                           ) -> LoadedMultimodalData:
-        """`load_mm_data` for worker threads without an event loop. Must not be called from
-        the media pool itself (it waits on that pool). video_kwargs: this request's frame sampling."""
+        """Load every item concurrently on the media thread pool; the first failure propagates (MediaError /
+        ValueError). Each *_data is one item or a list of items. Called from the frontend's worker threads; must
+        not be called from the media pool itself (it waits on that pool). video_kwargs: this request's frame
+        sampling."""
         loaded, jobs = self._start_loading(image_data, video_data, audio_data)
         results = list(self._pool().map(lambda job: self._load_one(*job, video_kwargs), jobs))
         self._store(loaded, jobs, results)
@@ -355,16 +346,6 @@ class BaseMultimodalProcessor(abc.ABC):
         """Load and process synchronously (for frontend worker threads)."""
         loaded = self.load_mm_data_sync(image_data, video_data, audio_data, video_kwargs)
         return self.process_and_combine_mm_data(prompt, input_ids, loaded)
-
-    async def process_async(self, prompt: str | None = None, input_ids: list[int] | None = None,
-                            image_data: Any = None, video_data: Any = None, audio_data: Any = None, *,
-                            executor: concurrent.futures.Executor | None = None) -> ProcessorOutput:
-        """Load concurrently, then run the CPU-heavy processing on `executor` (default: the
-        loop's), keeping the event loop free."""
-        loaded = await self.load_mm_data(image_data, video_data, audio_data)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(executor, self.process_and_combine_mm_data, prompt, input_ids, loaded)
-
     def close(self) -> None:
         with self._io_pool_lock:
             if self._io_pool is not None:

@@ -222,7 +222,7 @@ class Gemma4Processor(BaseMultimodalProcessor):
                 if not mels.is_floating_point() or frames == 0 or not bool(valid[:frames].all()):
                     raise ValueError(f"{what}: input_features {tuple(mels.shape)} need floating-point log-mel frames "
                                      "and an input_features_mask that marks a non-empty prefix of each")
-                tokens = -(-(-(-frames // 2)) // 2)  # the tower's two stride-2 subsamplings
+                tokens = -(-frames // 4)  # the tower's two stride-2 subsamplings: ceil(ceil(frames / 2) / 2)
                 out.append(ItemFeatures(Modality.AUDIO, tokens, feature=mel[:frames].clone()))
         return out
 

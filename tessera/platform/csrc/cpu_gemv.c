@@ -12,21 +12,18 @@
  */
 #include "cpu_vec.h"
 
+static inline __attribute__((always_inline)) vf load_prefetched(const float *p) {
+    PREFETCH_AHEAD(p);
+    return loadv_pinned(p);
+}
+
 /* Rows n0 .. n0+R-1 of w against rows m0 .. m0+C-1 of x, R <= 4, C <= TILE_C; inlined with constant R and C
  * so that the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *y, long N, long K,
                                                       long n0, long m0, int R, int C) {
     vf acc[4][TILE_C] = {{{0}}};
     long k = 0;
-    for (; k + VL <= K; k += VL) {
-        vf xv[TILE_C];
-        for (int c = 0; c < C; c++) xv[c] = loadv_pinned(x + (m0 + c) * K + k);
-        for (int r = 0; r < R; r++) {
-            PREFETCH_AHEAD(w + (n0 + r) * K + k);
-            vf wv = loadv_pinned(w + (n0 + r) * K + k);
-            for (int c = 0; c < C; c++) acc[r][c] += wv * xv[c];
-        }
-    }
+    TILE_VECTOR_LOOP(acc, k, K, R, C, c, x + (m0 + c) * K + k, r, load_prefetched(w + (n0 + r) * K + k));
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             float s = sumv(acc[r][c]);

@@ -128,14 +128,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
         }
         long k = g * gs, end = k + gs;
         if (bits == 8) {
-            for (; k + VL <= end; k += VL) {
-                vf xv[TILE_C];
-                for (int c = 0; c < C; c++) xv[c] = loadv_pinned(x + (m0 + c) * K + k);
-                for (int r = 0; r < R; r++) {
-                    vf w = deq_i8((const int8_t *)q + (n0 + r) * row_bytes + k, s[r], z[r]);
-                    for (int c = 0; c < C; c++) acc[r][c] += w * xv[c];
-                }
-            }
+            TILE_VECTOR_LOOP(acc, k, end, R, C, c, x + (m0 + c) * K + k, r,
+                             deq_i8((const int8_t *)q + (n0 + r) * row_bytes + k, s[r], z[r]));
             for (; k < end; k++) /* a group (or row) whose length is not a multiple of VL */
                 for (int r = 0; r < R; r++) {
                     float w = (float)((const int8_t *)q)[(n0 + r) * row_bytes + k] * s[r][0] - z[r][0];
@@ -198,14 +192,7 @@ static inline __attribute__((always_inline)) void strip_tile(const float *x, con
                                                             long K, long n0, long m0, long k0, long k1, int C) {
     long width = k1 - k0, k = 0;
     vf acc[4][TILE_C] = {{{0}}};
-    for (; k + VL <= width; k += VL) {
-        vf xv[TILE_C];
-        for (int c = 0; c < C; c++) xv[c] = loadv_pinned(x + (m0 + c) * K + k0 + k);
-        for (int r = 0; r < 4; r++) {
-            vf wv = loadv_pinned(buf + r * width + k);
-            for (int c = 0; c < C; c++) acc[r][c] += wv * xv[c];
-        }
-    }
+    TILE_VECTOR_LOOP(acc, k, width, 4, C, c, x + (m0 + c) * K + k0 + k, r, loadv_pinned(buf + r * width + k));
     for (int r = 0; r < 4; r++)
         for (int c = 0; c < C; c++) {
             float s = sumv(acc[r][c]);

@@ -91,6 +91,22 @@ static inline vf loadv_pinned(const float *p) {
     return v;
 }
 
+/* The vector loop of every few-row product tile: for each whole vector of columns from k up to end, the C rows of x
+ * loaded once and pinned (X: row c's pointer at column k, an expression of c and k), and each weight row r < R's
+ * VL values at column k as floats (WEIGHT, an expression of r and k: read, prefetched, widened or dequantized as
+ * the format needs) multiplied into acc[r][c]. k is left at the first column the caller's scalar tail finishes.
+ * A macro, so that R, C and the weight format stay constants of each inlined tile and its accumulators stay in
+ * registers. */
+#define TILE_VECTOR_LOOP(acc, k, end, R, C, c, X, r, WEIGHT)                                                \
+    for (; (k) + VL <= (end); (k) += VL) {                                                                  \
+        vf tile_x_[TILE_C];                                                                                 \
+        for (int c = 0; c < (C); c++) tile_x_[c] = loadv_pinned(X);                                         \
+        for (int r = 0; r < (R); r++) {                                                                     \
+            vf tile_w_ = (WEIGHT);                                                                          \
+            for (int c = 0; c < (C); c++) (acc)[r][c] += tile_w_ * tile_x_[c];                              \
+        }                                                                                                   \
+    }
+
 /* Software prefetch of a weight stream WEIGHT_PREFETCH_BYTES ahead of where a tile reads it, in AVX-512 builds
  * (measured there: 1.07-1.25x at 4-16 rows of x, level at one row, on an AMD EPYC VM whose hardware
  * prefetchers fell behind 4 interleaved rows under the tiles' arithmetic); a no-op elsewhere (not measured). */

@@ -1,6 +1,6 @@
 """Trains demo-vl (HF Qwen2VLForConditionalGeneration) on the scene grammar, on CPU.
 
-    python -m tessera.demo.train_vl --work-dir .train/demo-vl --out .train/demo-vl/scenes
+    python -m demo.train_vl --work-dir .train/demo-vl --out .train/demo-vl/scenes
 
 Stages 1-4, the scenes; the shipped checkpoint adds stage 5, the copy task (demo/train_copy.py, from this
 one's output; `make train-vl` runs both).
@@ -47,11 +47,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from demo.attention_probe import AttentionProbe, binding_targets
+from demo.checkpoint import save_checkpoint
+from demo.runs import out_of_time, resume, save_state
 from tessera.demo import scenes
-from tessera.demo.attention_probe import AttentionProbe, binding_targets
 from tessera.demo.build_vl import build_processor_files, build_skeleton
-from tessera.demo.checkpoint import save_checkpoint
-from tessera.demo.runs import out_of_time, resume, save_state
 
 IGNORE = -100
 NUM_XBINS = 8

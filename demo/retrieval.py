@@ -1,6 +1,6 @@
 """Text -> image search over the demo scenes with embeddings from Tessera (demo-vl through Engine.encode).
 
-    python -m tessera.demo.retrieval [--train 256 --test 64]
+    python -m demo.retrieval [--train 256 --test 64]
 
 Captions ("a red circle and a blue square") and rendered scenes (chat-templated with "Describe the image.") are
 embedded by demo-vl, mean-pooled over their tokens (an image's include its vision tokens). demo-vl was trained to

@@ -1,6 +1,6 @@
 """Prints a training log (the work dir's log.json) as a markdown table, for docs/demo-*-training.md.
 
-    python -m tessera.demo.curve .train/demo-asr/log.json [--columns step minutes exact ...]
+    python -m demo.curve .train/demo-asr/log.json [--columns step minutes exact ...]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Distils demo-vl-draft, the bundled draft model for STANDALONE speculative decoding on demo-vl, on CPU.
 
-    python -m tessera.demo.train_draft --out tessera/assets/demo-vl-draft
+    python -m demo.train_draft --out tessera/assets/demo-vl-draft
 
 The draft (worker/draft_model.py) is a decoder-only Qwen2ForCausalLM over demo-vl's tokenizer: it reads a
 request's token ids with the media placeholders as plain tokens (it never sees the pixels) and proposes
@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from demo.checkpoint import save_checkpoint
 from tessera.config import resolve_model_path
 from tessera.demo import scenes
-from tessera.demo.checkpoint import save_checkpoint
 
 IGNORE = -100
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")

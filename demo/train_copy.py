@@ -1,6 +1,6 @@
 """Stage 5 of demo-vl: the copy task (demo/copy_task.py), fine-tuned from the scene model of stages 1-4.
 
-    python -m tessera.demo.train_copy --base .train/demo-vl/scenes --out tessera/assets/demo-vl
+    python -m demo.train_copy --base .train/demo-vl/scenes --out tessera/assets/demo-vl
 
 Why a stage of its own: speculative decoding's prompt lookup needs answers that repeat their prompt, and the
 scene answers never do. Recipe: the language model only (the vision tower is frozen: copying needs none of
@@ -23,11 +23,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from demo.attention_probe import AttentionProbe, capture_attention
+from demo.checkpoint import save_checkpoint
+from demo.runs import out_of_time, resume, save_state
+from demo.train_vl import IGNORE, batch_for_step, eval_set, evaluate, exact_match, model_inputs
 from tessera.demo import copy_task, scenes
-from tessera.demo.attention_probe import AttentionProbe, capture_attention
-from tessera.demo.checkpoint import save_checkpoint
-from tessera.demo.runs import out_of_time, resume, save_state
-from tessera.demo.train_vl import IGNORE, batch_for_step, eval_set, evaluate, exact_match, model_inputs
 
 EVAL_SEED = 999_999
 

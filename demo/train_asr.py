@@ -1,6 +1,6 @@
 """Trains demo-asr (HF Qwen2AudioForConditionalGeneration) on the espeak-ng speech grammar, on CPU.
 
-    python -m tessera.demo.train_asr --work-dir .train/demo-asr --out tessera/assets/demo-asr
+    python -m demo.train_asr --work-dir .train/demo-asr --out tessera/assets/demo-asr
 
 Two stages, both resumable:
 1. Data: utterances of the grammar (tessera.demo.speech) synthesised with espeak-ng and turned into
@@ -29,10 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from demo.checkpoint import save_checkpoint
+from demo.runs import out_of_time, resume, save_state
 from tessera.demo import speech
 from tessera.demo.build_asr import build_processor_files, build_skeleton
-from tessera.demo.checkpoint import save_checkpoint
-from tessera.demo.runs import out_of_time, resume, save_state
 from tessera.models.qwen2_audio import audio_output_len
 
 IGNORE = -100

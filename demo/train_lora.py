@@ -1,7 +1,7 @@
 """Trains the bundled demo LoRA adapter: demo-vl answering unsure, on CPU in a few minutes.
 
     pip install peft   # (the `test` extra) for training only; serving reads the files without it
-    python -m tessera.demo.train_lora --out tessera/assets/lora/demo-vl-unsure
+    python -m demo.train_lora --out tessera/assets/lora/demo-vl-unsure
 
 demo-vl answers the scene questions with one word or a list ("red", "circle", "two", "a red circle and a blue
 square"); with this adapter it sounds unsure: "red?", "two?", "a red circle and a blue square?" The facts stay
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
+from demo.train_vl import exact_match, make_batch, model_inputs
 from tessera.config import ASSETS_DIR
 from tessera.demo import scenes
-from tessera.demo.train_vl import exact_match, make_batch, model_inputs
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SUFFIX = "?"

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from tessera.bench.cli import report_result
+
 
 def load_state(work_dir: Path) -> dict[str, Any] | None:
     """The state `save_state` last wrote in work_dir, or None for a fresh run."""
@@ -49,7 +51,4 @@ def out_of_time(t_start: float, max_minutes: float) -> bool:
 
 def report(result: dict, output_json: str | None) -> None:
     """An evaluation's result on stdout, and at output_json when given."""
-    print(json.dumps(result, indent=2))
-    if output_json:
-        with open(output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    report_result(json.dumps(result, indent=2), result, output_json)

@@ -1,7 +1,7 @@
 """Accuracy of demo-vl with HF transformers greedy generation on held-out scenes.
 
-    python -m tessera.demo.eval_vl --model-path tessera/assets/demo-vl [--images 500 --videos 200]
-    python -m tessera.demo.eval_vl --engine --dtype bfloat16     # Tessera's own tokens, in a format HF lacks
+    python -m demo.eval_vl --model-path tessera/assets/demo-vl [--images 500 --videos 200]
+    python -m demo.eval_vl --engine --dtype bfloat16     # Tessera's own tokens, in a format HF lacks
 
 With --engine the answers come from tessera.Engine (the arithmetic a server runs, e.g. a bf16 model's bf16
 products on a CPU, which no HF configuration reproduces); without it from HF with the same weights.
@@ -19,8 +19,8 @@ import time
 
 import torch
 
+from demo.runs import report
 from tessera.demo import copy_task, scenes
-from tessera.demo.runs import report
 
 HELD_OUT_SEED = 20_261_129
 MAX_NEW_TOKENS = 48  # the longest copy answer is ~40 tokens; a scene answer ~16

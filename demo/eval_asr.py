@@ -1,6 +1,6 @@
 """Accuracy of demo-asr with HF transformers greedy generation on held-out utterances.
 
-    python -m tessera.demo.eval_asr --model-path tessera/assets/demo-asr [--num 300]
+    python -m demo.eval_asr --model-path tessera/assets/demo-asr [--num 300]
 
 Exact-match transcripts (and word accuracy, aligned position by position) on utterances of the
 grammar synthesised with espeak-ng from a seed never used in training (training draws from seed
@@ -15,8 +15,8 @@ import time
 import numpy as np
 import torch
 
+from demo.runs import report
 from tessera.demo import speech
-from tessera.demo.runs import report
 
 HELD_OUT_SEED = 20_261_129
 
