@@ -31,7 +31,7 @@ def _check_media_before_loading(args: ServerArgs, given: dict[str, list[str]]) -
                 with open(item, "rb") as f:
                     if looks_like_video(f.read(16)):
                         raise ValueError(f"--image {item}: it looks like a video; pass it with --video")
-    served = ModelConfig.load(args.model_path).family.served_modalities(args.language_model_only)
+    served = ModelConfig.load(args.model_path, args.model_impl).family.served_modalities(args.language_model_only)
     refuse_media(args.model_name, served, [Modality(name) for name, items in given.items() if items],
                  args.language_model_only)
 

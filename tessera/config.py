@@ -26,6 +26,7 @@ BUNDLED_LORA_DIR = ASSETS_DIR / "lora"
 
 
 MODEL_TYPES = ("auto", "llm")  # --model-type
+MODEL_IMPLS = ("auto", "native", "transformers")  # --model-impl (models/transformers_family.py)
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -127,6 +128,10 @@ class ServerArgs:
     # SGLang otherwise routes to its diffusion runtime (their model_index.json). Tessera has no diffusion runtime, so
     # auto refuses such a checkpoint by name; the tower's weights are the root's, else the pipeline's `transformer/`.
     model_type: str = "auto"
+    # SGLang's and vLLM's --model-impl: native (our model files), transformers (the model's transformers code with
+    # our paged attention: models/transformers_backend.py), auto (native where the family table has the
+    # architecture, otherwise the Transformers backend).
+    model_impl: str = "auto"
     # Intra-op threads of the scheduler process (the model). None: on a CPU with one model rank, adaptive
     # (platform/threads.py: before each step, the cores that nothing else used in the last quarter
     # second, at least one); with several ranks, all cores but one split between them. A fixed count
@@ -219,6 +224,8 @@ class ServerArgs:
         if self.model_type not in MODEL_TYPES:
             raise ValueError(f"model_type: expected {' or '.join(MODEL_TYPES)}, got {self.model_type!r}"
                              + (" (Tessera has no diffusion runtime)" if self.model_type == "diffusion" else ""))
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl: expected one of {', '.join(MODEL_IMPLS)}, got {self.model_impl!r}")
         if self.model_type != "llm" and (Path(self.model_path) / "model_index.json").exists():
             raise ValueError(f"model_type: {self.model_path} is a Diffusers pipeline (model_index.json); Tessera "
                              "serves its understanding (LLM) tower with --model-type llm (no image or video generation)")

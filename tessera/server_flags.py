@@ -31,6 +31,8 @@ FLAGS: dict[str, tuple[str, str]] = {
     "language_model_only": ("model", "skip the vision/audio encoders: text only, less memory"),
     "model_type": ("model", "auto (what config.json describes) or llm: serve the understanding (LLM) tower of a "
                             "multi-tower checkpoint, e.g. Cosmos3's Diffusers-layout world models (SGLang's flag)"),
+    "model_impl": ("model", "auto (native where Tessera has the family, else the Transformers backend), native, or "
+                            "transformers (the model's own transformers code with Tessera's paged attention)"),
     "is_embedding": ("model", "serve the model for embeddings (/v1/embeddings): the warm-up embeds instead of "
                               "generating; embedding architectures (CLIPModel) turn it on by themselves"),
     "pooling": ("model", "how embedding requests pool the final hidden states: last (the last token), mean, cls "

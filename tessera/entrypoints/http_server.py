@@ -113,7 +113,7 @@ def launch_server(args: ServerArgs) -> int:
     api_key_of(args.api_key, args.api_key_file)  # an unreadable key file is a one-line error before the model loads
     check_reasoning_parser(args.reasoning_parser)
     check_tool_call_parser(args.tool_call_parser)
-    config = ModelConfig.load(args.model_path)  # an unsupported architecture is a one-line error now, not a 503 later
+    config = ModelConfig.load(args.model_path, args.model_impl)  # an unsupported architecture is a one-line error now, not a 503 later
     return asyncio.run(_serve(args, config))
 
 

@@ -26,10 +26,12 @@ def build_scheduler(args: ServerArgs, recv_endpoint: str, send_endpoint: str, dp
     """The replica's ranks, worker and scheduler."""
     from tessera.distributed.tp_launch import TPGroupHandle
     from tessera.models.config import ModelConfig, eos_token_ids
+    from tessera.models.transformers_family import refuse_backend_options
     from tessera.scheduler.scheduler import Scheduler
     from tessera.worker.model_worker import ModelWorker
 
-    config = ModelConfig.load(args.model_path)
+    config = ModelConfig.load(args.model_path, args.model_impl)
+    refuse_backend_options(config.family, args.enable_lora, args.tp_size)
     eos_ids = eos_token_ids(config)
     tp = TPGroupHandle(args) if args.tp_size > 1 else None
     worker = ModelWorker(args, eos_ids, config)

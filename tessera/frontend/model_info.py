@@ -27,7 +27,7 @@ class ModelInfo:
         startup, with the supported ones listed (UnsupportedArchitectureError, a ValueError)."""
         from transformers import AutoProcessor, AutoTokenizer
 
-        config = config or ModelConfig.load(args.model_path)
+        config = config or ModelConfig.load(args.model_path, args.model_impl)
         processor = None
         if config.family.processor is not None:
             processor = AutoProcessor.from_pretrained(args.tokenizer_path or args.model_path)

@@ -15,8 +15,9 @@ from typing import Any
 from tessera.layers.decoder import DecoderDims
 from tessera.layers.mla import mla_head_dim
 from tessera.messages.items import Modality
-from tessera.models.families import Family, family_for_config
+from tessera.models.families import Family
 from tessera.models.quant_config import QuantConfig
+from tessera.models.transformers_family import resolve_family
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,10 @@ class ModelConfig(DecoderDims):
         return int(hf.projection_dim) if hasattr(hf, "projection_dim") else int(hf.text_config.projection_size)
 
     @classmethod
-    def load(cls, model_path: str | Path) -> ModelConfig:
+    def load(cls, model_path: str | Path, model_impl: str = "auto") -> ModelConfig:
         """The checkpoint's config.json and generation_config.json, each read once: a process loads its
-        ModelConfig once and hands it to whatever else needs the checkpoint's settings."""
+        ModelConfig once and hands it to whatever else needs the checkpoint's settings. `model_impl` (--model-impl)
+        picks the family row: native or the Transformers backend (models/transformers_family.py)."""
         from transformers import PretrainedConfig
         from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -100,7 +102,7 @@ class ModelConfig(DecoderDims):
         hf_config = CONFIG_MAPPING[raw["model_type"]].from_dict(raw, **unused) if "model_type" in raw else None
         if hf_config is None:
             raise ValueError(f"config.json of {model_path} has no model_type")
-        config = cls.from_hf(hf_config)
+        config = cls.from_hf(hf_config, model_impl)
         if config.family.modalities & {Modality.IMAGE, Modality.VIDEO} and not raw.get("vision_config"):
             raise ValueError(f"config.json of a {config.family.name} checkpoint lacks vision_config (needed with "
                              "--language-model-only too: the processor reads it)")
@@ -108,13 +110,13 @@ class ModelConfig(DecoderDims):
         return replace(config, generation_config=json.loads(gen.read_text())) if gen.exists() else config
 
     @classmethod
-    def from_hf(cls, hf_config: Any) -> ModelConfig:
+    def from_hf(cls, hf_config: Any, model_impl: str = "auto") -> ModelConfig:
         """Reads a transformers config (top-level; text sub-config found with get_text_config).
 
         Raises UnsupportedArchitectureError for an architecture outside the family table and ValueError
         for an inconsistent config (heads not divisible by KV heads, M-RoPE sections that do not fit).
         """
-        family = family_for_config(hf_config)
+        family = resolve_family(hf_config, model_impl)
         if family.encoder_decoder:
             return cls._encoder_decoder(hf_config, family)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config

@@ -59,6 +59,11 @@ class Family:
     # state updates happen in its forward, in step order, and a row is given back only after the step in flight
     # that holds it.
     linear_attention: bool = False
+    # A prefix-LM (PaliGemma): each request's whole prompt attends bidirectionally and is computed in one step.
+    prefix_lm: bool = False
+    # "native" (our model file) or "transformers" (the model's own transformers code under our attention:
+    # models/transformers_backend.py; such rows are made by models/transformers_family.py, not listed here).
+    impl: str = "native"
 
     @property
     def name(self) -> str:
@@ -303,15 +308,31 @@ def headless_family(architecture: str, model_type: str | None) -> Family | None:
     return None
 
 
+# What the Transformers backend does not run (its rows' "not supported").
+BACKEND_NOTES = ("CUDA graphs; LoRA; tensor parallelism; pre-quantized checkpoints (--torchao-config works); "
+                 "embeddings; audio")
+# Architectures without a native row that the Transformers backend is tested on (greedy tokens equal to HF
+# generate: tests/models/test_transformers_backend.py); the README's table lists them.
+BACKEND_TESTED = {"AyaVisionForConditionalGeneration": "image", "Idefics3ForConditionalGeneration": "image",
+                  "LlavaOnevisionForConditionalGeneration": "image, video",
+                  "Mistral3ForConditionalGeneration": "image", "PaliGemmaForConditionalGeneration": "image",
+                  "SmolVLMForConditionalGeneration": "image"}
+
+
 def support_table() -> str:
     """The README's table of supported architectures (a test keeps the README equal to it)."""
-    lines = ["| architecture (`config.json`) | modalities | positions | pre-quantized checkpoints | not supported |",
-             "|---|---|---|---|---|"]
-    for f in sorted(FAMILIES.values(), key=lambda f: f.name):
+    lines = ["| architecture (`config.json`) | implementation | modalities | positions | pre-quantized checkpoints | "
+             "not supported |", "|---|---|---|---|---|---|"]
+    rows = [(f.name, f) for f in FAMILIES.values()] + [(a, None) for a in BACKEND_TESTED]
+    for name, f in sorted(rows, key=lambda r: r[0]):
+        if f is None:
+            modalities = BACKEND_TESTED[name]
+            lines.append(f"| `{name}` | Transformers backend | {modalities} | RoPE | none | {BACKEND_NOTES} |")
+            continue
         arch = f"`{f.architecture}`" + (f" ({f.vision_model_type} vision)" if f.vision_model_type else "")
         modalities = ", ".join(sorted(m.value for m in f.modalities)) or "text"
         positions = {"rope": "RoPE", "mrope": "M-RoPE", "learned": "learned"}.get(f.positions, f.positions)
-        lines.append(f"| {arch} | {modalities} | {positions} | {f.quantization} | {f.notes} |")
+        lines.append(f"| {arch} | native | {modalities} | {positions} | {f.quantization} | {f.notes} |")
     return "\n".join(lines)
 
 

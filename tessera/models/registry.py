@@ -51,10 +51,14 @@ def load_model(
                          f"quantized ({config.quant.scheme})")
     cls = config.family.model_class()
     dev = resolve_device(device)
+    if config.family.impl == "transformers":
+        return _load_transformers(model_path, config, dtype, dev, attention_backend, torchao_config,
+                                  language_model_only), config
     weight_dtype = resolve_dtype(dtype, config.dtype, dev)
     torch_dtype = compute_dtype(weight_dtype, dev)  # activations, norms, the KV pool
     attention_backend = resolve_attention_backend(attention_backend, dev, torch_dtype)
     backend = get_attention_backend(attention_backend)
+    logger.info("%s runs on its native implementation (%s)", config.architecture, config.family.model)
     if backend.dtypes is not None and torch_dtype not in backend.dtypes:
         raise ValueError(f"attention_backend={attention_backend!r} runs {sorted(str(d) for d in backend.dtypes)}, "
                          f"not dtype {torch_dtype}")
@@ -76,3 +80,28 @@ def load_model(
         model.quantization = quantize_linears(model, torchao_config)
         logger.info("quantization: %s", model.quantization)
     return model, config
+
+
+def _load_transformers(model_path: str | Path, config: ModelConfig, dtype: torch.dtype | str, dev: torch.device,
+                       attention_backend: str, torchao_config: str, language_model_only: bool) -> TesseraModel:
+    """The Transformers backend's model (models/transformers_backend.py), loaded by transformers in the compute
+    dtype; what it cannot run is refused here, naming why."""
+    from tessera.models.transformers_backend import TransformersModel, register_attention
+    from tessera.models.transformers_layers import fuse_siblings
+
+    if config.quant is not None:
+        raise ValueError(f"model_impl: the Transformers backend loads float checkpoints; {config.architecture}'s is "
+                         f"pre-quantized ({config.quant.scheme}): serve a float one (--torchao-config quantizes it)")
+    torch_dtype = compute_dtype(resolve_dtype(dtype, config.dtype, dev), dev)
+    backend = get_attention_backend(resolve_attention_backend(attention_backend, dev, torch_dtype))
+    register_attention()
+    model = TransformersModel.load(model_path, config, backend, torch_dtype, dev, language_model_only)
+    model.eval().requires_grad_(False)
+    if torchao_config:  # the text decoder's linears are ours (transformers_layers.adopt_our_layers)
+        model.quantization = quantize_linears(model, torchao_config, prefix="hf." + model.language_model_prefix)
+        logger.info("quantization: %s", model.quantization)
+    else:  # q/k/v and gate/up as one product each (float weights only)
+        fuse_siblings(model)
+    logger.info("%s runs on the Transformers backend (its transformers modeling code, Tessera's paged attention)",
+                config.architecture)
+    return model

@@ -132,8 +132,8 @@ class Scheduler:
                 self.mm_items["deferred" if item.deferred is not None else "eager"] += 1
             if self.config.family.bidirectional_mm_spans and msg.mm_inputs is not None:
                 req.atomic_spans = msg.mm_inputs.spans()
-            if self.config.family.embedding_only:  # a dual encoder computes a request in one step
-                req.atomic_spans = [(0, len(req.origin_input_ids))]
+            if self.config.family.embedding_only or self.config.family.prefix_lm:  # a dual encoder's request, a
+                req.atomic_spans = [(0, len(req.origin_input_ids))]  # prefix LM's prompt: computed in one step
             req.stop_token_ids = sp.stop_ids(self.eos_ids)
             if req.lora_name is not None and (self.lora_slots is None or req.lora_name not in self.lora_slots.loaded):
                 # Unloaded between the frontend's check and now: this request fails, not the batch it would join.

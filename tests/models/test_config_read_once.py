@@ -25,9 +25,9 @@ def reads(monkeypatch) -> Counter:
             counts[Path(file).name] += 1
         return real_open(file, *args, **kwargs)
 
-    def counting_load(cls, model_path):
+    def counting_load(cls, model_path, model_impl="auto"):
         counts["ModelConfig.load"] += 1
-        return real_load(cls, model_path)
+        return real_load(cls, model_path, model_impl)
 
     monkeypatch.setattr(builtins, "open", counting_open)
     monkeypatch.setattr(io, "open", counting_open)  # pathlib opens through io.open
