@@ -109,8 +109,10 @@ class TransformersModel(TesseraModel):
         self.language_model_prefix = adopt_our_layers(hf_model)
         self.position_offset = POSITION_OFFSETS.get(config.model_type, 0)
         inner = getattr(hf_model, "model", hf_model)
-        self._features = {m: getattr(inner, name) for m, name in _FEATURE_FUNCTIONS.items()
-                          if hasattr(inner, name) and m in config.family.modalities}
+        # modality -> (the model's feature function, its parameters: which processor outputs it takes)
+        self._features = {m: (fn, inspect.signature(fn).parameters)
+                          for m, name in _FEATURE_FUNCTIONS.items()
+                          if (fn := getattr(inner, name, None)) is not None and m in config.family.modalities}
 
     # ---- loading -------------------------------------------------------------------------------------------
 
@@ -138,8 +140,7 @@ class TransformersModel(TesseraModel):
 
     def encode(self, modality: Modality, items: list[MultimodalDataItem]) -> list[torch.Tensor]:
         """One embedding [num_tokens, hidden] per item, each from one call of the model's feature function."""
-        fn = self._features[modality]
-        params = inspect.signature(fn).parameters
+        fn, params = self._features[modality]
         first = next(iter(params))
         like = self.hf.get_input_embeddings().weight
 

@@ -82,11 +82,7 @@ class StateSnapshots:
         if req.pending_state is not None and req.pending_state[0] <= req.kv_len:
             at, slot = req.pending_state
             req.pending_state = None
-            node = self.tree.node_at(req.cache_key()[:at])
-            if node is not None and node.state is None:
-                node.state = slot
-            else:
-                self.tree.free_state_slot(slot)
+            self._attach(req.cache_key()[:at], slot)
         if not req.is_prefill_done:
             self._copy_out(req, req.cache_key()[:req.kv_len])
 
@@ -124,7 +120,14 @@ class StateSnapshots:
                 self.tree.free_state_slot(pending[1])
             return
         at, slot = pending
-        node = self.tree.node_at(key[:at]) if at <= len(key) else None
+        if at <= len(key):
+            self._attach(key[:at], slot)
+        else:
+            self.tree.free_state_slot(slot)
+
+    def _attach(self, key: list[int], slot: int) -> None:
+        """A saved snapshot joins the node ending at `key`, or goes back when there is none or it has one."""
+        node = self.tree.node_at(key)
         if node is not None and node.state is None:
             node.state = slot
         else:
